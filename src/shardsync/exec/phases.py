@@ -1,0 +1,145 @@
+"""Cross-rank phases that fail together instead of hanging.
+
+Two kinds of phase:
+
+* :func:`agree` - local work followed by one ``all_gather_object`` that carries either the result or
+  the error of every rank. Every rank reaches that collective, so a failure on any rank is raised on
+  all of them as one :class:`DistributedError` naming the phase and each failing rank. Use it for
+  everything before data moves (layout, validation, preflight).
+* :func:`data_phase` - a context manager around collectives that move data. A local exception is
+  published to the process group's store (so peers can name it) and raised at once; a peer that is
+  left waiting fails with the group timeout and raises a :class:`DistributedError` naming the phase and
+  whatever the store says about the failing ranks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import traceback
+from collections.abc import Callable, Iterator
+from typing import Any, TypeVar
+
+import torch.distributed as dist
+
+from ..errors import DistributedError, ShardsyncError
+
+__all__ = ["is_distributed", "group_rank", "group_size", "agree", "data_phase"]
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+_STORE_PREFIX = "shardsync/failure"
+
+
+def is_distributed(group: Any = None) -> bool:
+    """Whether collectives are needed: torch.distributed is up and the group has several ranks."""
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1
+
+
+def group_rank(group: Any = None) -> int:
+    """This process's rank in ``group`` (0 when not distributed)."""
+    return dist.get_rank(group) if dist.is_available() and dist.is_initialized() else 0
+
+
+def group_size(group: Any = None) -> int:
+    """Number of ranks in ``group`` (1 when not distributed)."""
+    return dist.get_world_size(group) if dist.is_available() and dist.is_initialized() else 1
+
+
+def _describe(exc: BaseException) -> str:
+    if isinstance(exc, ShardsyncError):
+        return f"{type(exc).__name__}: {exc}"
+    frame = traceback.extract_tb(exc.__traceback__)[-1:] if exc.__traceback__ else []
+    where = f" (at {frame[0].filename}:{frame[0].lineno})" if frame else ""
+    return f"{type(exc).__name__}: {exc}{where}"
+
+
+def agree(phase: str, fn: Callable[[], T], group: Any = None) -> list[T]:
+    """Run ``fn`` on every rank and gather the results; raise on all ranks if any rank failed.
+
+    Returns:
+        the results of all ranks, by group rank (a one-element list when not distributed).
+
+    Raises:
+        DistributedError: one or more ranks raised; every rank raises the same error. A single
+            process re-raises the original exception instead.
+    """
+    if not is_distributed(group):
+        return [fn()]
+    try:
+        payload: tuple[bool, Any] = (True, fn())
+        local_exc: BaseException | None = None
+    except Exception as exc:  # gathered below, raised on every rank
+        payload, local_exc = (False, _describe(exc)), exc
+    gathered: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(gathered, payload, group=group)
+    failures = {r: msg for r, (ok, msg) in enumerate(gathered) if not ok}
+    if failures:
+        raise DistributedError(phase, failures) from local_exc
+    return [value for _, value in gathered]
+
+
+def _store() -> Any:
+    try:
+        return dist.distributed_c10d._get_default_store()
+    except Exception:  # no store behind this group (private API moved): peers just time out
+        return None
+
+
+def _publish(phase: str, rank: int, message: str) -> None:
+    store = _store()
+    if store is not None:
+        with contextlib.suppress(Exception):
+            store.set(f"{_STORE_PREFIX}/{rank}", f"{phase}: {message}")
+
+
+def _read_failures(world: int) -> dict[int, str]:
+    store = _store()
+    found: dict[int, str] = {}
+    if store is None:
+        return found
+    for r in range(world):
+        key = f"{_STORE_PREFIX}/{r}"
+        with contextlib.suppress(Exception):
+            if store.check([key]):
+                found[r] = store.get(key).decode()
+    return found
+
+
+@contextlib.contextmanager
+def data_phase(phase: str, group: Any = None) -> Iterator[None]:
+    """Wrap collectives that move data so that no failure is silent and no rank waits forever.
+
+    A local exception is raised as a :class:`DistributedError` naming this rank (after publishing it
+    for the peers); an exception from a collective (a peer died, timed out or raised) becomes a
+    :class:`DistributedError` naming the ranks that reported a failure, or all other ranks if none
+    reported one.
+    """
+    if not is_distributed(group):
+        yield
+        return
+    rank = dist.get_rank()
+    try:
+        yield
+    except GeneratorExit:
+        raise
+    except DistributedError:
+        raise
+    except Exception as exc:
+        from_peer = _looks_like_comm_error(exc)
+        if not from_peer:
+            _publish(phase, rank, _describe(exc))
+            raise DistributedError(phase, {rank: _describe(exc)}) from exc
+        failures = {r: m for r, m in _read_failures(dist.get_world_size()).items() if r != rank}
+        if not failures:
+            failures = {r: f"did not answer ({_describe(exc)})"
+                        for r in range(dist.get_world_size()) if r != rank}
+        log.error("phase %r: collective failed on rank %d: %s", phase, rank, exc)
+        raise DistributedError(phase, failures) from exc
+
+
+def _looks_like_comm_error(exc: BaseException) -> bool:
+    text = f"{type(exc).__name__} {exc}".lower()
+    return isinstance(exc, (RuntimeError, dist.DistBackendError)) and any(
+        w in text for w in ("timeout", "timed out", "connection", "gloo", "nccl", "peer", "closed",
+                            "broken pipe", "reset"))

@@ -1,0 +1,85 @@
+"""Box: a rectangular region of a tensor, as per-dim offsets and sizes."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+__all__ = ["Box"]
+
+
+@dataclass(frozen=True, slots=True)
+class Box:
+    """A rectangular region ``[offset, offset + size)`` in every dim.
+
+    Example:
+        >>> Box((2, 0), (3, 4)).intersect(Box((0, 1), (4, 2)))
+        Box(offsets=(2, 1), sizes=(2, 2))
+    """
+
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        if len(self.offsets) != len(self.sizes):
+            raise ValueError(f"box offsets {self.offsets} and sizes {self.sizes} differ in length")
+        if any(s < 0 for s in self.sizes) or any(o < 0 for o in self.offsets):
+            raise ValueError(f"box with negative offset or size: {self.offsets}, {self.sizes}")
+
+    @classmethod
+    def full(cls, shape: Sequence[int]) -> Box:
+        """The box covering a whole tensor of ``shape``."""
+        return cls(tuple(0 for _ in shape), tuple(int(s) for s in shape))
+
+    @property
+    def ndim(self) -> int:
+        return len(self.sizes)
+
+    @property
+    def stops(self) -> tuple[int, ...]:
+        return tuple(o + s for o, s in zip(self.offsets, self.sizes))
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.sizes)
+
+    @property
+    def empty(self) -> bool:
+        return any(s == 0 for s in self.sizes)
+
+    def intersect(self, other: Box) -> Box | None:
+        """The common region, or None when it is empty."""
+        lo = tuple(max(a, b) for a, b in zip(self.offsets, other.offsets))
+        hi = tuple(min(a, b) for a, b in zip(self.stops, other.stops))
+        if any(h <= l for l, h in zip(lo, hi)):
+            return None
+        return Box(lo, tuple(h - l for l, h in zip(lo, hi)))
+
+    def contains(self, other: Box) -> bool:
+        """Whether ``other`` lies wholly inside this box."""
+        return all(a <= b and b_stop <= a_stop for a, b, a_stop, b_stop
+                   in zip(self.offsets, other.offsets, self.stops, other.stops))
+
+    def within(self, shape: Sequence[int]) -> bool:
+        """Whether the box lies inside a tensor of ``shape``."""
+        return len(shape) == self.ndim and all(s <= n for s, n in zip(self.stops, shape))
+
+    def shift(self, delta: Sequence[int]) -> Box:
+        """The box moved by ``delta`` (may be negative, result must stay non-negative)."""
+        return Box(tuple(o + d for o, d in zip(self.offsets, delta)), self.sizes)
+
+    def relative_to(self, outer: Box) -> Box:
+        """This box in the coordinates of ``outer`` (which must contain it)."""
+        return Box(tuple(o - p for o, p in zip(self.offsets, outer.offsets)), self.sizes)
+
+    def permute(self, perm: Sequence[int]) -> Box:
+        """The box of a tensor permuted by ``perm`` (new dim i is old dim ``perm[i]``)."""
+        return Box(tuple(self.offsets[p] for p in perm), tuple(self.sizes[p] for p in perm))
+
+    def slices(self) -> tuple[slice, ...]:
+        """Index with these to cut the box out of a tensor."""
+        return tuple(slice(o, o + s) for o, s in zip(self.offsets, self.sizes))
+
+    def __str__(self) -> str:
+        return "[" + ", ".join(f"{o}:{o + s}" for o, s in zip(self.offsets, self.sizes)) + "]"

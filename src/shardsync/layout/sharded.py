@@ -1,0 +1,133 @@
+"""ShardedTensor: this rank's piece of a global tensor, and helpers to make and read them."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any, Union
+
+import torch
+
+from ..errors import LayoutError
+from .box import Box
+from .dtypes import dtype_name
+
+__all__ = ["ShardedTensor", "StateValue", "shard_dim", "from_dtensor", "local_shards", "local_layout"]
+
+
+class ShardedTensor:
+    """This rank's shard of a global tensor.
+
+    Args:
+        local: the shard's data.
+        global_shape: shape of the whole tensor.
+        global_offset: where the shard starts in every dim.
+        key: used in error messages only.
+
+    Raises:
+        LayoutError: rank counts differ, or the shard does not fit in the global shape.
+
+    Example:
+        >>> t = ShardedTensor(torch.zeros(2, 3), (4, 3), (2, 0))
+        >>> t.box
+        Box(offsets=(2, 0), sizes=(2, 3))
+    """
+
+    __slots__ = ("local", "global_shape", "global_offset")
+
+    def __init__(self, local: torch.Tensor, global_shape: Sequence[int], global_offset: Sequence[int],
+                 *, key: str = "<tensor>") -> None:
+        global_shape = tuple(int(s) for s in global_shape)
+        global_offset = tuple(int(o) for o in global_offset)
+        if not (local.dim() == len(global_shape) == len(global_offset)):
+            raise LayoutError(f"{key!r}: local shape {list(local.shape)}, global shape "
+                              f"{list(global_shape)} and offset {list(global_offset)} need the same "
+                              "number of dims")
+        bad = [d for d in range(local.dim())
+               if global_offset[d] < 0 or global_offset[d] + local.shape[d] > global_shape[d]]
+        if bad:
+            raise LayoutError(f"{key!r}: shard at offset {list(global_offset)} with local shape "
+                              f"{list(local.shape)} does not fit in global shape {list(global_shape)} "
+                              f"(dims {bad}); fix the offset or the global shape")
+        self.local = local
+        self.global_shape = global_shape
+        self.global_offset = global_offset
+
+    @property
+    def box(self) -> Box:
+        return Box(self.global_offset, tuple(self.local.shape))
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.local.dtype
+
+    def __repr__(self) -> str:
+        return (f"ShardedTensor(local={list(self.local.shape)} {self.local.dtype}, "
+                f"global_shape={list(self.global_shape)}, global_offset={list(self.global_offset)})")
+
+
+#: What a state dict may hold per key: a full tensor, one shard, or several shards of one tensor.
+StateValue = Union[torch.Tensor, ShardedTensor, Sequence[ShardedTensor]]
+
+
+def shard_dim(tensor: torch.Tensor, dim: int, rank: int, world: int) -> ShardedTensor:
+    """Cut ``rank``'s shard of a full tensor along ``dim``, like ``torch.chunk``.
+
+    Pieces are ``ceil(n / world)`` long; the last ranks get the smaller pieces (possibly empty).
+
+    Example:
+        >>> shard_dim(torch.arange(17.).reshape(17, 1), 0, 1, 2).local.shape
+        torch.Size([8, 1])
+    """
+    if not 0 <= rank < world:
+        raise ValueError(f"rank {rank} outside world of size {world}")
+    dim = dim % tensor.dim()
+    n = tensor.shape[dim]
+    step = -(-n // world)
+    start = min(rank * step, n)
+    stop = min(start + step, n)
+    offset = [0] * tensor.dim()
+    offset[dim] = start
+    return ShardedTensor(tensor.narrow(dim, start, stop - start), tensor.shape, offset)
+
+
+def from_dtensor(dt: Any) -> ShardedTensor:
+    """This rank's shard of a DTensor (``Shard``/``Replicate`` placements) as a ShardedTensor."""
+    from torch.distributed.tensor import DTensor  # local: only DTensor users pay for the import
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    if not isinstance(dt, DTensor):
+        raise TypeError(f"expected a DTensor, got {type(dt).__name__}")
+    for p in dt.placements:
+        if not (p.is_shard() or p.is_replicate()):
+            raise LayoutError(f"DTensor placement {p} is not supported; use Shard or Replicate "
+                              "(redistribute partial tensors first)")
+    _, offset = compute_local_shape_and_global_offset(dt.shape, dt.device_mesh, dt.placements)
+    return ShardedTensor(dt.to_local(), tuple(dt.shape), tuple(offset))
+
+
+def local_shards(key: str, value: StateValue) -> list[ShardedTensor]:
+    """Normalise one state-dict value into the shards this rank holds."""
+    if type(value).__name__ == "DTensor":
+        return [from_dtensor(value)]
+    if isinstance(value, ShardedTensor):
+        return [value]
+    if isinstance(value, torch.Tensor):
+        return [ShardedTensor(value, tuple(value.shape), (0,) * value.dim(), key=key)]
+    if isinstance(value, (list, tuple)) and value and all(isinstance(v, ShardedTensor) for v in value):
+        shapes = {v.global_shape for v in value}
+        dtypes = {v.dtype for v in value}
+        if len(shapes) > 1 or len(dtypes) > 1:
+            raise LayoutError(f"{key!r}: the shards held on this rank disagree on global shape or "
+                              f"dtype: {sorted(map(list, shapes))}, {sorted(map(str, dtypes))}")
+        return list(value)
+    raise LayoutError(f"{key!r}: unsupported state value {type(value).__name__}; use a torch.Tensor, "
+                      "a ShardedTensor, a DTensor, or a list of ShardedTensor")
+
+
+def local_layout(state: Mapping[str, StateValue]) -> list[tuple[str, tuple[int, ...], str, Box]]:
+    """This rank's entries ``(key, global_shape, dtype, box)`` for :meth:`GlobalLayout.merge`."""
+    entries = []
+    for key in sorted(state):
+        for shard in local_shards(key, state[key]):
+            entries.append((key, shard.global_shape, dtype_name(shard.dtype), shard.box))
+    return entries

@@ -1,0 +1,87 @@
+"""Run a function on N spawned processes joined in a gloo process group (test tier 2).
+
+``run_ranks(fn, world, *args)`` calls ``fn(rank, world, *args)`` in every process after
+``init_process_group("gloo")`` and returns the per-rank results. A rank that raises makes
+``run_ranks`` raise :class:`RankFailure` carrying every rank's outcome, so tests can also assert that
+all ranks raised. Processes that outlive ``timeout`` are killed: a hang fails the test instead of CI.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import pickle
+import tempfile
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import torch.multiprocessing as mp
+
+__all__ = ["run_ranks", "RankFailure"]
+
+
+class RankFailure(Exception):
+    """Some rank raised. ``outcomes[r]`` is ``("ok", value)`` or ``("error", exc_type, text)``."""
+
+    def __init__(self, outcomes: dict[int, tuple]) -> None:
+        self.outcomes = outcomes
+        text = "\n".join(f"--- rank {r}: {o[0]} {o[1:]!s:.3000}" for r, o in sorted(outcomes.items()))
+        super().__init__(text)
+
+    def errors(self) -> dict[int, tuple[str, str]]:
+        return {r: (o[1], o[2]) for r, o in self.outcomes.items() if o[0] == "error"}
+
+
+def _entry(rank: int, world: int, store_dir: str, group_timeout: float, fn: Callable, args: tuple,
+           out_dir: str) -> None:
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    result: tuple
+    try:
+        dist.init_process_group("gloo", init_method=f"file://{store_dir}/store", rank=rank,
+                                world_size=world, timeout=datetime.timedelta(seconds=group_timeout))
+        try:
+            result = ("ok", fn(rank, world, *args))
+        finally:
+            try:
+                dist.destroy_process_group()
+            except Exception:
+                pass
+    except BaseException as exc:  # reported to the parent
+        result = ("error", type(exc).__name__, f"{exc}\n{traceback.format_exc()}")
+    tmp = os.path.join(out_dir, f"{rank}.tmp")
+    with open(tmp, "wb") as fh:
+        pickle.dump(result, fh)
+    os.replace(tmp, os.path.join(out_dir, f"{rank}.pkl"))
+
+
+def run_ranks(fn: Callable[..., Any], world: int, *args: Any, timeout: float = 120.0,
+              group_timeout: float = 60.0) -> list[Any]:
+    """Run ``fn(rank, world, *args)`` on ``world`` gloo ranks; return results by rank."""
+    ctx = mp.get_context("spawn")
+    with tempfile.TemporaryDirectory() as store_dir, tempfile.TemporaryDirectory() as out_dir:
+        procs = [ctx.Process(target=_entry, args=(r, world, store_dir, group_timeout, fn, args,
+                                                    out_dir), daemon=True) for r in range(world)]
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join(timeout)
+        outcomes: dict[int, tuple] = {}
+        for r, p in enumerate(procs):
+            if p.is_alive():
+                p.kill()
+                p.join()
+                outcomes[r] = ("error", "Hang", f"rank {r} still running after {timeout}s")
+                continue
+            path = os.path.join(out_dir, f"{r}.pkl")
+            if not os.path.exists(path):
+                outcomes[r] = ("error", "Died", f"rank {r} exited with code {p.exitcode}")
+                continue
+            with open(path, "rb") as fh:
+                outcomes[r] = pickle.load(fh)
+    if any(o[0] != "ok" for o in outcomes.values()):
+        raise RankFailure(outcomes)
+    return [outcomes[r][1] for r in range(world)]
