@@ -7,6 +7,9 @@ generic handlers keep working.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import Any
+
 __all__ = [
     "ShardsyncError",
     "MappingError",
@@ -14,6 +17,8 @@ __all__ = [
     "PlanError",
     "FormatError",
     "DistributedError",
+    "ReplicaError",
+    "DriftError",
 ]
 
 
@@ -22,7 +27,23 @@ class ShardsyncError(Exception):
 
 
 class MappingError(ShardsyncError, ValueError):
-    """A mapping program is wrong: names the statement (index, text), the column and the name."""
+    """A mapping program is wrong: names the statement (index, text), the column and the name.
+
+    Attributes:
+        diagnostics: every problem found (a program with several errors reports all of them); each
+            has ``index``, ``text``, ``col``, ``name`` and ``message``.
+    """
+
+    def __init__(self, diagnostics: Sequence[Any] | str) -> None:
+        if isinstance(diagnostics, str):
+            self.diagnostics: tuple[Any, ...] = ()
+            super().__init__(diagnostics)
+            return
+        self.diagnostics = tuple(diagnostics)
+        n = len(self.diagnostics)
+        head = "mapping error:" if n == 1 else f"{n} mapping errors:"
+        super().__init__(head + "".join(f"\n  {d}".replace("\n    ", "\n      ")
+                                        for d in self.diagnostics))
 
 
 class LayoutError(ShardsyncError, ValueError):
@@ -51,3 +72,20 @@ class DistributedError(ShardsyncError, RuntimeError):
         lines = [f"phase {phase!r} failed on rank(s) {sorted(self.failures)}:"]
         lines += [f"  rank {r}: {msg}" for r, msg in self.failures.items()]
         super().__init__("\n".join(lines))
+
+
+class ReplicaError(ShardsyncError, ValueError):
+    """Replica selection or sync cannot be set up as asked: a pattern that matches nothing, a bad mode,
+    a master copy that does not fit its parameter. The message names each offender and the fix."""
+
+
+class DriftError(ShardsyncError, RuntimeError):
+    """Tensors that should be identical across the tensor-parallel group differ.
+
+    Attributes:
+        report: the :class:`shardsync.replicas.DriftReport` that found the drift (same on every rank).
+    """
+
+    def __init__(self, message: str, report: object = None) -> None:
+        self.report = report
+        super().__init__(message)

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 from .pieces import Piece, TargetSpec
-from .resolver import resolve
+from .program import Mapping, MappingLike
+from .resolver import OPTIMIZER_SUFFIXES, SCALAR_SUFFIXES, resolve
+from .syntax import Diagnostic
 
-__all__ = ["Piece", "TargetSpec", "resolve"]
+__all__ = ["Piece", "TargetSpec", "Mapping", "MappingLike", "resolve", "Diagnostic",
+           "OPTIMIZER_SUFFIXES", "SCALAR_SUFFIXES"]

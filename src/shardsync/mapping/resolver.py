@@ -1,20 +1,209 @@
-"""Resolver: a mapping program plus a layout -> every target as pieces of source boxes."""
+"""Resolver: a mapping program plus a layout -> every target as pieces of source boxes.
+
+Variables are source keys and names bound by statements. A name is looked up among the names bound so
+far, then among the sources. The outputs are every variable that no statement consumed and that was
+not dropped, sorted by name; a source read by two statements (tied weights) feeds both.
+"""
 
 from __future__ import annotations
 
-from ..layout.box import Box
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from ..errors import MappingError
 from ..layout.meta import GlobalLayout
+from .macros import expand_macros, reverse_program
+from .parser import ATTRIBUTES
 from .pieces import Piece, TargetSpec
+from .program import Mapping, MappingLike
+from .statements import StatementError, apply_statement
+from .syntax import Diagnostic, Name, Statement, suggest
+from .vtensor import VTensor, source_tensor, to_pieces
 
-__all__ = ["resolve"]
+__all__ = ["resolve", "resolve_program", "OPTIMIZER_SUFFIXES", "SCALAR_SUFFIXES"]
+
+#: Paddle's optimizer-state suffixes: fp32 master and Adam moments follow their parameter's mapping.
+OPTIMIZER_SUFFIXES: tuple[str, ...] = (".w_0", ".moment1_0", ".moment2_0")
+#: Scalar states copied whole from the first source of each target.
+SCALAR_SUFFIXES: tuple[str, ...] = (".beta1_pow_acc_0", ".beta2_pow_acc_0")
 
 
-def resolve(mapping: object | None, layout: GlobalLayout) -> list[TargetSpec]:
-    """Resolve ``mapping`` against ``layout``; returns targets sorted by name.
+@dataclass
+class _Run:
+    layout: GlobalLayout
+    dest: GlobalLayout | None
+    sources: dict[str, VTensor]
+    bound: dict[str, VTensor]
+    live: dict[str, None]  # ordered set of output candidates
+    diags: list[Diagnostic]
+    failed: set[str]  # names bound by a failed statement: their readers report nothing more
 
-    With ``mapping=None`` every source key is a target of its own (identity).
+    def fail(self, st: Statement, e: StatementError) -> None:
+        self.diags.append(Diagnostic(e.message, st.index, st.text, e.name.col if e.name else 0,
+                                     e.name.text if e.name else None, e.hints))
+        self.failed.update(n.text for n in st.right)
+
+    def lookup(self, st: Statement, i: int) -> VTensor | None:
+        name = st.left[i]
+        found = self.bound.get(name.text) or self.sources.get(name.text)
+        if found is None and name.text not in self.failed:
+            known = list(self.bound) + list(self.sources)
+            self.diags.append(Diagnostic(f"unknown name {name.text!r}{suggest(name.text, known)}",
+                                         st.index, st.text, name.col, name.text))
+        return found
+
+    def shard_count(self, name: str, v: VTensor | None, dim: int, source_side: bool) -> int:
+        """Blocks of a fused tensor along ``dim``: its source's distinct shard offsets there, or for
+        a tensor being built, the destination layout's (1 without a destination layout)."""
+        if not source_side:
+            if self.dest is None or name not in self.dest:
+                return 1
+            return max(1, len(self.dest[name].offsets_along(dim)))
+        assert v is not None
+        whole = [f for f in v.frags if f.box.sizes == v.shape]
+        if len(whole) != 1:
+            raise StatementError(f"{name!r} must be one source tensor (renamed, cast or permuted at most) "
+                                 "so that its shards can be counted")
+        f = whole[0]
+        sdim = f.perm[dim]
+        lo, hi = f.source_box.offsets[sdim], f.source_box.stops[sdim]
+        return max(1, len([o for o in self.layout[f.source].offsets_along(sdim) if lo <= o < hi]))
+
+
+def _check_form(st: Statement) -> None:
+    unknown = [a for a in st.attrs if a.key not in ATTRIBUTES]
+    if unknown:
+        a = unknown[0]
+        raise StatementError(f"unknown attribute {a.key!r}{suggest(a.key, ATTRIBUTES)}", Name(a.key, a.col))
+    if len(st.left) > 1 and len(st.right) > 1:
+        raise StatementError("more than one name on both sides; split or concat in separate statements")
+    outs = [n.text for n in st.right]
+    dup = next((n for n in st.right if outs.count(n.text) > 1 and n.text != "_"), None)
+    if dup is not None:
+        raise StatementError(f"{dup.text!r} is assigned twice in one statement", dup)
+
+
+def _run_statement(run: _Run, st: Statement) -> None:
+    try:
+        _check_form(st)
+    except StatementError as e:
+        run.fail(st, e)
+        return
+    if [n.text for n in st.left] == ["_"]:
+        return  # `_ -> y`: y has no source; nothing is produced for it on export
+    inputs = [run.lookup(st, i) for i in range(len(st.left))]
+    if any(v is None for v in inputs):
+        run.failed.update(n.text for n in st.right)
+        return
+    try:
+        outputs = apply_statement(st, inputs, run.shard_count)  # type: ignore[arg-type]
+    except StatementError as e:
+        run.fail(st, e)
+        return
+    for n in st.left:
+        run.live.pop(n.text, None)
+    for n, v in zip(st.right, outputs):
+        if n.text != "_":
+            run.bound[n.text] = v
+            run.live[n.text] = None
+
+
+def resolve_program(statements: Sequence[Statement], layout: GlobalLayout, *,
+                    dest: GlobalLayout | None = None, reverse: bool = False, keys: Sequence[str] | None = None,
+                    ) -> tuple[dict[str, VTensor], list[Diagnostic]]:
+    """Expand and evaluate ``statements`` over the sources ``keys`` (default: every layout key)."""
+    keys = layout.keys() if keys is None else list(keys)
+    expanded, diags = expand_macros(statements, keys, dest.keys() if dest else None, reverse=reverse)
+    if reverse:
+        expanded = reverse_program(expanded)
+    sources = {k: source_tensor(k, layout[k].shape, layout[k].dtype) for k in keys}
+    run = _Run(layout, dest, sources, {}, dict.fromkeys(keys), diags, set())
+    for st in expanded:
+        _run_statement(run, st)
+    values = {**run.sources, **run.bound}
+    return {name: values[name] for name in sorted(run.live)}, run.diags
+
+
+def _split_optimizer_keys(keys: Sequence[str], named: set[str]) -> tuple[list[str], dict[str, list[str]]]:
+    model, states = [], {}
+    keyset = set(keys)
+    for k in keys:
+        sfx = next((s for s in OPTIMIZER_SUFFIXES + SCALAR_SUFFIXES
+                    if k.endswith(s) and (k[:-len(s)] in keyset or k[:-len(s)] in named)), None)
+        if sfx is None:
+            model.append(k)
+        else:
+            states.setdefault(sfx, []).append(k)
+    return model, states
+
+
+def resolve(mapping: MappingLike | None, layout: GlobalLayout, *, dest: GlobalLayout | None = None,
+            reverse: bool | None = None) -> list[TargetSpec]:
+    """Resolve ``mapping`` against ``layout``: every target, sorted by name, as pieces.
+
+    Optimizer-state keys (``<key>.moment1_0`` ...) follow their parameter's mapping; scalar states
+    are copied whole from the first source of each target. With ``mapping=None`` every source key is
+    a target of its own.
+
+    Args:
+        mapping: anything :meth:`Mapping.parse` takes, or None.
+        layout: the global layout of the sources.
+        dest: a destination layout, for forms that need one (``*`` on the right, re-blocking).
+        reverse: overrides the mapping's own reverse flag.
+
+    Raises:
+        MappingError: every problem of the program, each naming statement, column and name.
+
+    Example:
+        >>> from shardsync.layout import GlobalLayout, Box
+        >>> lay = GlobalLayout.merge([[("w", (4, 2), "float32", Box((0, 0), (4, 2)))]])
+        >>> [t.name for t in resolve(["w -> a, b, axis=0"], lay)]
+        ['a', 'b']
     """
-    if mapping is None:
-        return [TargetSpec(k, m.shape, m.dtype, (Piece(k, Box.full(m.shape), Box.full(m.shape)),))
-                for k, m in sorted(layout.tensors.items())]
-    raise TypeError("mapping programs are resolved by the mapping layer (in progress)")
+    program = Mapping.parse(mapping if mapping is not None else [], reverse=reverse)
+    named = {n.text for st in program.statements for n in st.left + st.right}
+    model_keys, states = _split_optimizer_keys(layout.keys(), named)
+    outputs, diags = resolve_program(program.statements, layout, dest=dest, reverse=program.reverse,
+                                     keys=model_keys)
+    if diags:
+        raise MappingError(sorted(diags, key=lambda d: d.index))
+    targets = {name: _spec(name, v) for name, v in outputs.items()}
+    for sfx, state_keys in states.items():
+        targets.update(_state_targets(program, layout, sfx, state_keys, outputs))
+    return [targets[k] for k in sorted(targets)]
+
+
+def _spec(name: str, v: VTensor) -> TargetSpec:
+    return TargetSpec(name, v.shape, v.dtype, to_pieces(v))
+
+
+def _state_targets(program: Mapping, layout: GlobalLayout, sfx: str, state_keys: list[str],
+                   model_outputs: dict[str, VTensor]) -> dict[str, TargetSpec]:
+    present = {k[:-len(sfx)] for k in state_keys}
+    if sfx in SCALAR_SUFFIXES:
+        out = {}
+        for name, v in model_outputs.items():
+            first = v.frags[0].source if v.frags else None
+            if first in present:
+                m = layout[first + sfx]
+                out[name + sfx] = _spec(name + sfx, source_tensor(first + sfx, m.shape, m.dtype))
+        return out
+    # Same program over the states, with each state key standing in for its parameter's key.
+    renamed = GlobalLayout({k[:-len(sfx)]: _renamed(layout[k], k[:-len(sfx)]) for k in state_keys},
+                           layout.world_size)
+    live = [st for st in program.statements]
+    outputs, diags = resolve_program(live, renamed, reverse=program.reverse)
+    if diags:  # statements over parameters without this state (buffers, frozen params) do not apply
+        outputs = {n: v for n, v in outputs.items() if n in model_outputs or n in present}
+    return {name + sfx: TargetSpec(name + sfx, v.shape, v.dtype,
+                                   tuple(_suffix_piece(p, sfx) for p in to_pieces(v)))
+            for name, v in outputs.items()}
+
+
+def _renamed(meta, key):  # type: ignore[no-untyped-def]
+    from dataclasses import replace
+    return replace(meta, key=key)
+
+
+def _suffix_piece(p: Piece, sfx: str) -> Piece:
+    return Piece(p.source + sfx, p.source_box, p.target_box, p.perm, p.casts)

@@ -1,0 +1,149 @@
+"""Parser: tokens -> statements, with every syntax error of the program reported at once.
+
+Statement boundaries are grammatical: after ``names -> names [, attrs]`` a new statement may start on
+the same line (Paddle parses ``"a -> b" "c -> d"`` as two); newlines also end statements. ``name[a:b]``
+is expanded here into ``name_a, ..., name_{b-1}`` (it depends on no keys).
+"""
+
+from __future__ import annotations
+
+from .lexer import Token, tokenize
+from .syntax import Attr, Diagnostic, Name, Statement
+
+__all__ = ["parse_text", "MACRO_KEYWORDS", "ATTRIBUTES"]
+
+#: Bare keywords that start the attribute part of a statement.
+MACRO_KEYWORDS = frozenset({"fused_qkv", "fused_qkv_old", "fused_ffn"})
+#: Every attribute a statement may carry.
+ATTRIBUTES = frozenset({"axis", "permute", "dtype", "src_dtype", "dst_dtype", "sizes", "num_heads",
+                        "num_key_value_groups"}) | MACRO_KEYWORDS
+
+
+class _Fail(Exception):
+    def __init__(self, message: str, tok: Token, name: str | None = None) -> None:
+        super().__init__(message)
+        self.message, self.tok, self.name = message, tok, name
+
+
+class _Parser:
+    def __init__(self, text: str, tokens: list[Token]) -> None:
+        self.text, self.toks, self.i = text, tokens, 0
+
+    def peek(self, k: int = 0) -> Token:
+        tok = self.toks[min(self.i + k, len(self.toks) - 1)]
+        if tok.kind == "ERROR":
+            raise _Fail(tok.value, tok)
+        return tok
+
+    def take(self, kind: str, what: str) -> Token:
+        tok = self.peek()
+        if tok.kind != kind:
+            got = "end of statement" if tok.kind in ("NEWLINE", "EOF") else repr(tok.value)
+            raise _Fail(f"expected {what}, found {got}", tok)
+        self.i += 1
+        return tok
+
+    def names(self, start: int, right: bool) -> list[Name]:
+        out = self.name(start)
+        while self.peek().kind == "COMMA" and self.peek(1).kind == "NAME":
+            nxt = self.peek(1)
+            if right and (nxt.value in MACRO_KEYWORDS or self.peek(2).kind == "EQ"):
+                break
+            self.i += 1
+            out += self.name(start)
+        return out
+
+    def name(self, start: int) -> list[Name]:
+        tok = self.take("NAME", "a name")
+        col = tok.pos - start
+        if self.peek().kind != "LBRACK":
+            return [Name(tok.value, col)]
+        self.i += 1
+        lo = int(self.take("INT", "a start index in name[a:b]").value)
+        self.take("COLON", "':' in name[a:b]")
+        hi_tok = self.take("INT", "an end index in name[a:b]")
+        self.take("RBRACK", "']' closing name[a:b]")
+        if int(hi_tok.value) <= lo:
+            raise _Fail(f"empty range {tok.value}[{lo}:{hi_tok.value}]: the end must exceed the start",
+                        hi_tok, tok.value)
+        return [Name(f"{tok.value}_{k}", col) for k in range(lo, int(hi_tok.value))]
+
+    def attr(self, start: int) -> Attr:
+        key = self.take("NAME", "an attribute")
+        col = key.pos - start
+        if self.peek().kind != "EQ":
+            if key.value not in MACRO_KEYWORDS:
+                raise _Fail(f"attribute {key.value!r} needs a value ({key.value}=...)", key, key.value)
+            return Attr(key.value, None, col)
+        self.i += 1
+        tok = self.peek()
+        if tok.kind == "INT":
+            self.i += 1
+            return Attr(key.value, int(tok.value), col)
+        if tok.kind == "STRING":
+            self.i += 1
+            return Attr(key.value, tok.value, col)
+        if tok.kind == "LBRACK":  # extension: permute=[2, 0, 1] without quotes
+            self.i += 1
+            items = []
+            while self.peek().kind == "INT":
+                items.append(self.take("INT", "an integer").value)
+                if self.peek().kind != "COMMA":
+                    break
+                self.i += 1
+            self.take("RBRACK", "']' closing the list")
+            return Attr(key.value, "[" + ", ".join(items) + "]", col)
+        raise _Fail(f"attribute {key.value!r} needs an integer or a quoted string", tok, key.value)
+
+    def statement(self, index: int) -> Statement:
+        first = self.peek()
+        start = first.pos
+        left = self.names(start, right=False)
+        self.take("ARROW", "'->'")
+        right = self.names(start, right=True)
+        attrs = []
+        while self.peek().kind == "COMMA":
+            self.i += 1
+            attrs.append(self.attr(start))
+        end_tok = self.peek()
+        if end_tok.kind not in ("NEWLINE", "EOF", "NAME"):
+            raise _Fail(f"unexpected {end_tok.value!r} after the statement", end_tok)
+        end = self.toks[self.i - 1]
+        stop = end.pos + len(end.value) + (2 if end.kind == "STRING" else 0)
+        return Statement(tuple(left), tuple(right), tuple(attrs), index, self.text[start:stop].strip())
+
+    def skip_line(self) -> None:
+        while self.toks[self.i].kind not in ("NEWLINE", "EOF"):
+            self.i += 1
+
+
+def _line_of(text: str, pos: int) -> tuple[str, int]:
+    lo = text.rfind("\n", 0, pos) + 1
+    hi = text.find("\n", pos)
+    line = text[lo:] if hi < 0 else text[lo:hi]
+    stripped = line.lstrip()
+    return stripped.rstrip(), pos - lo - (len(line) - len(stripped))
+
+
+def parse_text(text: str, first_index: int = 0) -> tuple[list[Statement], list[Diagnostic]]:
+    """Parse one chunk of program text; statement indices start at ``first_index``.
+
+    Returns:
+        the statements and the diagnostics (lexical and syntax errors; parsing resumes on the next line).
+    """
+    p = _Parser(text, tokenize(text))
+    diags: list[Diagnostic] = []
+    statements: list[Statement] = []
+    index = first_index
+    while p.toks[p.i].kind != "EOF":
+        if p.toks[p.i].kind == "NEWLINE":
+            p.i += 1
+            continue
+        try:
+            statements.append(p.statement(index))
+        except _Fail as f:
+            line, col = _line_of(text, f.tok.pos)
+            diags.append(Diagnostic(f.message, index, line, col, f.name))
+            p.skip_line()
+        index += 1
+    return statements, diags

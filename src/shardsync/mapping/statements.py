@@ -1,0 +1,171 @@
+"""Evaluation of one statement on virtual tensors: rename, split, concat, permute, cast, fused forms.
+
+Each function takes the statement and its input :class:`VTensor` s and returns the bound outputs, or
+raises :class:`StatementError` naming the offending name. No key lookups happen here.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+
+from ..layout.dtypes import dtype_name
+from .syntax import Name, Statement
+from .vtensor import VTensor, cast, concat, permute, take
+
+__all__ = ["StatementError", "apply_statement", "ShardCount"]
+
+#: Callback giving how many blocks a fused tensor has along a dim: (variable name, tensor, dim) -> T.
+ShardCount = Callable[[str, VTensor, int, bool], int]
+
+
+class StatementError(Exception):
+    """A problem with one statement, at ``name`` (None: the statement as a whole)."""
+
+    def __init__(self, message: str, name: Name | None = None, hints: tuple[str, ...] = ()) -> None:
+        super().__init__(message)
+        self.message, self.name, self.hints = message, name, hints
+
+
+def _at(st: Statement, key: str) -> Name | None:
+    """The attribute ``key`` as a position to point errors at."""
+    return next((Name(a.key, a.col) for a in st.attrs if a.key == key), None)
+
+
+def _axis(st: Statement, v: VTensor, default: int | None = None) -> int:
+    raw = st.attr("axis", default)
+    if raw is None:
+        raise StatementError("a split or concat needs axis=<dim>")
+    if not isinstance(raw, int):
+        raise StatementError(f"axis must be an integer, got {raw!r}", _at(st, "axis"))
+    if not -v.ndim <= raw < v.ndim:
+        raise StatementError(f"axis={raw} is out of range for a {v.ndim}-dim tensor of shape "
+                             f"{list(v.shape)}", _at(st, "axis"))
+    return raw % v.ndim
+
+
+def _int_list(st: Statement, key: str) -> list[int]:
+    raw = st.attr(key)
+    try:
+        return [int(x) for x in str(raw).strip().strip("[]").split(",") if x.strip()]
+    except ValueError:
+        raise StatementError(f"{key}={raw!r} must be a list of integers like '[2, 0, 1]'",
+                             _at(st, key)) from None
+
+
+def _dtype(st: Statement, key: str) -> str:
+    raw = st.attr(key)
+    try:
+        return dtype_name(str(raw))
+    except ValueError as exc:
+        raise StatementError(f"{key}={raw!r}: {exc}", _at(st, key)) from None
+
+
+def _permute(st: Statement, v: VTensor) -> VTensor:
+    perm = _int_list(st, "permute")
+    if not perm:
+        return permute(v, list(range(v.ndim))[::-1])
+    if len(perm) != v.ndim:
+        raise StatementError(f"permute={perm} has {len(perm)} entries but the tensor has {v.ndim} dims "
+                             f"(shape {list(v.shape)})", _at(st, "permute"))
+    norm = [p % v.ndim if -v.ndim <= p < v.ndim else None for p in perm]
+    if None in norm or sorted(norm) != list(range(v.ndim)):  # type: ignore[type-var]
+        raise StatementError(f"permute={perm} is not a permutation of dims 0..{v.ndim - 1}",
+                             _at(st, "permute"))
+    return permute(v, norm)  # type: ignore[arg-type]
+
+
+def _one_to_one(st: Statement, v: VTensor) -> VTensor:
+    kinds = [a.key for a in st.attrs if a.key in ("permute", "dtype", "axis")]
+    if len(kinds) > 1:
+        raise StatementError(f"a 1 -> 1 statement takes at most one of permute/dtype/axis, got "
+                             f"{' and '.join(kinds)}", _at(st, kinds[1]),
+                             ("write one statement per transform",))
+    if st.has("src_dtype") != st.has("dst_dtype"):
+        raise StatementError("src_dtype and dst_dtype go together")
+    if st.has("src_dtype"):
+        src, dst = _dtype(st, "src_dtype"), _dtype(st, "dst_dtype")
+        if src != v.dtype:
+            raise StatementError(f"src_dtype={src!r} but {st.left[0].text!r} is {v.dtype}",
+                                 st.left[0])
+        v = cast(v, dst)
+    if "permute" in kinds:
+        return _permute(st, v)
+    if "dtype" in kinds:
+        return cast(v, _dtype(st, "dtype"))
+    if "axis" in kinds:
+        _axis(st, v)  # checked, then a rename (Paddle drops the binding here: a defect)
+    return v
+
+
+def _split(v: VTensor, dim: int, sizes: Sequence[int]) -> list[VTensor]:
+    out, at = [], 0
+    for s in sizes:
+        out.append(take(v, dim, at, at + s))
+        at += s
+    return out
+
+
+def _split_statement(st: Statement, v: VTensor) -> list[VTensor]:
+    dim = _axis(st, v)
+    n, parts = v.shape[dim], len(st.right)
+    if st.has("sizes"):
+        sizes = _int_list(st, "sizes")
+        if len(sizes) != parts or sum(sizes) != n or min(sizes) < 0:
+            raise StatementError(f"sizes={sizes} must give {parts} non-negative sizes summing to {n} "
+                                 f"(the size of dim {dim})", _at(st, "sizes"))
+    else:
+        if n % parts:
+            raise StatementError(f"dim {dim} of {st.left[0].text!r} has size {n}, not divisible into "
+                                 f"{parts} equal parts", st.left[0],
+                                 (f"give unequal sizes with sizes='[...]' summing to {n}",))
+        sizes = [n // parts] * parts
+    return _split(v, dim, sizes)
+
+
+def _concat_statement(st: Statement, vs: Sequence[VTensor]) -> VTensor:
+    dim = _axis(st, vs[0])
+    first = vs[0]
+    for name, v in zip(st.left[1:], vs[1:]):
+        if v.dtype != first.dtype:
+            raise StatementError(f"{name.text!r} is {v.dtype} but {st.left[0].text!r} is {first.dtype}; "
+                                 "concat inputs must share a dtype", name,
+                                 (f"cast first: `{name.text} -> {name.text}, dtype='{first.dtype}'`",))
+        other = [i for i in range(max(v.ndim, first.ndim)) if i != dim]
+        if v.ndim != first.ndim or any(v.shape[i] != first.shape[i] for i in other):
+            raise StatementError(f"{name.text!r} has shape {list(v.shape)}, {st.left[0].text!r} has "
+                                 f"{list(first.shape)}: all dims but {dim} must match to concat", name)
+    return concat(vs, dim)
+
+
+def apply_statement(st: Statement, inputs: Sequence[VTensor], count: ShardCount) -> list[VTensor]:
+    """Evaluate ``st`` on its inputs (in left-side order); returns its outputs (right-side order)."""
+    from .fused import apply_fused  # fused forms are built from the primitives above
+
+    fused = [a.key for a in st.attrs if a.value is None]
+    if fused:
+        return apply_fused(st, fused[0], inputs, count)
+    if len(inputs) == 1 and len(st.right) == 1:
+        return [_one_to_one(st, inputs[0])]
+    extra = sorted(a.key for a in st.attrs if a.key not in ("axis", "sizes"))
+    if extra:
+        raise StatementError(f"a split or concat takes only axis= (and sizes= for a split), not "
+                             f"{', '.join(extra)}", _at(st, extra[0]),
+                             ("cast or permute in a statement of its own",))
+    if len(inputs) == 1:
+        return _split_statement(st, inputs[0])
+    if st.has("sizes"):
+        raise StatementError("sizes= belongs to a split, not a concat", _at(st, "sizes"))
+    return [_concat_statement(st, inputs)]
+
+
+def split_equal(v: VTensor, dim: int, parts: int, what: str) -> list[VTensor]:
+    """Split into ``parts`` equal blocks along ``dim``; error naming ``what`` otherwise."""
+    n = v.shape[dim]
+    if parts <= 0 or n % parts:
+        raise StatementError(f"{what}: size {n} of dim {dim} is not divisible by {parts}")
+    return _split(v, dim, [n // parts] * parts)
+
+
+def lcm(a: int, b: int) -> int:
+    return a * b // math.gcd(a, b)

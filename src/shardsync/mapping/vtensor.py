@@ -1,0 +1,146 @@
+"""Virtual tensors: a variable of a mapping program as rectangular fragments of source tensors.
+
+Every operation of the language keeps fragments rectangular: a slice cuts boxes, a concat shifts
+them, a permutation permutes them (and composes with each fragment's own permutation), a cast appends
+to each fragment's cast chain. No data is touched; :func:`to_pieces` turns the result into pieces.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from ..layout.box import Box
+from .pieces import Piece
+
+__all__ = ["VTensor", "source_tensor", "take", "concat", "permute", "cast", "simplify_casts"]
+
+# Casts that represent every value of the first dtype exactly in the second: dropping them from a
+# chain changes no result, which lets a chain such as f32 -> f64 -> bf16 run as one copy.
+_EXACT = {
+    "bool": {"uint8", "int8", "int16", "int32", "int64", "float16", "bfloat16", "float32", "float64"},
+    "uint8": {"int16", "int32", "int64", "float16", "bfloat16", "float32", "float64"},
+    "int8": {"int16", "int32", "int64", "float16", "bfloat16", "float32", "float64"},
+    "int16": {"int32", "int64", "float32", "float64"},
+    "int32": {"int64", "float64"},
+    "float16": {"float32", "float64"},
+    "bfloat16": {"float32", "float64"},
+    "float32": {"float64"},
+}
+
+
+def simplify_casts(start: str, casts: Sequence[str]) -> tuple[str, ...]:
+    """Drop no-op casts and exact intermediate steps; the result equals the chain bit for bit."""
+    chain = [start, *casts]
+    out: list[str] = []
+    for i in range(1, len(chain)):
+        prev = out[-1] if out else start
+        cur = chain[i]
+        if cur == prev:
+            continue
+        last = i == len(chain) - 1
+        if not last and cur in _EXACT.get(prev, ()):
+            continue  # exact widening: the next cast sees the same value
+        out.append(cur)
+    return tuple(out)
+
+
+@dataclass(frozen=True, slots=True)
+class Frag:
+    """A box of a variable (``box``) filled from ``source_box`` of source ``source``."""
+
+    source: str
+    source_box: Box
+    box: Box
+    perm: tuple[int, ...]
+    casts: tuple[str, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class VTensor:
+    """A program variable: shape, dtype name, the dtype of its sources, and fragments tiling it."""
+
+    shape: tuple[int, ...]
+    dtype: str
+    frags: tuple[Frag, ...]
+    source_dtypes: tuple[tuple[str, str], ...] = ()
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+
+def source_tensor(key: str, shape: Sequence[int], dtype: str) -> VTensor:
+    """The variable that is source ``key`` itself."""
+    box = Box.full(shape)
+    return VTensor(tuple(shape), dtype, (Frag(key, box, box, tuple(range(len(shape))), ()),),
+                   ((key, dtype),))
+
+
+def take(v: VTensor, dim: int, start: int, stop: int) -> VTensor:
+    """``v[..., start:stop, ...]`` along ``dim``."""
+    slab_off = [0] * v.ndim
+    slab_size = list(v.shape)
+    slab_off[dim], slab_size[dim] = start, stop - start
+    slab = Box(tuple(slab_off), tuple(slab_size))
+    frags = []
+    for f in v.frags:
+        hit = f.box.intersect(slab)
+        if hit is None:
+            continue
+        rel = hit.relative_to(f.box)  # in variable dims; map back to source dims through perm
+        src_off = list(f.source_box.offsets)
+        src_size = list(f.source_box.sizes)
+        for i, p in enumerate(f.perm):
+            src_off[p] += rel.offsets[i]
+            src_size[p] = rel.sizes[i]
+        shift = [0] * v.ndim
+        shift[dim] = -start
+        frags.append(Frag(f.source, Box(tuple(src_off), tuple(src_size)), hit.shift(shift), f.perm,
+                          f.casts))
+    shape = list(v.shape)
+    shape[dim] = stop - start
+    return VTensor(tuple(shape), v.dtype, tuple(frags), v.source_dtypes)
+
+
+def concat(parts: Sequence[VTensor], dim: int) -> VTensor:
+    """Concatenate along ``dim`` (the caller has checked dtypes and the other dims)."""
+    frags = []
+    at = 0
+    for part in parts:
+        shift = [0] * part.ndim
+        shift[dim] = at
+        frags += [Frag(f.source, f.source_box, f.box.shift(shift), f.perm, f.casts) for f in part.frags]
+        at += part.shape[dim]
+    shape = list(parts[0].shape)
+    shape[dim] = at
+    dtypes = tuple(dict.fromkeys(sd for p in parts for sd in p.source_dtypes))
+    return VTensor(tuple(shape), parts[0].dtype, tuple(frags), dtypes)
+
+
+def permute(v: VTensor, perm: Sequence[int]) -> VTensor:
+    """New dim i is old dim ``perm[i]``."""
+    frags = tuple(Frag(f.source, f.source_box, f.box.permute(perm), tuple(f.perm[p] for p in perm),
+                       f.casts) for f in v.frags)
+    return VTensor(tuple(v.shape[p] for p in perm), v.dtype, frags, v.source_dtypes)
+
+
+def cast(v: VTensor, dtype: str) -> VTensor:
+    """Cast every fragment to ``dtype`` (after the casts it already carries)."""
+    if dtype == v.dtype:
+        return v
+    frags = tuple(Frag(f.source, f.source_box, f.box, f.perm, f.casts + (dtype,)) for f in v.frags)
+    return VTensor(v.shape, dtype, frags, v.source_dtypes)
+
+
+def to_pieces(v: VTensor) -> tuple[Piece, ...]:
+    """The fragments as pieces: identity permutations as None, cast chains simplified."""
+    src_dtype = dict(v.source_dtypes)
+    out = []
+    for f in v.frags:
+        if f.box.empty:
+            continue
+        perm = None if f.perm == tuple(range(len(f.perm))) else f.perm
+        out.append(Piece(f.source, f.source_box, f.box, perm, simplify_casts(src_dtype[f.source],
+                                                                              f.casts)))
+    return tuple(out)

@@ -1,0 +1,322 @@
+"""ReplicaSync: keep tensor-parallel replicated parameters identical across the group.
+
+Call sequence (every rank of ``group`` makes the same calls, in the same order)::
+
+    sync = ReplicaSync(model, optimizer, group)   # preflight: one all_gather_object of the layout
+    sync.broadcast_now()                           # after init or checkpoint load
+    handle = sync.attach()                         # optimizer hooks, every `interval` steps:
+        # pre-step:  grads (mean / sum / broadcast), unless sync_grads() already ran this step
+        # post-step: params + fp32 masters + optimizer states (broadcast / mean)
+    sync.sync_grads()                              # optional, before grad clipping
+    handle.remove()
+
+Three operations are kept apart (see the design notes): summing partial grads (correctness, every
+step), averaging grads of redundant replicas (a safety net), and repairing params, masters and moments
+(broadcast, exact and idempotent, or mean). A parameter and its master stay consistent: broadcast moves
+both; mean averages the master in fp32 and re-derives the parameter (``param.copy_(master)``).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import Any, Literal
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..errors import ReplicaError
+from ..exec.phases import agree, group_rank, group_size, is_distributed
+from .buckets import Bucket, Op, PhasePlan, SyncPlan
+from .engine import Item, SyncStats, build_buckets, items_for, run_buckets
+from .select import SelectorLike, Selection, resolve_selector
+from .targets import Entry, MasterParams, Target, check_same, describe, local, resolve_targets
+
+__all__ = ["ReplicaSync", "HookHandle", "SyncMode", "GradMode", "DEFAULT_BUCKET_BYTES",
+           "DEFAULT_STATES", "check_group"]
+
+log = logging.getLogger(__name__)
+
+SyncMode = Literal["broadcast", "mean"]
+GradMode = Literal["mean", "sum", "broadcast"]
+DEFAULT_BUCKET_BYTES = 64 << 20
+DEFAULT_STATES: tuple[str, ...] = ("exp_avg", "exp_avg_sq")
+
+
+class HookHandle:
+    """Removes the optimizer hooks installed by :meth:`ReplicaSync.attach` (also a context manager)."""
+
+    def __init__(self, handles: Sequence[Any], on_remove: Any) -> None:
+        self._handles = list(handles)
+        self._on_remove = on_remove
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+        self._on_remove()
+
+    def __enter__(self) -> HookHandle:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.remove()
+
+
+def check_group(group: Any) -> None:
+    """Raise ReplicaError when ``group`` cannot be used from this process."""
+    if group is not None and not (dist.is_available() and dist.is_initialized()):
+        raise ReplicaError("a group was given but torch.distributed is not initialized; call "
+                           "init_process_group first, or pass group=None for a single process")
+    if group is not None and dist.get_rank(group) < 0:
+        raise ReplicaError("this process is not a member of the given group; build ReplicaSync "
+                           "only on the group's ranks")
+
+
+def _validate(params: Any, grads: Any, states_mode: Any, states: Any, src: Any, world: int,
+              interval: Any, bucket_bytes: Any) -> None:
+    problems = []
+    if params not in ("broadcast", "mean", None):
+        problems.append(f"params={params!r}: use 'broadcast', 'mean' or None")
+    if grads not in (None, "mean", "sum", "broadcast"):
+        problems.append(f"grads={grads!r}: use None, 'mean', 'sum' or 'broadcast'")
+    if states_mode not in ("broadcast", "mean", None):
+        problems.append(f"states_mode={states_mode!r}: use 'broadcast', 'mean' or None (as params)")
+    if isinstance(states, str) or not all(isinstance(k, str) for k in states):
+        problems.append(f"optimizer_states={states!r}: use a tuple of state keys like {DEFAULT_STATES}")
+    elif {"param", "master", "grad"} & set(states):
+        problems.append(f"optimizer_states={states!r} names a non-state kind")
+    if not isinstance(src, int) or not 0 <= src < world:
+        problems.append(f"src={src!r}: must be a rank of the group, 0..{world - 1}")
+    if not isinstance(interval, int) or interval < 1:
+        problems.append(f"interval={interval!r}: must be an int >= 1")
+    elif grads == "sum" and interval != 1:
+        problems.append(f"grads='sum' with interval={interval}: partial grads must be summed on "
+                        "every step; use interval=1 (or grads='mean' for a periodic safety net)")
+    if not isinstance(bucket_bytes, int) or bucket_bytes < 1:
+        problems.append(f"bucket_bytes={bucket_bytes!r}: must be an int >= 1")
+    if problems:
+        raise ReplicaError("invalid ReplicaSync arguments:\n  " + "\n  ".join(problems))
+
+
+def _owner_entries(targets: Sequence[Target]) -> list[Entry]:
+    from ..layout import dtype_name
+
+    return [(t.name, "grad", tuple(local(t.owner).shape), dtype_name(t.owner.dtype),
+             local(t.owner).device.type, True) for t in targets]
+
+
+class ReplicaSync:
+    """Coalesced sync of TP-replicated params, fp32 masters, grads and optimizer states.
+
+    Constructing it is collective: every rank of ``group`` must construct it, and each rank's
+    selection (names, shapes, dtypes) is checked against the others' before anything moves.
+
+    Args:
+        model: the module on this rank.
+        optimizer: the optimizer that steps the model (or its masters); needed for ``attach()`` and
+            optimizer states.
+        group: the TP process group; None is the default group. With one rank nothing moves.
+        selector: a :class:`Selection`, a predicate ``(name, param) -> bool``, or None for
+            ``select_replicated(model)``.
+        params: ``"broadcast"`` (from ``src``, exact), ``"mean"`` (sum in fp32, then divide), or None
+            (no param/master sync after the step).
+        src: the broadcast source, a rank of ``group``.
+        master_params: fp32 master per param: ``{param or name: master}``, ``callable(param) ->
+            master | None``, None, or ``"auto"`` (``optimizer._master_weights`` if it exists).
+        grads: None, ``"sum"`` (partial grads: every step), ``"mean"`` or ``"broadcast"``, before the step.
+        optimizer_states: state keys synced with the params (of the master when the optimizer steps
+            the master); ``()`` for none.
+        states_mode: how states are synced; None follows ``params``.
+        interval: sync every this many optimizer steps.
+        bucket_bytes: bucket size limit (in communication bytes).
+        mesh_dim: TP dim of multi-dim DTensor meshes, for the default selection.
+
+    Raises:
+        ReplicaError: bad arguments or masters (on every rank together).
+        LayoutError: the ranks selected different tensors (names, shapes or dtypes differ).
+
+    Example:
+        >>> sync = ReplicaSync(model, optimizer, tp_group, grads="mean")  # doctest: +SKIP
+        >>> sync.broadcast_now()                                            # doctest: +SKIP
+        >>> handle = sync.attach()                                          # doctest: +SKIP
+        >>> print(sync.plan())                                              # doctest: +SKIP
+    """
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
+                 group: Any = None, *, selector: SelectorLike = None, params: SyncMode | None = "broadcast",
+                 src: int = 0, master_params: MasterParams = "auto", grads: GradMode | None = None,
+                 optimizer_states: Sequence[str] = DEFAULT_STATES, states_mode: SyncMode | None = None,
+                 interval: int = 1, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+                 mesh_dim: int | str | None = None) -> None:
+        check_group(group)
+        self.model, self.optimizer, self.group = model, optimizer, group
+        self.rank, self.world = group_rank(group), group_size(group)
+        self.params, self.grads, self.src, self.interval = params, grads, src, interval
+        self.states = tuple(optimizer_states) if not isinstance(optimizer_states, str) else ()
+        self.states_op: SyncMode | None = states_mode if states_mode is not None else params
+        self.bucket_bytes = bucket_bytes
+        self.stats = SyncStats()
+        found: dict[str, Any] = {}
+
+        def preflight() -> list[Entry]:
+            _validate(params, grads, states_mode, optimizer_states, src, self.world, interval,
+                      bucket_bytes)
+            found["selection"] = resolve_selector(model, selector, mesh_dim)
+            found["targets"] = resolve_targets(model, found["selection"].names, optimizer,
+                                               master_params)
+            return describe(found["targets"], ("param", "master"), optimizer) + \
+                _owner_entries(found["targets"])
+
+        check_same("replica sync preflight", agree("replica sync: preflight", preflight, group))
+        self.selection: Selection = found["selection"]
+        self._targets: list[Target] = found["targets"]
+        self._by_name = {t.name: t for t in self._targets}
+        self._grad_buckets = (build_buckets(items_for(self._targets, [("grad", grads)], optimizer),
+                                            bucket_bytes) if grads is not None else ())
+        self._states_fixed = False
+        self._post_buckets = build_buckets(self._post_items(with_states=False), bucket_bytes)
+        self._stepped = self._due = False
+        self._grad_marks: list[tuple[torch.Tensor | None, int]] | None = None
+        self._handle: HookHandle | None = None
+        log.info("replica sync: %d parameters over %d rank(s), %d collectives per synced step",
+                 len(self._targets), self.world, self.plan().collectives_per_step)
+
+    # --- what moves ---------------------------------------------------------------------------
+    def _post_items(self, *, with_states: bool, op: Op | None = None,
+                    state_op: Op | None = None) -> list[Item]:
+        """Items of the post-step phase: params/masters per the mode, then states (if fixed)."""
+        op = self.params if op is None else op
+        state_op = self.states_op if state_op is None else state_op
+        items: list[Item] = []
+        for t in self._targets:
+            wanted: list[tuple[str, Op]] = []
+            if op == "broadcast":
+                wanted += [("param", "broadcast"), ("master", "broadcast")]
+            elif op == "mean":  # average the master and re-derive the param, or the param alone
+                wanted.append(("master", "mean") if t.master is not None else ("param", "mean"))
+            if with_states and state_op is not None:
+                wanted += [(k, state_op) for k in self.states]
+            items += items_for([t], wanted, self.optimizer, missing_ok=True)
+        return items
+
+    def _ensure_states(self) -> None:
+        """Agree once on which optimizer states exist (after the optimizer has stepped)."""
+        if self._states_fixed or not self.states or self.optimizer is None:
+            return
+        per_rank = agree("replica sync: optimizer states",
+                         lambda: describe(self._targets, self.states, self.optimizer), self.group)
+        check_same("replica sync: optimizer states", per_rank)
+        if not (self._stepped or any(e[5] for entries in per_rank for e in entries)):
+            return  # the optimizer has not stepped yet: no state to agree on
+        self._states_fixed = True
+        self._post_buckets = build_buckets(self._post_items(with_states=True), self.bucket_bytes)
+
+    # --- explicit calls -----------------------------------------------------------------------
+    def sync_grads(self) -> None:
+        """Sync grads now (call before grad clipping); the pre-step hook then skips them this step.
+
+        Raises:
+            ReplicaError: ``grads=None``.
+            DistributedError: a rank failed during the exchange (raised on every rank).
+        """
+        if self.grads is None:
+            raise ReplicaError("sync_grads() with grads=None: pass grads='sum', 'mean' or 'broadcast'")
+        self.stats.grad_syncs += 1
+        if is_distributed(self.group):
+            run_buckets("replica sync: grads", self._grad_buckets, self._by_name, self.optimizer,
+                        group=self.group, src=self.src, rank=self.rank, world=self.world,
+                        stats=self.stats)
+        self._grad_marks = self._marks()
+
+    def sync_params(self) -> None:
+        """Sync params, masters and optimizer states now, as the post-step hook does."""
+        self.stats.param_syncs += 1
+        if not is_distributed(self.group):
+            return
+        self._ensure_states()
+        run_buckets("replica sync: params", self._post_buckets, self._by_name, self.optimizer,
+                    group=self.group, src=self.src, rank=self.rank, world=self.world, stats=self.stats)
+        if self.params == "mean":
+            with torch.no_grad():
+                for t in self._targets:
+                    if t.master is not None:
+                        local(t.param).copy_(local(t.master))
+
+    def broadcast_now(self) -> None:
+        """Broadcast params, masters and optimizer states from ``src`` (after init or checkpoint load).
+
+        The optimizer-state layout is agreed again, since a checkpoint load replaces the states.
+        """
+        if not is_distributed(self.group):
+            return
+        self._states_fixed = False
+        self._ensure_states()
+        items = self._post_items(with_states=self._states_fixed, op="broadcast", state_op="broadcast")
+        run_buckets("replica sync: broadcast", build_buckets(items, self.bucket_bytes), self._by_name,
+                    self.optimizer, group=self.group, src=self.src, rank=self.rank, world=self.world,
+                    stats=self.stats)
+
+    def plan(self) -> SyncPlan:
+        """Tensors, bytes, buckets and collectives of a synced step (local, moves nothing)."""
+        post, pending = self._post_buckets, ""
+        if not self._states_fixed and self.states and self.states_op is not None:
+            post = build_buckets(self._post_items(with_states=True), self.bucket_bytes)
+            pending = ("optimizer states are counted as present on this rank now; their layout is "
+                       "fixed at the first synced step")
+        phases = (PhasePlan("grads", "before optimizer.step", self._grad_buckets),
+                  PhasePlan("params", "after optimizer.step", post))
+        return SyncPlan(phases, self.world, self.interval, pending)
+
+    @property
+    def buckets(self) -> tuple[Bucket, ...]:
+        """The buckets of a synced step (grads, then params), as agreed so far."""
+        return tuple(self._grad_buckets) + tuple(self._post_buckets)
+
+    # --- hooks --------------------------------------------------------------------------------
+    def attach(self) -> HookHandle:
+        """Install the optimizer step hooks; return a handle whose ``remove()`` uninstalls them.
+
+        Raises:
+            ReplicaError: no optimizer was given, or the hooks are already attached.
+        """
+        if self.optimizer is None:
+            raise ReplicaError("attach() needs the optimizer: ReplicaSync(model, optimizer, ...)")
+        if self._handle is not None:
+            raise ReplicaError("already attached; call remove() on the handle first")
+        pre = self.optimizer.register_step_pre_hook(self._pre_step)
+        post = self.optimizer.register_step_post_hook(self._post_step)
+        self._handle = HookHandle((pre, post), self._detached)
+        return self._handle
+
+    def _detached(self) -> None:
+        self._handle = None
+
+    def _marks(self) -> list[tuple[torch.Tensor | None, int]]:
+        marks = []
+        for t in self._targets:
+            g = t.owner.grad
+            marks.append((g, g._version if g is not None else -1))
+        return marks
+
+    def _grads_unchanged(self) -> bool:
+        if self._grad_marks is None:
+            return False
+        return all(a is b and va == vb for (a, va), (b, vb) in zip(self._grad_marks, self._marks()))
+
+    def _pre_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        self.stats.steps += 1
+        self._due = self.stats.steps % self.interval == 0
+        if self._due and self.grads is not None and not self._grads_unchanged():
+            self.sync_grads()
+
+    def _post_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        self._stepped = True
+        self._grad_marks = None
+        if self._due and (self.params is not None or (self.states and self.states_op is not None)):
+            self.sync_params()
+
+    def __repr__(self) -> str:
+        return (f"ReplicaSync({len(self._targets)} params, world={self.world}, params={self.params!r}, "
+                f"grads={self.grads!r}, states={self.states}, interval={self.interval})")
