@@ -1,5 +1,7 @@
-"""Layer package."""
+"""Layer 5: sinks and sources (safetensors writer)."""
 
 from __future__ import annotations
 
-__all__: list[str] = []
+from .safetensors_writer import SafetensorsWriter, WriteResult, parse_size, save_safetensors
+
+__all__ = ["SafetensorsWriter", "WriteResult", "parse_size", "save_safetensors"]
