@@ -122,9 +122,13 @@ def dense_run(statements: Sequence[Statement], sources: Mapping[str, torch.Tenso
             continue
         ins = []
         for n in st.left:
+            if n.text in bound or n.text in sources:  # also `s^T` bound by an expanded statement
+                ins.append(bound[n.text] if n.text in bound else sources[n.text])
+                live.pop(n.text, None)
+                continue
             base = n.text.removesuffix("^T")
             x = bound[base] if base in bound else sources[base]
-            ins.append(x.permute(*range(x.dim() - 1, -1, -1)) if n.text.endswith("^T") else x)
+            ins.append(x.permute(*range(x.dim() - 1, -1, -1)))
             live.pop(base, None)
         outs = _apply(st, ins, shards or {})
         for n, v in zip(st.right, outs):

@@ -103,9 +103,9 @@ def test_unknown_dtype() -> None:
     _one(["s0 -> a, dtype='float17'"], 0, 9, "unknown dtype 'float17'")
 
 
-def test_src_dtype_must_match() -> None:
-    _one(["s0 -> a, src_dtype='float16', dst_dtype='float32'"], 0, 0, "src_dtype='float16' but 's0' is "
-         "float32")
+def test_src_and_dst_dtype_go_together() -> None:
+    _one(["s0 -> a, src_dtype='float16'"], 0, 0, "src_dtype and dst_dtype go together")
+    _one(["s0 -> a, src_dtype='float16', dst_dtype='float8'"], 0, 30, "unknown dtype 'float8'")
 
 
 def test_duplicate_output() -> None:

@@ -403,6 +403,12 @@ CASES = [
          ["gate, up -> W, fused_ffn"],
          {"gate": inp([3, 5]), "up": inp([3, 5])}),
 
+    case("fused_ffn_reverse_mode",
+         ["W -> gate, up, fused_ffn"],
+         {"gate": inp([3, 5]), "up": inp([3, 5])}, reverse=True,
+         defect="as fused_qkv_old_reverse_mode: get_src_state_shard_num(None) (macros.py:434-437) -> "
+                "AttributeError. Intended: W = [gate | up]."),
+
     # ---- macros: ids, offset, star, array -------------------------------------------------------
     case("layer_id_several_layers",
          ["layers.$LAYER_ID.w -> model.layers.$LAYER_ID.weight"],

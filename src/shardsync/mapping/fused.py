@@ -35,7 +35,7 @@ def _head_dim(st: Statement, w: VTensor, dim: int, h: int, g: int) -> int:
 
 
 def _check_qkv(st: Statement, q: VTensor, k: VTensor, v: VTensor, dim: int, h: int, g: int) -> int:
-    _concat_statement(st, [q, k, v])  # same dtype and other dims, or a clear error
+    _concat_statement(st, [q, k, v], dim)  # same dtype and other dims, or a clear error
     d = q.shape[dim] // h
     if q.shape[dim] != h * d or k.shape[dim] != g * d or v.shape[dim] != g * d:
         raise StatementError(f"q, k, v sizes {q.shape[dim]}, {k.shape[dim]}, {v.shape[dim]} along dim "
@@ -84,7 +84,7 @@ def _qkv_old(st: Statement, ins: Sequence[VTensor], dim: int, count: ShardCount)
 
 def _ffn(st: Statement, ins: Sequence[VTensor], dim: int, count: ShardCount) -> list[VTensor]:
     if len(ins) == 2:
-        _concat_statement(st, ins)
+        _concat_statement(st, ins, dim)
         return [_blocked_join(st, ins, dim, count(st.right[0].text, None, dim, False))]
     t = count(st.left[0].text, ins[0], dim, True)
     blocks = split_equal(ins[0], dim, 2 * t, f"fused_ffn on {st.left[0].text!r} with {t} shards")

@@ -11,7 +11,6 @@ side's names match against destination keys, which only a destination layout pro
 
 from __future__ import annotations
 
-import itertools
 import re
 from collections.abc import Sequence
 from dataclasses import replace
@@ -88,7 +87,7 @@ def _expand_placeholders(st: Statement, src_keys: Sequence[str], dst_keys: Seque
                              f"(${', $'.join(phs)})", n)
 
     def combos(name: Name) -> set[tuple[int, ...]]:
-        regex = re.escape(name.text.removesuffix(_T))
+        regex = re.escape(name.text.removesuffix(_T)).replace(re.escape("*"), "\\d+")
         for ph in phs:
             regex = regex.replace(re.escape("$" + ph), f"(?P<{ph}>\\d+)", 1)
             regex = regex.replace(re.escape("$" + ph), f"(?P={ph})")
@@ -99,14 +98,14 @@ def _expand_placeholders(st: Statement, src_keys: Sequence[str], dst_keys: Seque
     if not found:
         raise _MacroFail(f"{first.text!r} matches no {'source' if keys is src_keys else 'destination'} "
                          "key", first, (f"keys look like {sorted(keys)[:3]}",))
-    values = [sorted({c[i] for c in found}) for i in range(len(phs))]
     for other in carriers[1:]:
-        got = combos(other)
-        if [sorted({c[i] for c in got}) for i in range(len(phs))] != values:
+        if combos(other) != found:
             raise _MacroFail(f"{other.text!r} matches other ${'/$'.join(phs)} values than "
                              f"{first.text!r}", other)
     out = []
-    for combo in itertools.product(*values):  # placeholder names sorted: EXPERT_ID varies slowest
+    # Only the combinations present (ragged experts per layer work); placeholder names sorted, so
+    # EXPERT_ID varies slowest, as in Paddle.
+    for combo in sorted(found):
         def sub(n: Name, combo: tuple[int, ...] = combo) -> Name:
             text = n.text
             for ph, v in zip(phs, combo):

@@ -7,8 +7,8 @@ not dropped, sorted by name; a source read by two statements (tied weights) feed
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
 
 from ..errors import MappingError
 from ..layout.meta import GlobalLayout
@@ -37,6 +37,7 @@ class _Run:
     live: dict[str, None]  # ordered set of output candidates
     diags: list[Diagnostic]
     failed: set[str]  # names bound by a failed statement: their readers report nothing more
+    tolerate: Callable[[str], bool]  # unknown names that skip their statement silently
 
     def fail(self, st: Statement, e: StatementError) -> None:
         self.diags.append(Diagnostic(e.message, st.index, st.text, e.name.col if e.name else 0,
@@ -46,7 +47,7 @@ class _Run:
     def lookup(self, st: Statement, i: int) -> VTensor | None:
         name = st.left[i]
         found = self.bound.get(name.text) or self.sources.get(name.text)
-        if found is None and name.text not in self.failed:
+        if found is None and name.text not in self.failed and not self.tolerate(name.text):
             known = list(self.bound) + list(self.sources)
             self.diags.append(Diagnostic(f"unknown name {name.text!r}{suggest(name.text, known)}",
                                          st.index, st.text, name.col, name.text))
@@ -102,6 +103,14 @@ def _run_statement(run: _Run, st: Statement) -> None:
         return
     for n in st.left:
         run.live.pop(n.text, None)
+    shadowed = [n for n in st.right if n.text in run.sources and n.text in run.live
+                and n.text not in {m.text for m in st.left}]
+    if shadowed:
+        n = shadowed[0]
+        run.fail(st, StatementError(f"{n.text!r} is also a source that no statement consumes: both "
+                                    "would be outputs of that name", n,
+                                    (f"drop the source first (`{n.text} -> _`) or choose another name",)))
+        return
     for n, v in zip(st.right, outputs):
         if n.text != "_":
             run.bound[n.text] = v
@@ -110,46 +119,44 @@ def _run_statement(run: _Run, st: Statement) -> None:
 
 def resolve_program(statements: Sequence[Statement], layout: GlobalLayout, *,
                     dest: GlobalLayout | None = None, reverse: bool = False, keys: Sequence[str] | None = None,
+                    tolerate: Callable[[str], bool] = lambda name: False,
                     ) -> tuple[dict[str, VTensor], list[Diagnostic]]:
-    """Expand and evaluate ``statements`` over the sources ``keys`` (default: every layout key)."""
+    """Expand and evaluate ``statements`` over the sources ``keys`` (default: every layout key).
+
+    ``tolerate(name)`` says which unknown names skip their statement (and its dependents) silently.
+    """
     keys = layout.keys() if keys is None else list(keys)
     expanded, diags = expand_macros(statements, keys, dest.keys() if dest else None, reverse=reverse)
     if reverse:
+        diags += [Diagnostic("dtype= is one-way and cannot run in reverse", st.index, st.text,
+                             next(a.col for a in st.attrs if a.key == "dtype"), "dtype",
+                             ("write src_dtype='<checkpoint dtype>', dst_dtype='<model dtype>'",))
+                  for st in expanded if st.has("dtype")]
         expanded = reverse_program(expanded)
     sources = {k: source_tensor(k, layout[k].shape, layout[k].dtype) for k in keys}
-    run = _Run(layout, dest, sources, {}, dict.fromkeys(keys), diags, set())
+    run = _Run(layout, dest, sources, {}, dict.fromkeys(keys), diags, set(), tolerate)
     for st in expanded:
         _run_statement(run, st)
     values = {**run.sources, **run.bound}
     return {name: values[name] for name in sorted(run.live)}, run.diags
 
 
-def _split_optimizer_keys(keys: Sequence[str], named: set[str]) -> tuple[list[str], dict[str, list[str]]]:
-    model, states = [], {}
-    keyset = set(keys)
-    for k in keys:
-        sfx = next((s for s in OPTIMIZER_SUFFIXES + SCALAR_SUFFIXES
-                    if k.endswith(s) and (k[:-len(s)] in keyset or k[:-len(s)] in named)), None)
-        if sfx is None:
-            model.append(k)
-        else:
-            states.setdefault(sfx, []).append(k)
-    return model, states
-
-
 def resolve(mapping: MappingLike | None, layout: GlobalLayout, *, dest: GlobalLayout | None = None,
-            reverse: bool | None = None) -> list[TargetSpec]:
+            reverse: bool | None = None, state_suffixes: Sequence[str] = OPTIMIZER_SUFFIXES,
+            scalar_suffixes: Sequence[str] = SCALAR_SUFFIXES) -> list[TargetSpec]:
     """Resolve ``mapping`` against ``layout``: every target, sorted by name, as pieces.
 
-    Optimizer-state keys (``<key>.moment1_0`` ...) follow their parameter's mapping; scalar states
-    are copied whole from the first source of each target. With ``mapping=None`` every source key is
-    a target of its own.
+    Optimizer-state keys ``<key><suffix>`` follow ``<key>``'s mapping (a state key is one whose stem
+    is a source key or a name in the program); scalar states are copied whole from the first source
+    of each target. With ``mapping=None`` every source key is a target of its own.
 
     Args:
         mapping: anything :meth:`Mapping.parse` takes, or None.
         layout: the global layout of the sources.
         dest: a destination layout, for forms that need one (``*`` on the right, re-blocking).
         reverse: overrides the mapping's own reverse flag.
+        state_suffixes: suffixes of states shaped like their parameter (Paddle's by default).
+        scalar_suffixes: suffixes of scalar states; pass ``()`` for both to treat no key as a state.
 
     Raises:
         MappingError: every problem of the program, each naming statement, column and name.
@@ -162,48 +169,50 @@ def resolve(mapping: MappingLike | None, layout: GlobalLayout, *, dest: GlobalLa
     """
     program = Mapping.parse(mapping if mapping is not None else [], reverse=reverse)
     named = {n.text for st in program.statements for n in st.left + st.right}
-    model_keys, states = _split_optimizer_keys(layout.keys(), named)
+    model_keys, states = _split_state_keys(layout.keys(), named, tuple(state_suffixes),
+                                           tuple(scalar_suffixes))
+    stems = {k[:-len(sfx)] for sfx, ks in states.items() for k in ks}
     outputs, diags = resolve_program(program.statements, layout, dest=dest, reverse=program.reverse,
-                                     keys=model_keys)
+                                     keys=model_keys, tolerate=stems.__contains__)
     if diags:
         raise MappingError(sorted(diags, key=lambda d: d.index))
     targets = {name: _spec(name, v) for name, v in outputs.items()}
-    for sfx, state_keys in states.items():
-        targets.update(_state_targets(program, layout, sfx, state_keys, outputs))
+    firsts = {name: v.frags[0].source for name, v in outputs.items() if v.frags}
+    for sfx in (s for s in states if s not in scalar_suffixes):
+        renamed = GlobalLayout({k[:-len(sfx)]: replace(layout[k], key=k[:-len(sfx)]) for k in states[sfx]},
+                               layout.world_size)
+        state_out, _ = resolve_program(program.statements, renamed, reverse=program.reverse,
+                                       tolerate=lambda name: True)  # params without this state
+        for name, v in state_out.items():
+            targets[name + sfx] = TargetSpec(name + sfx, v.shape, v.dtype,
+                                             tuple(_suffixed(p, sfx) for p in to_pieces(v)))
+            firsts.setdefault(name, v.frags[0].source if v.frags else "")
+    for sfx in (s for s in states if s in scalar_suffixes):
+        have = set(states[sfx])
+        for name, first in firsts.items():
+            if first + sfx in have:
+                m = layout[first + sfx]
+                targets[name + sfx] = _spec(name + sfx, source_tensor(first + sfx, m.shape, m.dtype))
     return [targets[k] for k in sorted(targets)]
+
+
+def _split_state_keys(keys: Sequence[str], named: set[str], shaped: tuple[str, ...],
+                      scalars: tuple[str, ...]) -> tuple[list[str], dict[str, list[str]]]:
+    model, states = [], {}
+    keyset = set(keys)
+    for k in keys:
+        sfx = next((s for s in shaped + scalars
+                    if k.endswith(s) and (k[:-len(s)] in keyset or k[:-len(s)] in named)), None)
+        if sfx is None:
+            model.append(k)
+        else:
+            states.setdefault(sfx, []).append(k)
+    return model, states
 
 
 def _spec(name: str, v: VTensor) -> TargetSpec:
     return TargetSpec(name, v.shape, v.dtype, to_pieces(v))
 
 
-def _state_targets(program: Mapping, layout: GlobalLayout, sfx: str, state_keys: list[str],
-                   model_outputs: dict[str, VTensor]) -> dict[str, TargetSpec]:
-    present = {k[:-len(sfx)] for k in state_keys}
-    if sfx in SCALAR_SUFFIXES:
-        out = {}
-        for name, v in model_outputs.items():
-            first = v.frags[0].source if v.frags else None
-            if first in present:
-                m = layout[first + sfx]
-                out[name + sfx] = _spec(name + sfx, source_tensor(first + sfx, m.shape, m.dtype))
-        return out
-    # Same program over the states, with each state key standing in for its parameter's key.
-    renamed = GlobalLayout({k[:-len(sfx)]: _renamed(layout[k], k[:-len(sfx)]) for k in state_keys},
-                           layout.world_size)
-    live = [st for st in program.statements]
-    outputs, diags = resolve_program(live, renamed, reverse=program.reverse)
-    if diags:  # statements over parameters without this state (buffers, frozen params) do not apply
-        outputs = {n: v for n, v in outputs.items() if n in model_outputs or n in present}
-    return {name + sfx: TargetSpec(name + sfx, v.shape, v.dtype,
-                                   tuple(_suffix_piece(p, sfx) for p in to_pieces(v)))
-            for name, v in outputs.items()}
-
-
-def _renamed(meta, key):  # type: ignore[no-untyped-def]
-    from dataclasses import replace
-    return replace(meta, key=key)
-
-
-def _suffix_piece(p: Piece, sfx: str) -> Piece:
+def _suffixed(p: Piece, sfx: str) -> Piece:
     return Piece(p.source + sfx, p.source_box, p.target_box, p.perm, p.casts)
