@@ -99,3 +99,22 @@ def test_writer_closed_twice(tmp_path: Path) -> None:
     w.close()
     with pytest.raises(FormatError, match="already closed"):
         w.close()
+
+
+def test_reader_layout_from_headers_and_tensors(tmp_path: Path) -> None:
+    from shardsync.io import checkpoint_files, read_layout, read_tensors
+
+    tensors = [(f"w{i}", arange_tensor((3, i + 1), torch.bfloat16)) for i in range(4)]
+    save_safetensors(tensors, tmp_path, max_shard_bytes=20)
+    assert len(checkpoint_files(tmp_path)) == 3  # 6+12 | 18 | 24 bytes
+    assert checkpoint_files(tmp_path / "model.safetensors.index.json") == checkpoint_files(tmp_path)
+    lay = read_layout(tmp_path)
+    assert lay.keys() == ["w0", "w1", "w2", "w3"] and lay["w3"].shape == (3, 4)
+    assert lay["w3"].dtype == "bfloat16"
+    back = read_tensors(tmp_path)
+    assert all(torch.equal(back[k], t) for k, t in tensors)
+    (tmp_path / "model-00002-of-00003.safetensors").unlink()
+    with pytest.raises(FormatError, match="names missing files: model-00002-of-00003.safetensors"):
+        read_layout(tmp_path)
+    with pytest.raises(FormatError, match="does not exist"):
+        read_layout(tmp_path / "nope")

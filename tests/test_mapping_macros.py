@@ -167,3 +167,28 @@ def test_star_on_the_destination_side_uses_the_destination_layout() -> None:
     out = _run(["all -> out.*, axis=0"], src, dest=dest)
     assert list(out) == ["out.0", "out.1", "out.2"]
     assert torch.equal(out["out.2"], src["all"][2:])
+
+
+def test_yaml_file_and_reverse_flag(tmp_path: Path) -> None:
+    (tmp_path / "m.yaml").write_text("aoa_statements:\n  - hf.a -> a\naoa_config_reverse: true\n")
+    m = Mapping.parse(tmp_path / "m.yaml")
+    assert m.reverse and m.text() == "hf.a -> a"
+    out = _run(m, {"a": arange_tensor((2,))})
+    assert list(out) == ["hf.a"]
+
+
+def test_explain_lists_pieces_per_target() -> None:
+    from shardsync.mapping.explain import explain
+
+    text = explain({"qkv": torch.zeros(3, 12, dtype=torch.float16)},
+                   ["qkv -> q, k, v, fused_qkv, num_heads=2, num_key_value_groups=1",
+                    "q^T -> qt", "qt -> qt, dtype='float32'"])
+    assert text.splitlines() == [
+        "k  [3, 3] float16  (1 piece from qkv)",
+        "    qkv[0:3, 6:9] -> [0:3, 0:3]",
+        "qt  [6, 3] float32  (1 piece from qkv)",
+        "    qkv[0:3, 0:6] -> [0:6, 0:3]  permute [1, 0]  cast float32",
+        "v  [3, 3] float16  (1 piece from qkv)",
+        "    qkv[0:3, 9:12] -> [0:3, 0:3]",
+        "3 targets, 0.00 MiB",
+    ]
