@@ -29,20 +29,36 @@ __all__ = ["is_distributed", "group_rank", "group_size", "agree", "data_phase"]
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 _STORE_PREFIX = "shardsync/failure"
+_occurrences: dict[tuple[str, str], int] = {}
 
 
 def is_distributed(group: Any = None) -> bool:
-    """Whether collectives are needed: torch.distributed is up and the group has several ranks."""
+    """Whether collectives are needed: torch.distributed is up and the group has several ranks.
+
+    Example:
+        >>> is_distributed()   # a plain process
+        False
+    """
     return dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1
 
 
 def group_rank(group: Any = None) -> int:
-    """This process's rank in ``group`` (0 when not distributed)."""
+    """This process's rank in ``group`` (0 when not distributed).
+
+    Example:
+        >>> group_rank()
+        0
+    """
     return dist.get_rank(group) if dist.is_available() and dist.is_initialized() else 0
 
 
 def group_size(group: Any = None) -> int:
-    """Number of ranks in ``group`` (1 when not distributed)."""
+    """Number of ranks in ``group`` (1 when not distributed).
+
+    Example:
+        >>> group_size()
+        1
+    """
     return dist.get_world_size(group) if dist.is_available() and dist.is_initialized() else 1
 
 
@@ -54,8 +70,16 @@ def _describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}{where}"
 
 
-def agree(phase: str, fn: Callable[[], T], group: Any = None) -> list[T]:
+def agree(phase: str, fn: Callable[[], T], group: Any = None, *, unanimous: bool = False) -> list[T]:
     """Run ``fn`` on every rank and gather the results; raise on all ranks if any rank failed.
+
+    Args:
+        phase: name used in errors.
+        fn: the local work; its result must be picklable.
+        group: process group (None: the default group).
+        unanimous: when every rank raised a :class:`ShardsyncError` with the same message (they all
+            saw the same bad input), re-raise that error itself on every rank, so callers can catch its
+            class (``LayoutError``, ``PlanError``...), instead of a :class:`DistributedError`.
 
     Returns:
         the results of all ranks, by group rank (a one-element list when not distributed).
@@ -63,6 +87,10 @@ def agree(phase: str, fn: Callable[[], T], group: Any = None) -> list[T]:
     Raises:
         DistributedError: one or more ranks raised; every rank raises the same error. A single
             process re-raises the original exception instead.
+
+    Example:
+        >>> agree("count keys", lambda: len(state))     # doctest: +SKIP
+        [12, 12]
     """
     if not is_distributed(group):
         return [fn()]
@@ -75,6 +103,9 @@ def agree(phase: str, fn: Callable[[], T], group: Any = None) -> list[T]:
     dist.all_gather_object(gathered, payload, group=group)
     failures = {r: msg for r, (ok, msg) in enumerate(gathered) if not ok}
     if failures:
+        same = len(failures) == len(gathered) and len(set(failures.values())) == 1
+        if unanimous and same and isinstance(local_exc, ShardsyncError):
+            raise local_exc
         raise DistributedError(phase, failures) from local_exc
     return [value for _, value in gathered]
 
@@ -86,20 +117,34 @@ def _store() -> Any:
         return None
 
 
-def _publish(phase: str, rank: int, message: str) -> None:
+def _group_name(group: Any) -> str:
+    g = group if group is not None else dist.group.WORLD
+    return str(getattr(g, "group_name", None) or "world")
+
+
+def _next_tag(phase: str, group: Any) -> str:
+    # Keys are per (group, phase, occurrence): a failure published in one phase never leaks into a
+    # later one. Every rank of a group enters the same phases in the same order, so tags agree.
+    key = (_group_name(group), phase)
+    n = _occurrences.get(key, 0)
+    _occurrences[key] = n + 1
+    return f"{key[0]}/{phase}/{n}"
+
+
+def _publish(tag: str, rank: int, message: str) -> None:
     store = _store()
     if store is not None:
         with contextlib.suppress(Exception):
-            store.set(f"{_STORE_PREFIX}/{rank}", f"{phase}: {message}")
+            store.set(f"{_STORE_PREFIX}/{tag}/{rank}", message)
 
 
-def _read_failures(world: int) -> dict[int, str]:
+def _read_failures(tag: str, ranks: list[int]) -> dict[int, str]:
     store = _store()
     found: dict[int, str] = {}
     if store is None:
         return found
-    for r in range(world):
-        key = f"{_STORE_PREFIX}/{r}"
+    for r in ranks:
+        key = f"{_STORE_PREFIX}/{tag}/{r}"
         with contextlib.suppress(Exception):
             if store.check([key]):
                 found[r] = store.get(key).decode()
@@ -113,27 +158,35 @@ def data_phase(phase: str, group: Any = None) -> Iterator[None]:
     A local exception is raised as a :class:`DistributedError` naming this rank (after publishing it
     for the peers); an exception from a collective (a peer died, timed out or raised) becomes a
     :class:`DistributedError` naming the ranks that reported a failure, or all other ranks if none
-    reported one.
+    reported one. A generator suspended inside the phase that is closed early (its caller stopped
+    iterating) publishes that, so the peers left waiting can name it.
+
+    Example:
+        >>> with data_phase("stream"):             # doctest: +SKIP
+        ...     dist.broadcast(t, src=0)
     """
     if not is_distributed(group):
         yield
         return
     rank = dist.get_rank()
+    tag = _next_tag(phase, group)
     try:
         yield
     except GeneratorExit:
+        _publish(tag, rank, f"stopped iterating during phase {phase!r} (the caller left the loop or "
+                            "raised)")
         raise
     except DistributedError:
         raise
     except Exception as exc:
         from_peer = _looks_like_comm_error(exc)
         if not from_peer:
-            _publish(phase, rank, _describe(exc))
+            _publish(tag, rank, _describe(exc))
             raise DistributedError(phase, {rank: _describe(exc)}) from exc
-        failures = {r: m for r, m in _read_failures(dist.get_world_size()).items() if r != rank}
+        members = dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)
+        failures = {r: m for r, m in _read_failures(tag, members).items() if r != rank}
         if not failures:
-            failures = {r: f"did not answer ({_describe(exc)})"
-                        for r in range(dist.get_world_size()) if r != rank}
+            failures = {r: f"did not answer ({_describe(exc)})" for r in members if r != rank}
         log.error("phase %r: collective failed on rank %d: %s", phase, rank, exc)
         raise DistributedError(phase, failures) from exc
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import torch
@@ -38,13 +38,13 @@ class Member:
     name: str
     kind: str
     shape: tuple[int, ...]
+    numel: int = field(init=False, compare=False)
 
-    @property
-    def numel(self) -> int:
+    def __post_init__(self) -> None:
         n = 1
         for s in self.shape:
             n *= s
-        return n
+        object.__setattr__(self, "numel", n)  # frozen: set once, read on every exchange
 
 
 @dataclass(frozen=True, slots=True)
@@ -122,32 +122,27 @@ def exchange(bucket: Bucket, tensors: Sequence[torch.Tensor | None], *, group: A
         per member, the result (in the bucket's dtype), or None where the member is absent on every
         rank (sum, mean) or on the source (broadcast); without flags every member has a result.
     """
-    numel = bucket.numel
-    n = len(bucket.members)
+    sizes = [m.numel for m in bucket.members]
+    numel = sum(sizes)
+    n = len(sizes)
     buf = torch.empty(numel + (n if bucket.flags else 0), dtype=bucket.dtype, device=bucket.device)
-    offset = 0
-    for member, t in zip(bucket.members, tensors):
-        seg = buf[offset:offset + member.numel]
+    segments = buf.split(sizes + [n] if bucket.flags else sizes)
+    for seg, t in zip(segments, tensors):
         if t is None:
             seg.zero_()
         else:
             seg.copy_(t.reshape(-1))
-        offset += member.numel
     if bucket.flags:
-        buf[numel:].copy_(torch.tensor([t is not None for t in tensors], dtype=bucket.dtype))
+        segments[n].copy_(torch.tensor([t is not None for t in tensors], dtype=bucket.dtype))
     if bucket.op == "broadcast":
         dist.broadcast(buf, src=src, group=group)
     else:
         dist.all_reduce(buf, op=dist.ReduceOp.SUM, group=group)
         if bucket.op == "mean":
             buf[:numel].div_(world)
-    present = buf[numel:].tolist() if bucket.flags else [1] * n
-    out: list[torch.Tensor | None] = []
-    offset = 0
-    for member, flag in zip(bucket.members, present):
-        out.append(buf[offset:offset + member.numel].view(member.shape) if flag else None)
-        offset += member.numel
-    return out
+    present = segments[n].tolist() if bucket.flags else [1] * n
+    return [seg.view(m.shape) if flag else None
+            for seg, m, flag in zip(segments, bucket.members, present)]
 
 
 @dataclass(frozen=True, slots=True)

@@ -129,7 +129,7 @@ def run_buckets(phase: str, buckets: Sequence[Bucket], targets: Mapping[str, Tar
     """
     tensors, problems = _lookup(buckets, targets, optimizer)
     src_global = global_src(group, src)
-    with data_phase(phase, group):
+    with data_phase(phase, group), torch.no_grad():  # params are leaves that require grad
         if problems:
             raise ReplicaError(f"{phase}: replicated tensors changed since the ranks agreed on them: "
                                f"{problems}; call broadcast_now() (or build a new ReplicaSync) after "

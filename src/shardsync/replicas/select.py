@@ -140,7 +140,7 @@ def tp_sharding(param: torch.Tensor, mesh_dim: int | str | None = None) -> str |
     if _is_dtensor(param):
         dim, label = _tp_mesh_dim(param, mesh_dim)
         placement = param.placements[dim]  # type: ignore[attr-defined]
-        return None if placement.is_replicate() else f"DTensor {placement} on mesh dim {label}"
+        return None if placement.is_replicate() else f"DTensor {placement!r} on mesh dim {label}"
     for attr in ("is_distributed", "tensor_model_parallel"):
         if getattr(param, attr, False) is True:
             return f"marked {attr}=True"

@@ -31,7 +31,8 @@ from ..exec.phases import agree, group_rank, group_size, is_distributed
 from .buckets import Bucket, Op, PhasePlan, SyncPlan
 from .engine import Item, SyncStats, build_buckets, items_for, run_buckets
 from .select import SelectorLike, Selection, resolve_selector
-from .targets import Entry, MasterParams, Target, check_same, describe, local, resolve_targets
+from .targets import (Entry, MasterParams, Target, check_same, describe, kind_order, local,
+                      resolve_targets)
 
 __all__ = ["ReplicaSync", "HookHandle", "SyncMode", "GradMode", "DEFAULT_BUCKET_BYTES",
            "DEFAULT_STATES", "check_group"]
@@ -101,10 +102,9 @@ def _validate(params: Any, grads: Any, states_mode: Any, states: Any, src: Any, 
 
 
 def _owner_entries(targets: Sequence[Target]) -> list[Entry]:
-    from ..layout import dtype_name
-
-    return [(t.name, "grad", tuple(local(t.owner).shape), dtype_name(t.owner.dtype),
-             local(t.owner).device.type, True) for t in targets]
+    """Which tensor the optimizer steps (and whose grad and states sync), per target."""
+    return [(t.name, "stepped", (), "master" if t.owner is t.master else "param", "-", True)
+            for t in targets]
 
 
 class ReplicaSync:
@@ -169,26 +169,32 @@ class ReplicaSync:
             return describe(found["targets"], ("param", "master"), optimizer) + \
                 _owner_entries(found["targets"])
 
-        check_same("replica sync preflight", agree("replica sync: preflight", preflight, group))
+        check_same("replica sync preflight",
+                   agree("replica sync: preflight", preflight, group, unanimous=True))
         self.selection: Selection = found["selection"]
         self._targets: list[Target] = found["targets"]
         self._by_name = {t.name: t for t in self._targets}
         self._grad_buckets = (build_buckets(items_for(self._targets, [("grad", grads)], optimizer),
                                             bucket_bytes) if grads is not None else ())
+        # the agreed layout: every later exchange is checked against it, never rebuilt from live tensors
+        self._agreed: dict[tuple[str, str], Item] = {}
+        self._remember([("param", "broadcast"), ("master", "broadcast")])
         self._states_fixed = False
-        self._post_buckets = build_buckets(self._post_items(with_states=False), bucket_bytes)
-        self._stepped = self._due = False
-        self._grad_marks: list[tuple[torch.Tensor | None, int]] | None = None
+        self._post_buckets = build_buckets(self._post_items(self.params, None), bucket_bytes)
+        self._stepped = self._due = self._grads_done = False
         self._handle: HookHandle | None = None
         log.info("replica sync: %d parameters over %d rank(s), %d collectives per synced step",
                  len(self._targets), self.world, self.plan().collectives_per_step)
 
     # --- what moves ---------------------------------------------------------------------------
-    def _post_items(self, *, with_states: bool, op: Op | None = None,
-                    state_op: Op | None = None) -> list[Item]:
-        """Items of the post-step phase: params/masters per the mode, then states (if fixed)."""
-        op = self.params if op is None else op
-        state_op = self.states_op if state_op is None else state_op
+    def _remember(self, wanted: list[tuple[str, Op]]) -> None:
+        """Record the layout of these kinds as it is now (after the ranks agreed on it)."""
+        for item in items_for(self._targets, wanted, self.optimizer, missing_ok=True):
+            self._agreed[(item[3].name, item[3].kind)] = item
+
+    def _post_items(self, op: Op | None, state_op: Op | None) -> list[Item]:
+        """Items of the post-step phase, from the agreed layout: params/masters per ``op``, then
+        the agreed optimizer states per ``state_op``."""
         items: list[Item] = []
         for t in self._targets:
             wanted: list[tuple[str, Op]] = []
@@ -196,9 +202,12 @@ class ReplicaSync:
                 wanted += [("param", "broadcast"), ("master", "broadcast")]
             elif op == "mean":  # average the master and re-derive the param, or the param alone
                 wanted.append(("master", "mean") if t.master is not None else ("param", "mean"))
-            if with_states and state_op is not None:
+            if state_op is not None:
                 wanted += [(k, state_op) for k in self.states]
-            items += items_for([t], wanted, self.optimizer, missing_ok=True)
+            for kind, how in wanted:
+                known = self._agreed.get((t.name, kind))
+                if known is not None:  # absent on every rank otherwise
+                    items.append((how, known[1], known[2], known[3]))
         return items
 
     def _ensure_states(self) -> None:
@@ -208,14 +217,20 @@ class ReplicaSync:
         per_rank = agree("replica sync: optimizer states",
                          lambda: describe(self._targets, self.states, self.optimizer), self.group)
         check_same("replica sync: optimizer states", per_rank)
-        if not (self._stepped or any(e[5] for entries in per_rank for e in entries)):
-            return  # the optimizer has not stepped yet: no state to agree on
-        self._states_fixed = True
-        self._post_buckets = build_buckets(self._post_items(with_states=True), self.bucket_bytes)
+        for key in [k for k in self._agreed if k[1] in self.states]:
+            del self._agreed[key]
+        if self._stepped or any(e[5] for entries in per_rank for e in entries):
+            self._remember([(k, "broadcast") for k in self.states])
+            self._states_fixed = True  # else the optimizer has not stepped yet: try again next time
+        self._post_buckets = build_buckets(self._post_items(self.params, self.states_op),
+                                           self.bucket_bytes)
 
     # --- explicit calls -----------------------------------------------------------------------
     def sync_grads(self) -> None:
         """Sync grads now (call before grad clipping); the pre-step hook then skips them this step.
+
+        After this call the grads count as synced until the next ``optimizer.step()`` completes, so
+        in-place changes (clipping, unscaling) are never synced twice.
 
         Raises:
             ReplicaError: ``grads=None``.
@@ -228,14 +243,15 @@ class ReplicaSync:
             run_buckets("replica sync: grads", self._grad_buckets, self._by_name, self.optimizer,
                         group=self.group, src=self.src, rank=self.rank, world=self.world,
                         stats=self.stats)
-        self._grad_marks = self._marks()
+        self._grads_done = True  # clipping may rescale them in place: never sync them twice
 
     def sync_params(self) -> None:
         """Sync params, masters and optimizer states now, as the post-step hook does."""
         self.stats.param_syncs += 1
         if not is_distributed(self.group):
             return
-        self._ensure_states()
+        if self.states_op is not None:
+            self._ensure_states()
         run_buckets("replica sync: params", self._post_buckets, self._by_name, self.optimizer,
                     group=self.group, src=self.src, rank=self.rank, world=self.world, stats=self.stats)
         if self.params == "mean":
@@ -253,7 +269,7 @@ class ReplicaSync:
             return
         self._states_fixed = False
         self._ensure_states()
-        items = self._post_items(with_states=self._states_fixed, op="broadcast", state_op="broadcast")
+        items = self._post_items("broadcast", "broadcast")
         run_buckets("replica sync: broadcast", build_buckets(items, self.bucket_bytes), self._by_name,
                     self.optimizer, group=self.group, src=self.src, rank=self.rank, world=self.world,
                     stats=self.stats)
@@ -262,7 +278,12 @@ class ReplicaSync:
         """Tensors, bytes, buckets and collectives of a synced step (local, moves nothing)."""
         post, pending = self._post_buckets, ""
         if not self._states_fixed and self.states and self.states_op is not None:
-            post = build_buckets(self._post_items(with_states=True), self.bucket_bytes)
+            states = items_for(self._targets, [(k, self.states_op) for k in self.states],
+                               self.optimizer, missing_ok=True)
+            order = kind_order(("param", "master", *self.states))
+            items = sorted(self._post_items(self.params, None) + states,
+                           key=lambda it: (it[3].name, order[it[3].kind]))
+            post = build_buckets(items, self.bucket_bytes)
             pending = ("optimizer states are counted as present on this rank now; their layout is "
                        "fixed at the first synced step")
         phases = (PhasePlan("grads", "before optimizer.step", self._grad_buckets),
@@ -290,30 +311,23 @@ class ReplicaSync:
         self._handle = HookHandle((pre, post), self._detached)
         return self._handle
 
+    def detach(self) -> None:
+        """Remove the hooks installed by :meth:`attach` (no-op when not attached)."""
+        if self._handle is not None:
+            self._handle.remove()
+
     def _detached(self) -> None:
         self._handle = None
-
-    def _marks(self) -> list[tuple[torch.Tensor | None, int]]:
-        marks = []
-        for t in self._targets:
-            g = t.owner.grad
-            marks.append((g, g._version if g is not None else -1))
-        return marks
-
-    def _grads_unchanged(self) -> bool:
-        if self._grad_marks is None:
-            return False
-        return all(a is b and va == vb for (a, va), (b, vb) in zip(self._grad_marks, self._marks()))
 
     def _pre_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         self.stats.steps += 1
         self._due = self.stats.steps % self.interval == 0
-        if self._due and self.grads is not None and not self._grads_unchanged():
+        if self._due and self.grads is not None and not self._grads_done:
             self.sync_grads()
 
     def _post_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         self._stepped = True
-        self._grad_marks = None
+        self._grads_done = False
         if self._due and (self.params is not None or (self.states and self.states_op is not None)):
             self.sync_params()
 

@@ -176,7 +176,9 @@ def describe(targets: Sequence[Target], kinds: Sequence[str], optimizer: Any) ->
 
 def _fmt(e: Entry | None) -> str:
     if e is None:
-        return "not selected"
+        return "absent"
+    if e[1] == "stepped":
+        return f"the optimizer steps the {e[3]}"
     if not e[5]:
         return "absent"
     return f"shape {list(e[2])} {e[3]} on {e[4]}"
@@ -188,17 +190,27 @@ def check_same(phase: str, per_rank: Sequence[Sequence[Entry]], *, presence: boo
     Args:
         phase: what is being checked, for the message.
         per_rank: every rank's entries (from ``agree``), identical on all ranks.
-        presence: also require each tensor to be present on all ranks or on none.
+        presence: also require each tensor to be present on all ranks or on none (else only the
+            ranks where it is present are compared).
 
     Raises:
-        LayoutError: names each differing (name, kind) and what every rank has.
+        LayoutError: names each parameter selected on some ranks only, and each differing
+            (name, kind) with what every rank has.
     """
     tables = [{(e[0], e[1]): e for e in entries} for entries in per_rank]
-    keys = sorted(set().union(*tables), key=lambda k: (k[0], k[1]))
+    names = [{e[0] for e in entries} for entries in per_rank]
     problems = []
+    for name in sorted(set().union(*names)):
+        missing = [r for r, have in enumerate(names) if name not in have]
+        if missing:
+            have = [r for r in range(len(names)) if r not in missing]
+            problems.append(f"{name}: selected on rank(s) {have}, not on rank(s) {missing}")
+    keys = sorted(set().union(*tables), key=lambda k: (k[0], k[1]))
     for key in keys:
         seen = [t.get(key) for t in tables]
-        facts = {_fmt(e) if presence else _fmt(e if e is None else e[:5] + (True,)) for e in seen}
+        if any(key[0] not in have for have in names):
+            continue  # reported above, once per name
+        facts = {_fmt(e) for e in seen if presence or e is None or e[5]}
         if len(facts) > 1:
             by_rank = ", ".join(f"rank {r}: {_fmt(e)}" for r, e in enumerate(seen))
             problems.append(f"{key[0]} ({key[1]}): {by_rank}")

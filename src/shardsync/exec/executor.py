@@ -1,0 +1,229 @@
+"""The executor: runs a plan's steps on this rank and yields finished targets.
+
+Steps are pipelined ``plan.depth`` deep: step k+1 is *started* (its targets allocated, its packets
+packed and posted) before step k is *finished* (copies of local pieces, wait, copies of received
+pieces, buffers dropped, completed targets yielded). So while this rank copies - or its caller
+consumes a target - the next packets are already on the wire. Memory held is the open targets plus
+the buffers of the steps in flight, as :func:`shardsync.planning.estimate_costs` assumes.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ..layout.dtypes import to_torch_dtype
+from ..mapping.pieces import Piece
+from ..planning.costs import is_zero_copy
+from ..planning.model import Packet, Plan, Step
+from .assemble import LocalSource, copy_piece
+from .phases import data_phase
+from .transport import Pending, Received, Transport, unpack
+
+__all__ = ["execute", "Stats", "STREAM_PHASE"]
+
+log = logging.getLogger(__name__)
+
+#: Name of the data phase, as it appears in errors.
+STREAM_PHASE = "stream"
+
+
+@dataclass
+class Stats:
+    """Counters of one rank's stream, filled while it runs (read them after iteration).
+
+    Conventions match :class:`shardsync.planning.Costs`: a collective counts once per rank that calls it;
+    ``bytes_sent`` is this rank's own data handed to collectives or messages, ``bytes_received`` other
+    ranks' data it got; ``peak_bytes`` is the most the streamer held at once (targets being built and
+    communication buffers; yielded targets belong to the caller and are not counted).
+
+    Example:
+        >>> stream = shardsync.full_params(state)   # doctest: +SKIP
+        >>> for name, tensor in stream: ...         # doctest: +SKIP
+        >>> stream.stats.peak_bytes                 # doctest: +SKIP
+        8388608
+    """
+
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    collectives: int = 0
+    peak_bytes: int = 0
+    held_bytes: int = 0
+    targets: int = 0
+    bytes_yielded: int = 0
+    seconds: float = 0.0
+    plan_seconds: float = 0.0
+    _blocks: dict[int, int] = field(default_factory=dict, repr=False)
+
+    def hold(self, nbytes: int, tag: int | None = None) -> None:
+        """Count ``nbytes`` as held (an allocation); ``tag`` lets :meth:`release` find it again."""
+        self.held_bytes += nbytes
+        self.peak_bytes = max(self.peak_bytes, self.held_bytes)
+        if tag is not None:
+            self._blocks[tag] = self._blocks.get(tag, 0) + nbytes
+
+    def release(self, nbytes: int | None = None, tag: int | None = None) -> None:
+        """Stop counting ``nbytes`` (or everything held under ``tag``)."""
+        if tag is not None:
+            nbytes = self._blocks.pop(tag, 0)
+        self.held_bytes -= nbytes or 0
+
+    def summary(self) -> str:
+        """One line: targets, bytes, collectives, peak memory, seconds."""
+        rate = self.bytes_yielded / self.seconds / 1e9 if self.seconds > 0 else 0.0
+        return (f"{self.targets} targets, {self.bytes_yielded} B yielded in {self.seconds:.3f} s "
+                f"({rate:.2f} GB/s); sent {self.bytes_sent} B, received {self.bytes_received} B in "
+                f"{self.collectives} collectives; peak {self.peak_bytes} B held")
+
+
+def _step_tag(k: int) -> int:
+    return -(k + 1)  # memory-accounting tag of step k's buffers (targets use their index)
+
+
+class _Run:
+    """One rank's state while executing a plan; also the :class:`PacketIO` its transport uses."""
+
+    def __init__(self, plan: Plan, source: LocalSource, rank: int, stats: Stats,
+                 device: torch.device) -> None:
+        self.plan, self.source, self.rank, self.stats, self.device = plan, source, rank, stats, device
+        self.open: dict[int, torch.Tensor] = {}
+        self.direct: set[int] = set()  # reads received straight into their target
+        self.posting = 0  # the step being started: its buffers are held under its tag
+        # remote[i]: (target, piece) pairs this rank builds from read i, which it receives
+        self.remote: dict[int, list[tuple[int, Piece]]] = {}
+        for t, tp in enumerate(plan.targets):
+            if rank in tp.consumers:
+                for c in tp.copies:
+                    if rank not in plan.reads[c.read].holders:
+                        self.remote.setdefault(c.read, []).append((t, c.piece))
+
+    def mine(self, t: int) -> bool:
+        return self.rank in self.plan.targets[t].consumers
+
+    def allocate(self, t: int) -> None:
+        """Allocate target ``t`` (unless it will be a view of this rank's own data)."""
+        tp = self.plan.targets[t]
+        if not is_zero_copy(tp, self.plan.reads, self.rank, self.plan.copy):
+            self.open[t] = torch.empty(tp.shape, dtype=to_torch_dtype(tp.dtype), device=self.device)
+            self.stats.hold(tp.nbytes, tag=t)
+
+    @torch.no_grad()
+    def copy_local(self, t: int) -> None:
+        """Copy into target ``t`` every piece whose data this rank holds."""
+        if t not in self.open:
+            return
+        for c in self.plan.targets[t].copies:
+            r = self.plan.reads[c.read]
+            if self.rank in r.holders:
+                copy_piece(self.open[t], self.source.read(r.source, r.box), r.box, c.piece)
+
+    def buffer(self, nbytes: int) -> torch.Tensor:
+        self.stats.hold(nbytes, _step_tag(self.posting))
+        return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+
+    @torch.no_grad()
+    def fill(self, pk: Packet) -> torch.Tensor:
+        """The bytes of a packet this rank sends: the shard itself when it is one contiguous read."""
+        reads = [self.plan.reads[i] for i in pk.reads]
+        if len(reads) == 1:
+            view = self.source.read(reads[0].source, reads[0].box)
+            if view.is_contiguous():
+                return view.detach().reshape(-1).view(torch.uint8)
+        buf = self.buffer(pk.nbytes)
+        for r, off in zip(reads, pk.offsets):
+            dst = buf[off:off + r.nbytes].view(to_torch_dtype(r.dtype)).view(r.box.sizes)
+            dst.copy_(self.source.read(r.source, r.box))
+        return buf
+
+    def sink(self, pk: Packet) -> torch.Tensor | None:
+        """Target memory to receive a one-read packet into, when the read lands there unchanged."""
+        if len(pk.reads) != 1 or len(self.remote.get(pk.reads[0], ())) != 1:
+            return None
+        i = pk.reads[0]
+        (t, piece), = self.remote[i]
+        identity = piece.perm is None or tuple(piece.perm) == tuple(range(len(piece.perm)))
+        if not identity or piece.casts or piece.source_box != self.plan.reads[i].box or t not in self.open:
+            return None
+        region = self.open[t][piece.target_box.slices()]
+        if not region.is_contiguous():
+            return None
+        self.direct.add(i)
+        return region.reshape(-1).view(torch.uint8)
+
+    @torch.no_grad()
+    def deliver(self, received: list[Received]) -> None:
+        """Copy every received read into the targets that read it (unless it landed there)."""
+        for pk, buf in received:
+            if all(i in self.direct for i in pk.reads):
+                continue
+            for i, data in unpack(buf, pk, self.plan.reads).items():
+                for t, piece in self.remote.get(i, ()):
+                    copy_piece(self.open[t], data, self.plan.reads[i].box, piece)
+
+    def take(self, t: int) -> tuple[str, torch.Tensor]:
+        """Hand target ``t`` to the caller, building it first if nothing moved for it."""
+        tp = self.plan.targets[t]
+        if t not in self.open:
+            self.allocate(t)
+            self.copy_local(t)
+        if t in self.open:
+            tensor = self.open.pop(t)
+            self.stats.release(tag=t)
+        else:  # zero copy: a view of this rank's own source
+            c = tp.copies[0]
+            tensor = self.source.read(c.piece.source, c.piece.source_box)
+        self.stats.targets += 1
+        self.stats.bytes_yielded += tp.nbytes
+        return tp.name, tensor
+
+    def start(self, k: int, step: Step, transport: Transport) -> Pending:
+        self.posting = k
+        for t in step.opens:
+            if self.mine(t):
+                self.allocate(t)
+        return transport.start(step, self, self.stats)
+
+    def finish(self, k: int, step: Step, pending: Pending) -> Iterator[tuple[str, torch.Tensor]]:
+        for t in step.opens:
+            if self.mine(t):
+                self.copy_local(t)  # overlaps with packets still on the wire
+        self.deliver(pending.wait())
+        self.stats.release(tag=_step_tag(k))
+        for t in step.ready:
+            if self.mine(t):
+                yield self.take(t)
+
+
+def execute(plan: Plan, source: LocalSource, transport: Transport, rank: int, stats: Stats,
+            *, group: Any = None, device: torch.device | None = None,
+            ) -> Iterator[tuple[str, torch.Tensor]]:
+    """Run ``plan`` on this rank; yield ``(name, tensor)`` for each target this rank consumes.
+
+    Every rank of the group must call this with the same plan and iterate to the end: the steps are
+    collective. A failure on any rank is raised on every rank as a
+    :class:`~shardsync.errors.DistributedError` naming the ``stream`` phase; a rank that stops
+    iterating makes the others fail within the group timeout.
+
+    Example:
+        >>> for name, tensor in execute(plan, LocalSource(state), transport, rank, Stats()):  # doctest: +SKIP
+        ...     save(name, tensor)
+    """
+    run = _Run(plan, source, rank, stats, device or source.device())
+    inflight: deque[tuple[int, Step, Pending]] = deque()
+    start = time.perf_counter()
+    with data_phase(STREAM_PHASE, group):
+        for k, step in enumerate(plan.steps):
+            inflight.append((k, step, run.start(k, step, transport)))
+            while len(inflight) >= plan.depth or (inflight and k == len(plan.steps) - 1):
+                for item in run.finish(*inflight.popleft()):
+                    stats.seconds = time.perf_counter() - start
+                    yield item
+                    start = time.perf_counter() - stats.seconds  # time spent in the caller not counted
+    stats.seconds = time.perf_counter() - start
+    log.debug("rank %d stream done: %s", rank, stats.summary())

@@ -1,0 +1,216 @@
+"""Transports: how the packets of one plan step move between ranks, behind one Protocol.
+
+Every packet travels as a flat ``uint8`` buffer (reads at aligned offsets), so one collective carries
+reads of any dtypes. Senders get their bytes from the executor (the shard itself when it is one
+contiguous read, else a packed copy); receivers land a packet straight in a target when it would be
+copied there unchanged, else in a buffer the executor allocates and accounts for.
+
+A transport *starts* a step (posts its collectives, asynchronously where the backend allows) and
+hands back a :class:`Pending` to wait on later, so that the executor can copy and yield one step
+while the next one is on the wire.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol
+
+import torch
+import torch.distributed as dist
+
+from ..layout.dtypes import to_torch_dtype
+from ..planning.model import Packet, Read, Step
+
+if TYPE_CHECKING:  # annotations only (the executor imports the transports)
+    from .executor import Stats
+
+__all__ = ["Transport", "Pending", "PacketIO", "GroupRanks", "Received", "Posted", "unpack",
+           "BroadcastTransport", "P2PTransport", "LocalTransport"]
+
+#: Packet and its buffer, as received by this rank.
+Received = tuple[Packet, torch.Tensor]
+
+
+class PacketIO(Protocol):
+    """The executor's side of a transport: where packet bytes come from and where they land.
+
+    Example:
+        >>> pending = BroadcastTransport(ranks).start(step, io, stats)   # doctest: +SKIP
+    """
+
+    def fill(self, packet: Packet) -> torch.Tensor:
+        """A sender's bytes for ``packet`` (flat uint8, contiguous)."""
+        ...
+
+    def sink(self, packet: Packet) -> torch.Tensor | None:
+        """Flat uint8 memory a receiver may receive ``packet`` into directly (a region of a target
+        it would be copied to unchanged), or None."""
+        ...
+
+    def buffer(self, nbytes: int) -> torch.Tensor:
+        """A fresh flat uint8 receive buffer, accounted to the step being started."""
+        ...
+
+
+class Pending(Protocol):
+    """A started step. ``wait()`` blocks until its collectives finish; returns what this rank got.
+
+    Example:
+        >>> received = transport.start(step, io, stats).wait()   # doctest: +SKIP
+    """
+
+    def wait(self) -> list[Received]:
+        ...
+
+
+@dataclass
+class Posted:
+    """A started step: the async works to wait on and the packets this rank receives.
+
+    Example:
+        >>> Posted().wait()
+        []
+    """
+
+    works: list[Any] = field(default_factory=list)
+    got: list[Received] = field(default_factory=list)
+
+    def wait(self) -> list[Received]:
+        for work in self.works:
+            work.wait()
+        self.works = []
+        return self.got
+
+
+@dataclass(frozen=True, slots=True)
+class GroupRanks:
+    """A process group and this process's place in it; translates group ranks to global ranks.
+
+    Example:
+        >>> GroupRanks(None, rank=1, world=2, global_ranks=(4, 6)).to_global(1)
+        6
+    """
+
+    group: Any
+    rank: int
+    world: int
+    global_ranks: tuple[int, ...]
+
+    @classmethod
+    def of(cls, group: Any) -> GroupRanks:
+        """Describe ``group`` (None: the default group) for this process."""
+        ranks = tuple(dist.get_process_group_ranks(group or dist.group.WORLD))
+        return cls(group, dist.get_rank(group), len(ranks), ranks)
+
+    def to_global(self, rank: int) -> int:
+        return self.global_ranks[rank]
+
+
+def landing(packet: Packet, io: PacketIO) -> torch.Tensor:
+    """Where this rank receives ``packet``: straight into a target if possible, else a buffer."""
+    direct = io.sink(packet)
+    return direct if direct is not None else io.buffer(packet.nbytes)
+
+
+def unpack(buf: torch.Tensor, packet: Packet, reads: Sequence[Read]) -> dict[int, torch.Tensor]:
+    """Views of each read in a received packet buffer, in the read's dtype and box shape.
+
+    Example:
+        >>> unpack(buf, packet, plan.reads)[packet.reads[0]].shape   # doctest: +SKIP
+        torch.Size([9, 4])
+    """
+    out = {}
+    for i, off in zip(packet.reads, packet.offsets):
+        r = reads[i]
+        out[i] = buf[off:off + r.nbytes].view(to_torch_dtype(r.dtype)).view(r.box.sizes)
+    return out
+
+
+class Transport(Protocol):
+    """Moves the packets of plan steps.
+
+    Call sequence: once the plan is agreed, every rank of the group calls :meth:`start` once per step
+    of the plan, in plan order - also ranks with nothing to send or receive in that step, and also for
+    ``local`` steps (which move nothing) - and later ``wait()`` on each returned :class:`Pending`, in
+    the same order. Collectives are issued in packet order, so all ranks match them. Senders take
+    their bytes from ``io.fill``; receivers land packets where ``io.sink`` says or in ``io.buffer``.
+    Implementations count ``bytes_sent``, ``bytes_received`` and ``collectives`` in ``stats``.
+
+    Example:
+        >>> for k, step in enumerate(plan.steps):              # doctest: +SKIP
+        ...     transport.start(step, io, stats).wait()
+    """
+
+    def start(self, step: Step, io: PacketIO, stats: Stats) -> Pending:
+        """Post ``step``'s packets; the returned handle's ``wait()`` gives what this rank received."""
+        ...
+
+
+class BroadcastTransport:
+    """``broadcast`` and ``bucketed`` steps: one async broadcast per packet over the whole group.
+
+    Example:
+        >>> transport = BroadcastTransport(GroupRanks.of(None))  # doctest: +SKIP
+    """
+
+    def __init__(self, ranks: GroupRanks) -> None:
+        self.ranks = ranks
+
+    def start(self, step: Step, io: PacketIO, stats: Stats) -> Pending:
+        posted = Posted()
+        for pk in step.packets:
+            if pk.src == self.ranks.rank:
+                buf = io.fill(pk)
+                stats.bytes_sent += pk.nbytes
+            else:
+                buf = landing(pk, io)
+                stats.bytes_received += pk.nbytes
+                posted.got.append((pk, buf))
+            posted.works.append(dist.broadcast(buf, src=self.ranks.to_global(pk.src),
+                                               group=self.ranks.group, async_op=True))
+            stats.collectives += 1
+        return posted
+
+
+class P2PTransport:
+    """``p2p`` steps: every packet is one message from its sender to its receiver; all messages of a
+    step are posted together (``batch_isend_irecv``), so no pair waits on another.
+
+    Example:
+        >>> transport = P2PTransport(GroupRanks.of(None))   # doctest: +SKIP
+    """
+
+    def __init__(self, ranks: GroupRanks) -> None:
+        self.ranks = ranks
+
+    def start(self, step: Step, io: PacketIO, stats: Stats) -> Pending:
+        me, group = self.ranks.rank, self.ranks.group
+        ops, posted = [], Posted()
+        for pk in step.packets:
+            if pk.src == me:
+                ops.append(dist.P2POp(dist.isend, io.fill(pk), self.ranks.to_global(pk.dst), group))
+                stats.bytes_sent += pk.nbytes
+            elif pk.dst == me:
+                buf = landing(pk, io)
+                ops.append(dist.P2POp(dist.irecv, buf, self.ranks.to_global(pk.src), group))
+                stats.bytes_received += pk.nbytes
+                posted.got.append((pk, buf))
+        if ops:
+            posted.works = list(dist.batch_isend_irecv(ops))
+            stats.collectives += len(ops)
+        return posted
+
+
+class LocalTransport:
+    """A single process: steps carry no packets (every read is local), so nothing moves.
+
+    Example:
+        >>> LocalTransport().start(Step("local", (), (), ()), None, None).wait()
+        []
+    """
+
+    def start(self, step: Step, io: PacketIO, stats: Stats) -> Pending:
+        if step.packets:
+            raise RuntimeError("a single-process plan has packets to move; this is a planner bug")
+        return Posted()

@@ -1,5 +1,0 @@
-"""Layer package."""
-
-from __future__ import annotations
-
-__all__: list[str] = []

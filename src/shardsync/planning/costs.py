@@ -1,0 +1,142 @@
+"""What a plan costs each rank: bytes sent and received, collectives issued, peak memory held.
+
+The executor counts the same quantities while it runs (see :class:`shardsync.exec.Stats`); these are the
+plan-time figures. Conventions: a collective counts once on every rank that calls it; a rank *sends*
+the bytes of its own data it hands to a collective or message, and *receives* the bytes of other
+ranks' data it gets. Memory held is the open targets (allocated when their first data arrives,
+released when yielded) plus the step's buffers (packed sends, receive buffers).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Sequence
+
+from ..layout.box import Box
+from .model import Costs, Read, Step, TargetPlan
+
+__all__ = ["is_zero_copy", "estimate_costs"]
+
+
+def is_zero_copy(target: TargetPlan, reads: Sequence[Read], rank: int, copy: bool) -> bool:
+    """Whether ``rank`` yields ``target`` as a view of its own source data (``copy=False``).
+
+    True for a target built by one copy with no permutation or cast, whose read ``rank`` holds.
+
+    Example:
+        >>> [is_zero_copy(t, plan.reads, 0, copy=False) for t in plan.targets]   # doctest: +SKIP
+        [True, False]
+    """
+    if copy or len(target.copies) != 1:
+        return False
+    c = target.copies[0]
+    p = c.piece
+    identity = p.perm is None or tuple(p.perm) == tuple(range(len(p.perm)))
+    return (identity and not p.casts and p.target_box == Box.full(target.shape)
+            and rank in reads[c.read].holders)
+
+
+class _Tally:
+    def __init__(self, world: int) -> None:
+        self.sent = [0] * world
+        self.recv = [0] * world
+        self.calls = [0] * world
+        self.buf = [0] * world  # buffers of the current step
+
+    def collective(self, ranks: Sequence[int], src: int, n: int) -> None:
+        """One broadcast (or message) of ``n`` bytes from ``src`` to the other ``ranks``."""
+        for r in ranks:
+            self.calls[r] += 1
+            if r == src:
+                self.sent[r] += n
+            else:
+                self.recv[r] += n
+
+
+def _mesh_hv(t: _Tally, step: Step, topology: Sequence[Sequence[int]]) -> None:
+    # Every rank holds its column's item (packed, received, or padding) and the all_gather output.
+    n, ncols = step.packets[0].nbytes, len(topology[0])
+    for j, pk in enumerate(step.packets):
+        column = [row[j] for row in topology]
+        if pk.src >= 0 and len(column) > 1:
+            t.collective(column, pk.src, n)
+    for row in topology:
+        for r in row:
+            t.calls[r] += 1
+            t.sent[r] += n
+            t.recv[r] += n * (ncols - 1)
+            t.buf[r] += n * (ncols + 1)
+
+
+def _mesh_global(t: _Tally, step: Step, topology: Sequence[Sequence[int]]) -> None:
+    # Down the sender's column, then across every row from that column; one buffer on every rank.
+    pk = step.packets[0]
+    j = next(j for row in topology for j, r in enumerate(row) if r == pk.src)
+    if len(topology) > 1:
+        t.collective([row[j] for row in topology], pk.src, pk.nbytes)
+    for row in topology:
+        if len(row) > 1:
+            t.collective(row, row[j], pk.nbytes)
+        for r in row:
+            t.buf[r] += pk.nbytes
+
+
+def _step_traffic(t: _Tally, step: Step, world: int, topology: Sequence[Sequence[int]] | None) -> None:
+    if step.kind == "broadcast":
+        for pk in step.packets:
+            t.collective(range(world), pk.src, pk.nbytes)
+            for r in range(world):
+                t.buf[r] += pk.nbytes
+    elif step.kind == "p2p":
+        for pk in step.packets:
+            t.collective((pk.src, pk.dst), pk.src, pk.nbytes)
+            t.buf[pk.src] += pk.nbytes
+            t.buf[pk.dst] += pk.nbytes
+    elif step.kind == "mesh_hv" and topology is not None:
+        _mesh_hv(t, step, topology)
+    elif step.kind == "mesh_global" and topology is not None:
+        _mesh_global(t, step, topology)
+
+
+def estimate_costs(steps: Sequence[Step], reads: Sequence[Read], targets: Sequence[TargetPlan],
+                   world: int, topology: Sequence[Sequence[int]] | None = None, copy: bool = True,
+                   depth: int = 2) -> Costs:
+    """Per-rank bytes, collectives and peak memory of running ``steps`` ``depth`` deep.
+
+    Mirrors the executor: starting step k allocates the targets it opens and its buffers; finishing
+    the oldest step in flight (once ``depth`` are) frees its buffers and yields its targets, those
+    built from local data only being allocated right before they are yielded.
+
+    Example:
+        >>> estimate_costs(plan.steps, plan.reads, plan.targets, 2).collectives   # doctest: +SKIP
+        (3, 3)
+    """
+    t = _Tally(world)
+    held, peak = [0] * world, [0] * world
+    size = [[0 if is_zero_copy(tp, reads, r, copy) or r not in tp.consumers else tp.nbytes
+             for r in range(world)] for tp in targets]
+    eager = {i for step in steps for i in step.opens}
+    inflight: deque[tuple[Step, list[int]]] = deque()
+
+    def finish() -> None:
+        step, _ = inflight[0]
+        for r in range(world):
+            flying = sum(b[r] for _, b in inflight)
+            peak[r] = max(peak[r], held[r] + flying)
+            flying -= inflight[0][1][r]
+            for i in step.ready:
+                if i in eager:
+                    held[r] -= size[i][r]
+                else:  # built from local data right before it is yielded
+                    peak[r] = max(peak[r], held[r] + flying + size[i][r])
+        inflight.popleft()
+
+    for k, step in enumerate(steps):
+        t.buf = [0] * world
+        _step_traffic(t, step, world, topology)
+        inflight.append((step, t.buf))
+        for r in range(world):
+            held[r] += sum(size[i][r] for i in step.opens)
+        while len(inflight) >= depth or (inflight and k == len(steps) - 1):
+            finish()
+    return Costs(tuple(t.sent), tuple(t.recv), tuple(t.calls), tuple(peak))

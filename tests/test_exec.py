@@ -1,0 +1,72 @@
+"""Local assembly and accounting (tier 1): casts, permutations, reading shards in place, stats."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from reference import arange_tensor
+
+import shardsync.exec.assemble as assemble
+from shardsync.errors import LayoutError
+from shardsync.exec import LocalSource, Stats, cast_into, copy_piece
+from shardsync.layout import Box, ShardedTensor
+from shardsync.mapping import Piece
+
+CHAINS = [("bfloat16", "float32"), ("float16", "bfloat16"), ("float16", "float64", "bfloat16"),
+          ("bfloat16",), ("float64",)]
+
+
+@pytest.mark.parametrize("casts", CHAINS)
+def test_cast_chain_is_bit_exact_with_casts_in_order(casts: tuple[str, ...]) -> None:
+    x = arange_tensor((37, 11), step=0.3791, start=-70)
+    want = x
+    for c in casts:
+        want = want.to(getattr(torch, c))
+    out = torch.empty(x.shape, dtype=want.dtype)
+    cast_into(out, x, casts)
+    assert torch.equal(out.view(torch.uint8), want.view(torch.uint8))
+
+
+def test_cast_chain_works_in_bounded_chunks(monkeypatch: pytest.MonkeyPatch) -> None:
+    seen: list[int] = []
+    real = assemble._chain
+    monkeypatch.setattr(assemble, "CHAIN_CHUNK_ELEMENTS", 50)
+    monkeypatch.setattr(assemble, "_chain", lambda x, casts: seen.append(x.numel()) or real(x, casts))
+    x = arange_tensor((17, 11), step=0.37)
+    out = torch.empty(17, 11)
+    cast_into(out, x, ("bfloat16", "float32"))
+    assert seen == [44, 44, 44, 44, 11]  # 4 rows of 11 per chunk, never the whole tensor
+    assert torch.equal(out, x.to(torch.bfloat16).to(torch.float32))
+
+
+def test_copy_piece_permutes_and_casts_in_one_copy() -> None:
+    src = arange_tensor((4, 6, 5), step=0.51)
+    out = torch.full((5, 3, 6), -1.0, dtype=torch.bfloat16)
+    origin = Box((2, 0, 0), (4, 6, 5))  # the tensor holds rows 2..5 of a bigger source
+    piece = Piece("s", Box((3, 0, 0), (3, 6, 5)), Box((0, 0, 0), (5, 3, 6)), perm=(2, 0, 1),
+                  casts=("bfloat16",))
+    copy_piece(out, src, origin, piece)
+    assert torch.equal(out, src[1:4].permute(2, 0, 1).to(torch.bfloat16))
+
+
+def test_local_source_reads_the_right_shard_in_place() -> None:
+    full = arange_tensor((17, 3))
+    shards = [ShardedTensor(full[:9], (17, 3), (0, 0)), ShardedTensor(full[9:], (17, 3), (9, 0))]
+    src = LocalSource({"w": shards, "b": full})
+    view = src.read("w", Box((10, 1), (3, 2)))
+    assert torch.equal(view, full[10:13, 1:3]) and view.data_ptr() == full[10:, 1:].data_ptr()
+    assert src.read("b", Box.full((17, 3))) is full  # the whole tensor is the tensor itself
+    with pytest.raises(LayoutError, match=r"'w': this rank holds no shard containing \[8:10, 0:3\]"):
+        src.read("w", Box((8, 0), (2, 3)))
+
+
+def test_stats_hold_release_and_peak() -> None:
+    s = Stats()
+    s.hold(100, tag=1)
+    s.hold(50, tag=-1)
+    s.hold(25, tag=-1)
+    s.release(tag=-1)
+    s.hold(10)
+    s.release(tag=1)
+    s.release(10)
+    assert (s.held_bytes, s.peak_bytes) == (0, 175)

@@ -1,0 +1,128 @@
+"""full_params in a single process (no process group): order, splits, copies, views, casts, errors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from reference import arange_tensor
+
+from shardsync.errors import LayoutError, MappingError, PlanError
+from shardsync.layout import ShardedTensor, shard_dim
+from shardsync.paddle_compat import full_param
+from shardsync.stream import full_params, plan
+
+QKV = "qkv -> q, k, v, fused_qkv_old, num_heads=4, num_key_value_groups=2, axis=0"
+FFN = "gu -> gate, up, fused_ffn, axis=0"
+
+
+def shards(full: torch.Tensor, dim: int, n: int) -> list[ShardedTensor]:
+    """All ``n`` shards of ``full`` along ``dim``, held by this one process."""
+    return [shard_dim(full, dim, r, n) for r in range(n)]
+
+
+def model() -> dict[str, torch.Tensor]:
+    return {"emb": arange_tensor((17, 6), step=0.37), "norm": arange_tensor((6,), start=3),
+            "proj": arange_tensor((6, 8), start=-9, step=0.71), "ids": torch.arange(5),
+            "qkv": arange_tensor((24, 5), start=100), "gu": arange_tensor((16, 5), start=500)}
+
+
+def test_identity_yields_sorted_clones_one_at_a_time() -> None:
+    full = model()
+    stream = full_params(full)
+    it = iter(stream)
+    first = next(it)
+    assert first[0] == "emb" and stream.stats.targets == 1  # built lazily, one target at a time
+    got = dict([first, *it])
+    assert list(got) == sorted(full)
+    for k, x in full.items():
+        assert torch.equal(got[k], x) and got[k].data_ptr() != x.data_ptr()
+    assert stream.stats.peak_bytes == max(x.nbytes for x in full.values())
+    assert (stream.stats.bytes_sent, stream.stats.collectives) == (0, 0)
+
+
+def test_copy_false_returns_the_source_or_a_view() -> None:
+    full = model()
+    got = dict(full_params(full, ["emb -> e1, e2, axis=0, sizes='[5, 12]'", "proj^T -> proj_t"],
+                           copy=False))
+    assert got["norm"] is full["norm"]
+    assert got["e2"]._base is full["emb"] and torch.equal(got["e2"], full["emb"][5:])
+    assert got["proj_t"].is_contiguous() and torch.equal(got["proj_t"], full["proj"].T)  # one copy
+
+
+def test_sharded_sources_mapped_like_the_dense_reference() -> None:
+    full = model()
+    state = {"qkv": shards(full["qkv"], 0, 2), "gu": shards(full["gu"], 0, 2),
+             "emb": shards(full["emb"], 0, 2), "proj": shards(full["proj"], 1, 2), "norm": full["norm"]}
+    mapping = [QKV, FFN, "proj^T -> proj_t", "norm -> norm, dtype='bfloat16'",
+               "emb -> emb, dtype='bfloat16'", "emb -> emb, dtype='float32'"]
+    got = dict(full_params(state, mapping))
+    w, g = full["qkv"], full["gu"]
+    ref = {"q": torch.cat([w[0:6], w[12:18]]), "k": torch.cat([w[6:9], w[18:21]]),
+           "v": torch.cat([w[9:12], w[21:24]]), "gate": torch.cat([g[0:4], g[8:12]]),
+           "up": torch.cat([g[4:8], g[12:16]]), "proj_t": full["proj"].T,
+           "norm": full["norm"].to(torch.bfloat16),
+           "emb": full["emb"].to(torch.bfloat16).to(torch.float32)}
+    assert list(got) == sorted(ref)
+    for k, x in ref.items():
+        assert got[k].dtype == x.dtype and torch.equal(got[k], x), k
+
+
+def test_num_splits_are_contiguous_parts_of_sorted_names() -> None:
+    full = {f"t{i:02d}": torch.full((i + 1,), float(i)) for i in range(11)}
+    parts = [list(dict(full_params(full, num_splits=4, split_index=i))) for i in range(4)]
+    names = sorted(full)
+    assert parts == [names[0:3], names[3:6], names[6:9], names[9:11]]
+    by_bytes = [list(dict(full_params(full, num_splits=2, split_index=i, split_by="bytes"))) for i in (0, 1)]
+    assert by_bytes == [names[:8], names[8:]]  # 1+..+8 = 36 of 66 elements: closest cut to half
+
+
+def test_missing_box_names_key_and_box() -> None:
+    full = model()
+    with pytest.raises(LayoutError) as err:
+        list(full_params({"emb": [shard_dim(full["emb"], 0, 0, 2)],
+                          "proj": [shard_dim(full["proj"], 1, 1, 2)]}))
+    text = str(err.value)
+    assert "'emb': box [9:17, 0:6] (needed by target 'emb') is held by no rank" in text
+    assert "'proj': box [0:6, 0:4] (needed by target 'proj') is held by no rank" in text
+
+
+def test_memory_budget_is_respected_locally() -> None:
+    full = {f"w{i}": arange_tensor((64, 32), start=i) for i in range(5)}  # 8 KiB each
+    stream = full_params(full, memory_budget=9000)
+    assert all(torch.equal(t, full[n]) for n, t in stream)
+    assert stream.stats.peak_bytes == 8192 <= stream.plan.costs.peak_bytes[0] <= 9000
+    with pytest.raises(PlanError, match="raise memory_budget above 8192 B"):
+        list(full_params(full, memory_budget=4000))
+
+
+def test_errors_and_once_only() -> None:
+    full = model()
+    with pytest.raises(MappingError):
+        list(full_params(full, ["nope -> x"]))
+    with pytest.raises(PlanError, match="split_index 3 outside|split_index=3"):
+        list(full_params(full, num_splits=2, split_index=3))
+    stream = full_params(full)
+    list(stream)
+    with pytest.raises(RuntimeError, match="iterated once"):
+        iter(stream)
+
+
+def test_outputs_do_not_track_gradients() -> None:
+    p = torch.nn.Parameter(arange_tensor((3, 4)))
+    halves = [ShardedTensor(p[:2], (3, 4), (0, 0)), ShardedTensor(p[2:], (3, 4), (2, 0))]
+    (name, t), = full_params({"p": halves})
+    assert not t.requires_grad and t.grad_fn is None and torch.equal(t, p.detach())
+
+
+def test_plan_inspection_and_paddle_entry() -> None:
+    full = model()
+    p = plan(full, [QKV, FFN])
+    assert p.order == ("emb", "gate", "ids", "k", "norm", "proj", "q", "up", "v")
+    assert p.costs.bytes_received == (0,) and p.strategy == "bucketed"
+    got = dict(full_param(full, {"aoa_statements": [QKV, FFN]}, num_splits=3, shard_idx=1))
+    assert list(got) == ["k", "norm", "proj"]
+    assert torch.equal(got["k"], full["qkv"][12:18])  # one shard: [Q | K | V] of 12 / 6 / 6 rows
+    with pytest.raises(TypeError, match="unexpected keyword"):
+        full_param(full, num_split=2)
+    with pytest.raises(ValueError, match="both h_group and v_group"):
+        full_param(full, h_group=object())
