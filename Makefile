@@ -20,6 +20,8 @@ demo: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) bench/bench_export.py
+	$(PY) bench/bench_stream.py
+	$(PY) bench/bench_replicas.py
 
 clean:
 	rm -rf $(VENV) build src/*.egg-info

@@ -9,9 +9,10 @@ collectives.
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, Union
 
@@ -24,6 +25,7 @@ from .exec import (BroadcastTransport, GroupRanks, LocalSource, LocalTransport, 
                    mesh_groups)
 from .exec.mesh import MeshGroups
 from .layout import GlobalLayout, StateValue, local_layout
+from .mapping import Mapping as ParsedMapping
 from .mapping import MappingLike, resolve
 from .planning import DEFAULT_BUCKET_BYTES, Plan, PlanOptions, SplitBy, StrategyChoice, build_plan
 from .planning.mesh import build_topology
@@ -64,20 +66,29 @@ def _local_info(state: Mapping[str, StateValue], groups: MeshGroups | None,
     return local_layout(state), local_mesh_info(groups, ranks) if ranks is not None else ((0,), (0,))
 
 
-def _build(gathered: list[tuple[Any, Any]], mapping: Any, options: PlanOptions, meshed: bool) -> Plan:
+@functools.lru_cache(maxsize=8)
+def _planned(gathered: tuple[tuple[Any, Any], ...], mapping: ParsedMapping | None, options: PlanOptions,
+             meshed: bool) -> tuple[Plan, str]:
+    """The plan and its fingerprint for a gathered layout. Cached: a training loop that streams the
+    same layout every step plans once (a plan is immutable, and equal inputs give equal plans)."""
     layout = GlobalLayout.merge([entries for entries, _ in gathered])
     topology = build_topology(*zip(*[info for _, info in gathered])) if meshed else None
-    return build_plan(resolve(mapping, layout), layout, options, topology)
+    plan = build_plan(resolve(mapping, layout), layout, options, topology)
+    return plan, plan.fingerprint()
 
 
-def _agree_on_plan(build: Callable[[], Plan], group: Any) -> Plan:
+def _agree_on_plan(gathered: list[tuple[Any, Any]], mapping: Any, options: PlanOptions, meshed: bool,
+                   group: Any) -> Plan:
     # Every rank plans from the same gathered layout; a caller mistake raises the same error on all
     # ranks, a failure on some ranks a DistributedError, and different arguments a PlanError.
     built: list[Plan] = []
 
     def build_and_print() -> str:
-        built.append(build())
-        return built[0].fingerprint()
+        parsed = None if mapping is None else ParsedMapping.parse(mapping)
+        key = tuple((tuple(entries), info) for entries, info in gathered)
+        plan, fingerprint = _planned(key, parsed, options, meshed)
+        built.append(plan)
+        return fingerprint
 
     prints = agree("plan", build_and_print, group, unanimous=True)
     if len(set(prints)) > 1:
@@ -100,7 +111,7 @@ def _prepare(state: Mapping[str, StateValue], mapping: Any, group: Any, mesh: An
     ranks = GroupRanks.of(group) if is_distributed(group) else None
     groups = mesh_groups(mesh) if mesh is not None else None
     gathered = agree("gather layout", lambda: _local_info(state, groups, ranks), group)
-    plan = _agree_on_plan(lambda: _build(gathered, mapping, options, groups is not None), group)
+    plan = _agree_on_plan(gathered, mapping, options, groups is not None, group)
     source = LocalSource(state)
     device = (torch.device("cuda", torch.cuda.current_device()) if options.backend == "nccl"
               else source.device())
