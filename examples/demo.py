@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import os
+import re
 import sys
 import tempfile
 import time
@@ -26,7 +27,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import shardsync
-from shardsync.layout import shard_dim
+from shardsync.layout import local_layout, shard_dim
 
 __all__ = ["main", "Config", "hf_reference", "megatron_full", "tp_state"]
 
@@ -115,17 +116,35 @@ def worker(rank: int, mapping: str, out: str, store: str) -> None:
     stats = [None] * TP
     dist.all_gather_object(stats, (stream.stats, seconds))
     if rank == 0:
-        report(c, Path(out), stats)
+        report(c, Path(out), mapping, stats)
     dist.destroy_process_group()
 
 
-def report(c: Config, out: Path, stats: list) -> None:
+def table(c: Config, mapping: str, got: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]) -> str:
+    """One row per tensor role (layer numbers folded into ``*``): count, shape, source, check."""
+    layout = shardsync.GlobalLayout.merge([local_layout(tp_state(c, r)) for r in range(TP)])
+    fold = lambda name: re.sub(r"layers\.\d+\.", "layers.*.", name)  # noqa: E731
+    rows: dict[str, list] = {}
+    for t in shardsync.resolve(mapping, layout):
+        row = rows.setdefault(fold(t.name), [0, list(t.shape), t.dtype, fold(t.sources[0]), True])
+        row[0] += 1
+        row[4] &= t.name in got and torch.equal(got[t.name], ref[t.name])
+    body = [(name, str(n), str(shape), dtype, src, "yes" if ok else "NO")
+            for name, (n, shape, dtype, src, ok) in sorted(rows.items())]
+    head = ("HF tensor", "n", "shape", "dtype", f"from (Megatron names, TP={TP} shards)", "equal")
+    widths = [max(len(r[i]) for r in [head, *body]) for i in range(len(head))]
+    lines = ["  ".join(cell.ljust(w) for cell, w in zip(r, widths)).rstrip() for r in [head, *body]]
+    return "\n".join(lines)
+
+
+def report(c: Config, out: Path, mapping: str, stats: list) -> None:
     from safetensors.torch import load_file
 
     ref = hf_reference(c)
     got = load_file(str(out / "model.safetensors"))
     wrong = sorted(k for k in ref if k not in got or not torch.equal(got[k], ref[k]))
     extra = sorted(set(got) - set(ref))
+    print(table(c, mapping, got, ref))
     s0, seconds = stats[0]
     total = sum(t.nbytes for t in got.values())
     print(f"wrote {out / 'model.safetensors'}: {len(got)} tensors, {total / 1e6:.1f} MB in {seconds:.3f} s")
