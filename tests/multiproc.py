@@ -8,6 +8,7 @@ all ranks raised. Processes that outlive ``timeout`` are killed: a hang fails th
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 import pickle
@@ -46,10 +47,8 @@ def _entry(rank: int, world: int, store_dir: str, group_timeout: float, fn: Call
         try:
             result = ("ok", fn(rank, world, *args))
         finally:
-            try:
+            with contextlib.suppress(Exception):  # a failed group may not tear down cleanly
                 dist.destroy_process_group()
-            except Exception:
-                pass
     except BaseException as exc:  # reported to the parent
         result = ("error", type(exc).__name__, f"{exc}\n{traceback.format_exc()}")
     tmp = os.path.join(out_dir, f"{rank}.tmp")

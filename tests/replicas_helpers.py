@@ -93,7 +93,7 @@ class TinyTP(nn.Module):
 def fill(model: nn.Module, rank: int = 0, sharded_differs: bool = True) -> None:
     """Deterministic arange-based values, exact in bf16; sharded tensors differ per rank."""
     with torch.no_grad():
-        for i, (name, p) in enumerate(model.named_parameters()):
+        for i, p in enumerate(model.parameters()):
             base = (torch.arange(p.numel(), dtype=torch.float32) % 13 - 6) * 0.125 + 0.0625 * (i % 3)
             sharded = tp_sharding(p) is not None  # (torch.Tensor.is_distributed is a method)
             if sharded and sharded_differs:

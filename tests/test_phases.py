@@ -51,6 +51,5 @@ def test_data_phase_peer_failure_is_named() -> None:
 
 def test_single_process_is_plain() -> None:
     assert agree("x", lambda: 3) == [3]
-    with pytest.raises(KeyError):
-        with data_phase("y"):
-            raise KeyError("z")
+    with pytest.raises(KeyError), data_phase("y"):
+        raise KeyError("z")

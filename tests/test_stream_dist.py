@@ -15,7 +15,7 @@ from reference import arange_tensor
 
 from shardsync.errors import DistributedError, LayoutError, PlanError
 from shardsync.layout import ShardedTensor, shard_dim
-from shardsync.stream import full_params, plan
+from shardsync.stream import full_params
 
 H, G, D, FFN = 8, 4, 2, 8  # query heads, kv heads, head dim, ffn width: qkv has (H + 2G) * D rows
 
