@@ -126,3 +126,20 @@ def test_plan_inspection_and_paddle_entry() -> None:
         full_param(full, num_split=2)
     with pytest.raises(ValueError, match="both h_group and v_group"):
         full_param(full, h_group=object())
+
+
+def test_plans_are_cached_per_layout_mapping_and_options() -> None:
+    from shardsync.stream import _planned
+
+    state = {"w": torch.arange(12.0).reshape(4, 3), "b": torch.ones(3)}
+    _planned.cache_clear()
+    first = full_params(state, ["w -> a, c, axis=0"])
+    list(first)
+    again = full_params(state, ["w -> a, c, axis=0"])
+    list(again)
+    assert again.plan is first.plan and _planned.cache_info().hits == 1
+    other = full_params(state, ["w -> a, c, axis=0"], num_splits=2)  # other options: a new plan
+    list(other)
+    bigger = full_params({**state, "w": torch.zeros(6, 3)}, ["w -> a, c, axis=0"])  # other layout
+    assert [t.shape for _, t in bigger] == [(3, 3), (3,), (3, 3)]
+    assert other.plan is not first.plan and _planned.cache_info().misses == 3
