@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from .errors import PlanError
 from .layout import ShardedTensor, StateValue
 from .stream import ParamStream, full_params
 
@@ -43,7 +44,7 @@ def full_param(sharded_state_dict: Mapping[str, Any], aoa_config: Any = None, **
 
     Raises:
         TypeError: a keyword Paddle's ``full_param`` does not take.
-        ValueError: only one of ``h_group``/``v_group``.
+        PlanError: only one of ``h_group``/``v_group`` (a ValueError).
 
     Example:
         >>> for name, tensor in full_param(state, {"aoa_statements": ["w^T -> w_t"]}):  # doctest: +SKIP
@@ -54,7 +55,7 @@ def full_param(sharded_state_dict: Mapping[str, Any], aoa_config: Any = None, **
         raise TypeError(f"full_param() got unexpected keyword(s) {unknown}; it takes {list(PADDLE_KEYWORDS)}")
     h, v = kwargs.get("h_group"), kwargs.get("v_group")
     if (h is None) != (v is None):
-        raise ValueError("both h_group and v_group must be given for the 2-D mesh path (or neither)")
+        raise PlanError("both h_group and v_group must be given for the 2-D mesh path (or neither)")
     state = {k: _value(k, x) for k, x in sharded_state_dict.items()}
     return full_params(state, aoa_config, group=kwargs.get("process_group"),
                        strategy="mesh2d" if h is not None else "auto", mesh=(h, v) if h is not None else None,
