@@ -37,10 +37,6 @@ class TensorMeta:
     def ndim(self) -> int:
         return len(self.shape)
 
-    def holders(self, box: Box) -> list[ShardSpec]:
-        """Shards that overlap ``box``."""
-        return [s for s in self.shards if s.box.intersect(box) is not None]
-
     def offsets_along(self, dim: int) -> list[int]:
         """Distinct shard offsets along ``dim`` (how many ways the tensor is cut there)."""
         return sorted({s.box.offsets[dim] for s in self.shards if not s.box.empty})
