@@ -58,12 +58,11 @@ def _options(group: Any, consumers: Consumers, **kw: Any) -> PlanOptions:
     return PlanOptions(consumers=who, backend=backend, **kw)
 
 
-def _local_info(state: Mapping[str, StateValue], groups: MeshGroups | None,
+def _local_info(source: LocalSource, groups: MeshGroups | None,
                 ranks: GroupRanks | None) -> tuple[Any, Any]:
     """What this rank contributes to the layout: its shards, and its place in the mesh."""
-    if groups is None:
-        return local_layout(state), None
-    return local_layout(state), local_mesh_info(groups, ranks) if ranks is not None else ((0,), (0,))
+    info = None if groups is None else local_mesh_info(groups, ranks) if ranks is not None else ((0,), (0,))
+    return local_layout(source.shards), info
 
 
 @functools.lru_cache(maxsize=8)
@@ -110,9 +109,15 @@ def _prepare(state: Mapping[str, StateValue], mapping: Any, group: Any, mesh: An
     """Gather the layout -> resolve -> plan, validate and agree -> pick the transport."""
     ranks = GroupRanks.of(group) if is_distributed(group) else None
     groups = mesh_groups(mesh) if mesh is not None else None
-    gathered = agree("gather layout", lambda: _local_info(state, groups, ranks), group)
+    sources: list[LocalSource] = []
+
+    def local() -> tuple[Any, Any]:  # the state is normalised once, inside the agreed phase
+        sources.append(LocalSource(state))
+        return _local_info(sources[0], groups, ranks)
+
+    gathered = agree("gather layout", local, group)
     plan = _agree_on_plan(gathered, mapping, options, groups is not None, group)
-    source = LocalSource(state)
+    source = sources[0]
     device = (torch.device("cuda", torch.cuda.current_device()) if options.backend == "nccl"
               else source.device())
     return _Context(plan, source, _transport(plan, ranks, groups), ranks.rank if ranks else 0, device)

@@ -37,11 +37,12 @@ class LocalSource:
     """
 
     def __init__(self, state: Mapping[str, StateValue]) -> None:
-        self._shards: dict[str, list[ShardedTensor]] = {k: local_shards(k, v) for k, v in state.items()}
+        #: key -> this rank's shards, normalised once (also what the layout is gathered from)
+        self.shards: dict[str, list[ShardedTensor]] = {k: local_shards(k, v) for k, v in state.items()}
 
     def find(self, key: str, box: Box) -> ShardedTensor | None:
         """A local shard of ``key`` containing ``box``, or None."""
-        for s in self._shards.get(key, ()):
+        for s in self.shards.get(key, ()):
             if s.box.contains(box):
                 return s
         return None
@@ -63,7 +64,7 @@ class LocalSource:
 
     def device(self) -> torch.device:
         """Device of the first local tensor (cpu when there is none)."""
-        for shards in self._shards.values():
+        for shards in self.shards.values():
             for s in shards:
                 return s.local.device
         return torch.device("cpu")

@@ -155,10 +155,10 @@ def _read_failures(tag: str, ranks: list[int]) -> dict[int, str]:
 def data_phase(phase: str, group: Any = None) -> Iterator[None]:
     """Wrap collectives that move data so that no failure is silent and no rank waits forever.
 
-    A local exception is raised as a :class:`DistributedError` naming this rank (after publishing it
-    for the peers); an exception from a collective (a peer died, timed out or raised) becomes a
-    :class:`DistributedError` naming the ranks that reported a failure, or all other ranks if none
-    reported one. A generator suspended inside the phase that is closed early (its caller stopped
+    A local exception is published for the peers and raised as a :class:`DistributedError` naming
+    this rank (and any peer that already reported a failure); an exception from a collective (a peer
+    died, timed out or raised) names the ranks that reported a failure, or all other ranks if none
+    did. A generator suspended inside the phase that is closed early (its caller stopped
     iterating) publishes that, so the peers left waiting can name it.
 
     Example:
@@ -179,15 +179,16 @@ def data_phase(phase: str, group: Any = None) -> Iterator[None]:
     except DistributedError:
         raise
     except Exception as exc:
-        from_peer = _looks_like_comm_error(exc)
-        if not from_peer:
+        local = not _looks_like_comm_error(exc)
+        if local:
             _publish(tag, rank, _describe(exc))
-            raise DistributedError(phase, {rank: _describe(exc)}) from exc
         members = dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)
         failures = {r: m for r, m in _read_failures(tag, members).items() if r != rank}
-        if not failures:
+        if local:
+            failures[rank] = _describe(exc)
+        elif not failures:  # a peer died or hangs without a word
             failures = {r: f"did not answer ({_describe(exc)})" for r in members if r != rank}
-        log.error("phase %r: collective failed on rank %d: %s", phase, rank, exc)
+        log.error("phase %r failed on rank %d: %s", phase, rank, exc)
         raise DistributedError(phase, failures) from exc
 
 

@@ -99,9 +99,10 @@ class SafetensorsWriter:
         t = tensor.detach()
         if t.device.type != "cpu":
             t = t.cpu()
-        ptr = t.untyped_storage().data_ptr()
-        if ptr in self._storages or not t.is_contiguous():
-            t = t.contiguous() if not t.is_contiguous() else t.clone()  # safetensors refuses sharing
+        if not t.is_contiguous():
+            t = t.contiguous()
+        elif t.untyped_storage().data_ptr() in self._storages:
+            t = t.clone()  # safetensors refuses tensors that share memory in one file
         self._storages.add(t.untyped_storage().data_ptr())
         self._pending[name] = t
         self._pending_bytes += nbytes

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from .statements import ShardCount, StatementError, _axis, _concat_statement, _split, split_equal
+from .statements import ShardCount, StatementError, axis_of, concat_checked, split_equal, split_sizes
 from .syntax import Statement
 from .vtensor import VTensor, concat
 
@@ -35,7 +35,7 @@ def _head_dim(st: Statement, w: VTensor, dim: int, h: int, g: int) -> int:
 
 
 def _check_qkv(st: Statement, q: VTensor, k: VTensor, v: VTensor, dim: int, h: int, g: int) -> int:
-    _concat_statement(st, [q, k, v], dim)  # same dtype and other dims, or a clear error
+    concat_checked(st, [q, k, v], dim)  # same dtype and other dims, or a clear error
     d = q.shape[dim] // h
     if q.shape[dim] != h * d or k.shape[dim] != g * d or v.shape[dim] != g * d:
         raise StatementError(f"q, k, v sizes {q.shape[dim]}, {k.shape[dim]}, {v.shape[dim]} along dim "
@@ -48,7 +48,7 @@ def _interleaved(st: Statement, ins: Sequence[VTensor], dim: int) -> list[VTenso
     per = h // g
     if len(ins) == 1:
         d = _head_dim(st, ins[0], dim, h, g)
-        blocks = _split(ins[0], dim, [per * d, d, d] * g)
+        blocks = split_sizes(ins[0], dim, [per * d, d, d] * g)
         return [concat(blocks[0::3], dim), concat(blocks[1::3], dim), concat(blocks[2::3], dim)]
     q, k, v = ins
     _check_qkv(st, q, k, v, dim, h, g)
@@ -62,7 +62,7 @@ def _blocked_split(st: Statement, w: VTensor, dim: int, t: int) -> list[VTensor]
         raise StatementError(f"{st.left[0].text!r} has {t} shards along dim {dim}, which must divide "
                              f"num_heads={h} and num_key_value_groups={g}", st.left[0])
     d = _head_dim(st, w, dim, h, g)
-    blocks = _split(w, dim, [h // t * d, g // t * d, g // t * d] * t)
+    blocks = split_sizes(w, dim, [h // t * d, g // t * d, g // t * d] * t)
     return [concat(blocks[0::3], dim), concat(blocks[1::3], dim), concat(blocks[2::3], dim)]
 
 
@@ -75,23 +75,23 @@ def _qkv_old(st: Statement, ins: Sequence[VTensor], dim: int, count: ShardCount)
     h, g = _heads(st)
     if len(ins) == 3:
         _check_qkv(st, *ins, dim, h, g)
-        return [_blocked_join(st, ins, dim, count(st.right[0].text, None, dim, False))]
-    qkv = _blocked_split(st, ins[0], dim, count(st.left[0].text, ins[0], dim, True))
+        return [_blocked_join(st, ins, dim, count(st.right[0].text, None, dim))]
+    qkv = _blocked_split(st, ins[0], dim, count(st.left[0].text, ins[0], dim))
     if len(st.right) == 3:
         return qkv
-    return [_blocked_join(st, qkv, dim, count(st.right[0].text, None, dim, False))]
+    return [_blocked_join(st, qkv, dim, count(st.right[0].text, None, dim))]
 
 
 def _ffn(st: Statement, ins: Sequence[VTensor], dim: int, count: ShardCount) -> list[VTensor]:
     if len(ins) == 2:
-        _concat_statement(st, ins, dim)
-        return [_blocked_join(st, ins, dim, count(st.right[0].text, None, dim, False))]
-    t = count(st.left[0].text, ins[0], dim, True)
+        concat_checked(st, ins, dim)
+        return [_blocked_join(st, ins, dim, count(st.right[0].text, None, dim))]
+    t = count(st.left[0].text, ins[0], dim)
     blocks = split_equal(ins[0], dim, 2 * t, f"fused_ffn on {st.left[0].text!r} with {t} shards")
     gate_up = [concat(blocks[0::2], dim), concat(blocks[1::2], dim)]
     if len(st.right) == 2:
         return gate_up
-    return [_blocked_join(st, gate_up, dim, count(st.right[0].text, None, dim, False))]
+    return [_blocked_join(st, gate_up, dim, count(st.right[0].text, None, dim))]
 
 
 _FORMS = {"fused_qkv": {(1, 3), (3, 1)}, "fused_qkv_old": {(1, 3), (3, 1), (1, 1)},
@@ -111,7 +111,7 @@ def apply_fused(st: Statement, kind: str, ins: Sequence[VTensor], count: ShardCo
         raise StatementError(f"{kind} takes {', '.join(sorted(_ALLOWED[kind]))}, not {', '.join(others)}")
     if (len(st.left), len(st.right)) not in _FORMS[kind]:
         raise StatementError(f"{kind} has the forms {_USAGE[kind]}")
-    dim = _axis(st, ins[0], default=1)
+    dim = axis_of(st, ins[0], default=1)
     if kind == "fused_qkv":
         return _interleaved(st, ins, dim)
     if kind == "fused_qkv_old":

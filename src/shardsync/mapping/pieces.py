@@ -7,6 +7,7 @@ the result at ``target_box`` of the target. Everything downstream works on these
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from ..layout.box import Box
@@ -58,10 +59,7 @@ class TargetSpec:
 
     @property
     def nbytes(self) -> int:
-        n = 1
-        for s in self.shape:
-            n *= s
-        return n * itemsize(self.dtype)
+        return math.prod(self.shape) * itemsize(self.dtype)
 
     @property
     def sources(self) -> tuple[str, ...]:

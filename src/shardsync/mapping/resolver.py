@@ -16,6 +16,7 @@ from .macros import expand_macros, reverse_program
 from .parser import ATTRIBUTES
 from .pieces import Piece, TargetSpec
 from .program import Mapping, MappingLike
+from .fused import apply_fused
 from .statements import StatementError, apply_statement
 from .syntax import Diagnostic, Name, Statement, suggest
 from .vtensor import VTensor, source_tensor, to_pieces
@@ -46,21 +47,20 @@ class _Run:
 
     def lookup(self, st: Statement, i: int) -> VTensor | None:
         name = st.left[i]
-        found = self.bound.get(name.text) or self.sources.get(name.text)
+        found = self.bound[name.text] if name.text in self.bound else self.sources.get(name.text)
         if found is None and name.text not in self.failed and not self.tolerate(name.text):
             known = list(self.bound) + list(self.sources)
             self.diags.append(Diagnostic(f"unknown name {name.text!r}{suggest(name.text, known)}",
                                          st.index, st.text, name.col, name.text))
         return found
 
-    def shard_count(self, name: str, v: VTensor | None, dim: int, source_side: bool) -> int:
+    def shard_count(self, name: str, v: VTensor | None, dim: int) -> int:
         """Blocks of a fused tensor along ``dim``: its source's distinct shard offsets there, or for
-        a tensor being built, the destination layout's (1 without a destination layout)."""
-        if not source_side:
+        a tensor being built (``v`` None), the destination layout's (1 without a destination layout)."""
+        if v is None:
             if self.dest is None or name not in self.dest:
                 return 1
             return max(1, len(self.dest[name].offsets_along(dim)))
-        assert v is not None
         whole = [f for f in v.frags if f.box.sizes == v.shape]
         if len(whole) != 1:
             raise StatementError(f"{name!r} must be one source tensor (renamed, cast or permuted at most) "
@@ -97,7 +97,9 @@ def _run_statement(run: _Run, st: Statement) -> None:
         run.failed.update(n.text for n in st.right)
         return
     try:
-        outputs = apply_statement(st, inputs, run.shard_count)  # type: ignore[arg-type]
+        fused = [a.key for a in st.attrs if a.value is None]
+        outputs = (apply_fused(st, fused[0], inputs, run.shard_count) if fused  # type: ignore[arg-type]
+                   else apply_statement(st, inputs))  # type: ignore[arg-type]
     except StatementError as e:
         run.fail(st, e)
         return
@@ -177,23 +179,33 @@ def resolve(mapping: MappingLike | None, layout: GlobalLayout, *, dest: GlobalLa
     if diags:
         raise MappingError(sorted(diags, key=lambda d: d.index))
     targets = {name: _spec(name, v) for name, v in outputs.items()}
+    targets.update(_state_targets(program, layout, states, tuple(scalar_suffixes), outputs))
+    return [targets[k] for k in sorted(targets)]
+
+
+def _state_targets(program: Mapping, layout: GlobalLayout, states: dict[str, list[str]],
+                   scalars: tuple[str, ...], outputs: dict[str, VTensor]) -> dict[str, TargetSpec]:
+    """Targets for optimizer states: shaped ones run the program with each state key standing in for
+    its parameter's; scalar ones are copied whole from the first source of each target."""
+    targets: dict[str, TargetSpec] = {}
     firsts = {name: v.frags[0].source for name, v in outputs.items() if v.frags}
-    for sfx in (s for s in states if s not in scalar_suffixes):
-        renamed = GlobalLayout({k[:-len(sfx)]: replace(layout[k], key=k[:-len(sfx)]) for k in states[sfx]},
-                               layout.world_size)
-        state_out, _ = resolve_program(program.statements, renamed, reverse=program.reverse,
+    for sfx in (s for s in states if s not in scalars):
+        stand_in = GlobalLayout({k[:-len(sfx)]: replace(layout[k], key=k[:-len(sfx)]) for k in states[sfx]},
+                                layout.world_size)
+        state_out, _ = resolve_program(program.statements, stand_in, reverse=program.reverse,
                                        tolerate=lambda name: True)  # params without this state
         for name, v in state_out.items():
             targets[name + sfx] = TargetSpec(name + sfx, v.shape, v.dtype,
                                              tuple(_suffixed(p, sfx) for p in to_pieces(v)))
-            firsts.setdefault(name, v.frags[0].source if v.frags else "")
-    for sfx in (s for s in states if s in scalar_suffixes):
+            if v.frags:
+                firsts.setdefault(name, v.frags[0].source)
+    for sfx in (s for s in states if s in scalars):
         have = set(states[sfx])
         for name, first in firsts.items():
             if first + sfx in have:
                 m = layout[first + sfx]
                 targets[name + sfx] = _spec(name + sfx, source_tensor(first + sfx, m.shape, m.dtype))
-    return [targets[k] for k in sorted(targets)]
+    return targets
 
 
 def _split_state_keys(keys: Sequence[str], named: set[str], shaped: tuple[str, ...],

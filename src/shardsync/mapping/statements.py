@@ -6,17 +6,18 @@ raises :class:`StatementError` naming the offending name. No key lookups happen 
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Sequence
 
 from ..layout.dtypes import dtype_name
 from .syntax import Name, Statement
 from .vtensor import VTensor, cast, concat, permute, take
 
-__all__ = ["StatementError", "apply_statement", "ShardCount"]
+__all__ = ["StatementError", "apply_statement", "ShardCount", "axis_of", "concat_checked", "split_sizes",
+           "split_equal"]
 
-#: Callback giving how many blocks a fused tensor has along a dim: (variable name, tensor, dim) -> T.
-ShardCount = Callable[[str, VTensor, int, bool], int]
+#: How many blocks a fused tensor has along a dim: ``(name, tensor, dim) -> T``; ``tensor`` is None for a
+#: tensor being built (its destination layout decides).
+ShardCount = Callable[[str, "VTensor | None", int], int]
 
 
 class StatementError(Exception):
@@ -32,7 +33,7 @@ def _at(st: Statement, key: str) -> Name | None:
     return next((Name(a.key, a.col) for a in st.attrs if a.key == key), None)
 
 
-def _axis(st: Statement, v: VTensor, default: int | None = None) -> int:
+def axis_of(st: Statement, v: VTensor, default: int | None = None) -> int:
     raw = st.attr("axis", default)
     if raw is None:
         raise StatementError("a split or concat needs axis=<dim>")
@@ -91,11 +92,11 @@ def _one_to_one(st: Statement, v: VTensor) -> VTensor:
     if "dtype" in kinds:
         return cast(v, _dtype(st, "dtype"))
     if "axis" in kinds:
-        _axis(st, v)  # checked, then a rename (Paddle drops the binding here: a defect)
+        axis_of(st, v)  # checked, then a rename (Paddle drops the binding here: a defect)
     return v
 
 
-def _split(v: VTensor, dim: int, sizes: Sequence[int]) -> list[VTensor]:
+def split_sizes(v: VTensor, dim: int, sizes: Sequence[int]) -> list[VTensor]:
     out, at = [], 0
     for s in sizes:
         out.append(take(v, dim, at, at + s))
@@ -104,7 +105,7 @@ def _split(v: VTensor, dim: int, sizes: Sequence[int]) -> list[VTensor]:
 
 
 def _split_statement(st: Statement, v: VTensor) -> list[VTensor]:
-    dim = _axis(st, v)
+    dim = axis_of(st, v)
     n, parts = v.shape[dim], len(st.right)
     if st.has("sizes"):
         sizes = _int_list(st, "sizes")
@@ -117,12 +118,12 @@ def _split_statement(st: Statement, v: VTensor) -> list[VTensor]:
                                  f"{parts} equal parts", st.left[0],
                                  (f"give unequal sizes with sizes='[...]' summing to {n}",))
         sizes = [n // parts] * parts
-    return _split(v, dim, sizes)
+    return split_sizes(v, dim, sizes)
 
 
-def _concat_statement(st: Statement, vs: Sequence[VTensor], dim: int | None = None) -> VTensor:
+def concat_checked(st: Statement, vs: Sequence[VTensor], dim: int | None = None) -> VTensor:
     """Concatenate ``vs`` (named by ``st.left``) along ``dim`` (default: the ``axis=`` attribute)."""
-    dim = _axis(st, vs[0]) if dim is None else dim
+    dim = axis_of(st, vs[0]) if dim is None else dim
     first = vs[0]
     for name, v in zip(st.left[1:], vs[1:]):
         if v.dtype != first.dtype:
@@ -136,13 +137,9 @@ def _concat_statement(st: Statement, vs: Sequence[VTensor], dim: int | None = No
     return concat(vs, dim)
 
 
-def apply_statement(st: Statement, inputs: Sequence[VTensor], count: ShardCount) -> list[VTensor]:
-    """Evaluate ``st`` on its inputs (in left-side order); returns its outputs (right-side order)."""
-    from .fused import apply_fused  # fused forms are built from the primitives above
-
-    fused = [a.key for a in st.attrs if a.value is None]
-    if fused:
-        return apply_fused(st, fused[0], inputs, count)
+def apply_statement(st: Statement, inputs: Sequence[VTensor]) -> list[VTensor]:
+    """Evaluate a statement without a macro keyword on its inputs (in left-side order); returns its
+    outputs (right-side order). Statements with a keyword go to :func:`~.fused.apply_fused`."""
     if len(inputs) == 1 and len(st.right) == 1:
         return [_one_to_one(st, inputs[0])]
     extra = sorted(a.key for a in st.attrs if a.key not in ("axis", "sizes"))
@@ -154,7 +151,7 @@ def apply_statement(st: Statement, inputs: Sequence[VTensor], count: ShardCount)
         return _split_statement(st, inputs[0])
     if st.has("sizes"):
         raise StatementError("sizes= belongs to a split, not a concat", _at(st, "sizes"))
-    return [_concat_statement(st, inputs)]
+    return [concat_checked(st, inputs)]
 
 
 def split_equal(v: VTensor, dim: int, parts: int, what: str) -> list[VTensor]:
@@ -162,8 +159,4 @@ def split_equal(v: VTensor, dim: int, parts: int, what: str) -> list[VTensor]:
     n = v.shape[dim]
     if parts <= 0 or n % parts:
         raise StatementError(f"{what}: size {n} of dim {dim} is not divisible by {parts}")
-    return _split(v, dim, [n // parts] * parts)
-
-
-def lcm(a: int, b: int) -> int:
-    return a * b // math.gcd(a, b)
+    return split_sizes(v, dim, [n // parts] * parts)

@@ -8,7 +8,7 @@ to each fragment's cast chain. No data is touched; :func:`to_pieces` turns the r
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ..layout.box import Box
 from .pieces import Piece
@@ -47,23 +47,24 @@ def simplify_casts(start: str, casts: Sequence[str]) -> tuple[str, ...]:
 
 @dataclass(frozen=True, slots=True)
 class Frag:
-    """A box of a variable (``box``) filled from ``source_box`` of source ``source``."""
+    """A box of a variable (``box``) filled from ``source_box`` of source ``source`` (whose dtype is
+    ``source_dtype``), permuted by ``perm`` and cast through ``casts``."""
 
     source: str
+    source_dtype: str
     source_box: Box
     box: Box
     perm: tuple[int, ...]
-    casts: tuple[str, ...]
+    casts: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
 class VTensor:
-    """A program variable: shape, dtype name, the dtype of its sources, and fragments tiling it."""
+    """A program variable: shape, dtype name and the fragments tiling it."""
 
     shape: tuple[int, ...]
     dtype: str
     frags: tuple[Frag, ...]
-    source_dtypes: tuple[tuple[str, str], ...] = ()
 
     @property
     def ndim(self) -> int:
@@ -73,8 +74,7 @@ class VTensor:
 def source_tensor(key: str, shape: Sequence[int], dtype: str) -> VTensor:
     """The variable that is source ``key`` itself."""
     box = Box.full(shape)
-    return VTensor(tuple(shape), dtype, (Frag(key, box, box, tuple(range(len(shape))), ()),),
-                   ((key, dtype),))
+    return VTensor(tuple(shape), dtype, (Frag(key, dtype, box, box, tuple(range(len(shape)))),))
 
 
 def take(v: VTensor, dim: int, start: int, stop: int) -> VTensor:
@@ -83,6 +83,8 @@ def take(v: VTensor, dim: int, start: int, stop: int) -> VTensor:
     slab_size = list(v.shape)
     slab_off[dim], slab_size[dim] = start, stop - start
     slab = Box(tuple(slab_off), tuple(slab_size))
+    shift = [0] * v.ndim
+    shift[dim] = -start
     frags = []
     for f in v.frags:
         hit = f.box.intersect(slab)
@@ -94,13 +96,10 @@ def take(v: VTensor, dim: int, start: int, stop: int) -> VTensor:
         for i, p in enumerate(f.perm):
             src_off[p] += rel.offsets[i]
             src_size[p] = rel.sizes[i]
-        shift = [0] * v.ndim
-        shift[dim] = -start
-        frags.append(Frag(f.source, Box(tuple(src_off), tuple(src_size)), hit.shift(shift), f.perm,
-                          f.casts))
+        frags.append(replace(f, source_box=Box(tuple(src_off), tuple(src_size)), box=hit.shift(shift)))
     shape = list(v.shape)
     shape[dim] = stop - start
-    return VTensor(tuple(shape), v.dtype, tuple(frags), v.source_dtypes)
+    return VTensor(tuple(shape), v.dtype, tuple(frags))
 
 
 def concat(parts: Sequence[VTensor], dim: int) -> VTensor:
@@ -110,37 +109,30 @@ def concat(parts: Sequence[VTensor], dim: int) -> VTensor:
     for part in parts:
         shift = [0] * part.ndim
         shift[dim] = at
-        frags += [Frag(f.source, f.source_box, f.box.shift(shift), f.perm, f.casts) for f in part.frags]
+        frags += [replace(f, box=f.box.shift(shift)) for f in part.frags]
         at += part.shape[dim]
     shape = list(parts[0].shape)
     shape[dim] = at
-    dtypes = tuple(dict.fromkeys(sd for p in parts for sd in p.source_dtypes))
-    return VTensor(tuple(shape), parts[0].dtype, tuple(frags), dtypes)
+    return VTensor(tuple(shape), parts[0].dtype, tuple(frags))
 
 
 def permute(v: VTensor, perm: Sequence[int]) -> VTensor:
     """New dim i is old dim ``perm[i]``."""
-    frags = tuple(Frag(f.source, f.source_box, f.box.permute(perm), tuple(f.perm[p] for p in perm),
-                       f.casts) for f in v.frags)
-    return VTensor(tuple(v.shape[p] for p in perm), v.dtype, frags, v.source_dtypes)
+    frags = tuple(replace(f, box=f.box.permute(perm), perm=tuple(f.perm[p] for p in perm))
+                  for f in v.frags)
+    return VTensor(tuple(v.shape[p] for p in perm), v.dtype, frags)
 
 
 def cast(v: VTensor, dtype: str) -> VTensor:
     """Cast every fragment to ``dtype`` (after the casts it already carries)."""
     if dtype == v.dtype:
         return v
-    frags = tuple(Frag(f.source, f.source_box, f.box, f.perm, f.casts + (dtype,)) for f in v.frags)
-    return VTensor(v.shape, dtype, frags, v.source_dtypes)
+    return VTensor(v.shape, dtype, tuple(replace(f, casts=f.casts + (dtype,)) for f in v.frags))
 
 
 def to_pieces(v: VTensor) -> tuple[Piece, ...]:
     """The fragments as pieces: identity permutations as None, cast chains simplified."""
-    src_dtype = dict(v.source_dtypes)
-    out = []
-    for f in v.frags:
-        if f.box.empty:
-            continue
-        perm = None if f.perm == tuple(range(len(f.perm))) else f.perm
-        out.append(Piece(f.source, f.source_box, f.box, perm, simplify_casts(src_dtype[f.source],
-                                                                              f.casts)))
-    return tuple(out)
+    return tuple(Piece(f.source, f.source_box, f.box,
+                       None if f.perm == tuple(range(len(f.perm))) else f.perm,
+                       simplify_casts(f.source_dtype, f.casts))
+                 for f in v.frags if not f.box.empty)

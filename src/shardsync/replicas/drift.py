@@ -13,6 +13,7 @@ Call sequence (every rank of the group calls :func:`detect_drift` together):
 from __future__ import annotations
 
 import logging
+import math
 from collections import Counter
 from collections.abc import Sequence
 from typing import Any, Literal
@@ -121,25 +122,27 @@ def _exact_diffs(indices: Sequence[int], agreed: Sequence[Entry], by_name: dict[
         for (device_type, comm), members in groups.items():
             local_ts = [get_tensor(by_name[agreed[i][0]], agreed[i][1], optimizer) for i in members]
             device = next((t.device for t in local_ts if t is not None), torch.device(device_type))
-            hi = torch.cat([t.detach().reshape(-1).to(device, comm) if t is not None
-                            else torch.full((_numel(agreed[i]),), -torch.inf, dtype=comm, device=device)
-                            for i, t in zip(members, local_ts)])
-            lo = torch.cat([t.detach().reshape(-1).to(device, comm) if t is not None
-                            else torch.full((_numel(agreed[i]),), torch.inf, dtype=comm, device=device)
-                            for i, t in zip(members, local_ts)])
+            numels = [_numel(agreed[i]) for i in members]
+            hi = _flat(local_ts, numels, -torch.inf, comm, device)
+            lo = _flat(local_ts, numels, torch.inf, comm, device)
             dist.all_reduce(hi, op=dist.ReduceOp.MAX, group=group)
             dist.all_reduce(lo, op=dist.ReduceOp.MIN, group=group)
-            spans = (hi.double() - lo.double()).split([_numel(agreed[i]) for i in members])
+            spans = (hi.double() - lo.double()).split(numels)
             for i, span in zip(members, spans):
                 out[i] = float(span.max()) if span.numel() else 0.0
     return out
 
 
+def _flat(tensors: Sequence[torch.Tensor | None], numels: Sequence[int], fill: float,
+          dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """One flat buffer of ``tensors``; a missing one is ``fill`` (it must not win the MAX or MIN)."""
+    return torch.cat([t.detach().reshape(-1).to(device, dtype) if t is not None
+                      else torch.full((n,), fill, dtype=dtype, device=device)
+                      for t, n in zip(tensors, numels)])
+
+
 def _numel(entry: Entry) -> int:
-    n = 1
-    for s in entry[2]:
-        n *= s
-    return n
+    return math.prod(entry[2])
 
 
 def _analyse(per_rank: Sequence[Sequence[tuple[Entry, Any]]], src: int
