@@ -8,7 +8,8 @@ from reference import arange_tensor
 
 import shardsync.exec.assemble as assemble
 from shardsync.errors import LayoutError
-from shardsync.exec import LocalSource, Stats, cast_into, copy_piece
+from shardsync.exec import Stats, cast_into, copy_piece
+from shardsync.sources import LocalSource
 from shardsync.layout import Box, ShardedTensor
 from shardsync.mapping import Piece
 

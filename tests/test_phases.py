@@ -6,7 +6,7 @@ import pytest
 from multiproc import run_ranks
 
 from shardsync.errors import DistributedError
-from shardsync.exec.phases import agree, data_phase
+from shardsync.dist import agree, data_phase
 
 
 def _agree_worker(rank: int, world: int, bad: int | None) -> list[int]:

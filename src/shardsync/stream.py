@@ -20,15 +20,16 @@ import torch
 import torch.distributed as dist
 
 from .errors import PlanError
-from .exec import (BroadcastTransport, GroupRanks, LocalSource, LocalTransport, MeshTransport,
-                   P2PTransport, Stats, Transport, agree, execute, is_distributed, local_mesh_info,
-                   mesh_groups)
+from .dist import GroupRanks, agree, is_distributed
+from .exec import (BroadcastTransport, LocalTransport, MeshTransport, P2PTransport, Stats, Transport,
+                   execute, local_mesh_info, mesh_groups)
 from .exec.mesh import MeshGroups
-from .layout import GlobalLayout, StateValue, local_layout
+from .layout import GlobalLayout, StateValue
 from .mapping import Mapping as ParsedMapping
 from .mapping import MappingLike, resolve
 from .planning import DEFAULT_BUCKET_BYTES, Plan, PlanOptions, SplitBy, StrategyChoice, build_plan
 from .planning.mesh import build_topology
+from .sources import LocalSource, Source
 
 __all__ = ["full_params", "plan", "ParamStream", "Consumers"]
 
@@ -41,7 +42,7 @@ Consumers = Union[Literal["all"], int, Sequence[int]]
 @dataclass
 class _Context:
     plan: Plan
-    source: LocalSource
+    source: Source
     transport: Transport
     rank: int
     device: torch.device
@@ -58,11 +59,11 @@ def _options(group: Any, consumers: Consumers, **kw: Any) -> PlanOptions:
     return PlanOptions(consumers=who, backend=backend, **kw)
 
 
-def _local_info(source: LocalSource, groups: MeshGroups | None,
+def _local_info(source: Source, groups: MeshGroups | None,
                 ranks: GroupRanks | None) -> tuple[Any, Any]:
     """What this rank contributes to the layout: its shards, and its place in the mesh."""
     info = None if groups is None else local_mesh_info(groups, ranks) if ranks is not None else ((0,), (0,))
-    return local_layout(source.shards), info
+    return source.entries(), info
 
 
 @functools.lru_cache(maxsize=8)

@@ -1,4 +1,4 @@
-"""Local assembly: read boxes of this rank's shards and copy pieces into targets.
+"""Local assembly: copy pieces (read from a source) into targets.
 
 Every piece is one ``copy_`` from a view of its data (permuted as a view) straight into the target's
 memory: a cast and a permutation cost one pass and no temporary. A chain of several casts (f32 ->
@@ -8,66 +8,18 @@ casts in order does, with temporaries of at most :data:`CHAIN_CHUNK_ELEMENTS` el
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 
 import torch
 
-from ..errors import LayoutError
 from ..layout.box import Box
 from ..layout.dtypes import to_torch_dtype
-from ..layout.sharded import ShardedTensor, StateValue, local_shards
 from ..mapping.pieces import Piece
 
-__all__ = ["LocalSource", "copy_piece", "cast_into", "CHAIN_CHUNK_ELEMENTS"]
+__all__ = ["copy_piece", "cast_into", "CHAIN_CHUNK_ELEMENTS"]
 
 #: Largest temporary (in elements) of a multi-cast chain.
 CHAIN_CHUNK_ELEMENTS = 1 << 20
-
-
-class LocalSource:
-    """This rank's shards, by key, read in place.
-
-    Args:
-        state: the state dict (values: tensor, ShardedTensor, DTensor or list of ShardedTensor).
-
-    Example:
-        >>> src = LocalSource({"w": torch.arange(6.).reshape(2, 3)})
-        >>> src.read("w", Box((1, 0), (1, 2)))
-        tensor([[3., 4.]])
-    """
-
-    def __init__(self, state: Mapping[str, StateValue]) -> None:
-        #: key -> this rank's shards, normalised once (also what the layout is gathered from)
-        self.shards: dict[str, list[ShardedTensor]] = {k: local_shards(k, v) for k, v in state.items()}
-
-    def find(self, key: str, box: Box) -> ShardedTensor | None:
-        """A local shard of ``key`` containing ``box``, or None."""
-        for s in self.shards.get(key, ()):
-            if s.box.contains(box):
-                return s
-        return None
-
-    def read(self, key: str, box: Box) -> torch.Tensor:
-        """A view of ``box`` (global coordinates) of ``key``.
-
-        Raises:
-            LayoutError: no local shard contains the box (the plan says this rank holds it).
-        """
-        shard = self.find(key, box)
-        if shard is None:
-            raise LayoutError(f"{key!r}: this rank holds no shard containing {box}; the layout this "
-                              "rank reported does not match its state (was the state changed after "
-                              "the stream started?)")
-        if box == shard.box:
-            return shard.local
-        return shard.local[box.relative_to(shard.box).slices()]
-
-    def device(self) -> torch.device:
-        """Device of the first local tensor (cpu when there is none)."""
-        for shards in self.shards.values():
-            for s in shards:
-                return s.local.device
-        return torch.device("cpu")
 
 
 def _chain(x: torch.Tensor, casts: Sequence[str]) -> torch.Tensor:

@@ -13,73 +13,26 @@ import logging
 import time
 from collections import deque
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from ..dist import data_phase
 from ..layout.dtypes import to_torch_dtype
 from ..mapping.pieces import Piece
 from ..planning.costs import is_zero_copy
 from ..planning.model import Packet, Plan, Step
-from .assemble import LocalSource, copy_piece
-from .phases import data_phase
+from ..sources import Source
+from .assemble import copy_piece
+from .stats import Stats
 from .transport import Pending, Received, Transport, unpack
 
-__all__ = ["execute", "Stats", "STREAM_PHASE"]
+__all__ = ["execute", "STREAM_PHASE"]
 
 log = logging.getLogger(__name__)
 
 #: Name of the data phase, as it appears in errors.
 STREAM_PHASE = "stream"
-
-
-@dataclass
-class Stats:
-    """Counters of one rank's stream, filled while it runs (read them after iteration).
-
-    Conventions match :class:`shardsync.planning.Costs`: a collective counts once per rank that calls it;
-    ``bytes_sent`` is this rank's own data handed to collectives or messages, ``bytes_received`` other
-    ranks' data it got; ``peak_bytes`` is the most the streamer held at once (targets being built and
-    communication buffers; yielded targets belong to the caller and are not counted).
-
-    Example:
-        >>> stream = shardsync.full_params(state)   # doctest: +SKIP
-        >>> for name, tensor in stream: ...         # doctest: +SKIP
-        >>> stream.stats.peak_bytes                 # doctest: +SKIP
-        8388608
-    """
-
-    bytes_sent: int = 0
-    bytes_received: int = 0
-    collectives: int = 0
-    peak_bytes: int = 0
-    held_bytes: int = 0
-    targets: int = 0
-    bytes_yielded: int = 0
-    seconds: float = 0.0
-    plan_seconds: float = 0.0
-    _blocks: dict[int, int] = field(default_factory=dict, repr=False)
-
-    def hold(self, nbytes: int, tag: int | None = None) -> None:
-        """Count ``nbytes`` as held (an allocation); ``tag`` lets :meth:`release` find it again."""
-        self.held_bytes += nbytes
-        self.peak_bytes = max(self.peak_bytes, self.held_bytes)
-        if tag is not None:
-            self._blocks[tag] = self._blocks.get(tag, 0) + nbytes
-
-    def release(self, nbytes: int | None = None, tag: int | None = None) -> None:
-        """Stop counting ``nbytes`` (or everything held under ``tag``)."""
-        if tag is not None:
-            nbytes = self._blocks.pop(tag, 0)
-        self.held_bytes -= nbytes or 0
-
-    def summary(self) -> str:
-        """One line: targets, bytes, collectives, peak memory, seconds."""
-        rate = self.bytes_yielded / self.seconds / 1e9 if self.seconds > 0 else 0.0
-        return (f"{self.targets} targets, {self.bytes_yielded} B yielded in {self.seconds:.3f} s "
-                f"({rate:.2f} GB/s); sent {self.bytes_sent} B, received {self.bytes_received} B in "
-                f"{self.collectives} collectives; peak {self.peak_bytes} B held")
 
 
 def _step_tag(k: int) -> int:
@@ -89,7 +42,7 @@ def _step_tag(k: int) -> int:
 class _Run:
     """One rank's state while executing a plan; also the :class:`PacketIO` its transport uses."""
 
-    def __init__(self, plan: Plan, source: LocalSource, rank: int, stats: Stats,
+    def __init__(self, plan: Plan, source: Source, rank: int, stats: Stats,
                  device: torch.device) -> None:
         self.plan, self.source, self.rank, self.stats, self.device = plan, source, rank, stats, device
         self.open: dict[int, torch.Tensor] = {}
@@ -200,7 +153,7 @@ class _Run:
                 yield self.take(t)
 
 
-def execute(plan: Plan, source: LocalSource, transport: Transport, rank: int, stats: Stats,
+def execute(plan: Plan, source: Source, transport: Transport, rank: int, stats: Stats,
             *, group: Any = None, device: torch.device | None = None,
             ) -> Iterator[tuple[str, torch.Tensor]]:
     """Run ``plan`` on this rank; yield ``(name, tensor)`` for each target this rank consumes.

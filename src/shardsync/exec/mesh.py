@@ -2,17 +2,17 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch.distributed as dist
 
 from ..errors import PlanError
 from ..planning.mesh import Topology
+from ..dist import GroupRanks
 from ..planning.model import Step
-from .transport import GroupRanks, PacketIO, Pending, Posted, Received, landing
+from .stats import Stats
+from .transport import PacketIO, Pending, Posted, Received, landing
 
-if TYPE_CHECKING:  # annotations only (the executor imports the transports)
-    from .executor import Stats
 
 __all__ = ["MeshGroups", "mesh_groups", "local_mesh_info", "MeshTransport"]
 

@@ -14,18 +14,18 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
 
 from ..layout.dtypes import to_torch_dtype
+from ..dist import GroupRanks
 from ..planning.model import Packet, Read, Step
+from .stats import Stats
 
-if TYPE_CHECKING:  # annotations only (the executor imports the transports)
-    from .executor import Stats
 
-__all__ = ["Transport", "Pending", "PacketIO", "GroupRanks", "Received", "Posted", "unpack",
+__all__ = ["Transport", "Pending", "PacketIO", "Received", "Posted", "unpack",
            "BroadcastTransport", "P2PTransport", "LocalTransport"]
 
 #: Packet and its buffer, as received by this rank.
@@ -81,30 +81,6 @@ class Posted:
             work.wait()
         self.works = []
         return self.got
-
-
-@dataclass(frozen=True, slots=True)
-class GroupRanks:
-    """A process group and this process's place in it; translates group ranks to global ranks.
-
-    Example:
-        >>> GroupRanks(None, rank=1, world=2, global_ranks=(4, 6)).to_global(1)
-        6
-    """
-
-    group: Any
-    rank: int
-    world: int
-    global_ranks: tuple[int, ...]
-
-    @classmethod
-    def of(cls, group: Any) -> GroupRanks:
-        """Describe ``group`` (None: the default group) for this process."""
-        ranks = tuple(dist.get_process_group_ranks(group or dist.group.WORLD))
-        return cls(group, dist.get_rank(group), len(ranks), ranks)
-
-    def to_global(self, rank: int) -> int:
-        return self.global_ranks[rank]
 
 
 def landing(packet: Packet, io: PacketIO) -> torch.Tensor:

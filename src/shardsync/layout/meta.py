@@ -9,11 +9,21 @@ from __future__ import annotations
 import json
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from ..errors import LayoutError
 from .box import Box
 
-__all__ = ["ShardSpec", "TensorMeta", "GlobalLayout"]
+__all__ = ["LayoutEntry", "ShardSpec", "TensorMeta", "GlobalLayout"]
+
+
+class LayoutEntry(NamedTuple):
+    """One shard a rank holds, as it reports it when the layout is gathered."""
+
+    key: str
+    shape: tuple[int, ...]
+    dtype: str
+    box: Box
 
 
 @dataclass(frozen=True, slots=True)

@@ -10,6 +10,7 @@ import torch
 from ..errors import LayoutError
 from .box import Box
 from .dtypes import dtype_name
+from .meta import LayoutEntry
 
 __all__ = ["ShardedTensor", "StateValue", "shard_dim", "from_dtensor", "local_shards", "local_layout"]
 
@@ -124,10 +125,10 @@ def local_shards(key: str, value: StateValue) -> list[ShardedTensor]:
                       "a ShardedTensor, a DTensor, or a list of ShardedTensor")
 
 
-def local_layout(state: Mapping[str, StateValue]) -> list[tuple[str, tuple[int, ...], str, Box]]:
+def local_layout(state: Mapping[str, StateValue]) -> list[LayoutEntry]:
     """This rank's entries ``(key, global_shape, dtype, box)`` for :meth:`GlobalLayout.merge`."""
     entries = []
     for key in sorted(state):
         for shard in local_shards(key, state[key]):
-            entries.append((key, shard.global_shape, dtype_name(shard.dtype), shard.box))
+            entries.append(LayoutEntry(key, shard.global_shape, dtype_name(shard.dtype), shard.box))
     return entries

@@ -23,7 +23,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..errors import ReplicaError
-from ..exec.phases import agree, data_phase, group_rank, group_size, is_distributed
+from ..dist import agree, data_phase, group_rank, group_size, is_distributed
 from ..layout import to_torch_dtype
 from .buckets import Member
 from .engine import Item, SyncStats, build_buckets, run_buckets

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from ..errors import ReplicaError
-from ..exec.phases import data_phase
+from ..dist import data_phase
 from ..layout import dtype_name
 from .buckets import Bucket, Member, Op, exchange, make_buckets
 from .targets import Target, get_tensor, kind_order, local, set_grad

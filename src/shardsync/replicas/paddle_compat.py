@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from ..errors import ReplicaError
-from ..exec.phases import agree
+from ..dist import agree
 from .select import tp_sharding
 from .sync import DEFAULT_STATES, ReplicaSync, check_group
 

@@ -27,7 +27,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..errors import ReplicaError
-from ..exec.phases import agree, group_rank, group_size, is_distributed
+from ..dist import agree, group_rank, group_size, is_distributed
 from .buckets import Bucket, Op, PhasePlan, SyncPlan
 from .engine import Item, SyncStats, build_buckets, items_for, run_buckets
 from .select import SelectorLike, Selection, resolve_selector

@@ -1,4 +1,6 @@
-"""Cross-rank phases that fail together instead of hanging.
+"""The cross-rank layer: phases that fail together instead of hanging, and group-rank bookkeeping.
+
+Every other layer that talks to other ranks (``exec``, ``replicas``) goes through this module.
 
 Two kinds of phase:
 
@@ -18,13 +20,14 @@ import contextlib
 import logging
 import traceback
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import torch.distributed as dist
 
-from ..errors import DistributedError, ShardsyncError
+from .errors import DistributedError, ShardsyncError
 
-__all__ = ["is_distributed", "group_rank", "group_size", "agree", "data_phase"]
+__all__ = ["is_distributed", "group_rank", "group_size", "agree", "data_phase", "GroupRanks"]
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -197,3 +200,27 @@ def _looks_like_comm_error(exc: BaseException) -> bool:
     return isinstance(exc, (RuntimeError, dist.DistBackendError)) and any(
         w in text for w in ("timeout", "timed out", "connection", "gloo", "nccl", "peer", "closed",
                             "broken pipe", "reset"))
+
+
+@dataclass(frozen=True, slots=True)
+class GroupRanks:
+    """A process group and this process's place in it; translates group ranks to global ranks.
+
+    Example:
+        >>> GroupRanks(None, rank=1, world=2, global_ranks=(4, 6)).to_global(1)
+        6
+    """
+
+    group: Any
+    rank: int
+    world: int
+    global_ranks: tuple[int, ...]
+
+    @classmethod
+    def of(cls, group: Any) -> GroupRanks:
+        """Describe ``group`` (None: the default group) for this process."""
+        ranks = tuple(dist.get_process_group_ranks(group or dist.group.WORLD))
+        return cls(group, dist.get_rank(group), len(ranks), ranks)
+
+    def to_global(self, rank: int) -> int:
+        return self.global_ranks[rank]

@@ -1,0 +1,8 @@
+"""Where weights come from: the :class:`Source` protocol and its implementations."""
+
+from __future__ import annotations
+
+from .base import Source
+from .local import LocalSource
+
+__all__ = ["Source", "LocalSource"]

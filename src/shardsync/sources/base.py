@@ -1,0 +1,45 @@
+"""The Source protocol: where weights come from.
+
+A source tells what this rank holds (its layout entries) and reads boxes of it on demand. The planner
+sees only the entries (gathered from every rank); the executor calls :meth:`Source.read` only for the
+boxes its plan gives this rank, so a lazy source (files) reads nothing else.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol, runtime_checkable
+
+import torch
+
+from ..layout.box import Box
+from ..layout.meta import LayoutEntry
+
+__all__ = ["Source"]
+
+
+@runtime_checkable
+class Source(Protocol):
+    """What one rank holds, and how to read a box of it.
+
+    Call sequence (every rank): ``entries()`` once while the layout is gathered; then ``read(key, box)``
+    for each box the plan has this rank send or copy, any number of times, in plan order;
+    ``device()`` once before execution.
+
+    Example:
+        >>> src = LocalSource({"w": torch.arange(6.).reshape(2, 3)})   # doctest: +SKIP
+        >>> src.entries()[0].shape, src.read("w", Box((0, 1), (2, 1))).flatten().tolist()  # doctest: +SKIP
+        ((2, 3), [1.0, 4.0])
+    """
+
+    def entries(self) -> list[LayoutEntry]:
+        """This rank's layout entries ``(key, global shape, dtype name, box)``, sorted by key."""
+        ...
+
+    def read(self, key: str, box: Box) -> torch.Tensor:
+        """The data of ``box`` (global coordinates) of ``key``; the box lies inside one of this rank's
+        entries for ``key``. May be a view; callers never write to it."""
+        ...
+
+    def device(self) -> torch.device:
+        """Where :meth:`read` returns tensors."""
+        ...

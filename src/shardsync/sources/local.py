@@ -1,0 +1,66 @@
+"""Live in-memory state as a source: tensors, ShardedTensor, DTensor or lists of ShardedTensor."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+
+from ..errors import LayoutError
+from ..layout.box import Box
+from ..layout.dtypes import dtype_name
+from ..layout.meta import LayoutEntry
+from ..layout.sharded import ShardedTensor, StateValue, local_shards
+
+__all__ = ["LocalSource"]
+
+
+class LocalSource:
+    """This rank's shards, by key, read in place.
+
+    Args:
+        state: the state dict (values: tensor, ShardedTensor, DTensor or list of ShardedTensor).
+
+    Example:
+        >>> src = LocalSource({"w": torch.arange(6.).reshape(2, 3)})
+        >>> src.read("w", Box((1, 0), (1, 2)))
+        tensor([[3., 4.]])
+    """
+
+    def __init__(self, state: Mapping[str, StateValue]) -> None:
+        #: key -> this rank's shards, normalised once (also what the layout is gathered from)
+        self.shards: dict[str, list[ShardedTensor]] = {k: local_shards(k, v) for k, v in state.items()}
+
+    def entries(self) -> list[LayoutEntry]:
+        """This rank's layout entries, sorted by key."""
+        return [LayoutEntry(key, s.global_shape, dtype_name(s.dtype), s.box)
+                for key in sorted(self.shards) for s in self.shards[key]]
+
+    def find(self, key: str, box: Box) -> ShardedTensor | None:
+        """A local shard of ``key`` containing ``box``, or None."""
+        for s in self.shards.get(key, ()):
+            if s.box.contains(box):
+                return s
+        return None
+
+    def read(self, key: str, box: Box) -> torch.Tensor:
+        """A view of ``box`` (global coordinates) of ``key``.
+
+        Raises:
+            LayoutError: no local shard contains the box (the plan says this rank holds it).
+        """
+        shard = self.find(key, box)
+        if shard is None:
+            raise LayoutError(f"{key!r}: this rank holds no shard containing {box}; the layout this "
+                              "rank reported does not match its state (was the state changed after "
+                              "the stream started?)")
+        if box == shard.box:
+            return shard.local
+        return shard.local[box.relative_to(shard.box).slices()]
+
+    def device(self) -> torch.device:
+        """Device of the first local tensor (cpu when there is none)."""
+        for shards in self.shards.values():
+            for s in shards:
+                return s.local.device
+        return torch.device("cpu")
