@@ -1,0 +1,109 @@
+"""Every example in README.md and docs/*.md runs as written (test tier 1, plus spawned ranks).
+
+Per markdown file, its fenced blocks run in order in one temporary working directory, sharing one
+namespace, like a notebook:
+
+* ```` ```python ```` blocks are executed. A block right after the comment ``<!-- ranks: N -->`` runs
+  on N spawned processes set up the way ``torchrun --nproc_per_node N`` sets them up (``RANK``,
+  ``WORLD_SIZE``, ``MASTER_ADDR``/``MASTER_PORT``), so ``dist.init_process_group("gloo")`` works as
+  written; such a block must be self-contained.
+* A ```` ```text ```` block right after the comment ``<!-- output -->`` is what the python block before
+  it prints, compared line by line (trailing spaces ignored).
+* ```` ```sh ```` blocks: each ``shardsync ...`` line runs as the command line tool (exit status 0
+  unless the line ends with ``# exit N``); ``make``/``pip``/``torchrun`` lines are set-up and covered by
+  their own tests (``make demo`` by test_demo.py).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+import re
+import shlex
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from multiproc import run_ranks
+
+ROOT = Path(__file__).resolve().parent.parent
+FILES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+FENCE = re.compile(r"(?P<marker><!--\s*(?P<what>[^>]*?)\s*-->\s*\n)?^```(?P<lang>\w*)\n(?P<body>.*?)^```\s*$",
+                   re.S | re.M)
+SETUP_COMMANDS = ("make", "pip", "torchrun", "python", "cd", "git")
+
+
+def _blocks(path: Path) -> list[tuple[str, str, str]]:
+    """``(lang, marker, body)`` of every fenced block at the top level of the file."""
+    return [(m["lang"], m["what"] or "", m["body"]) for m in FENCE.finditer(path.read_text())]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _as_torchrun(rank: int, world: int, code: str, port: int, cwd: str) -> str:
+    # run_ranks already joined a group; the example makes its own, as under torchrun
+    import torch.distributed as dist
+    dist.destroy_process_group()
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    os.chdir(cwd)
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        exec(compile(code, f"<rank {rank} example>", "exec"), {"__name__": "__main__"})
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    return out.getvalue()
+
+
+def _run_sh(body: str, cwd: Path) -> None:
+    for raw in body.splitlines():
+        line, _, comment = raw.partition(" #")
+        line = line.strip()
+        if not line or line.startswith("#") or line.split()[0] in SETUP_COMMANDS:
+            continue
+        status = re.match(r"\s*exit (\d+)", comment)
+        expect = int(status[1]) if status else 0
+        argv = shlex.split(line)
+        assert argv[0] == "shardsync", f"unknown command in a docs example: {line}"
+        env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+        done = subprocess.run([sys.executable, "-m", "shardsync", *argv[1:]], cwd=cwd, env=env,
+                              capture_output=True, text=True, timeout=300)
+        assert done.returncode == expect, f"`{line}` exited {done.returncode}:\n{done.stdout}\n{done.stderr}"
+        assert "Traceback" not in done.stderr, done.stderr
+
+
+@pytest.mark.parametrize("path", FILES, ids=[p.name for p in FILES])
+def test_examples_run(path: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    namespace: dict[str, object] = {"__name__": "__main__"}
+    printed = ""
+    ran = 0
+    for lang, marker, body in _blocks(path):
+        if lang == "python":
+            ranks = re.fullmatch(r"ranks:\s*(\d+)", marker)
+            if ranks:
+                outs = run_ranks(_as_torchrun, int(ranks[1]), body, _free_port(), str(tmp_path),
+                                 timeout=240)
+                printed = outs[0]
+            else:
+                out = io.StringIO()
+                with contextlib.redirect_stdout(out):
+                    exec(compile(body, f"<{path.name} example>", "exec"), namespace)
+                printed = out.getvalue()
+            ran += 1
+        elif lang == "text" and marker == "output":
+            got = [line.rstrip() for line in printed.strip("\n").splitlines()]
+            want = [line.rstrip() for line in body.strip("\n").splitlines()]
+            assert got == want, f"{path.name}: printed\n" + "\n".join(got)
+        elif lang == "sh":
+            _run_sh(body, tmp_path)
+            ran += 1
+    assert ran or not _blocks(path), f"{path.name}: no runnable example"
