@@ -75,17 +75,21 @@ def _fused(st: Statement, kind: str, ins: list[torch.Tensor], shards: Mapping[st
         if len(ins) == 1:
             return split_heads(ins[0], g, [h // g, 1, 1])
         return [join_heads(ins, g)]
+    def blocks(name: str) -> int:  # tp= when given, else the tensor's shard count (1: not sharded)
+        tp = st.attr("tp")
+        return tp if isinstance(tp, int) else shards.get(name, 1)
+
     if kind == "fused_qkv_old":
         if len(ins) == 3:
-            return [join_heads(ins, shards.get(st.right[0].text, 1))]
-        t = shards[st.left[0].text]
+            return [join_heads(ins, blocks(st.right[0].text))]
+        t = blocks(st.left[0].text)
         qkv = split_heads(ins[0], t, [h // t, g // t, g // t])
-        return qkv if len(st.right) == 3 else [join_heads(qkv, shards.get(st.right[0].text, 1))]
+        return qkv if len(st.right) == 3 else [join_heads(qkv, blocks(st.right[0].text))]
     if len(ins) == 2:
-        return [join_heads(ins, shards.get(st.right[0].text, 1))]
-    t = shards[st.left[0].text]
+        return [join_heads(ins, blocks(st.right[0].text))]
+    t = blocks(st.left[0].text)
     gu = split_heads(ins[0], t, [1, 1])
-    return gu if len(st.right) == 2 else [join_heads(gu, shards.get(st.right[0].text, 1))]
+    return gu if len(st.right) == 2 else [join_heads(gu, blocks(st.right[0].text))]
 
 
 def _apply(st: Statement, ins: list[torch.Tensor], shards: Mapping[str, int]) -> list[torch.Tensor]:

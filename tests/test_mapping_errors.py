@@ -145,7 +145,8 @@ def test_fused_errors() -> None:
          "divisible by num_heads + 2 * num_key_value_groups = 8")
     _one(["qkv -> q, k, fused_qkv, num_heads=4, num_key_value_groups=2"], 0, 0, "fused_qkv has the forms")
     _one(["qkv -> q, k, v, fused_qkv, num_heads=4"], 0, 0, "num_key_value_groups")
-    _one(["s0 -> a, b, fused_ffn, num_heads=2"], 0, 0, "fused_ffn takes axis, not num_heads")
+    _one(["s0 -> a, b, fused_ffn, num_heads=2"], 0, 23, "fused_ffn does not take num_heads (it takes "
+         "axis=, tp=)", name="num_heads")
 
 
 def test_bad_input_forms() -> None:

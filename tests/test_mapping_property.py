@@ -105,10 +105,13 @@ def fused_cases(draw: st.DrawFn) -> tuple[dict[str, torch.Tensor], list[str], di
     src = {"w": arange_tensor(shape, torch.float32, start=1)}
     attrs = f"num_heads={h}, num_key_value_groups={g}, axis={axis}" if kind != "fused_ffn" else f"axis={axis}"
     outs = "q, k, v" if kind != "fused_ffn" else "gate, up"
+    tp = kind != "fused_qkv" and draw(st.booleans())
+    if tp:  # the block count as an attribute: the source is one full tensor, and w2 is built in t blocks
+        attrs += f", tp={t}"
     stmts = [f"w -> {outs}, {kind}, {attrs}"]
-    if draw(st.booleans()):  # and back again: the reverse form must restore w (with T=1 blocks)
+    if draw(st.booleans()):  # and back again: the reverse form must restore w (T=1 blocks without tp)
         stmts.append(f"{outs} -> w2, {kind}, {attrs}")
-    return src, stmts, {"w": t if kind != "fused_qkv" else 1}
+    return src, stmts, {"w": t if kind != "fused_qkv" and not tp else 1}
 
 
 @settings(max_examples=80, deadline=None)
@@ -116,14 +119,15 @@ def fused_cases(draw: st.DrawFn) -> tuple[dict[str, torch.Tensor], list[str], di
 def test_fused_macros_match_reshape_reference(case: tuple[dict, list[str], dict[str, int]]) -> None:
     sources, stmts, shards = case
     t = shards["w"]
-    axis = int(stmts[0].rsplit("axis=", 1)[1])
+    axis = int(stmts[0].split("axis=", 1)[1].split(",")[0])
     w = sources["w"]
     n = w.shape[axis]
-    per = [GlobalLayout.merge([[("w", tuple(w.shape), "float32", _band(w.shape, axis, n, t, r))]
-                               for r in range(t)])]
-    layout = per[0]
+    layout = GlobalLayout.merge([[("w", tuple(w.shape), "float32", _band(w.shape, axis, n, t, r))]
+                                 for r in range(t)])
     got = {s.name: assemble(s, sources) for s in resolve(stmts, layout)}
     want = dense_run(Mapping.parse(stmts).statements, sources, shards)
+    if ", tp=" in stmts[-1] and len(stmts) == 2:
+        assert torch.equal(got["w2"], sources["w"])  # split and joined in the same tp blocks
     assert sorted(got) == sorted(want)
     for k in want:
         assert torch.equal(got[k], want[k]), (k, stmts)

@@ -1,17 +1,18 @@
 """Lexer: statement text -> tokens with positions.
 
-Tokens: ``->``, ``=``, ``:``, ``[``, ``]``, ``,``, integers (negative ones too: an extension over
-Paddle), quoted strings, identifiers and newlines. An identifier starts with a letter or ``_`` and goes
+Tokens: ``->``, ``=``, ``:``, ``[``, ``]``, ``,``, integers (ASCII digits, at most 2**63 - 1 in
+magnitude; negative ones too: an extension over Paddle), quoted strings, identifiers and newlines. An identifier starts with a letter or ``_`` and goes
 on with letters, digits and ``. $ _ * ^``, so ``layers.$LAYER_ID.weight^T`` is one token. ``#`` starts a
 comment that runs to the end of the line.
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Literal
 
-__all__ = ["Token", "TokenKind", "tokenize"]
+__all__ = ["Token", "TokenKind", "tokenize", "parse_int", "INT_LIMIT"]
 
 #: ``ERROR`` tokens carry a message (a bad character, an unterminated string) for the parser to report
 #: in the statement where it occurs.
@@ -19,6 +20,10 @@ TokenKind = Literal["ARROW", "EQ", "COLON", "LBRACK", "RBRACK", "COMMA", "INT", 
                     "NEWLINE", "EOF", "ERROR"]
 _PUNCT: dict[str, TokenKind] = {"=": "EQ", ":": "COLON", "[": "LBRACK", "]": "RBRACK", ",": "COMMA"}
 _NAME_CHARS = frozenset(".$_*^")
+_DIGITS = frozenset("0123456789")
+_INT = re.compile(r"[-+]?[0-9]+")
+#: The largest magnitude an integer may have (every size, dim or count fits a signed 64-bit int).
+INT_LIMIT = 2**63 - 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -28,10 +33,38 @@ class Token:
     pos: int
 
 
+def parse_int(text: str) -> int:
+    """``text`` as an integer: ASCII digits with an optional sign, at most :data:`INT_LIMIT`.
+
+    Raises:
+        ValueError: naming the problem (not an integer, or too large), with the value shortened.
+
+    Example:
+        >>> parse_int(" -12 ")
+        -12
+    """
+    s = text.strip()
+    shown = s if len(s) <= 24 else f"{s[:12]}...({len(s)} characters)"
+    if not _INT.fullmatch(s):
+        raise ValueError(f"{shown!r} is not an integer")
+    # the length check first: int() of a huge digit string is slow, and refused past 4300 digits
+    if len(s.lstrip("+-").lstrip("0")) > 19 or abs(int(s)) > INT_LIMIT:
+        raise ValueError(f"integer {shown} is too large (at most 2**63 - 1)")
+    return int(s)
+
+
 def _name_end(text: str, i: int) -> int:
     while i < len(text) and (text[i].isalnum() or text[i] in _NAME_CHARS):
         i += 1
     return i
+
+
+def _int_token(digits: str, pos: int) -> Token:
+    try:
+        parse_int(digits)
+    except ValueError as exc:
+        return Token("ERROR", str(exc), pos)
+    return Token("INT", digits, pos)
 
 
 def tokenize(text: str) -> list[Token]:
@@ -59,11 +92,11 @@ def tokenize(text: str) -> list[Token]:
         elif c in _PUNCT:
             tokens.append(Token(_PUNCT[c], c, i))
             i += 1
-        elif c.isdigit() or (c == "-" and i + 1 < n and text[i + 1].isdigit()):
+        elif c in _DIGITS or (c == "-" and i + 1 < n and text[i + 1] in _DIGITS):
             j = i + 1
-            while j < n and text[j].isdigit():
+            while j < n and text[j] in _DIGITS:
                 j += 1
-            tokens.append(Token("INT", text[i:j], i))
+            tokens.append(_int_token(text[i:j], i))
             i = j
         elif c in "'\"":
             j = text.find(c, i + 1)

@@ -7,6 +7,9 @@ resolver, which knows shapes and shard counts.) Reverse mode is applied last, on
 The *source side* of a statement is the side read in the export direction: the left side normally, the
 right side for a reversed (load-direction) program. Its names match against source keys; the other
 side's names match against destination keys, which only a destination layout provides.
+
+A name with placeholders or ``*`` matches keys in linear time: each slot is a run of ASCII digits taken
+whole (no backtracking), so a slot must end the name or be followed by a non-digit.
 """
 
 from __future__ import annotations
@@ -15,12 +18,17 @@ import re
 from collections.abc import Sequence
 from dataclasses import replace
 
+from .lexer import parse_int
 from .syntax import Attr, Diagnostic, Name, Statement, suggest
 
 __all__ = ["expand_macros", "reverse_program", "invert_permutation"]
 
 _OFFSET = "$LAYER_ID_OFFSET"
 _PLACEHOLDER = re.compile(r"\$([A-Z_][A-Z0-9_]*)")
+_SLOT = re.compile(r"\$([A-Z_][A-Z0-9_]*)|\*")
+# A slot's digits, taken possessively (never given back, so matching cannot backtrack); 18 digits at
+# most, so every value fits int() and an absurd key simply does not match.
+_RUN = "[0-9]{1,18}+"
 _T = "^T"
 
 
@@ -39,9 +47,25 @@ def _rebuild(st: Statement, reverse: bool, src: list[Name], dst: list[Name]) -> 
     return replace(st, left=tuple(left), right=tuple(right))
 
 
-def _pattern(text: str, tag_regex: str) -> re.Pattern[str]:
-    parts = re.split(tag_regex, text.removesuffix(_T))
-    return re.compile("(\\d+)".join(re.escape(p) for p in parts))
+def _template(name: Name) -> re.Pattern[str]:
+    """The pattern of keys that ``name`` (less a ``^T``) matches: each ``$NAME`` is a named group (the
+    same digits wherever it repeats), each ``*`` an unnamed one. Because a slot is followed by a
+    non-digit or the end, a key matches in at most one way."""
+    text = name.text.removesuffix(_T)
+    out, at, seen = [], 0, set()
+    for m in _SLOT.finditer(text):
+        nxt = text[m.end():m.end() + 1]
+        if nxt.isascii() and nxt.isdigit() or _SLOT.match(text, m.end()):
+            raise _MacroFail(f"{name.text!r}: {m.group()!r} is directly followed by {nxt!r}; a placeholder "
+                             "or '*' must end the name or be followed by a non-digit, so that a run of "
+                             "digits in a key can be cut only one way", name)
+        out.append(re.escape(text[at:m.start()]))
+        ph = m.group(1)
+        out.append(f"({_RUN})" if ph is None else f"(?P={ph})" if ph in seen else f"(?P<{ph}>{_RUN})")
+        seen.add(ph)
+        at = m.end()
+    out.append(re.escape(text[at:]))
+    return re.compile("".join(out))
 
 
 def _expand_offset(st: Statement, keys: Sequence[str], reverse: bool) -> list[Statement]:
@@ -54,8 +78,8 @@ def _expand_offset(st: Statement, keys: Sequence[str], reverse: bool) -> list[St
                          missing[0])
     if carrier is None:
         raise _MacroFail(f"{_OFFSET} must appear on the source side", names[0])
-    pat = _pattern(carrier.text, re.escape(_OFFSET))
-    ids = sorted({int(m.group(1)) for k in keys if (m := pat.fullmatch(k))})
+    pat = _template(carrier)
+    ids = sorted({int(m.group(_OFFSET[1:])) for k in keys if (m := pat.fullmatch(k))})
     if not ids:
         raise _MacroFail(f"{carrier.text!r} matches no source key", carrier,
                          (f"source keys look like {sorted(keys)[:3]}",))
@@ -87,11 +111,7 @@ def _expand_placeholders(st: Statement, src_keys: Sequence[str], dst_keys: Seque
                              f"(${', $'.join(phs)})", n)
 
     def combos(name: Name) -> set[tuple[int, ...]]:
-        regex = re.escape(name.text.removesuffix(_T)).replace(re.escape("*"), "\\d+")
-        for ph in phs:
-            regex = regex.replace(re.escape("$" + ph), f"(?P<{ph}>\\d+)", 1)
-            regex = regex.replace(re.escape("$" + ph), f"(?P={ph})")
-        pat = re.compile(regex)
+        pat = _template(name)
         return {tuple(int(m.group(ph)) for ph in phs) for k in keys if (m := pat.fullmatch(k))}
 
     found = combos(first)
@@ -120,7 +140,7 @@ def _star(name: Name, keys: Sequence[str] | None, which: str) -> list[Name]:
         raise _MacroFail(f"{name.text!r}: a name may hold one '*'", name)
     if keys is None:
         raise _MacroFail(f"{name.text!r}: '*' on the destination side needs a destination layout", name)
-    pat = _pattern(name.text, re.escape("*"))
+    pat = _template(name)
     hits = sorted((int(m.group(1)), k) for k in keys if (m := pat.fullmatch(k)))
     if not hits:
         raise _MacroFail(f"{name.text!r} matches no {which} key", name,
@@ -177,19 +197,32 @@ def expand_macros(statements: Sequence[Statement], src_keys: Sequence[str],
 
 
 def invert_permutation(spec: str) -> str:
-    """The inverse of a ``permute='[...]'`` value (``'[]'``, a full reversal, is its own inverse)."""
-    perm = [int(x) for x in spec.strip("[] ").split(",") if x.strip()]
-    if not perm:
-        return "[]"
-    inv = [0] * len(perm)
-    for i, p in enumerate(perm):
-        inv[p % len(perm)] = i
+    """The inverse of a ``permute='[...]'`` value (``'[]'``, a full reversal, is its own inverse).
+
+    Raises:
+        ValueError: ``spec`` is not a permutation of ``0..n-1`` (negative entries count from the end).
+
+    Example:
+        >>> invert_permutation("[1, 2, 0]")
+        '[2, 0, 1]'
+    """
+    perm = [parse_int(x) for x in spec.strip("[] ").split(",") if x.strip()]
+    n = len(perm)
+    norm = [p % n for p in perm if -n <= p < n]
+    if sorted(norm) != list(range(n)):
+        raise ValueError(f"permute={spec!r} is not a permutation of 0..{n - 1}")
+    inv = [0] * n
+    for i, p in enumerate(norm):
+        inv[p] = i
     return "[" + ", ".join(map(str, inv)) + "]"
 
 
 def _reverse_attr(a: Attr) -> Attr:
     if a.key == "permute" and isinstance(a.value, str):
-        return Attr("permute", invert_permutation(a.value), a.col)
+        try:
+            return Attr("permute", invert_permutation(a.value), a.col)
+        except ValueError:
+            return a  # kept as written: evaluating it reports the error as forward mode does
     if a.key == "src_dtype":
         return Attr("dst_dtype", a.value, a.col)
     if a.key == "dst_dtype":

@@ -2,21 +2,28 @@
 
 Statement boundaries are grammatical: after ``names -> names [, attrs]`` a new statement may start on
 the same line (Paddle parses ``"a -> b" "c -> d"`` as two); newlines also end statements. ``name[a:b]``
-is expanded here into ``name_a, ..., name_{b-1}`` (it depends on no keys).
+is expanded here into ``name_a, ..., name_{b-1}`` (it depends on no keys), up to
+:data:`MAX_RANGE_NAMES` names.
 """
 
 from __future__ import annotations
 
+from .fused import FUSED_FORMS
 from .lexer import Token, tokenize
+from .statements import STATEMENT_ATTRIBUTES
 from .syntax import Attr, Diagnostic, Name, Statement
 
-__all__ = ["parse_text", "MACRO_KEYWORDS", "ATTRIBUTES"]
+__all__ = ["parse_text", "attribute_names", "MAX_RANGE_NAMES"]
 
-#: Bare keywords that start the attribute part of a statement.
-MACRO_KEYWORDS = frozenset({"fused_qkv", "fused_qkv_old", "fused_ffn"})
-#: Every attribute a statement may carry.
-ATTRIBUTES = frozenset({"axis", "permute", "dtype", "src_dtype", "dst_dtype", "sizes", "num_heads",
-                        "num_key_value_groups"}) | MACRO_KEYWORDS
+#: The most names one ``name[a:b]`` may expand to (a typo such as ``w[0:1000000000]`` would otherwise
+#: build a billion names before anything else is checked).
+MAX_RANGE_NAMES = 10_000
+
+
+def attribute_names() -> frozenset[str]:
+    """Every attribute a statement may carry: the plain statements' and, from :data:`FUSED_FORMS`,
+    each fused form's keyword and attributes (read when called, so a registered form is known)."""
+    return STATEMENT_ATTRIBUTES.union(FUSED_FORMS, *(form.attrs for form in FUSED_FORMS.values()))
 
 
 class _Fail(Exception):
@@ -47,7 +54,7 @@ class _Parser:
         out = self.name(start)
         while self.peek().kind == "COMMA" and self.peek(1).kind == "NAME":
             nxt = self.peek(1)
-            if right and (nxt.value in MACRO_KEYWORDS or self.peek(2).kind == "EQ"):
+            if right and (nxt.value in FUSED_FORMS or self.peek(2).kind == "EQ"):
                 break
             self.i += 1
             out += self.name(start)
@@ -63,18 +70,28 @@ class _Parser:
         self.take("COLON", "':' in name[a:b]")
         hi_tok = self.take("INT", "an end index in name[a:b]")
         self.take("RBRACK", "']' closing name[a:b]")
-        if int(hi_tok.value) <= lo:
-            raise _Fail(f"empty range {tok.value}[{lo}:{hi_tok.value}]: the end must exceed the start",
+        hi = int(hi_tok.value)
+        if hi <= lo:
+            raise _Fail(f"empty range {tok.value}[{lo}:{hi}]: the end must exceed the start",
                         hi_tok, tok.value)
-        return [Name(f"{tok.value}_{k}", col) for k in range(lo, int(hi_tok.value))]
+        if hi - lo > MAX_RANGE_NAMES:
+            raise _Fail(f"{tok.value}[{lo}:{hi}] would expand to {hi - lo} names; a range expands to at "
+                        f"most {MAX_RANGE_NAMES}: check the bounds, or match the keys with a '*' or "
+                        "$NAME placeholder instead", tok, tok.value)
+        return [Name(f"{tok.value}_{k}", col) for k in range(lo, hi)]
 
-    def attr(self, start: int) -> Attr:
+    def attr(self, start: int, seen: list[Attr]) -> Attr:
         key = self.take("NAME", "an attribute")
         col = key.pos - start
+        if any(a.key == key.value for a in seen):
+            raise _Fail(f"attribute {key.value!r} is given twice; give it once", key, key.value)
         if self.peek().kind != "EQ":
-            if key.value not in MACRO_KEYWORDS:
+            if key.value not in FUSED_FORMS:
                 raise _Fail(f"attribute {key.value!r} needs a value ({key.value}=...)", key, key.value)
             return Attr(key.value, None, col)
+        if key.value in FUSED_FORMS:
+            raise _Fail(f"{key.value} is a bare keyword and takes no value (`..., {key.value}, ...`)",
+                        key, key.value)
         self.i += 1
         tok = self.peek()
         if tok.kind == "INT":
@@ -101,10 +118,10 @@ class _Parser:
         left = self.names(start, right=False)
         self.take("ARROW", "'->'")
         right = self.names(start, right=True)
-        attrs = []
+        attrs: list[Attr] = []
         while self.peek().kind == "COMMA":
             self.i += 1
-            attrs.append(self.attr(start))
+            attrs.append(self.attr(start, attrs))
         end_tok = self.peek()
         if end_tok.kind not in ("NEWLINE", "EOF", "NAME"):
             raise _Fail(f"unexpected {end_tok.value!r} after the statement", end_tok)

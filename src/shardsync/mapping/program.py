@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Union
 
@@ -17,6 +17,8 @@ __all__ = ["Mapping", "MappingLike"]
 
 #: Everything :meth:`Mapping.parse` accepts.
 MappingLike = Union["Mapping", str, os.PathLike, Sequence[str], dict]
+# A one-line string without '->' that ends in one of these is a path, not a program.
+_SUFFIXES = (".txt", ".json", ".yaml", ".yml")
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,18 +44,22 @@ class Mapping:
 
         Args:
             source: a list of statement strings; one string with a statement per line; a dict
-                ``{"aoa_statements": [...], "aoa_config_reverse": bool}``; a path to a ``.txt``
-                (a statement per line, ``#`` comments), ``.json`` or ``.yaml``/``.yml`` file holding that
-                dict (or a bare list); or a Mapping (returned as is unless ``reverse`` changes it).
+                ``{"aoa_statements": [...], "aoa_config_reverse": bool}``; a path to a ``.json`` or
+                ``.yaml``/``.yml`` file holding that dict (or a bare list) or to a text file (a
+                statement per line, ``#`` comments); or a Mapping (returned as is unless ``reverse``
+                changes it). A string without ``->`` on one line that ends in ``.txt``, ``.json``,
+                ``.yaml`` or ``.yml`` or holds a path separator is a path.
             reverse: overrides ``aoa_config_reverse``.
 
         Raises:
-            MappingError: listing every lexical and syntax error of the program.
-            FileNotFoundError: ``source`` names a file that does not exist.
+            MappingError: listing every lexical and syntax error of the program (with the file, for a
+                program read from one); or the file is missing, a directory, unreadable, or not
+                valid JSON/YAML of the expected shape (with line and column where there is one).
         """
         if isinstance(source, Mapping):
             return source if reverse is None else cls(source.statements, reverse)
-        chunks, file_reverse = _chunks(source)
+        path = _as_path(source)
+        chunks, file_reverse = _from_source(source) if path is None else _read_file(path)
         statements: list[Statement] = []
         diags: list[Diagnostic] = []
         index = 0
@@ -63,7 +69,8 @@ class Mapping:
             diags += problems
             index = max([s.index + 1 for s in parsed] + [d.index + 1 for d in problems] + [index])
         if diags:
-            raise MappingError(sorted(diags, key=lambda d: d.index))
+            where = None if path is None else str(path)
+            raise MappingError([replace(d, file=where) for d in sorted(diags, key=lambda d: d.index)])
         return cls(tuple(statements), file_reverse if reverse is None else reverse)
 
     def __len__(self) -> int:
@@ -74,23 +81,25 @@ class Mapping:
         return "\n".join(s.render() for s in self.statements)
 
 
-def _from_dict(doc: dict) -> tuple[list[str], bool]:
-    if "aoa_statements" not in doc:
-        raise MappingError(f"a mapping dict needs the key 'aoa_statements' (found {sorted(doc)})")
-    stmts = doc["aoa_statements"]
-    if isinstance(stmts, str):
-        stmts = [stmts]
-    if not isinstance(stmts, list) or not all(isinstance(s, str) for s in stmts):
-        raise MappingError("'aoa_statements' must be a list of statement strings")
-    return stmts, bool(doc.get("aoa_config_reverse", False))
+def _as_path(source: Any) -> Path | None:
+    """``source`` as a file path, if it is one: a PathLike, or a one-line string without ``->`` that
+    ends in a mapping-file suffix or holds a path separator (so a missing file is reported as such,
+    not parsed as a statement)."""
+    if isinstance(source, os.PathLike):
+        return Path(source)
+    if not isinstance(source, str):
+        return None
+    text = source.strip()
+    if not text or "->" in text or "\n" in text or text.startswith("#"):
+        return None
+    if Path(text).suffix in _SUFFIXES or "/" in text or os.sep in text:
+        return Path(source)
+    return None
 
 
-def _chunks(source: Any) -> tuple[list[str], bool]:
+def _from_source(source: Any) -> tuple[list[str], bool]:
     if isinstance(source, dict):
-        return _from_dict(source)
-    if isinstance(source, os.PathLike) or (isinstance(source, str) and "->" not in source
-                                           and Path(source).suffix in (".txt", ".json", ".yaml", ".yml")):
-        return _read_file(Path(source))
+        return _from_doc(source, "the mapping dict")
     if isinstance(source, str):
         return [source], False
     if isinstance(source, Sequence) and all(isinstance(s, str) for s in source):
@@ -99,21 +108,62 @@ def _chunks(source: Any) -> tuple[list[str], bool]:
                        "a string, a dict with 'aoa_statements', or a .txt/.json/.yaml path")
 
 
-def _read_file(path: Path) -> tuple[list[str], bool]:
-    text = path.read_text()
-    if path.suffix == ".txt":
-        return [text], False
-    if path.suffix == ".json":
-        doc = json.loads(text)
-    else:
-        try:
-            import yaml  # optional: only YAML mapping files need it
-        except ImportError as exc:
-            raise MappingError(f"{path}: reading YAML needs PyYAML (pip install pyyaml), or use "
-                               ".json/.txt") from exc
-        doc = yaml.safe_load(text)
+def _from_doc(doc: Any, where: str) -> tuple[list[str], bool]:
+    """Statements and the reverse flag from a list of statements or a dict with ``aoa_statements``."""
     if isinstance(doc, list):
-        return [str(s) for s in doc], False
-    if isinstance(doc, dict):
-        return _from_dict(doc)
-    raise MappingError(f"{path}: expected a list of statements or a dict with 'aoa_statements'")
+        doc = {"aoa_statements": doc}
+    if not isinstance(doc, dict):
+        raise MappingError(f"{where}: expected a list of statements or a dict with 'aoa_statements', "
+                           f"found {type(doc).__name__}")
+    if "aoa_statements" not in doc:
+        raise MappingError(f"{where}: a mapping dict needs the key 'aoa_statements' (found "
+                           f"{sorted(map(str, doc))})")
+    stmts = doc["aoa_statements"]
+    if isinstance(stmts, str):
+        stmts = [stmts]
+    bad = ([i for i, s in enumerate(stmts) if not isinstance(s, str)] if isinstance(stmts, list)
+           else None)
+    if bad is None or bad:
+        found = type(stmts).__name__ if bad is None else f"item {bad[0]} is {type(stmts[bad[0]]).__name__}"
+        raise MappingError(f"{where}: 'aoa_statements' must be a list of statement strings ({found})")
+    reverse = doc.get("aoa_config_reverse", False)
+    if not isinstance(reverse, bool):
+        raise MappingError(f"{where}: 'aoa_config_reverse' must be true or false, not {reverse!r}")
+    return stmts, reverse
+
+
+def _read_file(path: Path) -> tuple[list[str], bool]:
+    if not path.exists():
+        raise MappingError(f"mapping file {str(path)!r} does not exist (inline statements need '->')")
+    if path.is_dir():
+        raise MappingError(f"mapping path {str(path)!r} is a directory; give a .txt, .json or .yaml file")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeError) as exc:
+        raise MappingError(f"cannot read mapping file {str(path)!r}: {exc}") from None
+    if path.suffix == ".json":
+        try:
+            doc = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise MappingError(f"{path}, line {exc.lineno}, column {exc.colno}: invalid JSON: "
+                               f"{exc.msg}") from None
+    elif path.suffix in (".yaml", ".yml"):
+        doc = _load_yaml(path, text)
+    else:
+        return [text], False  # a text program: a statement per line
+    return _from_doc(doc, str(path))
+
+
+def _load_yaml(path: Path, text: str) -> Any:
+    try:
+        import yaml  # optional: only YAML mapping files need it
+    except ImportError as exc:
+        raise MappingError(f"{path}: reading YAML needs PyYAML (pip install pyyaml), or use "
+                           ".json/.txt") from exc
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        at = f", line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        problem = getattr(exc, "problem", None) or str(exc)
+        raise MappingError(f"{path}{at}: invalid YAML: {problem}") from None

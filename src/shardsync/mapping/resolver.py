@@ -11,9 +11,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
 from ..errors import MappingError
-from ..layout.meta import GlobalLayout
+from ..layout.meta import GlobalLayout, TensorMeta
 from .macros import expand_macros, reverse_program
-from .parser import ATTRIBUTES
+from .parser import attribute_names
 from .pieces import Piece, TargetSpec
 from .program import Mapping, MappingLike
 from .fused import apply_fused
@@ -54,28 +54,45 @@ class _Run:
                                          st.index, st.text, name.col, name.text))
         return found
 
-    def shard_count(self, name: str, v: VTensor | None, dim: int) -> int:
-        """Blocks of a fused tensor along ``dim``: its source's distinct shard offsets there, or for
-        a tensor being built (``v`` None), the destination layout's (1 without a destination layout)."""
+    def shard_count(self, name: Name, v: VTensor | None, dim: int) -> int:
+        """Blocks of a fused tensor along ``dim``: its source's shards there, or for a tensor being
+        built (``v`` None), the destination layout's (1 without a destination layout). The shards
+        must all be the same size: each is read as one block."""
         if v is None:
-            if self.dest is None or name not in self.dest:
+            if self.dest is None or name.text not in self.dest:
                 return 1
-            return max(1, len(self.dest[name].offsets_along(dim)))
+            meta = self.dest[name.text]
+            return _equal_bands(name, meta, dim, 0, meta.shape[dim], f"destination {name.text!r}")
         whole = [f for f in v.frags if f.box.sizes == v.shape]
         if len(whole) != 1:
-            raise StatementError(f"{name!r} must be one source tensor (renamed, cast or permuted at most) "
-                                 "so that its shards can be counted")
+            raise StatementError(f"{name.text!r} must be one source tensor (renamed, cast or permuted at "
+                                 "most) so that its shards can be counted", name,
+                                 ("or give the block count: tp=<tensor-parallel size>",))
         f = whole[0]
         sdim = f.perm[dim]
-        lo, hi = f.source_box.offsets[sdim], f.source_box.stops[sdim]
-        return max(1, len([o for o in self.layout[f.source].offsets_along(sdim) if lo <= o < hi]))
+        what = repr(name.text) if f.source == name.text else f"{name.text!r} (source {f.source!r})"
+        return _equal_bands(name, self.layout[f.source], sdim, f.source_box.offsets[sdim],
+                            f.source_box.stops[sdim], what)
+
+
+def _equal_bands(name: Name, meta: TensorMeta, dim: int, lo: int, hi: int, what: str) -> int:
+    """How many shards cut ``[lo, hi)`` of ``dim``; an error naming their sizes if they differ."""
+    cuts = sorted({lo, hi} | {o for o in meta.offsets_along(dim) if lo < o < hi})
+    sizes = [b - a for a, b in zip(cuts, cuts[1:])]
+    if len(set(sizes)) > 1:
+        raise StatementError(f"{what} is cut along dim {dim} into shards of sizes {sizes}; a fused form "
+                             "reads each shard as one block, so they must be the same size", name,
+                             ("give the block count explicitly: tp=<tensor-parallel size the weights "
+                              "were written with>",))
+    return max(1, len(sizes))
 
 
 def _check_form(st: Statement) -> None:
-    unknown = [a for a in st.attrs if a.key not in ATTRIBUTES]
+    known = attribute_names()
+    unknown = [a for a in st.attrs if a.key not in known]
     if unknown:
         a = unknown[0]
-        raise StatementError(f"unknown attribute {a.key!r}{suggest(a.key, ATTRIBUTES)}", Name(a.key, a.col))
+        raise StatementError(f"unknown attribute {a.key!r}{suggest(a.key, known)}", Name(a.key, a.col))
     if len(st.left) > 1 and len(st.right) > 1:
         raise StatementError("more than one name on both sides; split or concat in separate statements")
     outs = [n.text for n in st.right]
@@ -97,8 +114,8 @@ def _run_statement(run: _Run, st: Statement) -> None:
         run.failed.update(n.text for n in st.right)
         return
     try:
-        fused = [a.key for a in st.attrs if a.value is None]
-        outputs = (apply_fused(st, fused[0], inputs, run.shard_count) if fused  # type: ignore[arg-type]
+        fused = any(a.value is None for a in st.attrs)
+        outputs = (apply_fused(st, inputs, run.shard_count) if fused  # type: ignore[arg-type]
                    else apply_statement(st, inputs))  # type: ignore[arg-type]
     except StatementError as e:
         run.fail(st, e)
@@ -210,7 +227,8 @@ def _state_targets(program: Mapping, layout: GlobalLayout, states: dict[str, lis
 
 def _split_state_keys(keys: Sequence[str], named: set[str], shaped: tuple[str, ...],
                       scalars: tuple[str, ...]) -> tuple[list[str], dict[str, list[str]]]:
-    model, states = [], {}
+    model: list[str] = []
+    states: dict[str, list[str]] = {}
     keyset = set(keys)
     for k in keys:
         sfx = next((s for s in shaped + scalars

@@ -1,4 +1,5 @@
-"""Evaluation of one statement on virtual tensors: rename, split, concat, permute, cast, fused forms.
+"""Evaluation of one statement without a macro keyword on virtual tensors: rename, split, concat,
+permute, cast (the fused forms are in :mod:`.fused`).
 
 Each function takes the statement and its input :class:`VTensor` s and returns the bound outputs, or
 raises :class:`StatementError` naming the offending name. No key lookups happen here.
@@ -10,14 +11,18 @@ from collections.abc import Callable, Sequence
 
 from ..layout.dtypes import dtype_name
 from .syntax import Name, Statement
-from .vtensor import VTensor, cast, concat, permute, take
+from .lexer import parse_int
+from .vtensor import VTensor, cast, concat, permute, split
 
-__all__ = ["StatementError", "apply_statement", "ShardCount", "axis_of", "concat_checked", "split_sizes",
-           "split_equal"]
+__all__ = ["StatementError", "apply_statement", "ShardCount", "axis_of", "concat_checked",
+           "STATEMENT_ATTRIBUTES"]
 
 #: How many blocks a fused tensor has along a dim: ``(name, tensor, dim) -> T``; ``tensor`` is None for a
 #: tensor being built (its destination layout decides).
-ShardCount = Callable[[str, "VTensor | None", int], int]
+ShardCount = Callable[[Name, "VTensor | None", int], int]
+#: The attributes of statements without a macro keyword (the fused forms add their own).
+STATEMENT_ATTRIBUTES = frozenset({"axis", "permute", "dtype", "src_dtype", "dst_dtype", "sizes"})
+_ONE_TO_ONE = frozenset({"permute", "dtype", "axis", "src_dtype", "dst_dtype"})
 
 
 class StatementError(Exception):
@@ -28,30 +33,25 @@ class StatementError(Exception):
         self.message, self.name, self.hints = message, name, hints
 
 
-def _at(st: Statement, key: str) -> Name | None:
-    """The attribute ``key`` as a position to point errors at."""
-    return next((Name(a.key, a.col) for a in st.attrs if a.key == key), None)
-
-
 def axis_of(st: Statement, v: VTensor, default: int | None = None) -> int:
     raw = st.attr("axis", default)
     if raw is None:
         raise StatementError("a split or concat needs axis=<dim>")
     if not isinstance(raw, int):
-        raise StatementError(f"axis must be an integer, got {raw!r}", _at(st, "axis"))
+        raise StatementError(f"axis must be an integer, got {raw!r}", st.attr_name("axis"))
     if not -v.ndim <= raw < v.ndim:
         raise StatementError(f"axis={raw} is out of range for a {v.ndim}-dim tensor of shape "
-                             f"{list(v.shape)}", _at(st, "axis"))
+                             f"{list(v.shape)}", st.attr_name("axis"))
     return raw % v.ndim
 
 
 def _int_list(st: Statement, key: str) -> list[int]:
     raw = st.attr(key)
     try:
-        return [int(x) for x in str(raw).strip().strip("[]").split(",") if x.strip()]
-    except ValueError:
-        raise StatementError(f"{key}={raw!r} must be a list of integers like '[2, 0, 1]'",
-                             _at(st, key)) from None
+        return [parse_int(x) for x in str(raw).strip().strip("[]").split(",") if x.strip()]
+    except ValueError as exc:
+        raise StatementError(f"{key}= must be a list of integers like '[2, 0, 1]': {exc}",
+                             st.attr_name(key)) from None
 
 
 def _dtype(st: Statement, key: str) -> str:
@@ -59,7 +59,7 @@ def _dtype(st: Statement, key: str) -> str:
     try:
         return dtype_name(str(raw))
     except ValueError as exc:
-        raise StatementError(f"{key}={raw!r}: {exc}", _at(st, key)) from None
+        raise StatementError(f"{key}={raw!r}: {exc}", st.attr_name(key)) from None
 
 
 def _permute(st: Statement, v: VTensor) -> VTensor:
@@ -68,19 +68,23 @@ def _permute(st: Statement, v: VTensor) -> VTensor:
         return permute(v, list(range(v.ndim))[::-1])
     if len(perm) != v.ndim:
         raise StatementError(f"permute={perm} has {len(perm)} entries but the tensor has {v.ndim} dims "
-                             f"(shape {list(v.shape)})", _at(st, "permute"))
+                             f"(shape {list(v.shape)})", st.attr_name("permute"))
     norm = [p % v.ndim if -v.ndim <= p < v.ndim else None for p in perm]
     if None in norm or sorted(norm) != list(range(v.ndim)):  # type: ignore[type-var]
         raise StatementError(f"permute={perm} is not a permutation of dims 0..{v.ndim - 1}",
-                             _at(st, "permute"))
+                             st.attr_name("permute"))
     return permute(v, norm)  # type: ignore[arg-type]
 
 
 def _one_to_one(st: Statement, v: VTensor) -> VTensor:
+    extra = sorted(a.key for a in st.attrs if a.key not in _ONE_TO_ONE)
+    if extra:
+        raise StatementError(f"a 1 -> 1 statement takes permute=, dtype=, axis= or src_dtype=/dst_dtype=, "
+                             f"not {', '.join(extra)}", st.attr_name(extra[0]))
     kinds = [a.key for a in st.attrs if a.key in ("permute", "dtype", "axis")]
     if len(kinds) > 1:
         raise StatementError(f"a 1 -> 1 statement takes at most one of permute/dtype/axis, got "
-                             f"{' and '.join(kinds)}", _at(st, kinds[1]),
+                             f"{' and '.join(kinds)}", st.attr_name(kinds[1]),
                              ("write one statement per transform",))
     if st.has("src_dtype") != st.has("dst_dtype"):
         raise StatementError("src_dtype and dst_dtype go together")
@@ -96,14 +100,6 @@ def _one_to_one(st: Statement, v: VTensor) -> VTensor:
     return v
 
 
-def split_sizes(v: VTensor, dim: int, sizes: Sequence[int]) -> list[VTensor]:
-    out, at = [], 0
-    for s in sizes:
-        out.append(take(v, dim, at, at + s))
-        at += s
-    return out
-
-
 def _split_statement(st: Statement, v: VTensor) -> list[VTensor]:
     dim = axis_of(st, v)
     n, parts = v.shape[dim], len(st.right)
@@ -111,14 +107,14 @@ def _split_statement(st: Statement, v: VTensor) -> list[VTensor]:
         sizes = _int_list(st, "sizes")
         if len(sizes) != parts or sum(sizes) != n or min(sizes) < 0:
             raise StatementError(f"sizes={sizes} must give {parts} non-negative sizes summing to {n} "
-                                 f"(the size of dim {dim})", _at(st, "sizes"))
+                                 f"(the size of dim {dim})", st.attr_name("sizes"))
     else:
         if n % parts:
             raise StatementError(f"dim {dim} of {st.left[0].text!r} has size {n}, not divisible into "
                                  f"{parts} equal parts", st.left[0],
                                  (f"give unequal sizes with sizes='[...]' summing to {n}",))
         sizes = [n // parts] * parts
-    return split_sizes(v, dim, sizes)
+    return split(v, dim, sizes)
 
 
 def concat_checked(st: Statement, vs: Sequence[VTensor], dim: int | None = None) -> VTensor:
@@ -145,18 +141,11 @@ def apply_statement(st: Statement, inputs: Sequence[VTensor]) -> list[VTensor]:
     extra = sorted(a.key for a in st.attrs if a.key not in ("axis", "sizes"))
     if extra:
         raise StatementError(f"a split or concat takes only axis= (and sizes= for a split), not "
-                             f"{', '.join(extra)}", _at(st, extra[0]),
+                             f"{', '.join(extra)}", st.attr_name(extra[0]),
                              ("cast or permute in a statement of its own",))
     if len(inputs) == 1:
         return _split_statement(st, inputs[0])
     if st.has("sizes"):
-        raise StatementError("sizes= belongs to a split, not a concat", _at(st, "sizes"))
+        raise StatementError("sizes= belongs to a split, not a concat", st.attr_name("sizes"))
     return [concat_checked(st, inputs)]
 
-
-def split_equal(v: VTensor, dim: int, parts: int, what: str) -> list[VTensor]:
-    """Split into ``parts`` equal blocks along ``dim``; error naming ``what`` otherwise."""
-    n = v.shape[dim]
-    if parts <= 0 or n % parts:
-        raise StatementError(f"{what}: size {n} of dim {dim} is not divisible by {parts}")
-    return split_sizes(v, dim, [n // parts] * parts)

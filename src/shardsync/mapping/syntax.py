@@ -49,6 +49,10 @@ class Statement:
     def has(self, key: str) -> bool:
         return any(a.key == key for a in self.attrs)
 
+    def attr_name(self, key: str) -> Name | None:
+        """The attribute ``key`` as a :class:`Name` at its column, to point errors at (None: absent)."""
+        return next((Name(a.key, a.col) for a in self.attrs if a.key == key), None)
+
     def render(self) -> str:
         """The statement in canonical text form (used for expanded statements)."""
         def val(a: Attr) -> str:
@@ -61,7 +65,8 @@ class Statement:
 
 @dataclass(frozen=True, slots=True)
 class Diagnostic:
-    """One problem in a program: where (statement index, text, column), which name, what is wrong."""
+    """One problem in a program: where (file, statement index, text, column), which name, what is
+    wrong."""
 
     message: str
     index: int
@@ -69,9 +74,12 @@ class Diagnostic:
     col: int = 0
     name: str | None = None
     hints: tuple[str, ...] = field(default=())
+    file: str | None = None
 
     def __str__(self) -> str:
         head = f"statement {self.index} `{self.text}`, column {self.col + 1}: {self.message}"
+        if self.file is not None:
+            head = f"{self.file}: {head}"
         caret = f"\n    {self.text}\n    {' ' * self.col}^" if self.text else ""
         return head + caret + "".join(f"\n    hint: {h}" for h in self.hints)
 

@@ -13,7 +13,8 @@ from dataclasses import dataclass, replace
 from ..layout.box import Box
 from .pieces import Piece
 
-__all__ = ["VTensor", "source_tensor", "take", "concat", "permute", "cast", "simplify_casts"]
+__all__ = ["Frag", "VTensor", "source_tensor", "take", "split", "chunk", "concat", "permute", "cast",
+           "simplify_casts", "to_pieces"]
 
 # Casts that represent every value of the first dtype exactly in the second: dropping them from a
 # chain changes no result, which lets a chain such as f32 -> f64 -> bf16 run as one copy.
@@ -100,6 +101,31 @@ def take(v: VTensor, dim: int, start: int, stop: int) -> VTensor:
     shape = list(v.shape)
     shape[dim] = stop - start
     return VTensor(tuple(shape), v.dtype, tuple(frags))
+
+
+def split(v: VTensor, dim: int, sizes: Sequence[int]) -> list[VTensor]:
+    """Consecutive slices of ``sizes`` along ``dim``; the sizes must sum to ``v.shape[dim]``.
+
+    Example:
+        >>> [p.shape for p in split(source_tensor("w", (5, 2), "float32"), 0, [2, 3])]
+        [(2, 2), (3, 2)]
+    """
+    if sum(sizes) != v.shape[dim] or min(sizes, default=0) < 0:
+        raise ValueError(f"sizes {list(sizes)} do not split {v.shape[dim]} (dim {dim})")
+    out, at = [], 0
+    for s in sizes:
+        out.append(take(v, dim, at, at + s))
+        at += s
+    return out
+
+
+def chunk(v: VTensor, dim: int, parts: int) -> list[VTensor]:
+    """``parts`` equal slices along ``dim``; ``parts`` must divide ``v.shape[dim]`` (callers check it
+    first, to report the problem in their own terms)."""
+    n = v.shape[dim]
+    if parts <= 0 or n % parts:
+        raise ValueError(f"size {n} of dim {dim} is not divisible into {parts} parts")
+    return split(v, dim, [n // parts] * parts)
 
 
 def concat(parts: Sequence[VTensor], dim: int) -> VTensor:
