@@ -18,12 +18,14 @@ from shardsync.layout import Box, ShardedTensor
 from shardsync.sources.megatron import from_megatron, partition_of, tp_shards
 
 MAPPING = Path(shardsync.__file__).parent / "mappings" / "megatron_llama_to_hf.txt"
+DOC = Path(__file__).parent.parent / "docs" / "megatron.md"
 LAYERS, HIDDEN, HEADS, GROUPS, FFN, VOCAB = 2, 64, 4, 2, 96, 128
 
 
 def mark(t: torch.Tensor, dim: int, stride: int = 1) -> torch.Tensor:
     """Set Megatron's attributes, as set_tensor_model_parallel_attributes does."""
-    t.tensor_model_parallel, t.partition_dim, t.partition_stride = True, dim, stride  # type: ignore[attr-defined]
+    t.tensor_model_parallel = True  # type: ignore[attr-defined]
+    t.partition_dim, t.partition_stride = dim, stride  # type: ignore[attr-defined]
     return t
 
 
@@ -154,16 +156,24 @@ def test_pipeline_stages_and_virtual_chunks_get_global_layer_numbers() -> None:
 
 # -- a real megatron-core GPTModel on 2 gloo ranks ----------------------------------------------------
 
-def build_gpt(tp: int, pp: int) -> torch.nn.Module:
-    """A tiny Llama-style GPTModel (RMSNorm, SwiGLU, GQA, RoPE, untied output), with every tensor set
-    to seeded random values: rank-dependent for TP shards, equal on all ranks for replicas."""
+def init_parallel(tp: int, pp: int) -> None:
+    from megatron.core import parallel_state as ps
+
+    ps.destroy_model_parallel()
+    ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+
+
+def build_gpt() -> torch.nn.Module:
+    """A tiny Llama-style GPTModel (RMSNorm, SwiGLU, GQA, RoPE, untied output) for the initialised
+    TP x PP, with every tensor set to seeded random values: rank-dependent for TP shards, equal on all
+    ranks for replicas."""
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+    tp, pp = ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size()
     config = TransformerConfig(
         num_layers=LAYERS, hidden_size=HIDDEN, num_attention_heads=HEADS, num_query_groups=GROUPS,
         ffn_hidden_size=FFN, gated_linear_unit=True, activation_func=torch.nn.functional.silu,
@@ -175,9 +185,25 @@ def build_gpt(tp: int, pp: int) -> torch.nn.Module:
                      post_process=ps.is_pipeline_last_stage())
     with torch.no_grad():
         for name, p in model.named_parameters():
-            seed = zlib.crc32(name.encode()) + (1000 * dist.get_rank() if getattr(p, "tensor_model_parallel", False) else 0)
+            parallel = getattr(p, "tensor_model_parallel", False)
+            seed = zlib.crc32(name.encode()) + (1000 * dist.get_rank() if parallel else 0)
             p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(seed)))
     return model
+
+
+def gathered_by_hand(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter as torch.cat of its TP shards along partition_dim (TP=2)."""
+    import torch.distributed as dist
+
+    mg = {}
+    for name, p in model.named_parameters():
+        local = p.detach().contiguous()
+        if getattr(p, "tensor_model_parallel", False):
+            parts = [torch.empty_like(local) for _ in range(2)]
+            dist.all_gather(parts, local)
+            local = torch.cat(parts, p.partition_dim)
+        mg[name] = local
+    return mg
 
 
 def hf_by_hand(mg: dict[str, torch.Tensor], tp: int) -> dict[str, torch.Tensor]:
@@ -186,7 +212,8 @@ def hf_by_hand(mg: dict[str, torch.Tensor], tp: int) -> dict[str, torch.Tensor]:
     [gate_r; up_r] for each TP rank r."""
     d, per = HIDDEN // HEADS, HEADS // GROUPS
     hf = {"model.embed_tokens.weight": mg["embedding.word_embeddings.weight"],
-          "model.norm.weight": mg["decoder.final_layernorm.weight"], "lm_head.weight": mg["output_layer.weight"]}
+          "model.norm.weight": mg["decoder.final_layernorm.weight"],
+          "lm_head.weight": mg["output_layer.weight"]}
     for i in range(LAYERS):
         m, h = f"decoder.layers.{i}.", f"model.layers.{i}."
         groups = mg[m + "self_attention.linear_qkv.weight"].reshape(GROUPS, (per + 2) * d, HIDDEN)
@@ -210,18 +237,10 @@ def compare(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> dict
 
 
 def tp_case(mapping: str) -> dict[str, Any]:
-    import torch.distributed as dist
-
-    model = build_gpt(tp=2, pp=1)
-    mg = {}
-    for name, p in model.named_parameters():
-        local = p.detach().contiguous()
-        if getattr(p, "tensor_model_parallel", False):  # gather each TP shard by hand
-            parts = [torch.empty_like(local) for _ in range(2)]
-            dist.all_gather(parts, local)
-            local = torch.cat(parts, p.partition_dim)
-        mg[name] = local
-    report = compare(dict(shardsync.full_params(from_megatron(model), mapping)), hf_by_hand(mg, tp=2))
+    init_parallel(tp=2, pp=1)
+    model = build_gpt()
+    want = hf_by_hand(gathered_by_hand(model), tp=2)
+    report = compare(dict(shardsync.full_params(from_megatron(model), mapping)), want)
     plain = {k: v for k, v in model.state_dict().items() if isinstance(v, torch.Tensor)}
     try:  # per-rank shards passed as they are: taken for replicas, and caught
         dict(shardsync.full_params(plain, mapping))
@@ -234,7 +253,8 @@ def tp_case(mapping: str) -> dict[str, Any]:
 def pp_case(mapping: str) -> dict[str, Any]:
     import torch.distributed as dist
 
-    model = build_gpt(tp=1, pp=2)
+    init_parallel(tp=1, pp=2)
+    model = build_gpt()
     stages: list[Any] = [None, None]
     dist.all_gather_object(stages, {k: v.detach() for k, v in model.named_parameters()})
     mg = {}
@@ -243,24 +263,44 @@ def pp_case(mapping: str) -> dict[str, Any]:
     return compare(dict(shardsync.full_params(from_megatron(model), mapping)), hf_by_hand(mg, tp=1))
 
 
-def megatron_worker(rank: int, world: int, mapping: str) -> dict[str, Any]:
+def doc_block(marker: str) -> str:
+    """The first python code block after ``marker`` in docs/megatron.md."""
+    text = DOC.read_text()
+    return text[text.index(marker):].split("```python\n", 1)[1].split("```", 1)[0]
+
+
+def doc_case(rank: int, out_dir: str) -> dict[str, Any] | None:
+    from megatron.core import parallel_state as ps
+
+    ps.destroy_model_parallel()
+    script = doc_block("<!-- executed by tests/test_megatron.py")
+    join = 'dist.init_process_group("gloo")  # "nccl" on GPUs\n'
+    assert join in script  # the harness has joined the group already
+    namespace: dict[str, Any] = {"build_model": build_gpt, "out_dir": out_dir}
+    exec(script.replace(join, ""), namespace)
+    want = hf_by_hand(gathered_by_hand(namespace["model"]), tp=2)
+    if rank != 0:
+        return None
+    from safetensors.torch import load_file
+
+    return compare(load_file(str(Path(out_dir) / "model.safetensors")), want)
+
+
+def megatron_worker(rank: int, world: int, mapping: str, out_dir: str) -> dict[str, Any]:
     import warnings
 
     warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex).*")
-    from megatron.core import parallel_state as ps
-
-    tp = tp_case(mapping)
-    ps.destroy_model_parallel()
-    return {"tp": tp, "pp": pp_case(mapping)}
+    return {"tp": tp_case(mapping), "pp": pp_case(mapping), "doc": doc_case(rank, out_dir)}
 
 
-def test_megatron_core_gpt_exports_to_hf_bit_exact() -> None:
+def test_megatron_core_gpt_exports_to_hf_bit_exact(tmp_path: Path) -> None:
     pytest.importorskip("megatron.core")
     mapping = MAPPING.read_text().replace("num_heads=8", f"num_heads={HEADS}")  # the documented edit
     assert f"num_key_value_groups={GROUPS}" in mapping
-    results = run_ranks(megatron_worker, 2, mapping, timeout=400)
+    results = run_ranks(megatron_worker, 2, mapping, str(tmp_path), timeout=400)
     for rank, res in enumerate(results):
-        for case in ("tp", "pp"):
+        cases = ("tp", "pp", "doc") if rank == 0 else ("tp", "pp")
+        for case in cases:
             assert res[case]["missing"] == res[case]["extra"] == res[case]["different"] == [], (rank, case)
         msg = res["tp"]["plain"]
         assert msg is not None, rank
@@ -269,3 +309,10 @@ def test_megatron_core_gpt_exports_to_hf_bit_exact() -> None:
         assert "this looks like a per-rank shard: wrap it in ShardedTensor, or use " \
                "shardsync.from_megatron(model)" in msg
         assert "layernorm" not in msg  # replicas agree
+
+
+def test_doc_example_of_a_module_of_your_own_runs(capsys: pytest.CaptureFixture[str]) -> None:
+    exec(doc_block("<!-- runs as is in tests/test_megatron.py"), {})
+    text = DOC.read_text()
+    printed = text[text.index("prints, in one process"):].split("```\n", 1)[1].split("```", 1)[0]
+    assert capsys.readouterr().out == printed
