@@ -27,7 +27,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import shardsync
-from shardsync.layout import local_layout, shard_dim
+from shardsync.layout import StateValue, local_layout
+from shardsync.sources.megatron import tp_shards
 
 __all__ = ["main", "Config", "hf_reference", "megatron_full", "tp_state"]
 
@@ -81,9 +82,8 @@ def megatron_full(c: Config, ref: dict[str, torch.Tensor]) -> dict[str, tuple[to
         qkv = torch.cat([torch.cat([q[g * per * d:(g + 1) * per * d], k[g * d:(g + 1) * d],
                                     v[g * d:(g + 1) * d]])
                          for g in range(c.kv_groups)])  # [q heads | k | v] per query group
-        gate, up = ref[f"{hf}.mlp.gate_proj.weight"], ref[f"{hf}.mlp.up_proj.weight"]
-        # [gate_r; up_r] for each TP rank r
-        fc1 = torch.cat([torch.cat([gate.chunk(TP)[t], up.chunk(TP)[t]]) for t in range(TP)])
+        # [gate; up]; TP rank r holds [gate_r; up_r] (Megatron's partition_stride 2)
+        fc1 = torch.cat([ref[f"{hf}.mlp.gate_proj.weight"], ref[f"{hf}.mlp.up_proj.weight"]])
         out |= {f"{mg}.input_layernorm.weight": (ref[f"{hf}.input_layernorm.weight"], None),
                 f"{mg}.pre_mlp_layernorm.weight": (ref[f"{hf}.post_attention_layernorm.weight"], None),
                 f"{mg}.self_attention.linear_qkv.weight": (qkv, 0),
@@ -93,10 +93,18 @@ def megatron_full(c: Config, ref: dict[str, torch.Tensor]) -> dict[str, tuple[to
     return out
 
 
-def tp_state(c: Config, rank: int) -> dict[str, torch.Tensor | shardsync.ShardedTensor]:
-    """This rank's TP shards (replicated tensors whole)."""
-    return {k: x if dim is None else shard_dim(x, dim, rank, TP)
-            for k, (x, dim) in megatron_full(c, hf_reference(c)).items()}
+def tp_state(c: Config, rank: int) -> dict[str, StateValue]:
+    """This rank's TP shards as Megatron splits them (replicated tensors whole)."""
+    state: dict[str, StateValue] = {}
+    for k, (x, dim) in megatron_full(c, hf_reference(c)).items():
+        if dim is None:
+            state[k] = x
+            continue
+        stride = 2 if k.endswith("linear_fc1.weight") else 1
+        local = torch.cat(x.chunk(TP * stride, dim)[rank::TP], dim)  # how Megatron splits it
+        shards = tp_shards(local, dim, rank, TP, stride, key=k)
+        state[k] = shards[0] if len(shards) == 1 else shards
+    return state
 
 
 def worker(rank: int, mapping: str, out: str, store: str) -> None:

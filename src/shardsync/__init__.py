@@ -15,10 +15,11 @@ from .mapping.explain import explain
 from .paddle_compat import full_param
 from .replicas import (DriftReport, ReplicaSync, add_extra_synchronization, detect_drift,
                        select_replicated, watch_drift)
+from .sources import from_megatron
 from .stream import full_params, plan
 
 __all__ = ["Box", "GlobalLayout", "ShardedTensor", "from_dtensor", "shard_dim", "Mapping", "resolve",
-           "explain", "full_params", "plan", "full_param", "save_safetensors", "read_layout",
+           "explain", "full_params", "from_megatron", "plan", "full_param", "save_safetensors", "read_layout",
            "read_tensors", "select_replicated", "ReplicaSync", "detect_drift", "watch_drift",
            "add_extra_synchronization", "DriftReport", "ShardsyncError", "MappingError", "LayoutError",
            "PlanError", "FormatError", "DistributedError", "ReplicaError", "DriftError"]

@@ -25,6 +25,7 @@ from .exec import (BroadcastTransport, LocalTransport, MeshTransport, P2PTranspo
                    execute, local_mesh_info, mesh_groups)
 from .exec.mesh import MeshGroups
 from .layout import GlobalLayout, StateValue
+from .layout.meta import check_replicas
 from .mapping import Mapping as ParsedMapping
 from .mapping import MappingLike, resolve
 from .planning import DEFAULT_BUCKET_BYTES, Plan, PlanOptions, SplitBy, StrategyChoice, build_plan
@@ -85,7 +86,9 @@ def _agree_on_plan(gathered: list[tuple[Any, Any]], mapping: Any, options: PlanO
 
     def build_and_print() -> str:
         parsed = None if mapping is None else ParsedMapping.parse(mapping)
-        key = tuple((tuple(entries), info) for entries, info in gathered)
+        check_replicas([entries for entries, _ in gathered])
+        # values (fingerprints) change every training step, the layout does not: plan once
+        key = tuple((tuple(e[:4] for e in entries), info) for entries, info in gathered)
         plan, fingerprint = _planned(key, parsed, options, meshed)
         built.append(plan)
         return fingerprint

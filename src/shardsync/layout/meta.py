@@ -7,23 +7,81 @@ Inert data with a JSON round trip; no torch.distributed here. Build each rank's 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from ..errors import LayoutError
 from .box import Box
 
-__all__ = ["LayoutEntry", "ShardSpec", "TensorMeta", "GlobalLayout"]
+__all__ = ["LayoutEntry", "ShardSpec", "TensorMeta", "GlobalLayout", "check_replicas"]
 
 
 class LayoutEntry(NamedTuple):
-    """One shard a rank holds, as it reports it when the layout is gathered."""
+    """One shard a rank holds, as it reports it when the layout is gathered.
+
+    ``fingerprint`` (optional) hashes the shard's shape, dtype and a fixed sample of its elements
+    (:mod:`shardsync.sources.fingerprint`); ranks that report the same box of a key claim to hold
+    replicas, and :meth:`GlobalLayout.merge` checks that their fingerprints agree.
+    """
 
     key: str
     shape: tuple[int, ...]
     dtype: str
     box: Box
+    fingerprint: str | None = None
+
+
+#: What :meth:`GlobalLayout.merge` takes per entry: a LayoutEntry or a plain 4- or 5-tuple.
+EntryLike = tuple[Any, ...]
+
+
+def _replica_problems(per_rank: Sequence[Iterable[EntryLike]]) -> list[str]:
+    """One line per (key, box) whose holders report different fingerprints."""
+    seen: dict[tuple[str, Box], dict[str, list[int]]] = {}
+    shapes: dict[str, tuple[int, ...]] = {}
+    for rank, entries in enumerate(per_rank):
+        for entry in entries:
+            if len(entry) > 4 and entry[4] is not None:
+                key, shape, _, box = entry[:4]
+                shapes[key] = tuple(shape)
+                seen.setdefault((key, box), {}).setdefault(entry[4], []).append(rank)
+    problems = []
+    for (key, box), prints in sorted(seen.items(), key=lambda kv: (kv[0][0], kv[0][1].offsets)):
+        if len(prints) < 2:
+            continue
+        groups = " vs ".join(f"ranks {ranks}" for ranks in sorted(prints.values()))
+        whole = box.offsets == (0,) * len(box.offsets) and box.sizes == shapes[key]
+        fix = ("a plain tensor is taken as a replica, and this looks like a per-rank shard: wrap it in "
+               "ShardedTensor, or use shardsync.from_megatron(model)" if whole else
+               "ranks holding the same box of a key are taken as replicas: check the global offsets "
+               "(do pipeline stages or expert-parallel ranks reuse the same names?)")
+        problems.append(f"{key!r}: {groups} hold box {box} with different values (sampled "
+                        f"fingerprints differ); {fix}; if these are replicas that drifted apart, sync "
+                        "them first (shardsync.detect_drift)")
+    return problems
+
+
+def check_replicas(per_rank: Sequence[Iterable[EntryLike]]) -> None:
+    """Check that ranks reporting the same box of a key hold the same values (by fingerprint).
+
+    Args:
+        per_rank: every rank's entries, rank i's at position i; entries without a fingerprint are
+            not compared.
+
+    Raises:
+        LayoutError: naming every key, box and the ranks that disagree, with the fix.
+
+    Example:
+        >>> a = LayoutEntry("w", (2,), "float32", Box((0,), (2,)), "01")
+        >>> check_replicas([[a], [a._replace(fingerprint="02")]])
+        Traceback (most recent call last):
+        ...
+        shardsync.errors.LayoutError: replicas differ: ...
+    """
+    problems = _replica_problems(per_rank)
+    if problems:
+        raise LayoutError("replicas differ:\n  " + "\n  ".join(problems))
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,20 +127,22 @@ class GlobalLayout:
         return sorted(self.tensors)
 
     @classmethod
-    def merge(cls, per_rank: Iterable[Iterable[tuple[str, tuple[int, ...], str, Box]]],
-              ) -> GlobalLayout:
+    def merge(cls, per_rank: Iterable[Iterable[EntryLike]]) -> GlobalLayout:
         """Merge the local layouts of all ranks (rank i's entries at position i).
 
-        Each entry is ``(key, global_shape, dtype, box)``. Raises one :class:`LayoutError` listing every
-        key whose ranks disagree on global shape or dtype, or whose box falls outside the shape.
+        Each entry is a :class:`LayoutEntry` ``(key, global_shape, dtype, box[, fingerprint])``. Raises
+        one :class:`LayoutError` listing every key whose ranks disagree on global shape or dtype, whose
+        box falls outside the shape, or whose replicas (same box on several ranks) have different
+        fingerprints.
         """
+        per_rank = [list(entries) for entries in per_rank]
         shapes: dict[str, dict[tuple[tuple[int, ...], str], list[int]]] = {}
         shards: dict[str, list[ShardSpec]] = {}
         problems: list[str] = []
-        world = 0
+        world = len(per_rank)
         for rank, entries in enumerate(per_rank):
-            world = rank + 1
-            for key, shape, dtype, box in entries:
+            for entry in entries:
+                key, shape, dtype, box = entry[:4]
                 shape = tuple(shape)
                 shapes.setdefault(key, {}).setdefault((shape, dtype), []).append(rank)
                 if not box.within(shape):
@@ -99,6 +159,7 @@ class GlobalLayout:
             (shape, dtype), = variants
             specs = sorted(shards[key], key=lambda s: (s.rank, s.box.offsets))
             metas[key] = TensorMeta(key, shape, dtype, tuple(specs))
+        problems += _replica_problems(per_rank)
         if problems:
             raise LayoutError("inconsistent layout:\n  " + "\n  ".join(problems))
         return cls(metas, world)

@@ -4,5 +4,6 @@ from __future__ import annotations
 
 from .base import Source
 from .local import LocalSource
+from .megatron import from_megatron
 
-__all__ = ["Source", "LocalSource"]
+__all__ = ["Source", "LocalSource", "from_megatron"]

@@ -32,7 +32,8 @@ class Source(Protocol):
     """
 
     def entries(self) -> list[LayoutEntry]:
-        """This rank's layout entries ``(key, global shape, dtype name, box)``, sorted by key."""
+        """This rank's layout entries ``(key, global shape, dtype name, box[, fingerprint])``, sorted by
+        key; a fingerprint (optional) lets the layout gather check that replicas agree."""
         ...
 
     def read(self, key: str, box: Box) -> torch.Tensor:

@@ -11,6 +11,7 @@ from ..layout.box import Box
 from ..layout.dtypes import dtype_name
 from ..layout.meta import LayoutEntry
 from ..layout.sharded import ShardedTensor, StateValue, local_shards
+from .fingerprint import fingerprints
 
 __all__ = ["LocalSource"]
 
@@ -32,9 +33,12 @@ class LocalSource:
         self.shards: dict[str, list[ShardedTensor]] = {k: local_shards(k, v) for k, v in state.items()}
 
     def entries(self) -> list[LayoutEntry]:
-        """This rank's layout entries, sorted by key."""
-        return [LayoutEntry(key, s.global_shape, dtype_name(s.dtype), s.box)
-                for key in sorted(self.shards) for s in self.shards[key]]
+        """This rank's layout entries, sorted by key, each with the fingerprint of its shard (checked
+        across the ranks that hold the same box, see :mod:`shardsync.sources.fingerprint`)."""
+        shards = [(key, s) for key in sorted(self.shards) for s in self.shards[key]]
+        prints = fingerprints([s.local for _, s in shards])
+        return [LayoutEntry(key, s.global_shape, dtype_name(s.dtype), s.box, fp)
+                for (key, s), fp in zip(shards, prints)]
 
     def find(self, key: str, box: Box) -> ShardedTensor | None:
         """A local shard of ``key`` containing ``box``, or None."""

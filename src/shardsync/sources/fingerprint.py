@@ -1,0 +1,106 @@
+"""Replica fingerprints: a cheap check that tensors claimed to be replicas hold the same values.
+
+A plain tensor in a state dict is taken as a replica: every rank holding it is assumed to hold the same
+values, and the planner reads it from whichever rank is cheapest. If it is really a per-rank shard of
+the same shape (Megatron's ``linear_proj`` passed as ``model.state_dict()``), the export would come
+back as one rank's shard with no error. So every rank reports, with each of its layout entries, a
+fingerprint: a hash of the local shape, the dtype and the exact bytes of a fixed sample of elements at
+deterministic positions. :meth:`shardsync.layout.GlobalLayout.merge` compares them across the ranks
+that hold the same box of the same key.
+
+The sample is gathered by indexing (no copy of the tensor, whatever its strides) and moved to the CPU
+in one transfer per device, so the cost is a few kernels and one synchronisation per stream.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+
+import torch
+
+__all__ = ["SAMPLE_SIZE", "sample_positions", "fingerprints"]
+
+#: Elements sampled per tensor (all of them for smaller tensors).
+SAMPLE_SIZE = 16
+
+_GOLDEN = 0x9E3779B97F4A7C15  # 2**64 / golden ratio: consecutive multiples spread evenly (Weyl)
+
+
+def sample_positions(numel: int) -> list[int]:
+    """The flat positions sampled from a tensor of ``numel`` elements: the first, the last, and
+    positions spread over the whole range by Fibonacci hashing (so both halves, and rows and columns
+    of any width, are hit). Deterministic: every rank picks the same positions.
+
+    Args:
+        numel: number of elements.
+
+    Returns:
+        sorted distinct positions, at most :data:`SAMPLE_SIZE` of them.
+
+    Example:
+        >>> sample_positions(5)
+        [0, 1, 2, 3, 4]
+        >>> positions = sample_positions(1000)
+        >>> len(positions), positions[:4], positions[-1]
+        (16, [0, 34, 90, 180], 999)
+    """
+    if numel <= SAMPLE_SIZE:
+        return list(range(numel))
+    spread = {((i * _GOLDEN) % 2**64) * numel >> 64 for i in range(1, SAMPLE_SIZE - 1)}
+    return sorted(spread | {0, numel - 1})
+
+
+def _sample(t: torch.Tensor) -> torch.Tensor:
+    """The sampled elements of ``t`` as raw bytes (uint8), on ``t``'s device; only they are read."""
+    if t.dim() == 0:
+        picked = t.reshape(1)
+    else:
+        flat = sample_positions(t.numel())
+        index = []
+        for size in reversed(t.shape):  # unravel the flat positions into one index per dim
+            index.append([p % size for p in flat])
+            flat = [p // size for p in flat]
+        picked = t[tuple(torch.tensor(i, dtype=torch.long, device=t.device) for i in reversed(index))]
+    picked = picked.contiguous()
+    if picked.dtype == torch.bool:
+        picked = picked.to(torch.uint8)
+    return picked.view(torch.uint8).reshape(-1)
+
+
+def fingerprints(tensors: Sequence[torch.Tensor]) -> list[str | None]:
+    """One fingerprint per tensor: equal for tensors with the same shape, dtype and sampled bytes.
+
+    Args:
+        tensors: local tensors, on any devices, of any dtype and strides (meta tensors get None).
+
+    Returns:
+        16 hex digits per tensor, or None for a tensor with no data (device ``meta``).
+
+    Example:
+        >>> a = torch.arange(40.).reshape(8, 5)
+        >>> one, same, other = fingerprints([a, a.clone(), a.flip(0)])
+        >>> one == same, one == other
+        (True, False)
+    """
+    samples: list[torch.Tensor | None] = [None if t.is_meta else _sample(t) for t in tensors]
+    on_cpu: dict[int, bytes] = {}
+    by_device: dict[torch.device, list[int]] = {}
+    for i, s in enumerate(samples):
+        if s is not None:
+            by_device.setdefault(s.device, []).append(i)
+    for members in by_device.values():  # one transfer (and one synchronisation) per device
+        data = torch.cat([samples[i] for i in members]).cpu().numpy().tobytes()  # type: ignore[misc]
+        start = 0
+        for i in members:
+            n = samples[i].numel()  # type: ignore[union-attr]
+            on_cpu[i] = data[start:start + n]
+            start += n
+    out: list[str | None] = []
+    for i, t in enumerate(tensors):
+        if i not in on_cpu:
+            out.append(None)
+            continue
+        head = f"{tuple(t.shape)}|{t.dtype}|".encode()
+        out.append(hashlib.blake2b(head + on_cpu[i], digest_size=8).hexdigest())
+    return out
