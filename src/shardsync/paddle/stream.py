@@ -1,4 +1,4 @@
-"""Paddle-compatible entry: ``full_param`` with FlexCheckpoint's keyword names.
+"""``full_param`` with FlexCheckpoint's keyword names, on :func:`shardsync.full_params`.
 
 Code written for ``paddle.distributed.flex_checkpoint.dcp.full_param`` ports by changing the import and
 the tensor type (``ShardedWeight`` -> :class:`~shardsync.layout.ShardedTensor`; objects with Paddle's
@@ -14,9 +14,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from .errors import PlanError
-from .layout import ShardedTensor, StateValue
-from .stream import ParamStream, full_params
+from ..errors import PlanError
+from ..layout import ShardedTensor, StateValue
+from ..stream import ParamStream, full_params
 
 __all__ = ["full_param", "PADDLE_KEYWORDS"]
 
