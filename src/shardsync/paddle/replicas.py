@@ -80,8 +80,11 @@ def add_extra_synchronization(model: nn.Module, optimizer: torch.optim.Optimizer
         ReplicaError: bad arguments (on every rank together).
 
     Example:
-        >>> sync = add_extra_synchronization(model, optimizer, tp_group)  # doctest: +SKIP
-        >>> print(sync.selection.explain())                               # doctest: +SKIP
+        >>> model = nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4))
+        >>> optimizer = torch.optim.SGD(model.parameters())
+        >>> sync = add_extra_synchronization(model, optimizer)  # on each rank: group=tp_group
+        >>> sync.selection.names
+        ('0.bias', '1.bias', '1.weight')
     """
     group = resolve_group(group)
 

@@ -47,8 +47,11 @@ def full_param(sharded_state_dict: Mapping[str, Any], aoa_config: Any = None, **
         PlanError: only one of ``h_group``/``v_group`` (a ValueError).
 
     Example:
-        >>> for name, tensor in full_param(state, {"aoa_statements": ["w^T -> w_t"]}):  # doctest: +SKIP
-        ...     print(name, tensor.shape)
+        >>> import torch
+        >>> state = {"w": torch.arange(6.0).reshape(2, 3)}
+        >>> for name, tensor in full_param(state, {"aoa_statements": ["w^T -> w_t"]}):
+        ...     print(name, tuple(tensor.shape))
+        w_t (3, 2)
     """
     unknown = sorted(set(kwargs) - set(PADDLE_KEYWORDS))
     if unknown:

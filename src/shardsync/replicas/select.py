@@ -2,9 +2,10 @@
 
 A parameter is *selected* when a rule matches it (a name pattern, a DTensor ``Replicate`` placement on
 the TP mesh dim, a parameter attribute, a predicate; in a model with DTensor parameters, by default,
-any parameter), no exclude pattern matches it, and it is not sharded on TP. Sharded means: a DTensor whose placement on the TP mesh dim is not ``Replicate``, or a
-tensor marked ``is_distributed=True`` (PaddlePaddle) or ``tensor_model_parallel=True`` (Megatron). A
-sharded parameter is never selected, whatever the rules say.
+any parameter), no exclude pattern matches it, and it is not sharded on TP. Sharded means: a DTensor
+whose placement on the TP mesh dim is not ``Replicate``, or a tensor marked ``is_distributed=True``
+(PaddlePaddle) or ``tensor_model_parallel=True`` (Megatron). A sharded parameter is never selected,
+whatever the rules say.
 
 Selection is local (no collective); :class:`~shardsync.replicas.ReplicaSync` and
 :func:`~shardsync.replicas.detect_drift` check across ranks that every rank selected the same tensors.
@@ -90,10 +91,10 @@ class Selection:
         """A table: each selected name and the rule that selected it, then what was left out and why.
 
         Example:
-            >>> print(select_replicated(nn.Sequential(nn.LayerNorm(4))).explain())  # doctest: +SKIP
+            >>> print(select_replicated(nn.Sequential(nn.LayerNorm(4))).explain())
             selected 2 of 2 parameters:
               0.bias    default pattern '*.bias'
-              0.weight  default pattern ...
+              0.weight  parameter of a LayerNorm module
         """
         width = max((len(c.name) for c in self.selected + self.skipped), default=0)
         lines = [f"selected {len(self.selected)} of {self.considered} parameters:"]

@@ -10,6 +10,10 @@ Call sequence (every rank of ``group`` makes the same calls, in the same order):
     sync.sync_grads()                              # optional, before grad clipping
     handle.remove()
 
+Each sync first checks (locally, no tensor touched) whether the optimizer's parameter groups or
+``_master_weights`` changed since the ranks agreed; if so the ranks agree again (one more
+all_gather_object), so masters added after ``attach()`` have their grads and states synced.
+
 Three operations are kept apart (see the design notes): summing partial grads (correctness, every
 step), averaging grads of redundant replicas (a safety net), and repairing params, masters and moments
 (broadcast, exact and idempotent, or mean). A parameter and its master stay consistent: broadcast moves
@@ -101,10 +105,15 @@ class ReplicaSync:
         LayoutError: the ranks selected different tensors (names, shapes or dtypes differ).
 
     Example:
-        >>> sync = ReplicaSync(model, optimizer, tp_group, grads="mean")  # doctest: +SKIP
-        >>> sync.broadcast_now()                                            # doctest: +SKIP
-        >>> handle = sync.attach()                                          # doctest: +SKIP
-        >>> print(sync.plan())                                              # doctest: +SKIP
+        One process (no group): everything is checked, nothing moves.
+
+        >>> model = nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4))
+        >>> optimizer = torch.optim.AdamW(model.parameters())
+        >>> sync = ReplicaSync(model, optimizer, grads="mean")  # on each rank: group=tp_group
+        >>> sync.broadcast_now()
+        >>> handle = sync.attach()
+        >>> sync.selection.names
+        ('0.bias', '1.bias', '1.weight')
     """
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
@@ -225,6 +234,7 @@ class ReplicaSync:
 
         Raises:
             ReplicaError: ``grads=None``.
+            LayoutError: the optimizer changed and the ranks now step different tensors.
             DistributedError: a rank failed during the exchange (raised on every rank).
         """
         if self.grads is None:
@@ -238,7 +248,13 @@ class ReplicaSync:
         self._grads_done = True  # clipping may rescale them in place: never sync them twice
 
     def sync_params(self) -> None:
-        """Sync params, masters and optimizer states now, as the post-step hook does."""
+        """Sync params, masters and optimizer states now, as the post-step hook does.
+
+        Raises:
+            LayoutError: the optimizer changed and the ranks now step different tensors, or hold
+                different optimizer states.
+            DistributedError: a rank failed during the exchange (raised on every rank).
+        """
         self._refresh()
         self.stats.param_syncs += 1
         if not is_distributed(self.group):
