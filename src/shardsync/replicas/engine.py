@@ -129,8 +129,8 @@ def run_buckets(phase: str, buckets: Sequence[Bucket], by_name: Mapping[str, Rep
     with data_phase(phase, group), torch.no_grad():  # params are leaves that require grad
         if problems:
             raise ReplicaError(f"{phase}: replicated tensors changed since the ranks agreed on them: "
-                               f"{problems}; call broadcast_now() (or build a new ReplicaSync) after "
-                               "replacing parameters or optimizer state")
+                               f"{problems}; build a new ReplicaSync after replacing parameters, or "
+                               "call broadcast_now() after loading optimizer state")
         for bucket, row in zip(buckets, tensors):
             results = exchange(bucket, row, group=group, src=src_global, world=world)
             stats.collectives += 1
