@@ -208,7 +208,7 @@ def _first_rule(name: str, param: torch.Tensor, includes: list[tuple[str, Callab
     return rule if rule is not None else fallback
 
 
-def _unsharded_rule(unsharded: bool | None, named: list[tuple[str, torch.Tensor]]) -> str | None:
+def _unsharded_rule(unsharded: bool | None, named: Sequence[tuple[str, torch.Tensor]]) -> str | None:
     """The rule that selects every parameter not sharded on TP, or None when it is off."""
     if unsharded is None:  # a DTensor model marks its shards: every other parameter is a replica
         return "not sharded (the model has DTensor parameters)" if any(
