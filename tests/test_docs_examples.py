@@ -31,7 +31,10 @@ import pytest
 from multiproc import run_ranks
 
 ROOT = Path(__file__).resolve().parent.parent
-FILES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+#: Pages whose examples another test runs (a page written as one script across ranks), by that test.
+RUN_ELSEWHERE = {"replicas.md": "test_replicas_docs.py"}
+FILES = [ROOT / "README.md", *sorted(p for p in (ROOT / "docs").glob("*.md") if p.name not in RUN_ELSEWHERE)]
+ELSEWHERE = re.compile(r"(?:executed by|runs as is in|run by) (tests/\S+)")
 FENCE = re.compile(r"(?P<marker><!--\s*(?P<what>[^>]*?)\s*-->\s*\n)?^```(?P<lang>\w*)\n(?P<body>.*?)^```\s*$",
                    re.S | re.M)
 SETUP_COMMANDS = ("make", "pip", "torchrun", "python", "cd", "git")
@@ -87,6 +90,10 @@ def test_examples_run(path: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatc
     printed = ""
     ran = 0
     for lang, marker, body in _blocks(path):
+        other = ELSEWHERE.search(marker)
+        if other:  # a test of its own runs this block: make sure it exists and reads this page
+            assert path.name in (ROOT / other[1]).read_text(), f"{other[1]} does not run {path.name}"
+            continue
         if lang == "python":
             ranks = re.fullmatch(r"ranks:\s*(\d+)", marker)
             if ranks:
@@ -107,3 +114,8 @@ def test_examples_run(path: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatc
             _run_sh(body, tmp_path)
             ran += 1
     assert ran or not _blocks(path), f"{path.name}: no runnable example"
+
+
+@pytest.mark.parametrize("page, test", sorted(RUN_ELSEWHERE.items()))
+def test_pages_run_elsewhere_are_run(page: str, test: str) -> None:
+    assert page in (ROOT / "tests" / test).read_text()

@@ -10,9 +10,10 @@ from multiproc import run_ranks
 from replicas_helpers import REPLICATED, H, TinyTP, count_collectives, fill, mixed_precision, mp_step
 
 from shardsync.errors import DistributedError, DriftError
-from shardsync.replicas import DriftReport, DriftRow, ReplicaSync, detect_drift, watch_drift
+from shardsync.replicas import DEFAULT_WHAT, DriftReport, DriftRow, ReplicaSync, detect_drift, watch_drift
 
 X = torch.arange(5 * H, dtype=torch.float32).reshape(5, H) / 50
+ALL = (*DEFAULT_WHAT, "grad")  # grads are opt-in
 
 
 def _setup(rank: int) -> tuple:
@@ -46,12 +47,13 @@ def _drift_worker(rank: int, world: int) -> dict:
     model, masters, opt = _setup(rank)
     out: dict = {}
 
-    def detect(**kw):
-        return detect_drift(model, opt, master_params=masters, **kw)
+    def detect(what=ALL, **kw):
+        return detect_drift(model, opt, master_params=masters, what=what, **kw)
 
     with count_collectives() as calls:
-        clean = detect()
-    assert clean.ok and clean.checked == len(REPLICATED) * 5 and calls == [], (clean, calls)
+        clean = detect_drift(model, opt, master_params=masters)
+    assert clean.ok and clean.checked == len(REPLICATED) * 4 and calls == [], (clean, calls)
+    assert detect().checked == len(REPLICATED) * 5
     out["clean"] = str(clean)
 
     ln = model.blocks[1].ln.weight
@@ -124,8 +126,7 @@ def _drift_worker(rank: int, world: int) -> dict:
     ReplicaSync(model, opt, master_params=masters).broadcast_now()
 
     # every N steps, repairing noise injected into one rank's grads
-    watch = watch_drift(model, opt, every=2, on_drift="repair", master_params=masters,
-                        what=("param", "master", "exp_avg", "exp_avg_sq"))
+    watch = watch_drift(model, opt, every=2, on_drift="repair", master_params=masters)
 
     def noise() -> None:
         if rank == victim:
@@ -135,7 +136,7 @@ def _drift_worker(rank: int, world: int) -> dict:
         mp_step(model, masters, opt, X, before_step=noise)
         repaired.append(watch.last.repaired if watch.last is not None else None)
     watch.remove()
-    out["watch"] = (watch.checks, repaired, detect(what=("param", "master", "exp_avg", "exp_avg_sq")).ok)
+    out["watch"] = (watch.checks, repaired, detect(what=DEFAULT_WHAT).ok)
     return out
 
 
@@ -145,7 +146,7 @@ def test_drift_detect_and_repair(world: int) -> None:
     victim = world - 2 if world == 4 else 1
     assert all(o == out[0] for o in out)  # every rank has the same report
     o = out[0]
-    assert o["clean"] == f"no drift: 45 tensors identical on {world} rank(s)"
+    assert o["clean"] == f"no drift: 36 tensors identical on {world} rank(s)"
     assert [(r[0], r[1], r[3], r[4]) for r in o["found"]] == [
         ("blocks.1.ln.weight", "param", "bfloat16", (victim,)),
         ("norm.bias", "master", "float32", (victim,)),

@@ -6,7 +6,8 @@ import torch
 from multiproc import run_ranks
 from replicas_helpers import REPLICATED, TinyTP, fill, gather
 
-from shardsync.replicas import ReplicaSync, add_extra_synchronization
+from shardsync.paddle import add_extra_synchronization
+from shardsync.replicas import ReplicaSync
 
 
 def _base(p: torch.Tensor) -> torch.Tensor:

@@ -8,7 +8,8 @@ from replicas_helpers import H, TinyTP, fill
 from torch import nn
 
 from shardsync.errors import DistributedError, LayoutError, ReplicaError
-from shardsync.replicas import ReplicaSync, add_extra_synchronization, detect_drift, select_replicated
+from shardsync.paddle import add_extra_synchronization
+from shardsync.replicas import ReplicaSync, detect_drift, select_replicated
 
 
 def _attempt(fn) -> tuple:

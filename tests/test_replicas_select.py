@@ -9,7 +9,8 @@ from replicas_helpers import REPLICATED, TinyTP
 from torch import nn
 
 from shardsync.errors import ReplicaError
-from shardsync.replicas import DEFAULT_INCLUDE, Selection, paddle_filter, select_replicated, tp_sharding
+from shardsync.paddle import paddle_filter
+from shardsync.replicas import DEFAULT_INCLUDE, Selection, select_replicated, tp_sharding
 from shardsync.replicas.select import resolve_selector
 
 
@@ -120,12 +121,14 @@ def _dtensor_worker(rank: int, world: int) -> dict:
             self.q_norm.weight = nn.Parameter(distribute_tensor(base.clone(), mesh, [Shard(1)]))
             self.fc = nn.Linear(17, 3)
 
-    torch.manual_seed(0)  # fc.bias is replicated: the same init on every rank
+    torch.manual_seed(0)  # fc is replicated: the same init on every rank
     model = M()
     sel = select_replicated(model)
     out = {"names": sel.names, "skipped": [(c.name, c.rule) for c in sel.skipped],
            "extra_rule": sel.rule("extra")}
-    assert select_replicated(model, include=(), by_module=False, by_placement=False).names == ()
+    assert select_replicated(model, include=(), by_module=False, by_placement=False,
+                             unsharded=False).names == ()
+    out["unsharded"] = select_replicated(model, include=(), by_module=False, by_placement=False).names
     try:
         select_replicated(model, include=["q_norm.*"])
     except ReplicaError as exc:
@@ -160,7 +163,8 @@ def _dtensor_worker(rank: int, world: int) -> dict:
 def test_dtensor_replicate_vs_shard() -> None:
     out = run_ranks(_dtensor_worker, 2, timeout=90)
     for o in out:
-        assert o["names"] == ("extra", "fc.bias")
+        assert o["names"] == ("extra", "fc.bias", "fc.weight")  # a DTensor model: all unsharded
+        assert o["unsharded"] == ("extra", "fc.bias", "fc.weight")
         assert o["extra_rule"] == "DTensor Replicate on mesh dim 'tp'"
         assert o["skipped"] == [("q_norm.weight", "sharded on TP (DTensor Shard(dim=1) on mesh dim 'tp')")]
         assert o["sharded_only"] is True

@@ -151,8 +151,7 @@ def _check_hooks(rank: int, world: int) -> dict:
         with count_collectives() as calls:
             mp_step(model, masters, opt, x, before_step=noise)
         per_step.append(len(calls))
-        clean.append(detect_drift(model, opt, master_params=masters, what=("param", "master",
-                                                                            "exp_avg", "exp_avg_sq")).ok)
+        clean.append(detect_drift(model, opt, master_params=masters).ok)
     handle.remove()
     mp_step(model, masters, opt, x)  # detached: no more syncs
     plan = sync.plan()

@@ -10,7 +10,7 @@ from shardsync.errors import ReplicaError
 from shardsync.replicas import ReplicaSync, detect_drift, fingerprint, watch_drift
 from shardsync.replicas import drift as drift_mod
 from shardsync.replicas.buckets import Member, comm_dtype, make_buckets
-from shardsync.replicas.targets import resolve_targets
+from shardsync.replicas.replicated import resolve_replicated
 
 
 def test_buckets_group_by_op_device_dtype_and_split_by_size() -> None:
@@ -80,7 +80,7 @@ def test_one_rank_is_a_validated_no_op() -> None:
     assert text.startswith("replica sync over 1 rank(s), every 2 step(s):")
     assert "grads (before optimizer.step): 9 tensors" in text
     report = detect_drift(model, opt, master_params=masters)
-    assert report.ok and report.checked == 9 * 4  # grads are None after the step
+    assert report.ok and report.checked == 9 * 4  # param, master, exp_avg, exp_avg_sq
     with pytest.raises(ReplicaError, match="sync_grads\\(\\) with grads=None"):
         ReplicaSync(model, opt).sync_grads()
     with pytest.raises(ReplicaError, match="attach\\(\\) needs the optimizer"):
@@ -115,18 +115,18 @@ def test_master_params_forms_and_owner() -> None:
     w = params["norm.weight"]
     m = w.detach().float().clone().requires_grad_(True)
     opt_masters = torch.optim.AdamW([m])
-    by_param = resolve_targets(model, ["norm.weight", "norm.bias"], opt_masters, {w: m})
+    by_param = resolve_replicated(model, ["norm.weight", "norm.bias"], opt_masters, {w: m})
     assert by_param[1].master is m and by_param[1].owner is m and by_param[0].owner is params["norm.bias"]
-    by_name = resolve_targets(model, ["norm.weight"], None, {"norm.weight": m})
+    by_name = resolve_replicated(model, ["norm.weight"], None, {"norm.weight": m})
     assert by_name[0].master is m and by_name[0].owner is w  # no optimizer holds the master
-    by_fn = resolve_targets(model, ["norm.weight"], None, lambda p: m if p is w else None)
+    by_fn = resolve_replicated(model, ["norm.weight"], None, lambda p: m if p is w else None)
     assert by_fn[0].master is m
     sgd = torch.optim.SGD(model.parameters())
     sgd._master_weights = {"norm.weight": m}
-    assert resolve_targets(model, ["norm.weight"], sgd, "auto")[0].master is m
-    assert resolve_targets(model, ["norm.weight"], sgd, None)[0].master is None
+    assert resolve_replicated(model, ["norm.weight"], sgd, "auto")[0].master is m
+    assert resolve_replicated(model, ["norm.weight"], sgd, None)[0].master is None
     with pytest.raises(ReplicaError) as info:
-        resolve_targets(model, ["norm.weight", "norm.bias", "pos_embedding"], None,
+        resolve_replicated(model, ["norm.weight", "norm.bias", "pos_embedding"], None,
                         {w: torch.zeros(3), params["norm.bias"]: params["norm.bias"],
                          params["pos_embedding"]: torch.zeros(5, 17, dtype=torch.int32)})
     msg = str(info.value)
@@ -134,6 +134,6 @@ def test_master_params_forms_and_owner() -> None:
     assert "'norm.bias': the master is the parameter itself" in msg
     assert "'pos_embedding': master dtype torch.int32 is not a floating dtype" in msg
     with pytest.raises(ReplicaError, match="master_params= takes"):
-        resolve_targets(model, ["norm.weight"], None, 3)  # type: ignore[arg-type]
-    in_order = resolve_targets(model, list(reversed(REPLICATED)), None, None)
+        resolve_replicated(model, ["norm.weight"], None, 3)  # type: ignore[arg-type]
+    in_order = resolve_replicated(model, list(reversed(REPLICATED)), None, None)
     assert [t.name for t in in_order] == list(REPLICATED)

@@ -8,7 +8,7 @@ from reference import arange_tensor
 
 from shardsync.errors import LayoutError, MappingError, PlanError
 from shardsync.layout import ShardedTensor, shard_dim
-from shardsync.paddle_compat import full_param
+from shardsync.paddle import full_param
 from shardsync.stream import full_params, plan
 
 QKV = "qkv -> q, k, v, fused_qkv_old, num_heads=4, num_key_value_groups=2, axis=0"

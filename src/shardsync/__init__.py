@@ -12,9 +12,8 @@ from .io import read_layout, read_tensors, save_safetensors
 from .layout import Box, GlobalLayout, ShardedTensor, from_dtensor, shard_dim
 from .mapping import Mapping, resolve
 from .mapping.explain import explain
-from .paddle_compat import full_param
-from .replicas import (DriftReport, ReplicaSync, add_extra_synchronization, detect_drift,
-                       select_replicated, watch_drift)
+from .paddle import add_extra_synchronization, full_param
+from .replicas import DriftReport, ReplicaSync, detect_drift, select_replicated, watch_drift
 from .sources import from_megatron
 from .stream import full_params, plan
 

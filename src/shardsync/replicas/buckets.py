@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -23,7 +23,8 @@ import torch.distributed as dist
 from ..errors import ReplicaError
 from ..layout import dtype_name
 
-__all__ = ["Op", "Member", "Bucket", "PhasePlan", "SyncPlan", "comm_dtype", "make_buckets", "exchange"]
+__all__ = ["Op", "Member", "Item", "Bucket", "PhasePlan", "SyncPlan", "comm_dtype", "make_buckets",
+           "exchange"]
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +46,15 @@ class Member:
         for s in self.shape:
             n *= s
         object.__setattr__(self, "numel", n)  # frozen: set once, read on every exchange
+
+
+class Item(NamedTuple):
+    """One tensor to move, before bucketing: how, on which device, in which dtype."""
+
+    op: Op
+    device: str
+    dtype: torch.dtype
+    member: Member
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,9 +84,8 @@ def comm_dtype(dtype: torch.dtype, op: Op) -> torch.dtype:
     return dtype
 
 
-def make_buckets(items: Sequence[tuple[Op, str, torch.dtype, Member]], bucket_bytes: int, *,
-                 flags: bool = False) -> tuple[Bucket, ...]:
-    """Group ``(op, device, dtype, member)`` items into buckets, keeping the items' order.
+def make_buckets(items: Sequence[Item], bucket_bytes: int, *, flags: bool = False) -> tuple[Bucket, ...]:
+    """Group items into buckets of the same (op, device, communication dtype), keeping their order.
 
     A bucket closes when the next tensor would take it past ``bucket_bytes``; a tensor larger than
     that gets a bucket of its own.
@@ -86,7 +95,7 @@ def make_buckets(items: Sequence[tuple[Op, str, torch.dtype, Member]], bucket_by
 
     Example:
         >>> m = Member("ln.weight", "param", (17,))
-        >>> [len(b.members) for b in make_buckets([("mean", "cpu", torch.bfloat16, m)] * 3, 1 << 20)]
+        >>> [len(b.members) for b in make_buckets([Item("mean", "cpu", torch.bfloat16, m)] * 3, 1 << 20)]
         [3]
     """
     bad = sorted({f"{m.name} ({m.kind}, {dtype_name(dt)})" for op, _, dt, m in items

@@ -1,4 +1,4 @@
-"""Drift detection: are the TP replicas of params, masters, grads and moments still identical?
+"""Drift detection: are the TP replicas of params, masters and optimizer moments still identical?
 
 Call sequence (every rank of the group calls :func:`detect_drift` together):
 
@@ -25,19 +25,23 @@ from torch import nn
 from ..errors import ReplicaError
 from ..dist import agree, data_phase, group_rank, group_size, is_distributed
 from ..layout import to_torch_dtype
-from .buckets import Member
-from .engine import Item, SyncStats, build_buckets, run_buckets
+from .buckets import Item, Member
+from .engine import SyncStats, build_buckets, run_buckets
+from .preflight import GroupLike, resolve_group
+from .replicated import (Entry, MasterParams, ReplicatedParam, check_same, describe, get_tensor, local,
+                         resolve_replicated)
 from .report import DriftReport, DriftRow
 from .select import SelectorLike, resolve_selector
-from .sync import DEFAULT_BUCKET_BYTES, check_group
-from .targets import Entry, MasterParams, Target, check_same, describe, get_tensor, local, resolve_targets
+from .sync import DEFAULT_BUCKET_BYTES
 
 __all__ = ["DEFAULT_WHAT", "OnDrift", "detect_drift", "fingerprint", "DriftWatch", "watch_drift"]
 
 log = logging.getLogger(__name__)
 
-#: The kinds :func:`detect_drift` compares by default.
-DEFAULT_WHAT: tuple[str, ...] = ("param", "master", "grad", "exp_avg", "exp_avg_sq")
+#: The kinds :func:`detect_drift` compares by default: the persistent state. Grads are transient and
+#: may differ legitimately (``grads="broadcast"`` or no grad sync, the params repaired after the
+#: step); compare them with ``what=(*DEFAULT_WHAT, "grad")``.
+DEFAULT_WHAT: tuple[str, ...] = ("param", "master", "exp_avg", "exp_avg_sq")
 OnDrift = Literal["warn", "raise", "repair"]
 
 _INTS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -83,11 +87,11 @@ def _validate(what: Any, on_drift: Any, atol: Any, src: Any, world: int) -> None
         raise ReplicaError("invalid detect_drift arguments:\n  " + "\n  ".join(problems))
 
 
-def _local_view(targets: Sequence[Target], what: Sequence[str],
+def _local_view(replicated: Sequence[ReplicatedParam], what: Sequence[str],
                 optimizer: Any) -> list[tuple[Entry, tuple[int, int] | None]]:
-    entries = describe(targets, what, optimizer)
-    by_name = {t.name: t for t in targets}
-    tensors = [get_tensor(by_name[e[0]], e[1], optimizer) if e[5] else None for e in entries]
+    entries = describe(replicated, what, optimizer)
+    by_name = {rp.name: rp for rp in replicated}
+    tensors = [get_tensor(by_name[e.name], e.kind, optimizer) if e.present else None for e in entries]
     fps: dict[int, tuple[int, int]] = {}
     by_device: dict[torch.device, list[int]] = {}
     for i, t in enumerate(tensors):
@@ -109,20 +113,20 @@ def _reference(fps: Sequence[Any], present: Sequence[int], src: int) -> set[int]
     return {r for r in present if fps[r] == pick}
 
 
-def _exact_diffs(indices: Sequence[int], agreed: Sequence[Entry], by_name: dict[str, Target],
+def _exact_diffs(indices: Sequence[int], agreed: Sequence[Entry], by_name: dict[str, ReplicatedParam],
                  optimizer: Any, group: Any) -> dict[int, float]:
     """Max over elements of (max over ranks - min over ranks), via coalesced all_reduce MAX and MIN."""
     groups: dict[tuple[str, torch.dtype], list[int]] = {}
     for i in indices:
-        dt = to_torch_dtype(agreed[i][3])
+        dt = to_torch_dtype(agreed[i].dtype)
         comm = torch.float64 if dt == torch.float64 or not dt.is_floating_point else torch.float32
-        groups.setdefault((agreed[i][4], comm), []).append(i)
+        groups.setdefault((agreed[i].device, comm), []).append(i)
     out: dict[int, float] = {}
     with data_phase("drift check: exact differences", group):
         for (device_type, comm), members in groups.items():
-            local_ts = [get_tensor(by_name[agreed[i][0]], agreed[i][1], optimizer) for i in members]
+            local_ts = [get_tensor(by_name[agreed[i].name], agreed[i].kind, optimizer) for i in members]
             device = next((t.device for t in local_ts if t is not None), torch.device(device_type))
-            numels = [_numel(agreed[i]) for i in members]
+            numels = [math.prod(agreed[i].shape) for i in members]
             hi = _flat(local_ts, numels, -torch.inf, comm, device)
             lo = _flat(local_ts, numels, torch.inf, comm, device)
             dist.all_reduce(hi, op=dist.ReduceOp.MAX, group=group)
@@ -139,10 +143,6 @@ def _flat(tensors: Sequence[torch.Tensor | None], numels: Sequence[int], fill: f
     return torch.cat([t.detach().reshape(-1).to(device, dtype) if t is not None
                       else torch.full((n,), fill, dtype=dtype, device=device)
                       for t, n in zip(tensors, numels)])
-
-
-def _numel(entry: Entry) -> int:
-    return math.prod(entry[2])
 
 
 def _analyse(per_rank: Sequence[Sequence[tuple[Entry, Any]]], src: int
@@ -168,20 +168,20 @@ def _analyse(per_rank: Sequence[Sequence[tuple[Entry, Any]]], src: int
 
 
 def _repair(rows: Sequence[DriftRow], what: Sequence[str], agreed: Sequence[Entry],
-            per_rank: Sequence[Sequence[tuple[Entry, Any]]], by_name: dict[str, Target],
+            per_rank: Sequence[Sequence[tuple[Entry, Any]]], by_name: dict[str, ReplicatedParam],
             optimizer: Any, group: Any, src: int) -> None:
     """Broadcast every kind in ``what`` of each drifting name from ``src`` (coalesced)."""
     names = {r.name for r in rows}
     items: list[Item] = []
     for i, entry in enumerate(agreed):
-        name, kind = entry[0], entry[1]
+        name, kind = entry.name, entry.kind
         held = [per_rank[r][i][1] is not None for r in range(len(per_rank))]
         # grads travel with presence flags; a state missing on some rank cannot be created here
         if name not in names or kind not in what or not (all(held) or (kind == "grad" and any(held))):
             continue
         t = get_tensor(by_name[name], kind, optimizer)
         device = str(t.device) if t is not None else str(local(by_name[name].owner).device)
-        items.append(("broadcast", device, to_torch_dtype(entry[3]), Member(name, kind, entry[2])))
+        items.append(Item("broadcast", device, to_torch_dtype(entry.dtype), Member(name, kind, entry.shape)))
     run_buckets("drift repair", build_buckets(items, DEFAULT_BUCKET_BYTES), by_name, optimizer, group=group,
                 src=src, rank=group_rank(group), world=group_size(group), stats=SyncStats())
 
@@ -191,14 +191,14 @@ def _warn_unknown_states(what: Sequence[str], per_rank: Sequence[Sequence[tuple[
     """A state key that no tensor has, once the optimizer has state, is likely a typo."""
     if optimizer is None or not optimizer.state:
         return
-    seen = {e[1] for view in per_rank for e, fp in view if fp is not None}
+    seen = {e.kind for view in per_rank for e, fp in view if fp is not None}
     unknown = [k for k in what if k not in ("param", "master", "grad") and k not in seen]
     if unknown:
         log.warning("drift check: no selected tensor has optimizer state %s (state keys look like %s)",
                     unknown, sorted({k for st in optimizer.state.values() for k in st})[:8])
 
 
-def detect_drift(model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *, group: Any = None,
+def detect_drift(model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *, group: GroupLike = None,
                  selector: SelectorLike = None, what: Sequence[str] = DEFAULT_WHAT,
                  master_params: MasterParams = "auto", src: int = 0, on_drift: OnDrift | None = None,
                  atol: float = 0.0, mesh_dim: int | str | None = None) -> DriftReport:
@@ -207,15 +207,17 @@ def detect_drift(model: nn.Module, optimizer: torch.optim.Optimizer | None = Non
     Args:
         model: the module on this rank.
         optimizer: for grads of masters and optimizer states (``optimizer.state[owner][kind]``).
-        group: the TP process group (None: the default group). With one rank nothing is compared.
+        group: the TP process group or device mesh, as for :class:`~shardsync.replicas.ReplicaSync`
+            (None: the default group). With one rank nothing is compared.
         selector: as for :class:`~shardsync.replicas.ReplicaSync`.
-        what: kinds to compare: ``param``, ``master``, ``grad`` and optimizer state keys.
+        what: kinds to compare: ``param``, ``master``, ``grad`` and optimizer state keys. The
+            default, :data:`DEFAULT_WHAT`, is the persistent state (no grads).
         master_params: as for :class:`~shardsync.replicas.ReplicaSync`.
         src: the rank a repair broadcasts from, and the reference on a tie.
         on_drift: None (just report), ``"warn"`` (log a warning), ``"raise"`` (DriftError on every
             rank) or ``"repair"`` (broadcast the drifting names from ``src``), for rows beyond ``atol``.
         atol: tolerance for ``on_drift``.
-        mesh_dim: TP dim of multi-dim DTensor meshes, for the default selection.
+        mesh_dim: TP dim of multi-dim device meshes (of ``group``, and for the default selection).
 
     Returns:
         a :class:`DriftReport`, the same on every rank.
@@ -226,28 +228,30 @@ def detect_drift(model: nn.Module, optimizer: torch.optim.Optimizer | None = Non
         DriftError: ``on_drift="raise"`` and a tensor differs beyond ``atol``.
 
     Example:
-        >>> report = detect_drift(model, optimizer, group=tp_group)  # doctest: +SKIP
-        >>> print(report)                                             # doctest: +SKIP
-        >>> report.raise_if(atol=0.0)                                 # doctest: +SKIP
+        >>> model = nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4))
+        >>> report = detect_drift(model)  # on each rank: group=tp_group
+        >>> print(report)
+        no drift: 3 tensors identical on 1 rank(s)
+        >>> report.raise_if(atol=0.0)
     """
-    check_group(group)
+    group = resolve_group(group, mesh_dim)
     world = group_size(group)
     found: dict[str, Any] = {}
 
     def local_view() -> list[tuple[Entry, Any]]:
         _validate(what, on_drift, atol, src, world)
         selection = resolve_selector(model, selector, mesh_dim)
-        found["targets"] = resolve_targets(model, selection.names, optimizer, master_params)
-        return _local_view(found["targets"], tuple(what), optimizer)
+        found["replicated"] = resolve_replicated(model, selection.names, optimizer, master_params)
+        return _local_view(found["replicated"], tuple(what), optimizer)
 
     per_rank = agree("drift check: fingerprints", local_view, group, unanimous=True)
     check_same("drift check", [[e for e, _ in view] for view in per_rank], presence=False)
     agreed, drifting, checked = _analyse(per_rank, src)
     _warn_unknown_states(what, per_rank, optimizer)
-    by_name = {t.name: t for t in found["targets"]}
+    by_name = {rp.name: rp for rp in found["replicated"]}
     exact_for = [i for i, differing, _ in drifting if differing]
     diffs = _exact_diffs(exact_for, agreed, by_name, optimizer, group) if exact_for else {}
-    rows = tuple(DriftRow(agreed[i][0], agreed[i][1], agreed[i][2], agreed[i][3], differing,
+    rows = tuple(DriftRow(agreed[i].name, agreed[i].kind, agreed[i].shape, agreed[i].dtype, differing,
                           diffs.get(i, 0.0), missing) for i, differing, missing in drifting)
     report = DriftReport(rows, checked, world)
     bad = report.exceeding(atol)
@@ -303,7 +307,10 @@ def watch_drift(model: nn.Module, optimizer: torch.optim.Optimizer, *, every: in
         a :class:`DriftWatch`; call ``remove()`` to stop.
 
     Example:
-        >>> watch = watch_drift(model, optimizer, every=500, on_drift="repair")  # doctest: +SKIP
+        >>> model = nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4))
+        >>> optimizer = torch.optim.SGD(model.parameters())
+        >>> watch = watch_drift(model, optimizer, every=500, on_drift="repair")
+        >>> watch.remove()
     """
     if not isinstance(every, int) or every < 1:
         raise ReplicaError(f"every={every!r}: must be an int >= 1")

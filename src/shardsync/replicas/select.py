@@ -1,10 +1,11 @@
 """Which parameters are replicated across the tensor-parallel group.
 
 A parameter is *selected* when a rule matches it (a name pattern, a DTensor ``Replicate`` placement on
-the TP mesh dim, a parameter attribute, a predicate), no exclude pattern matches it, and it is not
-sharded on TP. Sharded means: a DTensor whose placement on the TP mesh dim is not ``Replicate``, or a
-tensor marked ``is_distributed=True`` (PaddlePaddle) or ``tensor_model_parallel=True`` (Megatron). A
-sharded parameter is never selected, whatever the rules say.
+the TP mesh dim, a parameter attribute, a predicate; in a model with DTensor parameters, by default,
+any parameter), no exclude pattern matches it, and it is not sharded on TP. Sharded means: a DTensor
+whose placement on the TP mesh dim is not ``Replicate``, or a tensor marked ``is_distributed=True``
+(PaddlePaddle) or ``tensor_model_parallel=True`` (Megatron). A sharded parameter is never selected,
+whatever the rules say.
 
 Selection is local (no collective); :class:`~shardsync.replicas.ReplicaSync` and
 :func:`~shardsync.replicas.detect_drift` check across ranks that every rank selected the same tensors.
@@ -90,10 +91,10 @@ class Selection:
         """A table: each selected name and the rule that selected it, then what was left out and why.
 
         Example:
-            >>> print(select_replicated(nn.Sequential(nn.LayerNorm(4))).explain())  # doctest: +SKIP
+            >>> print(select_replicated(nn.Sequential(nn.LayerNorm(4))).explain())
             selected 2 of 2 parameters:
               0.bias    default pattern '*.bias'
-              0.weight  default pattern ...
+              0.weight  parameter of a LayerNorm module
         """
         width = max((len(c.name) for c in self.selected + self.skipped), default=0)
         lines = [f"selected {len(self.selected)} of {self.considered} parameters:"]
@@ -187,7 +188,7 @@ def _norm_modules(model: nn.Module) -> dict[str, str]:
 def _first_rule(name: str, param: torch.Tensor, includes: list[tuple[str, Callable]],
                 norms: dict[str, str], by_placement: bool, attribute: str | None,
                 predicate: Callable | None, mesh_dim: int | str | None,
-                hits: dict[str, int]) -> str | None:
+                hits: dict[str, int], fallback: str | None) -> str | None:
     rule = None
     for pat, match in includes:
         if match(name):
@@ -204,14 +205,22 @@ def _first_rule(name: str, param: torch.Tensor, includes: list[tuple[str, Callab
         rule = f"attribute {attribute}"
     if rule is None and predicate is not None and predicate(name, param):
         rule = "predicate"
-    return rule
+    return rule if rule is not None else fallback
+
+
+def _unsharded_rule(unsharded: bool | None, named: Sequence[tuple[str, torch.Tensor]]) -> str | None:
+    """The rule that selects every parameter not sharded on TP, or None when it is off."""
+    if unsharded is None:  # a DTensor model marks its shards: every other parameter is a replica
+        return "not sharded (the model has DTensor parameters)" if any(
+            _is_dtensor(p) for _, p in named) else None
+    return "unsharded=True" if unsharded else None
 
 
 def select_replicated(model: nn.Module, *, include: Sequence[str] | str | None = DEFAULT_INCLUDE,
                       exclude: Sequence[str] | str | None = (), by_module: bool = True,
                       by_placement: bool = True, attribute: str | None = None,
                       predicate: Callable[[str, torch.Tensor], bool] | None = None,
-                      mesh_dim: int | str | None = None) -> Selection:
+                      unsharded: bool | None = None, mesh_dim: int | str | None = None) -> Selection:
     """Select the parameters of ``model`` that are replicated across the tensor-parallel group.
 
     Args:
@@ -226,6 +235,10 @@ def select_replicated(model: nn.Module, *, include: Sequence[str] | str | None =
         attribute: select parameters with this attribute set truthy (e.g. Megatron's
             ``"sequence_parallel"``).
         predicate: select parameters for which ``predicate(name, param)`` is true.
+        unsharded: select every parameter that is not sharded on TP. None (the default): when the
+            model has DTensor parameters, whose placements say what is sharded, so that a plain
+            parameter (a module left out of ``parallelize_module``, like an ``lm_head``) or a
+            ``Replicate`` DTensor is a replica.
         mesh_dim: the TP dim of multi-dim device meshes (name or index); by default the only dim of
             a 1-D mesh, else the dim named ``"tp"``.
 
@@ -245,6 +258,8 @@ def select_replicated(model: nn.Module, *, include: Sequence[str] | str | None =
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     if predicate is not None and not callable(predicate):
         raise ReplicaError(f"predicate must be callable(name, param) -> bool, got {predicate!r}")
+    if unsharded not in (None, True, False):
+        raise ReplicaError(f"unsharded must be True, False or None (automatic), got {unsharded!r}")
     errors: list[str] = []
     includes = _compile(_as_patterns(include, "include"), "include", errors)
     excludes = _compile(_as_patterns(exclude, "exclude"), "exclude", errors)
@@ -256,10 +271,11 @@ def select_replicated(model: nn.Module, *, include: Sequence[str] | str | None =
     skipped: list[Choice] = []
     named = list(model.named_parameters())
     norms = _norm_modules(model) if by_module else {}
+    fallback = _unsharded_rule(unsharded, named)
     for name, param in named:
         try:
             rule = _first_rule(name, param, includes, norms, by_placement, attribute, predicate,
-                               mesh_dim, hits)
+                               mesh_dim, hits, fallback)
             sharded = tp_sharding(param, mesh_dim) if rule is not None else None
         except ReplicaError as exc:
             errors.append(f"{name!r}: {exc}")
@@ -310,6 +326,6 @@ def resolve_selector(model: nn.Module, selector: SelectorLike,
         return selector
     if callable(selector):
         return select_replicated(model, include=(), by_module=False, by_placement=False,
-                                 predicate=selector, mesh_dim=mesh_dim)
+                                 predicate=selector, unsharded=False, mesh_dim=mesh_dim)
     raise ReplicaError(f"selector= takes a Selection (from select_replicated), a predicate "
                        f"(name, param) -> bool, or None; got {type(selector).__name__}")

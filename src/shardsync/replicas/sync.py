@@ -10,6 +10,10 @@ Call sequence (every rank of ``group`` makes the same calls, in the same order):
     sync.sync_grads()                              # optional, before grad clipping
     handle.remove()
 
+Each sync first checks (locally, no tensor touched) whether the optimizer's parameter groups or
+``_master_weights`` changed since the ranks agreed; if so the ranks agree again (one more
+all_gather_object), so masters added after ``attach()`` have their grads and states synced.
+
 Three operations are kept apart (see the design notes): summing partial grads (correctness, every
 step), averaging grads of redundant replicas (a safety net), and repairing params, masters and moments
 (broadcast, exact and idempotent, or mean). A parameter and its master stay consistent: broadcast moves
@@ -20,29 +24,28 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from typing import Any, Literal
+from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from ..errors import ReplicaError
 from ..dist import agree, group_rank, group_size, is_distributed
-from .buckets import Bucket, Op, PhasePlan, SyncPlan
-from .engine import Item, SyncStats, build_buckets, items_for, run_buckets
+from .buckets import Bucket, Item, Op, PhasePlan, SyncPlan
+from .engine import SyncStats, build_buckets, items_for, run_buckets
+from .preflight import (DEFAULT_STATES, GradMode, GroupLike, SyncMode, optimizer_signature,
+                        resolve_group, validate_sync_args)
+from .replicated import (Entry, MasterParams, ReplicatedParam, check_requires_grad, check_same,
+                         describe, kind_order, layout_entries, local, resolve_replicated)
 from .select import SelectorLike, Selection, resolve_selector
-from .targets import (Entry, MasterParams, Target, check_same, describe, kind_order, local,
-                      resolve_targets)
 
 __all__ = ["ReplicaSync", "HookHandle", "SyncMode", "GradMode", "DEFAULT_BUCKET_BYTES",
-           "DEFAULT_STATES", "check_group"]
+           "DEFAULT_STATES"]
 
 log = logging.getLogger(__name__)
 
-SyncMode = Literal["broadcast", "mean"]
-GradMode = Literal["mean", "sum", "broadcast"]
+#: Bucket size limit of replica sync, in communication bytes.
 DEFAULT_BUCKET_BYTES = 64 << 20
-DEFAULT_STATES: tuple[str, ...] = ("exp_avg", "exp_avg_sq")
 
 
 class HookHandle:
@@ -65,59 +68,21 @@ class HookHandle:
         self.remove()
 
 
-def check_group(group: Any) -> None:
-    """Raise ReplicaError when ``group`` cannot be used from this process."""
-    if group is not None and not (dist.is_available() and dist.is_initialized()):
-        raise ReplicaError("a group was given but torch.distributed is not initialized; call "
-                           "init_process_group first, or pass group=None for a single process")
-    if group is not None and dist.get_rank(group) < 0:
-        raise ReplicaError("this process is not a member of the given group; build ReplicaSync "
-                           "only on the group's ranks")
-
-
-def _validate(params: Any, grads: Any, states_mode: Any, states: Any, src: Any, world: int,
-              interval: Any, bucket_bytes: Any) -> None:
-    problems = []
-    if params not in ("broadcast", "mean", None):
-        problems.append(f"params={params!r}: use 'broadcast', 'mean' or None")
-    if grads not in (None, "mean", "sum", "broadcast"):
-        problems.append(f"grads={grads!r}: use None, 'mean', 'sum' or 'broadcast'")
-    if states_mode not in ("broadcast", "mean", None):
-        problems.append(f"states_mode={states_mode!r}: use 'broadcast', 'mean' or None (as params)")
-    if isinstance(states, str) or not all(isinstance(k, str) for k in states):
-        problems.append(f"optimizer_states={states!r}: use a tuple of state keys like {DEFAULT_STATES}")
-    elif {"param", "master", "grad"} & set(states):
-        problems.append(f"optimizer_states={states!r} names a non-state kind")
-    if not isinstance(src, int) or not 0 <= src < world:
-        problems.append(f"src={src!r}: must be a rank of the group, 0..{world - 1}")
-    if not isinstance(interval, int) or interval < 1:
-        problems.append(f"interval={interval!r}: must be an int >= 1")
-    elif grads == "sum" and interval != 1:
-        problems.append(f"grads='sum' with interval={interval}: partial grads must be summed on "
-                        "every step; use interval=1 (or grads='mean' for a periodic safety net)")
-    if not isinstance(bucket_bytes, int) or bucket_bytes < 1:
-        problems.append(f"bucket_bytes={bucket_bytes!r}: must be an int >= 1")
-    if problems:
-        raise ReplicaError("invalid ReplicaSync arguments:\n  " + "\n  ".join(problems))
-
-
-def _owner_entries(targets: Sequence[Target]) -> list[Entry]:
-    """Which tensor the optimizer steps (and whose grad and states sync), per target."""
-    return [(t.name, "stepped", (), "master" if t.owner is t.master else "param", "-", True)
-            for t in targets]
-
-
 class ReplicaSync:
     """Coalesced sync of TP-replicated params, fp32 masters, grads and optimizer states.
 
     Constructing it is collective: every rank of ``group`` must construct it, and each rank's
-    selection (names, shapes, dtypes) is checked against the others' before anything moves.
+    selection (names, shapes, dtypes, ``requires_grad``) is checked against the others' before
+    anything moves. Parameters or masters added to the optimizer later (``add_param_group``, Paddle's
+    ``_master_weights`` created at the first step) are taken up at the next sync: the ranks agree
+    again, and grads and states are then the masters'. Every rank must add them at the same step.
 
     Args:
         model: the module on this rank.
         optimizer: the optimizer that steps the model (or its masters); needed for ``attach()`` and
             optimizer states.
-        group: the TP process group; None is the default group. With one rank nothing moves.
+        group: the TP process group, or a device mesh: a 1-D one (``mesh["tp"]``), or a multi-dim one
+            whose TP dim is ``mesh_dim``; None is the default group. With one rank nothing moves.
         selector: a :class:`Selection`, a predicate ``(name, param) -> bool``, or None for
             ``select_replicated(model)``.
         params: ``"broadcast"`` (from ``src``, exact), ``"mean"`` (sum in fp32, then divide), or None
@@ -131,26 +96,34 @@ class ReplicaSync:
         states_mode: how states are synced; None follows ``params``.
         interval: sync every this many optimizer steps.
         bucket_bytes: bucket size limit (in communication bytes).
-        mesh_dim: TP dim of multi-dim DTensor meshes, for the default selection.
+        mesh_dim: TP dim (name or index) of multi-dim device meshes: of ``group``, and of the
+            DTensors' meshes for the default selection; by default the dim named ``"tp"``.
 
     Raises:
-        ReplicaError: bad arguments or masters (on every rank together).
+        ReplicaError: bad arguments or masters, or a parameter frozen (``requires_grad=False``) on
+            some ranks only (on every rank together).
         LayoutError: the ranks selected different tensors (names, shapes or dtypes differ).
 
     Example:
-        >>> sync = ReplicaSync(model, optimizer, tp_group, grads="mean")  # doctest: +SKIP
-        >>> sync.broadcast_now()                                            # doctest: +SKIP
-        >>> handle = sync.attach()                                          # doctest: +SKIP
-        >>> print(sync.plan())                                              # doctest: +SKIP
+        One process (no group): everything is checked, nothing moves.
+
+        >>> model = nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4))
+        >>> optimizer = torch.optim.AdamW(model.parameters())
+        >>> sync = ReplicaSync(model, optimizer, grads="mean")  # on each rank: group=tp_group
+        >>> sync.broadcast_now()
+        >>> handle = sync.attach()
+        >>> sync.selection.names
+        ('0.bias', '1.bias', '1.weight')
     """
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
-                 group: Any = None, *, selector: SelectorLike = None, params: SyncMode | None = "broadcast",
+                 group: GroupLike = None, *, selector: SelectorLike = None,
+                 params: SyncMode | None = "broadcast",
                  src: int = 0, master_params: MasterParams = "auto", grads: GradMode | None = None,
                  optimizer_states: Sequence[str] = DEFAULT_STATES, states_mode: SyncMode | None = None,
                  interval: int = 1, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
                  mesh_dim: int | str | None = None) -> None:
-        check_group(group)
+        group = resolve_group(group, mesh_dim)
         self.model, self.optimizer, self.group = model, optimizer, group
         self.rank, self.world = group_rank(group), group_size(group)
         self.params, self.grads, self.src, self.interval = params, grads, src, interval
@@ -158,56 +131,83 @@ class ReplicaSync:
         self.states_op: SyncMode | None = states_mode if states_mode is not None else params
         self.bucket_bytes = bucket_bytes
         self.stats = SyncStats()
+        self._master_params = master_params
+        self._signature = optimizer_signature(optimizer)
         found: dict[str, Any] = {}
 
         def preflight() -> list[Entry]:
-            _validate(params, grads, states_mode, optimizer_states, src, self.world, interval,
-                      bucket_bytes)
+            validate_sync_args(params, grads, states_mode, optimizer_states, src, self.world, interval,
+                               bucket_bytes)
             found["selection"] = resolve_selector(model, selector, mesh_dim)
-            found["targets"] = resolve_targets(model, found["selection"].names, optimizer,
-                                               master_params)
-            return describe(found["targets"], ("param", "master"), optimizer) + \
-                _owner_entries(found["targets"])
+            found["replicated"] = resolve_replicated(model, found["selection"].names, optimizer,
+                                                     master_params)
+            return layout_entries(found["replicated"], optimizer)
 
-        check_same("replica sync preflight",
-                   agree("replica sync: preflight", preflight, group, unanimous=True))
+        per_rank = agree("replica sync: preflight", preflight, group, unanimous=True)
+        check_same("replica sync preflight", per_rank)
+        check_requires_grad("replica sync preflight", per_rank)
         self.selection: Selection = found["selection"]
-        self._targets: list[Target] = found["targets"]
-        self._by_name = {t.name: t for t in self._targets}
-        self._grad_buckets = (build_buckets(items_for(self._targets, [("grad", grads)], optimizer),
-                                            bucket_bytes) if grads is not None else ())
+        self._use(found["replicated"])
+        self._stepped = self._due = self._grads_done = False
+        self._handle: HookHandle | None = None
+        log.info("replica sync: %d parameters over %d rank(s), %d collectives per synced step",
+                 len(self._replicated), self.world, self.plan().collectives_per_step)
+
+    # --- what moves ---------------------------------------------------------------------------
+    def _use(self, replicated: list[ReplicatedParam]) -> None:
+        """Sync these parameters (as the ranks agreed on them) from now on."""
+        self._replicated = replicated
+        self._by_name = {rp.name: rp for rp in replicated}
+        self._grad_buckets = (build_buckets(items_for(replicated, [("grad", self.grads)], self.optimizer),
+                                            self.bucket_bytes) if self.grads is not None else ())
         # the agreed layout: every later exchange is checked against it, never rebuilt from live tensors
         self._agreed: dict[tuple[str, str], Item] = {}
         self._remember([("param", "broadcast"), ("master", "broadcast")])
         self._states_fixed = False
-        self._post_buckets = build_buckets(self._post_items(self.params, None), bucket_bytes)
-        self._stepped = self._due = self._grads_done = False
-        self._handle: HookHandle | None = None
-        log.info("replica sync: %d parameters over %d rank(s), %d collectives per synced step",
-                 len(self._targets), self.world, self.plan().collectives_per_step)
+        self._post_buckets = build_buckets(self._post_items(self.params, None), self.bucket_bytes)
 
-    # --- what moves ---------------------------------------------------------------------------
+    def _refresh(self) -> None:
+        """Agree again on what is synced when the optimizer's parameters changed since the ranks
+        last agreed (masters added, Paddle's masters created at the first step)."""
+        signature = optimizer_signature(self.optimizer)
+        if signature == self._signature:
+            return
+        found: dict[str, Any] = {}
+
+        def rescan() -> list[Entry]:
+            found["replicated"] = resolve_replicated(self.model, self.selection.names, self.optimizer,
+                                                     self._master_params)
+            return layout_entries(found["replicated"], self.optimizer)
+
+        per_rank = agree("replica sync: optimizer changed", rescan, self.group, unanimous=True)
+        check_same("replica sync: optimizer changed", per_rank)
+        check_requires_grad("replica sync: optimizer changed", per_rank)
+        self._signature = signature
+        self._use(found["replicated"])
+        log.info("replica sync: the optimizer's parameters changed; the optimizer steps %d master(s) "
+                 "of replicated parameters", sum(rp.owner is rp.master for rp in self._replicated))
+
     def _remember(self, wanted: list[tuple[str, Op]]) -> None:
         """Record the layout of these kinds as it is now (after the ranks agreed on it)."""
-        for item in items_for(self._targets, wanted, self.optimizer, missing_ok=True):
-            self._agreed[(item[3].name, item[3].kind)] = item
+        for item in items_for(self._replicated, wanted, self.optimizer, missing_ok=True):
+            self._agreed[(item.member.name, item.member.kind)] = item
 
     def _post_items(self, op: Op | None, state_op: Op | None) -> list[Item]:
         """Items of the post-step phase, from the agreed layout: params/masters per ``op``, then
         the agreed optimizer states per ``state_op``."""
         items: list[Item] = []
-        for t in self._targets:
+        for rp in self._replicated:
             wanted: list[tuple[str, Op]] = []
             if op == "broadcast":
                 wanted += [("param", "broadcast"), ("master", "broadcast")]
             elif op == "mean":  # average the master and re-derive the param, or the param alone
-                wanted.append(("master", "mean") if t.master is not None else ("param", "mean"))
+                wanted.append(("master", "mean") if rp.master is not None else ("param", "mean"))
             if state_op is not None:
                 wanted += [(k, state_op) for k in self.states]
             for kind, how in wanted:
-                known = self._agreed.get((t.name, kind))
+                known = self._agreed.get((rp.name, kind))
                 if known is not None:  # absent on every rank otherwise
-                    items.append((how, known[1], known[2], known[3]))
+                    items.append(known._replace(op=how))
         return items
 
     def _ensure_states(self) -> None:
@@ -215,11 +215,11 @@ class ReplicaSync:
         if self._states_fixed or not self.states or self.optimizer is None:
             return
         per_rank = agree("replica sync: optimizer states",
-                         lambda: describe(self._targets, self.states, self.optimizer), self.group)
+                         lambda: describe(self._replicated, self.states, self.optimizer), self.group)
         check_same("replica sync: optimizer states", per_rank)
         for key in [k for k in self._agreed if k[1] in self.states]:
             del self._agreed[key]
-        if self._stepped or any(e[5] for entries in per_rank for e in entries):
+        if self._stepped or any(e.present for entries in per_rank for e in entries):
             self._remember([(k, "broadcast") for k in self.states])
             self._states_fixed = True  # else the optimizer has not stepped yet: try again next time
         self._post_buckets = build_buckets(self._post_items(self.params, self.states_op),
@@ -234,10 +234,12 @@ class ReplicaSync:
 
         Raises:
             ReplicaError: ``grads=None``.
+            LayoutError: the optimizer changed and the ranks now step different tensors.
             DistributedError: a rank failed during the exchange (raised on every rank).
         """
         if self.grads is None:
             raise ReplicaError("sync_grads() with grads=None: pass grads='sum', 'mean' or 'broadcast'")
+        self._refresh()
         self.stats.grad_syncs += 1
         if is_distributed(self.group):
             run_buckets("replica sync: grads", self._grad_buckets, self._by_name, self.optimizer,
@@ -246,7 +248,14 @@ class ReplicaSync:
         self._grads_done = True  # clipping may rescale them in place: never sync them twice
 
     def sync_params(self) -> None:
-        """Sync params, masters and optimizer states now, as the post-step hook does."""
+        """Sync params, masters and optimizer states now, as the post-step hook does.
+
+        Raises:
+            LayoutError: the optimizer changed and the ranks now step different tensors, or hold
+                different optimizer states.
+            DistributedError: a rank failed during the exchange (raised on every rank).
+        """
+        self._refresh()
         self.stats.param_syncs += 1
         if not is_distributed(self.group):
             return
@@ -256,15 +265,16 @@ class ReplicaSync:
                     group=self.group, src=self.src, rank=self.rank, world=self.world, stats=self.stats)
         if self.params == "mean":
             with torch.no_grad():
-                for t in self._targets:
-                    if t.master is not None:
-                        local(t.param).copy_(local(t.master))
+                for rp in self._replicated:
+                    if rp.master is not None:
+                        local(rp.param).copy_(local(rp.master))
 
     def broadcast_now(self) -> None:
         """Broadcast params, masters and optimizer states from ``src`` (after init or checkpoint load).
 
         The optimizer-state layout is agreed again, since a checkpoint load replaces the states.
         """
+        self._refresh()
         if not is_distributed(self.group):
             return
         self._states_fixed = False
@@ -278,11 +288,11 @@ class ReplicaSync:
         """Tensors, bytes, buckets and collectives of a synced step (local, moves nothing)."""
         post, pending = self._post_buckets, ""
         if not self._states_fixed and self.states and self.states_op is not None:
-            states = items_for(self._targets, [(k, self.states_op) for k in self.states],
+            states = items_for(self._replicated, [(k, self.states_op) for k in self.states],
                                self.optimizer, missing_ok=True)
             order = kind_order(("param", "master", *self.states))
             items = sorted(self._post_items(self.params, None) + states,
-                           key=lambda it: (it[3].name, order[it[3].kind]))
+                           key=lambda it: (it.member.name, order[it.member.kind]))
             post = build_buckets(items, self.bucket_bytes)
             pending = ("optimizer states are counted as present on this rank now; their layout is "
                        "fixed at the first synced step")
@@ -332,5 +342,5 @@ class ReplicaSync:
             self.sync_params()
 
     def __repr__(self) -> str:
-        return (f"ReplicaSync({len(self._targets)} params, world={self.world}, params={self.params!r}, "
+        return (f"ReplicaSync({len(self._replicated)} params, world={self.world}, params={self.params!r}, "
                 f"grads={self.grads!r}, states={self.states}, interval={self.interval})")

@@ -1,12 +1,13 @@
-"""The tensors behind each selected parameter, and the cross-rank check that they agree.
+"""The tensors behind each selected parameter, and the cross-rank checks that they agree.
 
-A :class:`Target` is one selected parameter with its fp32 master copy (if any) and its *owner*: the
+A :class:`ReplicatedParam` is one selected parameter with its fp32 master copy (if any) and its *owner*: the
 tensor the optimizer steps (the master when the optimizer holds the master, else the parameter).
 Grads and optimizer states (``optimizer.state[owner][key]``) belong to the owner.
 
 Tensors are looked up each time they are needed (grads and states are replaced during training), as
 local tensors (a DTensor's local shard). Each (name, kind) pair is an *entry*; every rank describes
-its entries (shape, dtype, device type, present) and :func:`check_same` compares them across ranks.
+its entries (shape, dtype, device type, present, requires_grad) and :func:`check_same` and
+:func:`check_requires_grad` compare them across ranks.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal, Union
+from typing import Any, Literal, NamedTuple, Union
 
 import torch
 from torch import nn
@@ -22,8 +23,9 @@ from torch import nn
 from ..errors import LayoutError, ReplicaError
 from ..layout import dtype_name
 
-__all__ = ["Target", "Entry", "MasterParams", "TENSOR_KINDS", "resolve_targets", "local", "get_tensor",
-           "set_grad", "describe", "check_same", "kind_order"]
+__all__ = ["ReplicatedParam", "Entry", "MasterParams", "TENSOR_KINDS", "resolve_replicated", "local",
+           "get_tensor", "set_grad", "describe", "owner_entries", "layout_entries", "check_same",
+           "check_requires_grad", "kind_order"]
 
 log = logging.getLogger(__name__)
 
@@ -36,12 +38,26 @@ TENSOR_KINDS = ("param", "master", "grad")
 MasterParams = Union[Mapping[Any, torch.Tensor], Callable[[torch.Tensor], Union[torch.Tensor, None]],
                      Literal["auto"], None]
 
-#: (name, kind, shape, dtype name, device type, present) - what a rank says about one tensor.
-Entry = tuple[str, str, tuple[int, ...], str, str, bool]
+
+
+class Entry(NamedTuple):
+    """What a rank says about one tensor (compared across ranks, so plain picklable data).
+
+    ``kind`` is ``param``, ``master``, ``grad``, an optimizer state key, or ``stepped``: then
+    ``dtype`` says which tensor the optimizer steps (``"param"`` or ``"master"``).
+    """
+
+    name: str
+    kind: str
+    shape: tuple[int, ...]
+    dtype: str
+    device: str
+    present: bool
+    requires_grad: bool = False
 
 
 @dataclass(frozen=True, slots=True, eq=False)
-class Target:
+class ReplicatedParam:
     """One selected parameter, its fp32 master (or None) and the tensor the optimizer steps."""
 
     name: str
@@ -94,9 +110,9 @@ def _check_master(name: str, param: torch.Tensor, master: Any) -> str | None:
     return None
 
 
-def resolve_targets(model: nn.Module, names: Sequence[str], optimizer: Any,
-                    master_params: MasterParams) -> list[Target]:
-    """The targets of the selected ``names``, sorted by name.
+def resolve_replicated(model: nn.Module, names: Sequence[str], optimizer: Any,
+                       master_params: MasterParams) -> list[ReplicatedParam]:
+    """The selected ``names`` with their masters and owners, sorted by name.
 
     Raises:
         ReplicaError: a master does not fit its parameter (every offender listed).
@@ -104,7 +120,7 @@ def resolve_targets(model: nn.Module, names: Sequence[str], optimizer: Any,
     params = dict(model.named_parameters())
     lookup = _master_lookup(master_params, optimizer)
     held = {id(p) for g in optimizer.param_groups for p in g["params"]} if optimizer is not None else set()
-    targets, errors = [], []
+    replicated, errors = [], []
     for name in sorted(names):
         param = params[name]
         master = lookup(name, param)
@@ -114,10 +130,10 @@ def resolve_targets(model: nn.Module, names: Sequence[str], optimizer: Any,
                 errors.append(problem)
                 continue
         owner = master if master is not None and id(master) in held else param
-        targets.append(Target(name, param, master, owner))
+        replicated.append(ReplicatedParam(name, param, master, owner))
     if errors:
         raise ReplicaError("master_params do not fit their parameters:\n  " + "\n  ".join(errors))
-    return targets
+    return replicated
 
 
 def kind_order(kinds: Sequence[str]) -> dict[str, int]:
@@ -128,24 +144,24 @@ def kind_order(kinds: Sequence[str]) -> dict[str, int]:
     return order
 
 
-def get_tensor(target: Target, kind: str, optimizer: Any) -> torch.Tensor | None:
+def get_tensor(rp: ReplicatedParam, kind: str, optimizer: Any) -> torch.Tensor | None:
     """The local tensor of one kind (``param``, ``master``, ``grad`` or a state key), or None."""
     if kind == "param":
-        return local(target.param)
+        return local(rp.param)
     if kind == "master":
-        return None if target.master is None else local(target.master)
+        return None if rp.master is None else local(rp.master)
     if kind == "grad":
-        grad = target.owner.grad
+        grad = rp.owner.grad
         return None if grad is None else local(grad)
     if optimizer is None:
         return None
-    value = optimizer.state.get(target.owner, {}).get(kind)
+    value = optimizer.state.get(rp.owner, {}).get(kind)
     return local(value) if isinstance(value, torch.Tensor) else None
 
 
-def set_grad(target: Target, value: torch.Tensor | None) -> None:
+def set_grad(rp: ReplicatedParam, value: torch.Tensor | None) -> None:
     """Give the owner a grad equal to ``value`` (a new tensor), or drop its grad (None)."""
-    owner = target.owner
+    owner = rp.owner
     if value is None:
         owner.grad = None
         return
@@ -158,30 +174,48 @@ def set_grad(target: Target, value: torch.Tensor | None) -> None:
     owner.grad = new
 
 
-def describe(targets: Sequence[Target], kinds: Sequence[str], optimizer: Any) -> list[Entry]:
-    """This rank's entries for ``kinds`` of every target, in rank-stable order."""
+def describe(replicated: Sequence[ReplicatedParam], kinds: Sequence[str],
+             optimizer: Any) -> list[Entry]:
+    """This rank's entries for ``kinds`` of every replicated parameter, in rank-stable order."""
     order = kind_order(kinds)
     entries: list[Entry] = []
-    for target in targets:
+    for rp in replicated:
         for kind in sorted(kinds, key=order.__getitem__):
-            t = get_tensor(target, kind, optimizer)
+            t = get_tensor(rp, kind, optimizer)
+            trainable = kind == "param" and rp.param.requires_grad
             if t is None:
-                ref = local(target.owner if kind not in ("param", "master") else target.param)
-                entries.append((target.name, kind, tuple(ref.shape), "-", ref.device.type, False))
+                ref = local(rp.owner if kind not in ("param", "master") else rp.param)
+                entries.append(Entry(rp.name, kind, tuple(ref.shape), "-", ref.device.type, False))
             else:
-                entries.append((target.name, kind, tuple(t.shape), dtype_name(t.dtype), t.device.type,
-                                True))
+                entries.append(Entry(rp.name, kind, tuple(t.shape), dtype_name(t.dtype), t.device.type,
+                                     True, trainable))
     return entries
+
+
+def owner_entries(replicated: Sequence[ReplicatedParam]) -> list[Entry]:
+    """Which tensor the optimizer steps (and whose grad and states sync), per replicated parameter."""
+    return [Entry(rp.name, "stepped", (), "master" if rp.owner is rp.master else "param", "-", True)
+            for rp in replicated]
+
+
+def layout_entries(replicated: Sequence[ReplicatedParam], optimizer: Any) -> list[Entry]:
+    """What the ranks must agree on before syncing: each param and master, and what is stepped."""
+    return describe(replicated, ("param", "master"), optimizer) + owner_entries(replicated)
 
 
 def _fmt(e: Entry | None) -> str:
     if e is None:
         return "absent"
-    if e[1] == "stepped":
-        return f"the optimizer steps the {e[3]}"
-    if not e[5]:
+    if e.kind == "stepped":
+        return f"the optimizer steps the {e.dtype}"
+    if not e.present:
         return "absent"
-    return f"shape {list(e[2])} {e[3]} on {e[4]}"
+    return f"shape {list(e.shape)} {e.dtype} on {e.device}"
+
+
+def _shown(problems: list[str]) -> str:
+    more = [f"... and {len(problems) - 20} more"] if len(problems) > 20 else []
+    return "\n  ".join(problems[:20] + more)
 
 
 def check_same(phase: str, per_rank: Sequence[Sequence[Entry]], *, presence: bool = True) -> None:
@@ -197,8 +231,8 @@ def check_same(phase: str, per_rank: Sequence[Sequence[Entry]], *, presence: boo
         LayoutError: names each parameter selected on some ranks only, and each differing
             (name, kind) with what every rank has.
     """
-    tables = [{(e[0], e[1]): e for e in entries} for entries in per_rank]
-    names = [{e[0] for e in entries} for entries in per_rank]
+    tables = [{(e.name, e.kind): e for e in entries} for entries in per_rank]
+    names = [{e.name for e in entries} for entries in per_rank]
     problems = []
     for name in sorted(set().union(*names)):
         missing = [r for r, have in enumerate(names) if name not in have]
@@ -210,13 +244,44 @@ def check_same(phase: str, per_rank: Sequence[Sequence[Entry]], *, presence: boo
         seen = [t.get(key) for t in tables]
         if any(key[0] not in have for have in names):
             continue  # reported above, once per name
-        facts = {_fmt(e) for e in seen if presence or e is None or e[5]}
+        facts = {_fmt(e) for e in seen if presence or e is None or e.present}
         if len(facts) > 1:
             by_rank = ", ".join(f"rank {r}: {_fmt(e)}" for r, e in enumerate(seen))
             problems.append(f"{key[0]} ({key[1]}): {by_rank}")
     if problems:
-        shown = problems[:20] + ([f"... and {len(problems) - 20} more"] if len(problems) > 20 else [])
         raise LayoutError(f"{phase}: the ranks disagree on {len(problems)} replicated tensor(s):\n  "
-                          + "\n  ".join(shown) + "\nEvery rank of the group must select the same "
+                          + _shown(problems) + "\nEvery rank of the group must select the same "
                           "parameters with the same shapes and dtypes; check the selector, the "
                           "model and master_params on each rank.")
+
+
+def check_requires_grad(phase: str, per_rank: Sequence[Sequence[Entry]]) -> None:
+    """Raise the same ReplicaError on every rank when a parameter is frozen on some ranks only.
+
+    A replica frozen on some ranks would be changed there anyway: a synced grad is created for it
+    (so the optimizer steps it), and mean or broadcast overwrite it with the other ranks' values.
+    Call it after :func:`check_same` (every rank then has the same names).
+
+    Raises:
+        ReplicaError: names each such parameter and the ranks on each side.
+
+    Example:
+        >>> e = Entry("ln.weight", "param", (17,), "float32", "cpu", True, True)
+        >>> check_requires_grad("preflight", [[e], [e._replace(requires_grad=False)]])
+        Traceback (most recent call last):
+        ...
+        shardsync.errors.ReplicaError: preflight: requires_grad differs across the ranks ...
+    """
+    flags: dict[str, list[bool]] = {}
+    for entries in per_rank:
+        for e in entries:
+            if e.kind == "param":
+                flags.setdefault(e.name, []).append(e.requires_grad)
+    problems = [f"{name}: requires_grad=True on rank(s) {[r for r, f in enumerate(seen) if f]}, "
+                f"False on rank(s) {[r for r, f in enumerate(seen) if not f]}"
+                for name, seen in sorted(flags.items()) if len(set(seen)) > 1]
+    if problems:
+        raise ReplicaError(f"{phase}: requires_grad differs across the ranks for {len(problems)} "
+                           f"replicated parameter(s):\n  {_shown(problems)}\nA replica frozen on "
+                           "some ranks only would be updated there by the sync; freeze it on every "
+                           "rank, or leave it out of the selection (exclude=...).")

@@ -1,4 +1,4 @@
-"""Paddle-compatible entry: ``full_param`` with FlexCheckpoint's keyword names.
+"""``full_param`` with FlexCheckpoint's keyword names, on :func:`shardsync.full_params`.
 
 Code written for ``paddle.distributed.flex_checkpoint.dcp.full_param`` ports by changing the import and
 the tensor type (``ShardedWeight`` -> :class:`~shardsync.layout.ShardedTensor`; objects with Paddle's
@@ -14,9 +14,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from .errors import PlanError
-from .layout import ShardedTensor, StateValue
-from .stream import ParamStream, full_params
+from ..errors import PlanError
+from ..layout import ShardedTensor, StateValue
+from ..stream import ParamStream, full_params
 
 __all__ = ["full_param", "PADDLE_KEYWORDS"]
 
@@ -47,8 +47,11 @@ def full_param(sharded_state_dict: Mapping[str, Any], aoa_config: Any = None, **
         PlanError: only one of ``h_group``/``v_group`` (a ValueError).
 
     Example:
-        >>> for name, tensor in full_param(state, {"aoa_statements": ["w^T -> w_t"]}):  # doctest: +SKIP
-        ...     print(name, tensor.shape)
+        >>> import torch
+        >>> state = {"w": torch.arange(6.0).reshape(2, 3)}
+        >>> for name, tensor in full_param(state, {"aoa_statements": ["w^T -> w_t"]}):
+        ...     print(name, tuple(tensor.shape))
+        w_t (3, 2)
     """
     unknown = sorted(set(kwargs) - set(PADDLE_KEYWORDS))
     if unknown:

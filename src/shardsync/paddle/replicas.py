@@ -1,4 +1,4 @@
-"""PaddlePaddle-compatible entry: ``add_extra_synchronization`` for eager PyTorch.
+"""``add_extra_synchronization`` for eager PyTorch, on :class:`~shardsync.replicas.ReplicaSync`.
 
 Paddle's ``tensor_parallel_utils.add_extra_synchronization(program, ...)`` inserts, into a static
 program, one broadcast (or all_reduce SUM + scale) per selected tensor after each optimizer op. This
@@ -17,15 +17,16 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from typing import Any, Literal
+from typing import Literal
 
 import torch
 from torch import nn
 
 from ..errors import ReplicaError
 from ..dist import agree
-from .select import tp_sharding
-from .sync import DEFAULT_STATES, ReplicaSync, check_group
+from ..replicas.preflight import DEFAULT_STATES, GroupLike, SyncMode, resolve_group
+from ..replicas.select import tp_sharding
+from ..replicas.sync import ReplicaSync
 
 __all__ = ["add_extra_synchronization", "paddle_filter"]
 
@@ -54,7 +55,7 @@ def paddle_filter(name: str, param: torch.Tensor, pos_emb: bool = True, layer_no
     return bias and (".b_" in name or parts[-1] == "bias") and tp_sharding(param) is None
 
 
-def add_extra_synchronization(model: nn.Module, optimizer: torch.optim.Optimizer, group: Any = None,
+def add_extra_synchronization(model: nn.Module, optimizer: torch.optim.Optimizer, group: GroupLike = None,
                               params_filter_fn: Callable[[str, torch.Tensor], bool] | None = None,
                               sync_mode: Literal["broadcast", "average"] = "broadcast",
                               sync_param: bool = True, sync_grad: bool = False,
@@ -64,7 +65,7 @@ def add_extra_synchronization(model: nn.Module, optimizer: torch.optim.Optimizer
     Args:
         model: the module on this rank.
         optimizer: its optimizer (step hooks are installed on it).
-        group: the TP process group (None: the default group).
+        group: the TP process group, or a 1-D device mesh (None: the default group).
         params_filter_fn: ``(name, param) -> bool``; None selects with ``select_replicated(model)``.
         sync_mode: ``"broadcast"`` from ``src_rank``, or ``"average"`` (SUM then divide by the size).
         sync_param: sync params and their fp32 masters after the step.
@@ -79,10 +80,13 @@ def add_extra_synchronization(model: nn.Module, optimizer: torch.optim.Optimizer
         ReplicaError: bad arguments (on every rank together).
 
     Example:
-        >>> sync = add_extra_synchronization(model, optimizer, tp_group)  # doctest: +SKIP
-        >>> print(sync.selection.explain())                               # doctest: +SKIP
+        >>> model = nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4))
+        >>> optimizer = torch.optim.SGD(model.parameters())
+        >>> sync = add_extra_synchronization(model, optimizer)  # on each rank: group=tp_group
+        >>> sync.selection.names
+        ('0.bias', '1.bias', '1.weight')
     """
-    check_group(group)
+    group = resolve_group(group)
 
     def validate() -> None:
         problems = []
@@ -96,7 +100,7 @@ def add_extra_synchronization(model: nn.Module, optimizer: torch.optim.Optimizer
             raise ReplicaError("add_extra_synchronization:\n  " + "\n  ".join(problems))
 
     agree("add_extra_synchronization: arguments", validate, group, unanimous=True)
-    mode = "mean" if sync_mode == "average" else "broadcast"
+    mode: SyncMode = "mean" if sync_mode == "average" else "broadcast"
     sync = ReplicaSync(model, optimizer, group, selector=params_filter_fn,
                        params=mode if sync_param else None, src=src_rank,
                        grads=mode if sync_grad else None,

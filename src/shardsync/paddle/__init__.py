@@ -1,0 +1,16 @@
+"""PaddlePaddle-compatible entry points: code written for Paddle ports by changing its imports.
+
+* :func:`full_param` - FlexCheckpoint's ``full_param`` (keyword names and defaults), on
+  :func:`shardsync.full_params`.
+* :func:`add_extra_synchronization` - Paddle's tensor-parallel extra synchronization, on
+  :class:`~shardsync.replicas.ReplicaSync`; :func:`paddle_filter` applies Paddle's selection rules.
+
+``full_param`` and ``add_extra_synchronization`` are also importable from :mod:`shardsync` itself.
+"""
+
+from __future__ import annotations
+
+from .replicas import add_extra_synchronization, paddle_filter
+from .stream import PADDLE_KEYWORDS, full_param
+
+__all__ = ["full_param", "PADDLE_KEYWORDS", "add_extra_synchronization", "paddle_filter"]

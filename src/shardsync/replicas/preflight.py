@@ -1,0 +1,129 @@
+"""Checks that run before anything moves: the group (a process group or a device mesh), the
+arguments of :class:`~shardsync.replicas.ReplicaSync`, and what the optimizer holds.
+
+Everything here is local; the cross-rank comparison of what each rank selected is in
+:mod:`~shardsync.replicas.replicated` (``check_same``, ``check_requires_grad``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any, Literal, Union
+
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh  # imported by torch.distributed anyway
+
+from ..errors import ReplicaError
+
+if TYPE_CHECKING:
+    import torch
+    from torch.distributed import ProcessGroup
+
+__all__ = ["GroupLike", "SyncMode", "GradMode", "DEFAULT_STATES", "resolve_group", "validate_sync_args",
+           "optimizer_signature"]
+
+#: What replica APIs take as ``group=``: a process group, a device mesh (1-D, or multi-dim with the
+#: TP dim given by ``mesh_dim``), or None for the default group.
+GroupLike = Union["ProcessGroup", DeviceMesh, None]
+SyncMode = Literal["broadcast", "mean"]
+GradMode = Literal["mean", "sum", "broadcast"]
+DEFAULT_STATES: tuple[str, ...] = ("exp_avg", "exp_avg_sq")
+
+
+def _mesh_group(mesh: DeviceMesh, mesh_dim: int | str | None) -> ProcessGroup:
+    """The process group of ``mesh``'s TP dim: its only dim, ``mesh_dim``, or the dim named "tp"."""
+    names = tuple(mesh.mesh_dim_names or ())
+    if mesh.ndim == 1:
+        return mesh.get_group()
+    if mesh_dim is None and "tp" in names:
+        mesh_dim = "tp"
+    if isinstance(mesh_dim, str) and mesh_dim in names:
+        return mesh.get_group(mesh_dim)
+    if isinstance(mesh_dim, int) and not isinstance(mesh_dim, bool) and 0 <= mesh_dim < mesh.ndim:
+        return mesh.get_group(mesh_dim)
+    raise ReplicaError(f"group= is a {mesh.ndim}-D device mesh with dims {names or tuple(range(mesh.ndim))}"
+                       f" and mesh_dim={mesh_dim!r} names none of them; pass the TP dim as mesh_dim= "
+                       "(a name or an index), or the 1-D mesh of the TP dim (mesh['tp'])")
+
+
+def resolve_group(group: GroupLike, mesh_dim: int | str | None = None) -> ProcessGroup | None:
+    """The process group behind ``group``; ReplicaError when it cannot be used from this process.
+
+    Args:
+        group: a process group, a 1-D device mesh, a multi-dim device mesh (its TP dim is
+            ``mesh_dim``, by default the dim named ``"tp"``), or None for the default group.
+        mesh_dim: the TP dim of a multi-dim mesh (name or index).
+
+    Returns:
+        the process group (None stays None: the default group).
+
+    Raises:
+        ReplicaError: no TP dim in a multi-dim mesh, torch.distributed not initialized while a group
+            was given, or this process not a member of the group.
+
+    Example:
+        >>> resolve_group(None) is None
+        True
+    """
+    pg = _mesh_group(group, mesh_dim) if isinstance(group, DeviceMesh) else group
+    if pg is not None and not (dist.is_available() and dist.is_initialized()):
+        raise ReplicaError("a group was given but torch.distributed is not initialized; call "
+                           "init_process_group first, or pass group=None for a single process")
+    if pg is not None and dist.get_rank(pg) < 0:
+        raise ReplicaError("this process is not a member of the given group; build ReplicaSync "
+                           "only on the group's ranks")
+    return pg
+
+
+def validate_sync_args(params: Any, grads: Any, states_mode: Any, states: Any, src: Any, world: int,
+                       interval: Any, bucket_bytes: Any) -> None:
+    """Check :class:`~shardsync.replicas.ReplicaSync`'s arguments; every problem in one error.
+
+    Raises:
+        ReplicaError: each bad argument with the values it takes.
+
+    Example:
+        >>> validate_sync_args("broadcast", None, None, DEFAULT_STATES, 0, 2, 1, 1 << 20)
+    """
+    problems = []
+    if params not in ("broadcast", "mean", None):
+        problems.append(f"params={params!r}: use 'broadcast', 'mean' or None")
+    if grads not in (None, "mean", "sum", "broadcast"):
+        problems.append(f"grads={grads!r}: use None, 'mean', 'sum' or 'broadcast'")
+    if states_mode not in ("broadcast", "mean", None):
+        problems.append(f"states_mode={states_mode!r}: use 'broadcast', 'mean' or None (as params)")
+    if isinstance(states, str) or not all(isinstance(k, str) for k in states):
+        problems.append(f"optimizer_states={states!r}: use a tuple of state keys like {DEFAULT_STATES}")
+    elif {"param", "master", "grad"} & set(states):
+        problems.append(f"optimizer_states={states!r} names a non-state kind")
+    if not isinstance(src, int) or not 0 <= src < world:
+        problems.append(f"src={src!r}: must be a rank of the group, 0..{world - 1}")
+    if not isinstance(interval, int) or interval < 1:
+        problems.append(f"interval={interval!r}: must be an int >= 1")
+    elif grads == "sum" and interval != 1:
+        problems.append(f"grads='sum' with interval={interval}: partial grads must be summed on "
+                        "every step; use interval=1 (or grads='mean' for a periodic safety net)")
+    if not isinstance(bucket_bytes, int) or bucket_bytes < 1:
+        problems.append(f"bucket_bytes={bucket_bytes!r}: must be an int >= 1")
+    if problems:
+        raise ReplicaError("invalid ReplicaSync arguments:\n  " + "\n  ".join(problems))
+
+
+def optimizer_signature(optimizer: torch.optim.Optimizer | None) -> tuple[Any, ...]:
+    """What decides which tensors the optimizer steps: parameters per group, and the size of
+    ``optimizer._master_weights`` (Paddle's masters, often created at the first step).
+
+    Cheap enough for every step (no tensor is touched); a change means masters or parameters were
+    added, so the ranks must agree again on what is synced.
+
+    Example:
+        >>> import torch
+        >>> opt = torch.optim.SGD([torch.zeros(3, requires_grad=True)])
+        >>> optimizer_signature(opt)
+        ((1,), None)
+    """
+    if optimizer is None:
+        return ()
+    masters = getattr(optimizer, "_master_weights", None)
+    return (tuple(len(g["params"]) for g in optimizer.param_groups),
+            len(masters) if isinstance(masters, Mapping) else None)
