@@ -93,6 +93,7 @@ def test_examples_run(path: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatc
         other = ELSEWHERE.search(marker)
         if other:  # a test of its own runs this block: make sure it exists and reads this page
             assert path.name in (ROOT / other[1]).read_text(), f"{other[1]} does not run {path.name}"
+            ran += 1
             continue
         if lang == "python":
             ranks = re.fullmatch(r"ranks:\s*(\d+)", marker)
