@@ -9,6 +9,8 @@ from __future__ import annotations
 from .errors import (DistributedError, DriftError, FormatError, LayoutError, MappingError, PlanError,
                      ReplicaError, ShardsyncError)
 from .io import read_layout, read_tensors, save_safetensors
+from .io.dcp_writer import save
+from .io.save_hf import save_hf
 from .layout import Box, GlobalLayout, ShardedTensor, from_dtensor, shard_dim
 from .mapping import Mapping, resolve
 from .mapping.explain import explain
@@ -18,7 +20,7 @@ from .replicas import (DriftReport, ReplicaSync, add_extra_synchronization, dete
 from .stream import full_params, plan
 
 __all__ = ["Box", "GlobalLayout", "ShardedTensor", "from_dtensor", "shard_dim", "Mapping", "resolve",
-           "explain", "full_params", "plan", "full_param", "save_safetensors", "read_layout",
+           "explain", "full_params", "plan", "full_param", "save_hf", "save", "save_safetensors", "read_layout",
            "read_tensors", "select_replicated", "ReplicaSync", "detect_drift", "watch_drift",
            "add_extra_synchronization", "DriftReport", "ShardsyncError", "MappingError", "LayoutError",
            "PlanError", "FormatError", "DistributedError", "ReplicaError", "DriftError"]
