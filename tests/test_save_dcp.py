@@ -3,8 +3,11 @@
 
 from __future__ import annotations
 
+import os
+import signal
 import warnings
 from pathlib import Path
+from unittest import mock
 
 import pytest
 import torch
@@ -15,6 +18,7 @@ from reference import arange_tensor
 import shardsync
 from shardsync import ShardedTensor, shard_dim
 from shardsync.errors import FormatError, LayoutError
+from shardsync.io import dcp_writer
 
 
 def full_state(start: int = 0) -> dict[str, torch.Tensor]:
@@ -108,3 +112,28 @@ def test_path_that_is_a_file(tmp_path: Path) -> None:
     (tmp_path / "f").write_text("x")
     with pytest.raises(FormatError, match="is a file"):
         shardsync.save({"w": torch.zeros(2)}, tmp_path / "f")
+
+
+@pytest.mark.parametrize("kill_before", ["commit", "removal"])
+def test_killed_save_leaves_old_or_new(tmp_path: Path, kill_before: str) -> None:
+    old, new = {"w": arange_tensor((17, 3))}, {"w": arange_tensor((17, 3), start=1000)}
+    shardsync.save(old, tmp_path)
+    pid = os.fork()
+    if pid == 0:  # the child dies by SIGKILL just before the .metadata rename, or just after it
+        def die(*args: object) -> None:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+        target = ("rename", dcp_writer._ReplacingFileSystem) if kill_before == "commit" else (
+            "_remove_old_generation", dcp_writer)
+        try:
+            with mock.patch.object(target[1], target[0], die):
+                shardsync.save(new, tmp_path, overwrite=True)
+        finally:
+            os._exit(0)
+    _, status = os.waitpid(pid, 0)
+    assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL
+    assert torch.equal(load_full(tmp_path, old)["w"], (old if kill_before == "commit" else new)["w"])
+    assert len(list(tmp_path.glob("*.distcp"))) == 2  # both generations
+    shardsync.save(new, tmp_path, overwrite=True)  # cleans up what the killed save left
+    assert torch.equal(load_full(tmp_path, old)["w"], new["w"])
+    assert len(list(tmp_path.glob("*.distcp"))) == 1

@@ -164,7 +164,7 @@ def test_existing_checkpoint_needs_overwrite(tmp_path: Path) -> None:
 def test_progress_bar_in_bytes(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     shardsync.save_hf({"w": torch.ones(1000)}, tmp_path, progress=True)
     err = capsys.readouterr().err
-    assert "save_hf: 100%" in err and "4.00k/4.00k" in err and "kB/s" in err
+    assert "save_hf: 100%" in err and "4.00k/4.00k" in err and "B/s" in err
 
 
 def test_from_pretrained_loads_the_result(tmp_path: Path) -> None:

@@ -15,7 +15,9 @@ import logging
 import math
 import os
 import sys
+from collections import deque
 from collections.abc import Iterable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -35,6 +37,9 @@ from .safetensors_writer import WriteResult, parse_size, write_shard
 __all__ = ["save_hf"]
 
 log = logging.getLogger(__name__)
+#: Files a rank may have queued for its writer thread before it waits (bounds memory to about this
+#: many files plus the one being filled).
+FILES_IN_FLIGHT = 2
 
 
 @dataclass(frozen=True)
@@ -78,7 +83,11 @@ class _PartWriter:
         self.pending: dict[int, dict[str, torch.Tensor]] = {}
         self.outgoing: dict[str, torch.Tensor] = {}
         self.written: list[Path] = []
-        self.error: Exception | None = None  # the first failure; the stream is still drained
+        self.error: BaseException | None = None  # the first failure; the stream is still drained
+        # Files are written by a thread, so this rank keeps serving the stream meanwhile (otherwise
+        # every rank would wait for each file write in turn).
+        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shardsync-save_hf")
+        self.in_flight: deque[Future[None]] = deque()
 
     def start(self, plan: Any) -> None:
         self.plan = plan_files(plan.targets, self.job.limit, self.job.dtype)
@@ -110,7 +119,13 @@ class _PartWriter:
         if missing:
             raise RuntimeError(f"file {f + 1}: targets {sorted(missing)} never arrived")
         self.written.append(self.job.temp(f))
-        write_shard(self.job.temp(f), tensors, {"format": "pt"})
+        while len(self.in_flight) >= FILES_IN_FLIGHT:
+            self._wait_oldest()
+        self.in_flight.append(self.pool.submit(write_shard, self.job.temp(f), tensors, {"format": "pt"}))
+
+    def _wait_oldest(self) -> None:
+        error = self.in_flight.popleft().exception()
+        self.error = self.error or error
 
     def finish(self) -> None:
         """Write the files still open (those that waited for moved targets, an empty checkpoint)."""
@@ -119,6 +134,13 @@ class _PartWriter:
         for f in self.plan.files_of(self.rank):
             if self.job.temp(f).name not in done:
                 self.write(f)
+        self.close()
+
+    def close(self) -> None:
+        """Wait for the files being written."""
+        while self.in_flight:
+            self._wait_oldest()
+        self.pool.shutdown()
 
 
 def _device(group: Any) -> torch.device:
@@ -185,7 +207,7 @@ def _progress_bar(enabled: bool, rank: int) -> Any:
     if not enabled or rank != 0:
         return None
     try:
-        from tqdm import tqdm  # optional: the "cli" extra
+        from tqdm import tqdm  # type: ignore[import-untyped]  # optional: the "cli" extra
     except ImportError:
         log.warning("progress=True needs tqdm (pip install tqdm); writing without a progress bar")
         return None
@@ -243,6 +265,7 @@ def save_hf(source: Any, out_dir: str | os.PathLike, mapping: MappingLike | None
         _write_part(part, source, mapping, group)
         agree("save_hf: write files", lambda: _raise(part.error), group)
     except BaseException:
+        part.close()
         remove_files(job.dir, [p.name for p in part.written])
         raise
     finally:
@@ -250,9 +273,11 @@ def save_hf(source: Any, out_dir: str | os.PathLike, mapping: MappingLike | None
             part.bar.close()
     plan = part.plan
     assert plan is not None
-    return agree("save_hf: commit", lambda: _commit(job, plan) if rank == 0 else None, group)[0]
+    result = agree("save_hf: commit", lambda: _commit(job, plan) if rank == 0 else None, group)[0]
+    assert result is not None  # rank 0's result, sent to every rank
+    return result
 
 
-def _raise(error: Exception | None) -> None:
+def _raise(error: BaseException | None) -> None:
     if error is not None:
         raise error
