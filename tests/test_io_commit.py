@@ -14,6 +14,7 @@ import torch
 from reference import arange_tensor
 from safetensors.torch import load_file, save_file
 
+import shardsync
 from shardsync.errors import FormatError
 from shardsync.io import commit, save_safetensors
 from shardsync.io.commit import CheckpointNames, scan
@@ -57,7 +58,14 @@ def foreign_files(d: Path) -> dict[str, bytes]:
     return {name: (d / name).read_bytes() for name in FOREIGN}
 
 
-def save_in_child(new: dict[str, torch.Tensor], d: Path, limit: int, kill_at: int | None) -> int:
+def save(new: dict[str, torch.Tensor], d: Path, limit: int, writer: str = "save_safetensors") -> None:
+    if writer == "save_hf":
+        shardsync.save_hf(new, d, max_shard_size=limit, overwrite=True)
+    else:
+        save_safetensors(list(new.items()), d, max_shard_bytes=limit, overwrite=True)
+
+
+def save_in_child(new: dict[str, torch.Tensor], d: Path, limit: int, kill_at: int, writer: str) -> int:
     """Save in a forked process that SIGKILLs itself right after stage ``kill_at`` (a shard or index
     file just written is first cut to half its size: a crash in the middle of that write)."""
     pid = os.fork()
@@ -74,20 +82,21 @@ def save_in_child(new: dict[str, torch.Tensor], d: Path, limit: int, kill_at: in
 
         commit.stage_hook = hook
         try:
-            save_safetensors(list(new.items()), d, max_shard_bytes=limit, overwrite=True)
+            save(new, d, limit, writer)
         finally:
             os._exit(0)
     _, status = os.waitpid(pid, 0)
     return status
 
 
-def stages_of(old_dir: Path, tmp: Path, new: dict[str, torch.Tensor], limit: int) -> list[str]:
+def stages_of(old_dir: Path, tmp: Path, new: dict[str, torch.Tensor], limit: int,
+              writer: str = "save_safetensors") -> list[str]:
     work = tmp / "dry"
     shutil.copytree(old_dir, work)
     seen: list[str] = []
     commit.stage_hook = seen.append
     try:
-        save_safetensors(list(new.items()), work, max_shard_bytes=limit, overwrite=True)
+        save(new, work, limit, writer)
     finally:
         commit.stage_hook = None
     shutil.rmtree(work)
@@ -100,28 +109,29 @@ TRANSITIONS = {
     "sharded-to-sharded": (checkpoint(5, 0), 150, checkpoint(6, 1000), 150),
     "single-to-sharded": (checkpoint(2, 0), 10**6, checkpoint(5, 1000), 150),
     "sharded-to-single": (checkpoint(5, 0), 150, checkpoint(3, 1000), 10**6),
-    "empty-to-sharded": ({}, 0, checkpoint(5, 1000), 150),
+    "empty-to-sharded": ({}, 1, checkpoint(5, 1000), 150),
 }
+CASES = [(name, "save_safetensors") for name in sorted(TRANSITIONS)] + [("sharded-to-sharded", "save_hf")]
 
 
-@pytest.mark.parametrize("name", sorted(TRANSITIONS))
-def test_killed_at_every_stage_leaves_old_or_new(tmp_path: Path, name: str) -> None:
+@pytest.mark.parametrize("name, writer", CASES)
+def test_killed_at_every_stage_leaves_old_or_new(tmp_path: Path, name: str, writer: str) -> None:
     old, old_limit, new, new_limit = TRANSITIONS[name]
     template = tmp_path / "template"
     foreign = foreign_files(template)
     if old:
         save_safetensors(list(old.items()), template, max_shard_bytes=old_limit)
-    stages = stages_of(template, tmp_path, new, new_limit)
+    stages = stages_of(template, tmp_path, new, new_limit, writer)
     commit_at = stages.index("committed")
     assert stages.count("committed") == 1 and commit_at > 0
     for k in range(len(stages)):
         d = tmp_path / f"kill{k}"
         shutil.copytree(template, d)
-        status = save_in_child(new, d, new_limit, k)
+        status = save_in_child(new, d, new_limit, k, writer)
         assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL, stages[k]
         assert same(load_checkpoint(d), new if k >= commit_at else old), f"killed after {stages[k]!r}"
         assert {f: (d / f).read_bytes() for f in FOREIGN} == foreign, stages[k]
-        save_safetensors(list(new.items()), d, max_shard_bytes=new_limit, overwrite=True)
+        save(new, d, new_limit, writer)
         assert same(load_checkpoint(d), new)
         names = {p.name for p in d.iterdir()}
         committed = set(scan(d, CheckpointNames()).committed)
@@ -157,7 +167,7 @@ def test_other_files_neither_refuse_nor_get_removed(tmp_path: Path) -> None:
     save_safetensors(list(checkpoint(1, 5).items()), tmp_path, overwrite=True)
     assert {f: (tmp_path / f).read_bytes() for f in FOREIGN} == foreign
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted([*FOREIGN, "model.safetensors"])
-    with pytest.raises(FormatError, match=r"already holds a checkpoint \(model.safetensors\).*overwrite=True"):
+    with pytest.raises(FormatError, match=r"holds a checkpoint \(model.safetensors\).*overwrite=True"):
         save_safetensors(list(checkpoint(1, 0).items()), tmp_path)
 
 
@@ -179,13 +189,12 @@ def test_leftovers_of_killed_saves_are_removed_without_overwrite(tmp_path: Path)
 def test_scan_follows_the_readers_rule(tmp_path: Path) -> None:
     names = CheckpointNames()
     save_safetensors(list(checkpoint(3, 0).items()), tmp_path, max_shard_bytes=150)
-    assert scan(tmp_path, names).committed == ("model.safetensors.index.json", "model-00001-of-00002.safetensors",
-                                               "model-00002-of-00002.safetensors")
+    shards = ("model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors")
+    assert scan(tmp_path, names).committed == ("model.safetensors.index.json", *shards)
     save_file({"x": torch.zeros(1)}, str(tmp_path / "model.safetensors"))  # it hides the index
     state = scan(tmp_path, names)
     assert state.committed == ("model.safetensors",)
-    assert state.leftovers == ("model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors",
-                               "model.safetensors.index.json")
+    assert state.leftovers == (*shards, "model.safetensors.index.json")
     (tmp_path / "model.safetensors").unlink()
     (tmp_path / "model.safetensors.index.json").write_text("{not json")
     assert scan(tmp_path, names).committed == ("model.safetensors.index.json",)  # protected as it is

@@ -23,8 +23,8 @@ from shardsync.io import dcp_writer
 
 def full_state(start: int = 0) -> dict[str, torch.Tensor]:
     return {"w": arange_tensor((17, 6), start=start), "o": arange_tensor((5, 13), start=start + 500),
-            "norm": arange_tensor((7,), torch.bfloat16, start=start), "experts": arange_tensor((6, 10), start=start),
-            "step": torch.tensor(start + 7)}
+            "norm": arange_tensor((7,), torch.bfloat16, start=start),
+            "experts": arange_tensor((6, 10), start=start), "step": torch.tensor(start + 7)}
 
 
 def boxes(t: torch.Tensor, *spec: tuple[tuple[int, int], tuple[int, int]]) -> list[ShardedTensor]:
@@ -38,8 +38,8 @@ def rank_state(rank: int, start: int = 0) -> dict:
     full = full_state(start)
     experts = (boxes(full["experts"], ((0, 0), (3, 4)), ((3, 0), (3, 10))) if rank == 0
                else boxes(full["experts"], ((0, 4), (3, 6))))
-    return {"w": shard_dim(full["w"], 0, rank, 2), "o": shard_dim(full["o"], 1, rank, 2), "norm": full["norm"],
-            "experts": experts, "step": full["step"]}
+    return {"w": shard_dim(full["w"], 0, rank, 2), "o": shard_dim(full["o"], 1, rank, 2),
+            "norm": full["norm"], "experts": experts, "step": full["step"]}
 
 
 def load_full(path: Path, like: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -99,7 +99,8 @@ def test_one_process_boxes_are_chunks(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("shards, message", [
-    ([((0, 0), (9, 5)), ((8, 0), (9, 5))], r"'w': shard \[0:9, 0:5\] on ranks \[0\] overlaps shard \[8:17, 0:5\]"),
+    ([((0, 0), (9, 5)), ((8, 0), (9, 5))],
+     r"'w': shard \[0:9, 0:5\] on ranks \[0\] overlaps shard \[8:17, 0:5\]"),
     ([((0, 0), (9, 5))], r"'w': box \[9:17, 0:5\] is not covered"),
 ])
 def test_bad_boxes_are_refused_before_writing(tmp_path: Path, shards: list, message: str) -> None:

@@ -3,6 +3,7 @@ failures raised on every rank with the old checkpoint intact, dtype casts, extra
 
 from __future__ import annotations
 
+import contextlib
 import json
 import struct
 from pathlib import Path
@@ -26,7 +27,8 @@ LIMIT = 220  # bytes: five files, some straddling two ranks' parts (at world 2 a
 
 
 def full_state() -> dict[str, torch.Tensor]:
-    state = {f"layers.{i}.w": arange_tensor((17, 3), torch.float32, start=100 * i, step=0.25) for i in range(7)}
+    state = {f"layers.{i}.w": arange_tensor((17, 3), torch.float32, start=100 * i, step=0.25)
+             for i in range(7)}
     state |= {f"layers.{i}.b": arange_tensor((5,), torch.float32, start=-50 * i) for i in range(7)}
     return state | {"norm": arange_tensor((7,), torch.bfloat16), "ids": torch.arange(11) * 3}
 
@@ -42,8 +44,9 @@ def expected() -> dict[str, torch.Tensor]:
 
 
 def rank_state(rank: int, world: int) -> dict:
-    """Weights row-sharded (17 rows: uneven), biases column... sharded, the rest replicated."""
-    return {k: shard_dim(v, 0, rank, world) if k.startswith("layers.") else v for k, v in full_state().items()}
+    """Weights and biases cut along dim 0 (17 rows, 5 entries: uneven); norm and ids replicated."""
+    return {k: shard_dim(v, 0, rank, world) if k.startswith("layers.") else v
+            for k, v in full_state().items()}
 
 
 def _save_worker(rank: int, world: int, out: str, old: str) -> dict:
@@ -54,8 +57,9 @@ def _save_worker(rank: int, world: int, out: str, old: str) -> dict:
     # a second save over ``old`` in which rank 2 (or 1) cannot write its files
     failing = min(2, world - 1)
     error = None
-    with mock.patch.object(save_hf_module, "write_shard", side_effect=OSError(28, "No space left on device")) \
-            if rank == failing else mock.MagicMock():
+    full_disk = OSError(28, "No space left on device")
+    with mock.patch.object(save_hf_module, "write_shard", side_effect=full_disk) if rank == failing \
+            else contextlib.nullcontext():
         try:
             shardsync.save_hf(state, old, MAPPING, max_shard_size=LIMIT, dtype="bf16", overwrite=True)
         except shardsync.DistributedError as exc:
@@ -102,7 +106,7 @@ def test_index_and_header_are_exact(tmp_path: Path) -> None:
                             b'"data_offsets":[0,60]},"b.weight":{"dtype":"BF16","shape":[7],'
                             b'"data_offsets":[60,74]}}').ljust(n)
     assert len(raw) == 8 + n + 74 and n % 8 == 0
-    assert same(load_file(tmp_path / names[0]), {"a.weight": state["a.weight"], "b.weight": state["b.weight"]})
+    assert same(load_file(tmp_path / names[0]), {k: state[k] for k in ("a.weight", "b.weight")})
 
 
 def test_dtype_casts_floating_targets_only(tmp_path: Path) -> None:
@@ -169,8 +173,9 @@ def test_progress_bar_in_bytes(tmp_path: Path, capsys: pytest.CaptureFixture) ->
 
 def test_from_pretrained_loads_the_result(tmp_path: Path) -> None:
     transformers = pytest.importorskip("transformers")
-    config = transformers.LlamaConfig(vocab_size=67, hidden_size=16, intermediate_size=24, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32)
+    config = transformers.LlamaConfig(vocab_size=67, hidden_size=16, intermediate_size=24,
+                                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                      max_position_embeddings=32)
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(config).eval()
     config.save_pretrained(tmp_path / "config")

@@ -1,7 +1,8 @@
 """shardsync: move model weights between parallel layouts.
 
-Stream full (mapped) tensors out of sharded state (:func:`full_params`), write and read HuggingFace
-safetensors checkpoints, and keep tensor-parallel replicas in sync (:mod:`shardsync.replicas`).
+Stream full (mapped) tensors out of sharded state (:func:`full_params`), write checkpoints (HuggingFace
+safetensors with :func:`save_hf`, torch DCP with :func:`save`) and read them, and keep tensor-parallel
+replicas in sync (:mod:`shardsync.replicas`).
 """
 
 from __future__ import annotations
@@ -20,8 +21,8 @@ from .replicas import (DriftReport, ReplicaSync, add_extra_synchronization, dete
 from .stream import full_params, plan
 
 __all__ = ["Box", "GlobalLayout", "ShardedTensor", "from_dtensor", "shard_dim", "Mapping", "resolve",
-           "explain", "full_params", "plan", "full_param", "save_hf", "save", "save_safetensors", "read_layout",
+           "explain", "full_params", "plan", "full_param", "save_safetensors", "read_layout",
            "read_tensors", "select_replicated", "ReplicaSync", "detect_drift", "watch_drift",
            "add_extra_synchronization", "DriftReport", "ShardsyncError", "MappingError", "LayoutError",
-           "PlanError", "FormatError", "DistributedError", "ReplicaError", "DriftError"]
+           "PlanError", "FormatError", "DistributedError", "ReplicaError", "DriftError", "save_hf", "save"]
 __version__ = "0.1.0"

@@ -23,7 +23,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.filesystem import FileSystem
-from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata, MetadataIndex, TensorProperties
+from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, Metadata, MetadataIndex,
+                                                   TensorProperties)
 from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
 
 from ..dist import agree, group_rank, is_distributed
@@ -73,9 +74,9 @@ class BoxSavePlanner(DefaultSavePlanner):
 
 
 def _write_item(key: str, s: ShardedTensor) -> WriteItem:
-    whole = s.box == Box.full(s.global_shape)
+    kind = WriteItemType.TENSOR if s.box == Box.full(s.global_shape) else WriteItemType.SHARD
     chunk = ChunkStorageMetadata(torch.Size(s.global_offset), torch.Size(s.local.shape))
-    return WriteItem(MetadataIndex(key, s.global_offset), WriteItemType.TENSOR if whole else WriteItemType.SHARD,
+    return WriteItem(MetadataIndex(key, s.global_offset), kind,
                      tensor_data=TensorWriteData(chunk, TensorProperties.create_from_tensor(s.local),
                                                  torch.Size(s.global_shape)))
 

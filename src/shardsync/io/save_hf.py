@@ -1,12 +1,13 @@
 """``save_hf``: write mapped targets as a HuggingFace safetensors checkpoint, every rank writing its
 own files in parallel, committed crash-safely by rank 0.
 
-The protocol, on every rank of the group: check the options and the directory (``agree``; rank 0 then
-removes leftovers of killed saves) -> stream the targets with ``full_params``, each rank receiving a
-contiguous part (``consumers`` = every rank, split by bytes) and writing the files whose first target
-it receives as soon as they are complete -> move the targets of files that straddle two ranks' parts
-to their writer -> ``agree`` that every rank wrote its files -> rank 0 copies the extra files and
-commits (renames, index last; :mod:`shardsync.io.commit`) -> ``agree`` on the result.
+The protocol, on every rank of the group: check the options and the directory (``agree``; rank 0
+also removes leftovers of killed saves) -> stream the targets with ``full_params``, each rank
+receiving a contiguous part (``consumers`` = every rank, split by bytes) and handing each file whose
+first target it receives to its writer thread as soon as the file is complete -> move the targets of
+files that straddle two ranks' parts to their writer -> ``agree`` that every rank wrote its files ->
+rank 0 copies the extra files and commits (renames, index last; :mod:`shardsync.io.commit`) ->
+``agree`` on the result.
 """
 
 from __future__ import annotations
@@ -61,7 +62,7 @@ class _Job:
 
 def _check(out_dir: str | os.PathLike, max_shard_size: int | str, dtype: Any,
            extras: Iterable[str | os.PathLike] | None, config_from: str | os.PathLike | None,
-           overwrite: bool, memory_budget: int | str | None) -> _Job:
+           overwrite: bool, memory_budget: int | str | None, clean: bool) -> _Job:
     names = CheckpointNames("model")
     limit = parse_size(max_shard_size)
     budget = None if memory_budget is None else parse_size(memory_budget)
@@ -70,6 +71,8 @@ def _check(out_dir: str | os.PathLike, max_shard_size: int | str, dtype: Any,
         raise ValueError(f"dtype={dtype!r} is not a floating dtype; give e.g. torch.bfloat16 or 'bf16'")
     files = extra_files(extras, config_from, names)
     old = prepare_directory(Path(out_dir), names, overwrite)
+    if clean:
+        remove_files(Path(out_dir), old.leftovers)
     return _Job(Path(out_dir), names, old, new_tag(old.committed), limit, cast, files, budget)
 
 
@@ -254,12 +257,10 @@ def save_hf(source: Any, out_dir: str | os.PathLike, mapping: MappingLike | None
         ...     save_hf({"w": torch.ones(2, 3)}, d, dtype="bf16").files[0].name
         'model.safetensors'
     """
-    job = agree("save_hf: check options", lambda: _check(out_dir, max_shard_size, dtype, extra_files,
-                                                           config_from, overwrite, memory_budget),
-                group, unanimous=True)[0]
     rank = group_rank(group)
-    if rank == 0:
-        remove_files(job.dir, job.old.leftovers)
+    job = agree("save_hf: check options", lambda: _check(out_dir, max_shard_size, dtype, extra_files,
+                                                           config_from, overwrite, memory_budget,
+                                                           clean=rank == 0), group, unanimous=True)[0]
     part = _PartWriter(job, rank, _progress_bar(progress, rank))
     try:
         _write_part(part, source, mapping, group)
