@@ -216,3 +216,21 @@ def test_output_path_that_is_a_file(tmp_path: Path) -> None:
     (tmp_path / "out").write_text("x")
     with pytest.raises(FormatError, match="is a file, not a directory"):
         save_safetensors([("a", torch.zeros(1))], tmp_path / "out")
+
+
+def test_a_failed_commit_removes_what_it_wrote(tmp_path: Path) -> None:
+    old = checkpoint(3, 0)
+    save_safetensors(list(old.items()), tmp_path, max_shard_bytes=150)
+    before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+
+    def full_disk(stage: str) -> None:
+        if stage.startswith("wrote ") and stage.endswith(".index.tmp"):
+            raise OSError(28, "No space left on device")
+
+    commit.stage_hook = full_disk
+    try:
+        with pytest.raises(OSError, match="No space left"):
+            save_safetensors(list(checkpoint(4, 9).items()), tmp_path, max_shard_bytes=150, overwrite=True)
+    finally:
+        commit.stage_hook = None
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before

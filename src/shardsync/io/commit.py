@@ -41,7 +41,8 @@ from pathlib import Path
 from ..errors import FormatError
 
 __all__ = ["CheckpointNames", "DirectoryState", "scan", "prepare_directory", "new_tag", "fsync_file",
-           "fsync_dir", "durable_write", "index_text", "commit", "remove_files", "stage_hook", "mark_stage"]
+           "fsync_dir", "durable_write", "index_text", "commit", "remove_files", "remove_uncommitted",
+           "stage_hook", "mark_stage"]
 
 log = logging.getLogger(__name__)
 
@@ -198,6 +199,13 @@ def remove_files(directory: Path, files: Sequence[str]) -> None:
             mark_stage(f"removed {name}")
     if files:
         fsync_dir(directory)
+
+
+def remove_uncommitted(directory: Path, names: CheckpointNames) -> None:
+    """After a failed save, remove what it wrote: every file with the writer's names that the
+    reader's rule does not select. Best effort: an error here would hide the failure itself."""
+    with contextlib.suppress(OSError):
+        remove_files(directory, scan(directory, names).leftovers)
 
 
 def index_text(weight_map: Mapping[str, str], total_size: int) -> str:

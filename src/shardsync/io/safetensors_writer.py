@@ -17,7 +17,7 @@ from safetensors.torch import save_file
 
 from ..errors import FormatError
 from .commit import (CheckpointNames, commit, fsync_file, mark_stage, new_tag, prepare_directory,
-                     remove_files)
+                     remove_files, remove_uncommitted)
 
 __all__ = ["SafetensorsWriter", "WriteResult", "save_safetensors", "parse_size", "starts_new_shard",
            "file_ready", "write_shard"]
@@ -167,8 +167,12 @@ class SafetensorsWriter:
             raise FormatError("writer already closed")
         if self._pending or not self._temps:
             self._flush()
-        files, index = commit(self.dir, self.names, self._temps, self._weight_map, self._total,
-                              self._old, self._tag)
+        try:
+            files, index = commit(self.dir, self.names, self._temps, self._weight_map, self._total,
+                                  self._old, self._tag)
+        except BaseException:
+            remove_uncommitted(self.dir, self.names)
+            raise
         self._temps = []
         self._closed = True
         return WriteResult(files, index, len(self._weight_map), self._total)

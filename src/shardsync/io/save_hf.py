@@ -30,7 +30,8 @@ from ..dist import GroupRanks, agree, data_phase, group_rank, group_size
 from ..layout.dtypes import itemsize, to_torch_dtype
 from ..mapping import MappingLike
 from ..stream import full_params
-from .commit import CheckpointNames, DirectoryState, commit, new_tag, prepare_directory, remove_files, scan
+from .commit import (CheckpointNames, DirectoryState, commit, new_tag, prepare_directory, remove_files,
+                     remove_uncommitted)
 from .file_plan import FilePlan, output_dtype, plan_files
 from .hf_files import copy_files, extra_files
 from .safetensors_writer import WriteResult, parse_size, write_shard
@@ -159,8 +160,12 @@ def _exchange(part: _PartWriter, group: Any) -> None:
     ops, incoming = [], {}
     for m in part.plan.moves:
         if m.src == part.rank:
-            ops.append(dist.P2POp(dist.isend, part.outgoing.pop(m.name).contiguous(),
-                                  ranks.to_global(m.dst), group))
+            # a target this rank failed to take is sent as zeros so that the writer is not left
+            # waiting; the save fails in the next phase anyway
+            tensor = part.outgoing.pop(m.name, None)
+            if tensor is None:
+                tensor = torch.zeros(m.shape, dtype=to_torch_dtype(m.dtype), device=_device(group))
+            ops.append(dist.P2POp(dist.isend, tensor.contiguous(), ranks.to_global(m.dst), group))
         elif m.dst == part.rank:
             incoming[m.name] = torch.empty(m.shape, dtype=to_torch_dtype(m.dtype), device=_device(group))
             ops.append(dist.P2POp(dist.irecv, incoming[m.name], ranks.to_global(m.src), group))
@@ -178,15 +183,15 @@ def _write_part(part: _PartWriter, source: Any, mapping: MappingLike | None, gro
                          consumers=tuple(range(world)) if world > 1 else "all",
                          memory_budget=part.job.memory_budget)
     for name, tensor in stream:
-        if part.plan is None:
-            part.start(stream.plan)
         try:
+            if part.plan is None:
+                part.start(stream.plan)
             part.take(name, tensor)
         except Exception as exc:  # reported in the next phase; this rank keeps serving the stream
             part.error = part.error or exc
-    if part.plan is None:
-        part.start(stream.plan)
     try:
+        if part.plan is None:  # this rank received nothing
+            part.start(stream.plan)
         if world > 1:
             _exchange(part, group)
         part.finish()
@@ -201,7 +206,7 @@ def _commit(job: _Job, plan: FilePlan) -> WriteResult:
         files, index = commit(job.dir, job.names, temps, plan.weight_map(), plan.total_bytes, job.old,
                               job.tag)
     except BaseException:
-        remove_files(job.dir, scan(job.dir, job.names).leftovers)  # whatever is not committed
+        remove_uncommitted(job.dir, job.names)
         raise
     return WriteResult(files, index, sum(len(f) for f in plan.files), plan.total_bytes)
 
