@@ -135,9 +135,9 @@ def test_config_and_extra_files_are_copied(tmp_path: Path) -> None:
     assert sorted(p.name for p in out.iterdir()) == ["config.json", "generation_config.json",
                                                       "model.safetensors", "notes.txt", "tokenizer.json"]
     assert (out / "config.json").read_text() == files["config.json"]
-    (model / "config.json").write_text('{"model_type": "qwen2"}')  # a new save replaces the copies
-    shardsync.save_hf({"w": torch.ones(2)}, out, config_from=model, overwrite=True)
-    assert json.loads((out / "config.json").read_text()) == {"model_type": "qwen2"}
+    (model / "config.json").write_text('{"model_type": "qwen2", "torch_dtype": "float32"}')
+    shardsync.save_hf({"w": torch.ones(2)}, out, config_from=model, overwrite=True, dtype="bf16")
+    assert json.loads((out / "config.json").read_text()) == {"model_type": "qwen2", "torch_dtype": "bfloat16"}
 
 
 @pytest.mark.parametrize("kwargs, message", [
@@ -145,12 +145,14 @@ def test_config_and_extra_files_are_copied(tmp_path: Path) -> None:
     ({"extra_files": ["{tmp}/missing.json"]}, "missing.json is not a file"),
     ({"extra_files": ["{tmp}/a/model.safetensors"]}, "model.safetensors is a name the weights use"),
     ({"extra_files": ["{tmp}/a/x.json", "{tmp}/b/x.json"]}, "have the same name"),
+    ({"extra_files": ["{tmp}/a/config.json"]}, "config.json is not JSON"),
 ])
 def test_bad_extra_files(tmp_path: Path, kwargs: dict, message: str) -> None:
     for sub in ("a", "b"):
         (tmp_path / sub).mkdir()
         (tmp_path / sub / "x.json").write_text("{}")
         (tmp_path / sub / "model.safetensors").write_text("{}")
+        (tmp_path / sub / "config.json").write_text("{not json")
     kwargs = {k: (v.format(tmp=tmp_path) if isinstance(v, str) else [p.format(tmp=tmp_path) for p in v])
               for k, v in kwargs.items()}
     with pytest.raises(FormatError, match=message):

@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 from collections.abc import Iterable
@@ -13,6 +14,9 @@ from ..errors import FormatError
 from .commit import CheckpointNames, fsync_dir, fsync_file, mark_stage
 
 __all__ = ["HF_FILES", "extra_files", "copy_files"]
+
+#: The keys a HuggingFace config names the weights' dtype with (transformers 4 and 5).
+_DTYPE_KEYS = ("torch_dtype", "dtype")
 
 #: What ``config_from=DIR`` copies when present (``config.json`` must be).
 HF_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
@@ -46,6 +50,8 @@ def extra_files(paths: Iterable[str | os.PathLike] | None, config_from: str | os
                               "a HuggingFace model (where save_pretrained wrote config.json)")
         files += [source / f for f in HF_FILES if (source / f).is_file()]
     problems = [f"{p} is not a file" for p in files if not p.is_file()]
+    problems += [f"{p} is not JSON" for p in files if p.name == "config.json" and p.is_file()
+                 and not _is_json(p)]
     problems += [f"{p.name} is a name the weights use" for p in files if names.is_own(p.name)]
     by_name: dict[str, Path] = {}
     for p in files:
@@ -57,16 +63,45 @@ def extra_files(paths: Iterable[str | os.PathLike] | None, config_from: str | os
     return tuple(by_name.values())
 
 
-def copy_files(files: Iterable[Path], directory: Path, names: CheckpointNames, tag: str) -> None:
+def copy_files(files: Iterable[Path], directory: Path, names: CheckpointNames, tag: str,
+               dtype: str | None = None) -> None:
     """Copy each file into ``directory``, replacing a file of that name atomically (temp, fsync,
-    rename)."""
+    rename). With ``dtype`` (the weights were cast), ``config.json`` says that dtype, so that
+    ``from_pretrained(dtype="auto")`` loads them as written."""
     copied = False
     for src in files:
         tmp = directory / names.temp(tag, src.name)
-        shutil.copyfile(src, tmp)
+        if src.name == "config.json" and dtype is not None:
+            tmp.write_text(_with_dtype(src.read_text(), dtype))
+        else:
+            shutil.copyfile(src, tmp)
         fsync_file(tmp)
         os.replace(tmp, directory / src.name)
         mark_stage(f"copied {src.name}")
         copied = True
     if copied:
         fsync_dir(directory)
+
+
+def _with_dtype(config_text: str, dtype: str) -> str:
+    """``config.json`` text with its dtype set to ``dtype``.
+
+    Example:
+        >>> print(_with_dtype('{"dtype": "float32", "hidden_size": 8}', "bfloat16"), end="")
+        {
+          "dtype": "bfloat16",
+          "hidden_size": 8
+        }
+    """
+    config = json.loads(config_text)  # checked by extra_files
+    keys = [k for k in _DTYPE_KEYS if k in config] or ["torch_dtype"]
+    config.update({k: dtype for k in keys})
+    return json.dumps(config, indent=2, sort_keys=True) + "\n"
+
+
+def _is_json(path: Path) -> bool:
+    try:
+        json.loads(path.read_text())
+    except ValueError:
+        return False
+    return True

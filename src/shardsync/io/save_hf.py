@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from ..dist import GroupRanks, agree, data_phase, group_rank, group_size
-from ..layout.dtypes import itemsize, to_torch_dtype
+from ..layout.dtypes import dtype_name, itemsize, to_torch_dtype
 from ..mapping import MappingLike
 from ..stream import full_params
 from .commit import (CheckpointNames, DirectoryState, commit, new_tag, prepare_directory, remove_files,
@@ -201,7 +201,8 @@ def _write_part(part: _PartWriter, source: Any, mapping: MappingLike | None, gro
 
 def _commit(job: _Job, plan: FilePlan) -> WriteResult:
     try:
-        copy_files(job.extras, job.dir, job.names, job.tag)
+        copy_files(job.extras, job.dir, job.names, job.tag,
+                   None if job.dtype is None else dtype_name(job.dtype))
         temps = [job.temp(f) for f in range(len(plan.files))]
         files, index = commit(job.dir, job.names, temps, plan.weight_map(), plan.total_bytes, job.old,
                               job.tag)
