@@ -1,7 +1,8 @@
 """shardsync: move model weights between parallel layouts.
 
-Stream full (mapped) tensors out of sharded state (:func:`full_params`), write and read HuggingFace
-safetensors checkpoints, and keep tensor-parallel replicas in sync (:mod:`shardsync.replicas`).
+Stream full (mapped) tensors out of sharded state (:func:`full_params`), write checkpoints (HuggingFace
+safetensors with :func:`save_hf`, torch DCP with :func:`save`) and read them, and keep tensor-parallel
+replicas in sync (:mod:`shardsync.replicas`).
 """
 
 from __future__ import annotations
@@ -9,6 +10,8 @@ from __future__ import annotations
 from .errors import (DistributedError, DriftError, FormatError, LayoutError, MappingError, PlanError,
                      ReplicaError, ShardsyncError)
 from .io import read_layout, read_tensors, save_safetensors
+from .io.dcp_writer import save
+from .io.save_hf import save_hf
 from .layout import Box, GlobalLayout, ShardedTensor, from_dtensor, shard_dim
 from .mapping import Mapping, resolve
 from .mapping.explain import explain
@@ -21,5 +24,5 @@ __all__ = ["Box", "GlobalLayout", "ShardedTensor", "from_dtensor", "shard_dim", 
            "explain", "full_params", "from_megatron", "plan", "full_param", "save_safetensors", "read_layout",
            "read_tensors", "select_replicated", "ReplicaSync", "detect_drift", "watch_drift",
            "add_extra_synchronization", "DriftReport", "ShardsyncError", "MappingError", "LayoutError",
-           "PlanError", "FormatError", "DistributedError", "ReplicaError", "DriftError"]
+           "PlanError", "FormatError", "DistributedError", "ReplicaError", "DriftError", "save_hf", "save"]
 __version__ = "0.1.0"

@@ -1,4 +1,9 @@
-"""Layer 5: sinks and sources (safetensors writer and reader)."""
+"""Layer 5: sinks and sources (safetensors writer and reader, the crash-safe commit).
+
+The orchestrators that write whole checkpoints from a stream live in :mod:`shardsync.io.save_hf`
+(HuggingFace safetensors) and :mod:`shardsync.io.dcp_writer` (torch DCP); they are exported from
+:mod:`shardsync` as ``save_hf`` and ``save``.
+"""
 
 from __future__ import annotations
 

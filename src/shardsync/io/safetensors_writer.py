@@ -1,10 +1,9 @@
 """Write streamed ``(name, tensor)`` pairs as HuggingFace-style safetensors: sharded files plus
-``model.safetensors.index.json``, committed atomically (temp names, renamed when complete, index last).
+``model.safetensors.index.json``, committed crash-safely (see :mod:`shardsync.io.commit`).
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import re
@@ -17,8 +16,11 @@ import torch
 from safetensors.torch import save_file
 
 from ..errors import FormatError
+from .commit import (CheckpointNames, commit, fsync_file, mark_stage, new_tag, prepare_directory,
+                     remove_files, remove_uncommitted)
 
-__all__ = ["SafetensorsWriter", "WriteResult", "save_safetensors", "parse_size"]
+__all__ = ["SafetensorsWriter", "WriteResult", "save_safetensors", "parse_size", "starts_new_shard",
+           "file_ready", "write_shard"]
 
 log = logging.getLogger(__name__)
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
@@ -26,13 +28,26 @@ _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
 
 
 def parse_size(size: int | str) -> int:
-    """Bytes in ``size``: an int or a string like ``"5GB"``, ``"512MiB"`` (HF's convention)."""
-    if isinstance(size, int):
-        return size
-    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]I?B|B)?\s*", size.upper())
-    if not m:
-        raise ValueError(f"cannot read size {size!r}; write e.g. '5GB' or '512MiB'")
-    return int(float(m.group(1)) * _UNITS[m.group(2) or ""])
+    """Bytes in ``size``: a positive int or a string like ``"5GB"`` (decimal units, as HuggingFace
+    uses) or ``"512MiB"`` (binary units).
+
+    Raises:
+        FormatError: not a positive size.
+
+    Example:
+        >>> parse_size("5GB"), parse_size("1.5KiB"), parse_size(7)
+        (5000000000, 1536, 7)
+    """
+    if isinstance(size, int) and not isinstance(size, bool):
+        value = size
+    else:
+        m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]I?B|B)?\s*", str(size).upper())
+        if not m:
+            raise FormatError(f"cannot read size {size!r}; write e.g. '5GB', '500MB' or '512MiB'")
+        value = int(float(m.group(1)) * _UNITS[m.group(2) or ""])
+    if value < 1:
+        raise FormatError(f"size {size!r} is not positive; write e.g. '5GB', '500MB' or '512MiB'")
+    return value
 
 
 @dataclass(frozen=True)
@@ -45,20 +60,60 @@ class WriteResult:
     total_bytes: int
 
 
+def starts_new_shard(pending_bytes: int, nbytes: int, limit: int) -> bool:
+    """HuggingFace's packing rule: a tensor that would overflow a non-empty shard starts the next one
+    (so a tensor larger than the limit gets a shard of its own).
+
+    Example:
+        >>> starts_new_shard(0, 900, 100), starts_new_shard(60, 50, 100)
+        (False, True)
+    """
+    return pending_bytes > 0 and pending_bytes + nbytes > limit
+
+
+def file_ready(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """CPU, contiguous tensors that share no memory (safetensors refuses shared memory in one file)."""
+    out: dict[str, torch.Tensor] = {}
+    seen: set[int] = set()
+    for name, tensor in tensors.items():
+        t = tensor.detach()
+        if t.device.type != "cpu":
+            t = t.cpu()
+        if not t.is_contiguous():
+            t = t.contiguous()
+        elif t.untyped_storage().data_ptr() in seen:
+            t = t.clone()
+        seen.add(t.untyped_storage().data_ptr())
+        out[name] = t
+    return out
+
+
+def write_shard(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> None:
+    """Write one safetensors file at a temporary ``path`` and fsync it."""
+    save_file(file_ready(tensors), str(path), metadata=metadata)
+    fsync_file(path)
+    mark_stage(f"wrote {path.name}")
+
+
 class SafetensorsWriter:
     """Collect tensors into shards of at most ``max_shard_bytes`` and write them as they fill.
 
-    Call sequence: ``add(name, tensor)`` for each tensor, then ``close()``; used as a context manager,
-    an exception removes every file written so far. A tensor larger than the limit gets a shard of its
-    own. One shard is written as ``<prefix>.safetensors`` with no index, as HuggingFace does.
+    Call sequence: ``add(name, tensor)`` for each tensor, then ``close()``, which commits the files
+    crash-safely (see :mod:`shardsync.io.commit`); used as a context manager, an exception removes
+    every file written so far. A tensor larger than the limit gets a shard of its own. One shard is
+    written as ``<prefix>.safetensors`` with no index, as HuggingFace does. Other files in the
+    directory (``model_ema.safetensors``, ``config.json``) are never touched.
 
     Args:
         directory: where the files go (created if missing).
         max_shard_bytes: shard size limit, int or ``"5GB"``-style string.
         prefix: file name stem (``model`` -> ``model-00001-of-00003.safetensors``).
         metadata: extra string metadata for every file's header (``format: pt`` is always set).
-        overwrite: replace an existing checkpoint with this prefix (stale shards are removed after the
-            new files are committed); otherwise an existing one is an error.
+        overwrite: replace an existing checkpoint with this prefix (its files are removed after the
+            new ones are committed); otherwise an existing one is an error.
+
+    Raises:
+        FormatError: the directory holds a checkpoint and ``overwrite`` is False.
 
     Example:
         >>> import tempfile
@@ -73,17 +128,13 @@ class SafetensorsWriter:
                  overwrite: bool = False) -> None:
         self.dir = Path(directory)
         self.limit = parse_size(max_shard_bytes)
-        self.prefix = prefix
+        self.names = CheckpointNames(prefix)
         self.metadata = {"format": "pt", **(metadata or {})}
-        self.dir.mkdir(parents=True, exist_ok=True)
-        self._old = sorted(self.dir.glob(f"{prefix}*.safetensors")) + sorted(
-            self.dir.glob(f"{prefix}.safetensors.index.json"))
-        if self._old and not overwrite:
-            raise FormatError(f"{self.dir} already holds a checkpoint ({self._old[0].name}, ...); pass "
-                              "overwrite=True or choose another directory")
+        self._old = prepare_directory(self.dir, self.names, overwrite)
+        remove_files(self.dir, self._old.leftovers)
+        self._tag = new_tag(self._old.committed)
         self._pending: dict[str, torch.Tensor] = {}
         self._pending_bytes = 0
-        self._storages: set[int] = set()
         self._temps: list[Path] = []
         self._weight_map: dict[str, int] = {}
         self._total = 0
@@ -94,61 +145,41 @@ class SafetensorsWriter:
         if name in self._weight_map or name in self._pending:
             raise FormatError(f"tensor {name!r} added twice")
         nbytes = tensor.numel() * tensor.element_size()
-        if self._pending and self._pending_bytes + nbytes > self.limit:
+        if starts_new_shard(self._pending_bytes, nbytes, self.limit):
             self._flush()
-        t = tensor.detach()
-        if t.device.type != "cpu":
-            t = t.cpu()
-        if not t.is_contiguous():
-            t = t.contiguous()
-        elif t.untyped_storage().data_ptr() in self._storages:
-            t = t.clone()  # safetensors refuses tensors that share memory in one file
-        self._storages.add(t.untyped_storage().data_ptr())
-        self._pending[name] = t
+        self._pending[name] = tensor.detach().cpu()  # a device tensor is released at once
         self._pending_bytes += nbytes
         self._total += nbytes
 
     def _flush(self) -> None:
-        tmp = self.dir / f".{self.prefix}-{len(self._temps) + 1:05d}.safetensors.tmp{os.getpid()}"
-        save_file(self._pending, str(tmp), metadata=self.metadata)
+        tmp = self.dir / self.names.temp(self._tag, f"{len(self._temps) + 1:05d}")
+        self._temps.append(tmp)  # listed first: abort() removes a partly written file too
+        write_shard(tmp, self._pending, self.metadata)
         for name in self._pending:
-            self._weight_map[name] = len(self._temps)
-        self._temps.append(tmp)
+            self._weight_map[name] = len(self._temps) - 1
         log.debug("wrote shard %s (%d tensors, %d bytes)", tmp.name, len(self._pending),
                   self._pending_bytes)
-        self._pending, self._pending_bytes, self._storages = {}, 0, set()
+        self._pending, self._pending_bytes = {}, 0
 
     def close(self) -> WriteResult:
-        """Write the last shard, rename every shard to its final name, then write the index."""
+        """Write the last shard and commit: rename shards to their final names, then the index."""
         if self._closed:
             raise FormatError("writer already closed")
         if self._pending or not self._temps:
             self._flush()
-        n = len(self._temps)
-        names = ([f"{self.prefix}.safetensors"] if n == 1 else
-                 [f"{self.prefix}-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)])
-        finals = [self.dir / nm for nm in names]
-        for tmp, final in zip(self._temps, finals):
-            os.replace(tmp, final)
+        try:
+            files, index = commit(self.dir, self.names, self._temps, self._weight_map, self._total,
+                                  self._old, self._tag)
+        except BaseException:
+            remove_uncommitted(self.dir, self.names)
+            raise
         self._temps = []
-        index = None
-        if n > 1:
-            index = self.dir / f"{self.prefix}.safetensors.index.json"
-            doc = {"metadata": {"total_size": self._total},
-                   "weight_map": {k: names[i] for k, i in sorted(self._weight_map.items())}}
-            tmp = index.with_name(index.name + f".tmp{os.getpid()}")
-            tmp.write_text(json.dumps(doc, indent=2, sort_keys=True) + "\n")
-            os.replace(tmp, index)
-        for stale in self._old:
-            if stale not in finals and stale != index and stale.exists():
-                stale.unlink()
         self._closed = True
-        return WriteResult(tuple(finals), index, len(self._weight_map), self._total)
+        return WriteResult(files, index, len(self._weight_map), self._total)
 
     def abort(self) -> None:
-        """Remove the temp files written so far; nothing final is left behind."""
-        for tmp in self._temps:
-            tmp.unlink(missing_ok=True)
+        """Remove the temp files written so far; the directory keeps its old checkpoint."""
+        remove_files(self.dir, [t.name for t in self._temps])
         self._temps, self._pending, self._closed = [], {}, True
 
     def __enter__(self) -> SafetensorsWriter:

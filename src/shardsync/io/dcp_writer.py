@@ -1,0 +1,181 @@
+"""``save``: a sharded checkpoint in torch's DCP format, written by ``torch.distributed.checkpoint.save``.
+
+Every rank's shards (tensors, ShardedTensor boxes of any shape - uneven included -, DTensor) become
+DCP write items with one chunk per box, through DCP's own extension points: a ``SavePlanner`` that
+plans the boxes, and a ``FileSystemWriter`` whose data files carry a generation tag
+(``__<tag>_<rank>_0.distcp``). DCP dedups replicas, validates the chunks, writes each rank's file and
+commits ``.metadata`` last; as with safetensors, the new files never overwrite the ones the old
+``.metadata`` names, so a crash leaves the old checkpoint or the new one, and the old generation's
+data files are removed after the commit.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import warnings
+from collections.abc import Mapping
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+from torch.distributed.checkpoint.filesystem import FileSystem
+from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, Metadata, MetadataIndex,
+                                                   TensorProperties)
+from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
+
+from ..dist import agree, group_rank, is_distributed
+from ..errors import FormatError, LayoutError
+from ..layout.box import Box
+from ..layout.meta import GlobalLayout
+from ..layout.sharded import ShardedTensor, StateValue
+from ..planning.validate import layout_problems, shard_boxes, tiling_problems
+from ..sources import LocalSource
+from .commit import fsync_dir, new_tag
+
+__all__ = ["save", "BoxSavePlanner"]
+
+_DATA_FILE = re.compile(r"__([0-9a-f]{8}_)?\d+_\d+\.distcp")
+
+
+class BoxSavePlanner(DefaultSavePlanner):
+    """DCP's default save planner, given this rank's shards as boxes instead of a state dict.
+
+    Call sequence (DCP's, every rank): ``set_up_planner`` -> ``create_local_plan`` (one write item
+    per non-empty box; a whole tensor is a ``TENSOR`` item, a box a ``SHARD`` item) -> on the
+    coordinator ``create_global_plan`` (DCP's: dedups replicas, builds and validates the metadata)
+    -> ``finish_plan`` -> ``resolve_data`` per item.
+
+    Example:
+        >>> p = BoxSavePlanner({"w": [ShardedTensor(torch.zeros(2, 3), (5, 3), (2, 0))]})
+        >>> p.set_up_planner({}, None, True)
+        >>> [(i.type.name, list(i.tensor_data.chunk.offsets)) for i in p.create_local_plan().items]
+        [('SHARD', [2, 0])]
+    """
+
+    def __init__(self, shards: Mapping[str, list[ShardedTensor]]) -> None:
+        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
+        self.by_index = {(key, s.global_offset): s for key in sorted(shards) for s in shards[key]
+                         if not s.box.empty or Box.full(s.global_shape).empty}
+
+    def set_up_planner(self, state_dict: Any, storage_meta: Any = None, is_coordinator: bool = False) -> None:
+        self.state_dict = state_dict
+        self.is_coordinator = is_coordinator
+
+    def create_local_plan(self) -> SavePlan:
+        self.plan = SavePlan([_write_item(key, s) for (key, _), s in self.by_index.items()])
+        return self.plan
+
+    def lookup_object(self, index: MetadataIndex) -> torch.Tensor:
+        return self.by_index[(index.fqn, tuple(index.offset or ()))].local
+
+
+def _write_item(key: str, s: ShardedTensor) -> WriteItem:
+    kind = WriteItemType.TENSOR if s.box == Box.full(s.global_shape) else WriteItemType.SHARD
+    chunk = ChunkStorageMetadata(torch.Size(s.global_offset), torch.Size(s.local.shape))
+    return WriteItem(MetadataIndex(key, s.global_offset), kind,
+                     tensor_data=TensorWriteData(chunk, TensorProperties.create_from_tensor(s.local),
+                                                 torch.Size(s.global_shape)))
+
+
+class _ReplacingFileSystem(FileSystem):
+    # torch removes the old .metadata before renaming the new one in, which leaves a moment with no
+    # checkpoint at all; the rename alone replaces it atomically.
+    def rm_file(self, path: str | os.PathLike) -> None:
+        if Path(path).name != ".metadata":
+            super().rm_file(path)
+
+
+class _TaggedWriter(dcp.FileSystemWriter):
+    """torch's FileSystemWriter, with this save's tag in the data file names."""
+
+    def __init__(self, path: Path, tag: str) -> None:
+        super().__init__(path, overwrite=True)
+        self.fs = _ReplacingFileSystem()
+        self.tag = tag
+
+    def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        plans = super().prepare_global_plan(plans)
+        return [replace(p, storage_data=replace(p.storage_data, prefix=f"__{self.tag}_{i}_"))
+                for i, p in enumerate(plans)]
+
+
+def _check(path: Path, overwrite: bool, source: LocalSource) -> list[Any]:
+    if path.exists() and not path.is_dir():
+        raise FormatError(f"{path} is a file, not a directory; choose a directory for the checkpoint")
+    if (path / ".metadata").exists() and not overwrite:
+        raise FormatError(f"{path} already holds a DCP checkpoint (.metadata); pass overwrite=True to "
+                          "replace it, or choose another directory")
+    return source.entries()
+
+
+def _layout_problems(layout: GlobalLayout) -> list[str]:
+    problems = layout_problems(layout)
+    for key in layout.keys():
+        meta = layout[key]
+        if not Box.full(meta.shape).empty:
+            problems += tiling_problems(repr(key), meta.shape, list(shard_boxes(layout, key)))
+    return problems
+
+
+def _remove_old_generation(path: Path, metadata: Metadata) -> None:
+    keep = {info.relative_path for info in (metadata.storage_data or {}).values()}
+    old = [p for p in path.iterdir() if _DATA_FILE.fullmatch(p.name) and p.name not in keep]
+    for p in old:
+        p.unlink()
+    if old:
+        fsync_dir(path)
+
+
+def save(state: Mapping[str, StateValue], path: str | os.PathLike, *, group: Any = None,
+         overwrite: bool = False) -> Metadata:
+    """Write this rank's shards of ``state`` as one torch DCP checkpoint; call on every rank.
+
+    ``torch.distributed.checkpoint.load`` reads the result into tensors of any sharding (full tensors
+    on one process, DTensors on another mesh), and :mod:`shardsync` sources read it back.
+
+    Args:
+        state: this rank's state dict (tensors, ShardedTensor or lists of them, DTensor). Replicas
+            (the same box on several ranks) are written once.
+        path: the checkpoint directory (created if missing).
+        group: process group; None: the default group when torch.distributed is up, else one process.
+        overwrite: replace a DCP checkpoint already there (files of other names are never touched).
+
+    Returns:
+        DCP's metadata of the checkpoint.
+
+    Raises:
+        FormatError: ``path`` holds a checkpoint (and not ``overwrite``), or is a file.
+        LayoutError: shards that overlap without being replicas, or leave part of a tensor unheld.
+        DistributedError: a rank failed (raised on every rank, naming it).
+
+    Example:
+        >>> import tempfile
+        >>> with tempfile.TemporaryDirectory() as d:
+        ...     _ = save({"w": ShardedTensor(torch.ones(2), (2,), (0,))}, d)
+        ...     out = {"w": torch.zeros(2)}
+        ...     dcp.load(out, checkpoint_id=d, no_dist=True)
+        ...     out["w"].tolist()
+        [1.0, 1.0]
+    """
+    where = Path(path)
+    source = LocalSource(state)
+    gathered = agree("save: check", lambda: _check(where, overwrite, source), group, unanimous=True)
+
+    def validate() -> None:
+        problems = _layout_problems(GlobalLayout.merge(gathered))
+        if problems:
+            raise LayoutError("cannot save this state as one checkpoint:\n  " + "\n  ".join(problems))
+
+    agree("save: validate layout", validate, group, unanimous=True)
+    writer = _TaggedWriter(where, new_tag())
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*(torch.distributed is disabled|existing checkpoint)")
+        metadata = dcp.save(source.shards, storage_writer=writer, planner=BoxSavePlanner(source.shards),
+                            process_group=group, no_dist=not is_distributed(group))
+    agree("save: remove the old generation",
+          lambda: _remove_old_generation(where, metadata) if group_rank(group) == 0 else None, group)
+    return metadata

@@ -1,0 +1,116 @@
+"""Which targets go in which safetensors file, and which rank writes it (:func:`plan_files`).
+
+The packing depends only on the targets (sorted by name) and the size limit, never on the number of
+ranks: one writer and eight parallel writers produce the same files. Each file is written by the rank
+that receives its first target; targets of that file which the stream delivers to another rank (only
+at the boundaries between ranks' parts) are moved to the writer afterwards.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from ..layout.box import Box
+from ..layout.dtypes import dtype_name, itemsize, to_torch_dtype
+from ..planning import TargetPlan
+from .safetensors_writer import starts_new_shard
+
+__all__ = ["Move", "FilePlan", "plan_files", "output_dtype"]
+
+
+@dataclass(frozen=True, slots=True)
+class Move:
+    """A target the stream delivers to ``src`` that the writer of its file, ``dst``, needs."""
+
+    name: str
+    src: int
+    dst: int
+    shape: tuple[int, ...]
+    dtype: str
+
+
+@dataclass(frozen=True, slots=True)
+class FilePlan:
+    """The files of a checkpoint and their writers; identical on every rank.
+
+    Attributes:
+        files: target names per file, in file order.
+        writers: the group rank that writes each file.
+        moves: targets to send to their file's writer once the stream is done, sorted by name.
+        total_bytes: bytes of all targets as written (after any cast).
+
+    Example:
+        >>> plan = FilePlan((("a", "b"), ("c",)), (0, 1), (), 24)
+        >>> plan.file_of("c"), plan.files_of(1)
+        (1, [1])
+    """
+
+    files: tuple[tuple[str, ...], ...]
+    writers: tuple[int, ...]
+    moves: tuple[Move, ...]
+    total_bytes: int
+
+    def file_of(self, name: str) -> int:
+        """Index of the file holding target ``name``."""
+        for i, names in enumerate(self.files):
+            if name in names:
+                return i
+        raise KeyError(name)
+
+    def files_of(self, rank: int) -> list[int]:
+        """Indices of the files ``rank`` writes."""
+        return [i for i, w in enumerate(self.writers) if w == rank]
+
+    def weight_map(self) -> dict[str, int]:
+        """Target name -> file index."""
+        return {name: i for i, names in enumerate(self.files) for name in names}
+
+
+def output_dtype(dtype: str, cast: torch.dtype | None) -> str:
+    """The dtype a target is written in: ``cast`` for floating targets, else its own.
+
+    Example:
+        >>> output_dtype("float32", torch.bfloat16), output_dtype("int64", torch.bfloat16)
+        ('bfloat16', 'int64')
+    """
+    if cast is not None and to_torch_dtype(dtype).is_floating_point:
+        return dtype_name(cast)
+    return dtype
+
+
+def plan_files(targets: Sequence[TargetPlan], limit: int, cast: torch.dtype | None = None) -> FilePlan:
+    """Pack ``targets`` (in the plan's order: sorted by name) into files of at most ``limit`` bytes.
+
+    A target larger than the limit gets a file of its own; no targets give one empty file (rank 0).
+    A target's receiving rank is its first consumer (rank 0 when it has none).
+
+    Example:
+        >>> t = [TargetPlan(n, (4,), "float32", (r,), ()) for n, r in (("a", 0), ("b", 1), ("c", 1))]
+        >>> p = plan_files(t, limit=40)
+        >>> p.files, p.writers, [(m.name, m.src, m.dst) for m in p.moves]
+        ((('a', 'b'), ('c',)), (0, 1), [('b', 1, 0)])
+    """
+    files: list[list[TargetPlan]] = []
+    filled = 0
+    for t in targets:
+        nbytes = Box.full(t.shape).numel * itemsize(output_dtype(t.dtype, cast))
+        if not files or starts_new_shard(filled, nbytes, limit):
+            files.append([])
+            filled = 0
+        files[-1].append(t)
+        filled += nbytes
+    if not files:
+        return FilePlan(((),), (0,), (), 0)
+    writers = tuple(_receiver(f[0]) for f in files)
+    moves = tuple(Move(t.name, _receiver(t), w, t.shape, output_dtype(t.dtype, cast))
+                  for f, w in zip(files, writers) for t in f if _receiver(t) != w)
+    total = sum(Box.full(t.shape).numel * itemsize(output_dtype(t.dtype, cast)) for t in targets)
+    return FilePlan(tuple(tuple(t.name for t in f) for f in files), writers,
+                    tuple(sorted(moves, key=lambda m: m.name)), total)
+
+
+def _receiver(t: TargetPlan) -> int:
+    return t.consumers[0] if t.consumers else 0
