@@ -10,15 +10,16 @@ from .errors import (DistributedError, DriftError, FormatError, LayoutError, Map
                      ReplicaError, ShardsyncError)
 from .io import read_layout, read_tensors, save_safetensors
 from .layout import Box, GlobalLayout, ShardedTensor, from_dtensor, shard_dim
-from .mapping import Mapping, resolve
+from .mapping import Mapping, TargetSpec, resolve
 from .mapping.explain import explain
 from .paddle_compat import full_param
 from .replicas import (DriftReport, ReplicaSync, add_extra_synchronization, detect_drift,
                        select_replicated, watch_drift)
-from .stream import full_params, plan
+from .planning import Plan
+from .stream import ParamStream, full_params, plan
 
 __all__ = ["Box", "GlobalLayout", "ShardedTensor", "from_dtensor", "shard_dim", "Mapping", "resolve",
-           "explain", "full_params", "plan", "full_param", "save_safetensors", "read_layout",
+           "explain", "full_params", "plan", "Plan", "ParamStream", "TargetSpec", "full_param", "save_safetensors", "read_layout",
            "read_tensors", "select_replicated", "ReplicaSync", "detect_drift", "watch_drift",
            "add_extra_synchronization", "DriftReport", "ShardsyncError", "MappingError", "LayoutError",
            "PlanError", "FormatError", "DistributedError", "ReplicaError", "DriftError"]

@@ -16,12 +16,12 @@ from .engine import SyncStats
 from .paddle_compat import add_extra_synchronization, paddle_filter
 from .report import DriftReport, DriftRow
 from .select import DEFAULT_INCLUDE, Choice, Selection, select_replicated, tp_sharding
-from .sync import DEFAULT_BUCKET_BYTES, DEFAULT_STATES, HookHandle, ReplicaSync
+from .sync import SYNC_BUCKET_BYTES, DEFAULT_STATES, HookHandle, ReplicaSync
 
 __all__ = [
     "select_replicated", "Selection", "Choice", "DEFAULT_INCLUDE", "tp_sharding",
     "ReplicaSync", "HookHandle", "SyncPlan", "PhasePlan", "Bucket", "SyncStats",
-    "DEFAULT_BUCKET_BYTES", "DEFAULT_STATES",
+    "SYNC_BUCKET_BYTES", "DEFAULT_STATES",
     "detect_drift", "DriftReport", "DriftRow", "DEFAULT_WHAT", "watch_drift", "DriftWatch",
     "fingerprint",
     "add_extra_synchronization", "paddle_filter",

@@ -23,13 +23,13 @@ import torch.distributed as dist
 from torch import nn
 
 from ..errors import ReplicaError
-from ..dist import agree, data_phase, group_rank, group_size, is_distributed
+from ..dist import agree, data_phase, group_rank, group_size, is_distributed, transport_errors
 from ..layout import to_torch_dtype
 from .buckets import Member
 from .engine import Item, SyncStats, build_buckets, run_buckets
 from .report import DriftReport, DriftRow
 from .select import SelectorLike, resolve_selector
-from .sync import DEFAULT_BUCKET_BYTES, check_group
+from .sync import SYNC_BUCKET_BYTES, check_group
 from .targets import Entry, MasterParams, Target, check_same, describe, get_tensor, local, resolve_targets
 
 __all__ = ["DEFAULT_WHAT", "OnDrift", "detect_drift", "fingerprint", "DriftWatch", "watch_drift"]
@@ -125,8 +125,9 @@ def _exact_diffs(indices: Sequence[int], agreed: Sequence[Entry], by_name: dict[
             numels = [_numel(agreed[i]) for i in members]
             hi = _flat(local_ts, numels, -torch.inf, comm, device)
             lo = _flat(local_ts, numels, torch.inf, comm, device)
-            dist.all_reduce(hi, op=dist.ReduceOp.MAX, group=group)
-            dist.all_reduce(lo, op=dist.ReduceOp.MIN, group=group)
+            with transport_errors():
+                dist.all_reduce(hi, op=dist.ReduceOp.MAX, group=group)
+                dist.all_reduce(lo, op=dist.ReduceOp.MIN, group=group)
             spans = (hi.double() - lo.double()).split(numels)
             for i, span in zip(members, spans):
                 out[i] = float(span.max()) if span.numel() else 0.0
@@ -182,7 +183,7 @@ def _repair(rows: Sequence[DriftRow], what: Sequence[str], agreed: Sequence[Entr
         t = get_tensor(by_name[name], kind, optimizer)
         device = str(t.device) if t is not None else str(local(by_name[name].owner).device)
         items.append(("broadcast", device, to_torch_dtype(entry[3]), Member(name, kind, entry[2])))
-    run_buckets("drift repair", build_buckets(items, DEFAULT_BUCKET_BYTES), by_name, optimizer, group=group,
+    run_buckets("drift repair", build_buckets(items, SYNC_BUCKET_BYTES), by_name, optimizer, group=group,
                 src=src, rank=group_rank(group), world=group_size(group), stats=SyncStats())
 
 
@@ -232,19 +233,19 @@ def detect_drift(model: nn.Module, optimizer: torch.optim.Optimizer | None = Non
     """
     check_group(group)
     world = group_size(group)
-    found: dict[str, Any] = {}
 
-    def local_view() -> list[tuple[Entry, Any]]:
+    def local_targets() -> list[Target]:
         _validate(what, on_drift, atol, src, world)
         selection = resolve_selector(model, selector, mesh_dim)
-        found["targets"] = resolve_targets(model, selection.names, optimizer, master_params)
-        return _local_view(found["targets"], tuple(what), optimizer)
+        return resolve_targets(model, selection.names, optimizer, master_params)
 
-    per_rank = agree("drift check: fingerprints", local_view, group, unanimous=True)
+    agreed = agree("drift check: fingerprints", local_targets, group,
+                   share=lambda targets: _local_view(targets, tuple(what), optimizer), unanimous=True)
+    per_rank = agreed.all
     check_same("drift check", [[e for e, _ in view] for view in per_rank], presence=False)
     agreed, drifting, checked = _analyse(per_rank, src)
     _warn_unknown_states(what, per_rank, optimizer)
-    by_name = {t.name: t for t in found["targets"]}
+    by_name = {t.name: t for t in agreed.mine}
     exact_for = [i for i, differing, _ in drifting if differing]
     diffs = _exact_diffs(exact_for, agreed, by_name, optimizer, group) if exact_for else {}
     rows = tuple(DriftRow(agreed[i][0], agreed[i][1], agreed[i][2], agreed[i][3], differing,

@@ -34,14 +34,16 @@ from .select import SelectorLike, Selection, resolve_selector
 from .targets import (Entry, MasterParams, Target, check_same, describe, kind_order, local,
                       resolve_targets)
 
-__all__ = ["ReplicaSync", "HookHandle", "SyncMode", "GradMode", "DEFAULT_BUCKET_BYTES",
+__all__ = ["ReplicaSync", "HookHandle", "SyncMode", "GradMode", "SYNC_BUCKET_BYTES",
            "DEFAULT_STATES", "check_group"]
 
 log = logging.getLogger(__name__)
 
 SyncMode = Literal["broadcast", "mean"]
 GradMode = Literal["mean", "sum", "broadcast"]
-DEFAULT_BUCKET_BYTES = 64 << 20
+#: Most bytes per bucket of a replica-sync collective (not the streaming bucket cap,
+#: :data:`shardsync.planning.DEFAULT_BUCKET_BYTES`).
+SYNC_BUCKET_BYTES = 64 << 20
 DEFAULT_STATES: tuple[str, ...] = ("exp_avg", "exp_avg_sq")
 
 
@@ -148,7 +150,7 @@ class ReplicaSync:
                  group: Any = None, *, selector: SelectorLike = None, params: SyncMode | None = "broadcast",
                  src: int = 0, master_params: MasterParams = "auto", grads: GradMode | None = None,
                  optimizer_states: Sequence[str] = DEFAULT_STATES, states_mode: SyncMode | None = None,
-                 interval: int = 1, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+                 interval: int = 1, bucket_bytes: int = SYNC_BUCKET_BYTES,
                  mesh_dim: int | str | None = None) -> None:
         check_group(group)
         self.model, self.optimizer, self.group = model, optimizer, group
@@ -158,21 +160,20 @@ class ReplicaSync:
         self.states_op: SyncMode | None = states_mode if states_mode is not None else params
         self.bucket_bytes = bucket_bytes
         self.stats = SyncStats()
-        found: dict[str, Any] = {}
 
-        def preflight() -> list[Entry]:
+        def preflight() -> tuple[Selection, list[Target]]:
             _validate(params, grads, states_mode, optimizer_states, src, self.world, interval,
                       bucket_bytes)
-            found["selection"] = resolve_selector(model, selector, mesh_dim)
-            found["targets"] = resolve_targets(model, found["selection"].names, optimizer,
-                                               master_params)
-            return describe(found["targets"], ("param", "master"), optimizer) + \
-                _owner_entries(found["targets"])
+            selection = resolve_selector(model, selector, mesh_dim)
+            return selection, resolve_targets(model, selection.names, optimizer, master_params)
 
-        check_same("replica sync preflight",
-                   agree("replica sync: preflight", preflight, group, unanimous=True))
-        self.selection: Selection = found["selection"]
-        self._targets: list[Target] = found["targets"]
+        def entries(found: tuple[Selection, list[Target]]) -> list[Entry]:
+            targets = found[1]
+            return describe(targets, ("param", "master"), optimizer) + _owner_entries(targets)
+
+        agreed = agree("replica sync: preflight", preflight, group, share=entries, unanimous=True)
+        check_same("replica sync preflight", agreed.all)
+        self.selection, self._targets = agreed.mine
         self._by_name = {t.name: t for t in self._targets}
         self._grad_buckets = (build_buckets(items_for(self._targets, [("grad", grads)], optimizer),
                                             bucket_bytes) if grads is not None else ())
@@ -215,7 +216,7 @@ class ReplicaSync:
         if self._states_fixed or not self.states or self.optimizer is None:
             return
         per_rank = agree("replica sync: optimizer states",
-                         lambda: describe(self._targets, self.states, self.optimizer), self.group)
+                         lambda: describe(self._targets, self.states, self.optimizer), self.group).all
         check_same("replica sync: optimizer states", per_rank)
         for key in [k for k in self._agreed if k[1] in self.states]:
             del self._agreed[key]
