@@ -239,13 +239,13 @@ def detect_drift(model: nn.Module, optimizer: torch.optim.Optimizer | None = Non
         selection = resolve_selector(model, selector, mesh_dim)
         return resolve_targets(model, selection.names, optimizer, master_params)
 
-    agreed = agree("drift check: fingerprints", local_targets, group,
-                   share=lambda targets: _local_view(targets, tuple(what), optimizer), unanimous=True)
-    per_rank = agreed.all
+    views = agree("drift check: fingerprints", local_targets, group,
+                  share=lambda targets: _local_view(targets, tuple(what), optimizer), unanimous=True)
+    per_rank = views.all
     check_same("drift check", [[e for e, _ in view] for view in per_rank], presence=False)
     agreed, drifting, checked = _analyse(per_rank, src)
     _warn_unknown_states(what, per_rank, optimizer)
-    by_name = {t.name: t for t in agreed.mine}
+    by_name = {t.name: t for t in views.mine}
     exact_for = [i for i, differing, _ in drifting if differing]
     diffs = _exact_diffs(exact_for, agreed, by_name, optimizer, group) if exact_for else {}
     rows = tuple(DriftRow(agreed[i][0], agreed[i][1], agreed[i][2], agreed[i][3], differing,
