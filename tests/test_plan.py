@@ -239,7 +239,8 @@ def test_bad_options_are_all_reported() -> None:
     with pytest.raises(PlanError) as err:
         build_plan(resolve(None, lay), lay, opts)
     text = str(err.value)
-    for part in ("split_index=5", "bucket_bytes=0", "consumers [0, 0, 7]", "with consumers use one of ['auto', 'p2p']"):
+    for part in ("split_index=5", "bucket_bytes=0", "consumers [0, 0, 7]",
+                 "with consumers use one of ['auto', 'p2p']"):
         assert part in text
 
 

@@ -19,7 +19,8 @@ from .planning import Plan
 from .stream import ParamStream, full_params, plan
 
 __all__ = ["Box", "GlobalLayout", "ShardedTensor", "from_dtensor", "shard_dim", "Mapping", "resolve",
-           "explain", "full_params", "plan", "Plan", "ParamStream", "TargetSpec", "full_param", "save_safetensors", "read_layout",
+           "explain", "full_params", "plan", "Plan", "ParamStream", "TargetSpec", "full_param",
+           "save_safetensors", "read_layout",
            "read_tensors", "select_replicated", "ReplicaSync", "detect_drift", "watch_drift",
            "add_extra_synchronization", "DriftReport", "ShardsyncError", "MappingError", "LayoutError",
            "PlanError", "FormatError", "DistributedError", "ReplicaError", "DriftError"]

@@ -123,7 +123,7 @@ class Phase:
 
     Example:
         >>> roll = Phase.enter("stream", GroupRanks.of(group))   # doctest: +SKIP
-        >>> failures = roll.blame(exc)   # {1: "entered phase 'stream' and then stopped answering ..."}  # doctest: +SKIP
+        >>> failures = roll.blame(exc)   # after a collective failed   # doctest: +SKIP
     """
 
     name: str
@@ -137,6 +137,7 @@ class Phase:
     def enter(cls, name: str, ranks: GroupRanks) -> Phase:
         """Enter phase ``name`` of ``ranks.group``: take its number and note it in the store."""
         pg = ranks.group if ranks.group is not None else dist.group.WORLD
+        assert pg is not None  # torch.distributed is initialised: every phase runs under a group
         seq = _entered.get(pg, 0)
         _entered[pg] = seq + 1
         store = None
@@ -235,5 +236,6 @@ class Phase:
         if seq == self.seq:
             return (f"entered phase {self.name!r} and then stopped answering (it died, or hangs outside "
                     "shardsync)")
-        last = f"the last phase it entered was {name!r}" if seq >= 0 else "it entered no phase of this group yet"
+        last = f"the last phase it entered was {name!r}" if seq >= 0 else \
+            "it entered no phase of this group yet"
         return f"never entered phase {self.name!r} ({last}; did it call this on every rank?)"

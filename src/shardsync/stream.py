@@ -22,14 +22,14 @@ import torch.distributed as dist
 
 from .dist import GroupRanks, abandon, agree, group_size, is_distributed
 from .errors import LayoutError, PlanError, ShardsyncError
-from .exec import MeshGroups, MeshLike, MeshPlace, Stats, Transport, execute, local_mesh_info, mesh_groups
-from .exec import transport_for
+from .exec import (MeshGroups, MeshLike, MeshPlace, Stats, Transport, execute, local_mesh_info, mesh_groups,
+                   transport_for)
 from .layout import GlobalLayout, StateValue
 from .layout.meta import LayoutEntry
 from .mapping import Mapping as ParsedMapping
 from .mapping import MappingLike, resolve
-from .planning import DEFAULT_BUCKET_BYTES, Plan, PlanOptions, SplitBy, StrategyChoice, build_plan
-from .planning import check_options
+from .planning import (DEFAULT_BUCKET_BYTES, DEFAULT_MESH_THRESHOLD_BYTES, Plan, PlanOptions, SplitBy,
+                       StrategyChoice, build_plan, check_options)
 from .planning.mesh import build_topology
 from .sources import LocalSource, Source
 
@@ -95,13 +95,13 @@ def _request(state: Any, mapping: MappingLike | None, group: ProcessGroup | None
     return _Request(state, mapping, group, groups, opts)
 
 
-def _consumer_ranks(consumers: Consumers) -> tuple[int, ...] | None:
-    if isinstance(consumers, str):
-        if consumers == "all":
-            return None
-    elif isinstance(consumers, int) and not isinstance(consumers, bool):
+def _consumer_ranks(consumers: object) -> tuple[int, ...] | None:
+    # the ranks themselves are checked with the other options, against the group's size
+    if consumers == "all":
+        return None
+    if isinstance(consumers, int) and not isinstance(consumers, bool):
         return (consumers,)
-    elif isinstance(consumers, Sequence):
+    if isinstance(consumers, Sequence) and not isinstance(consumers, str):
         return tuple(consumers)
     raise PlanError(f"consumers={consumers!r}: use 'all', a rank, or a list of ranks")
 
@@ -110,29 +110,35 @@ def _backend(group: ProcessGroup | None) -> str:
     return str(dist.get_backend(group)) if is_distributed(group) else "none"
 
 
+class _Built(NamedTuple):
+    plan: Plan
+    fingerprint: str
+
+
 @functools.lru_cache(maxsize=8)
 def _planned(gathered: tuple[_RankLayout, ...], mapping: ParsedMapping | None, options: PlanOptions,
-             meshed: bool) -> tuple[Plan, str]:
+             meshed: bool) -> _Built:
     """The plan and its fingerprint for a gathered layout. Cached: a training loop that streams the
     same layout every step plans once (a plan is immutable, and equal inputs give equal plans)."""
     layout = GlobalLayout.merge([r.entries for r in gathered])
     topology = build_topology(*zip(*[r.mesh for r in gathered])) if meshed else None
     plan = build_plan(resolve(mapping, layout), layout, options, topology)
-    return plan, plan.fingerprint()
+    return _Built(plan, plan.fingerprint())
 
 
 def _agree_on_plan(gathered: list[_RankLayout], request: _Request) -> Plan:
     # Every rank plans from the same gathered layout; a caller mistake raises the same error on all
     # ranks, a failure on some ranks a DistributedError, and different arguments a PlanError.
-    def build() -> tuple[Plan, str]:
+    def build() -> _Built:
         parsed = None if request.mapping is None else ParsedMapping.parse(request.mapping)
         return _planned(tuple(gathered), parsed, request.options, request.groups is not None)
 
-    agreed = agree(PLAN_PHASE, build, request.group, share=lambda built: built[1], unanimous=True)
+    agreed = agree(PLAN_PHASE, build, request.group, share=lambda built: built.fingerprint,
+                   unanimous=True)
     if len(set(agreed.all)) > 1:
         raise PlanError(f"ranks built different plans (fingerprints by rank: {agreed.all}); pass the "
                         "same mapping and options on every rank of the group")
-    return agreed.mine[0]
+    return agreed.mine.plan
 
 
 def _open_source(request: _Request) -> Source:
@@ -203,7 +209,7 @@ def full_params(state: Mapping[str, StateValue], mapping: MappingLike | None = N
                 mesh: MeshLike | None = None, num_splits: int = 1, split_index: int = 0,
                 split_by: SplitBy = "count", consumers: Consumers = "all",
                 bucket_bytes: int = DEFAULT_BUCKET_BYTES, memory_budget: int | None = None,
-                mesh_threshold_bytes: int = 8 << 30, copy: bool = True) -> ParamStream:
+                mesh_threshold_bytes: int = DEFAULT_MESH_THRESHOLD_BYTES, copy: bool = True) -> ParamStream:
     """Stream full (mapped) tensors out of sharded state; call on every rank of the group.
 
     Args:

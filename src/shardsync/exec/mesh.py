@@ -59,7 +59,7 @@ def mesh_groups(mesh: MeshLike) -> MeshGroups:
         >>> mesh_groups("2x2")
         Traceback (most recent call last):
         ...
-        shardsync.errors.PlanError: mesh must be a 2-D DeviceMesh or (horizontal group, vertical group); got str
+        shardsync.errors.PlanError: mesh must be a 2-D DeviceMesh or (horizontal group, ...); got str
     """
     from torch.distributed.device_mesh import DeviceMesh  # local: a plain process never needs it
 

@@ -117,7 +117,7 @@ def local_shards(key: str, value: StateValue) -> list[ShardedTensor]:
         >>> local_shards(0, torch.zeros(2))
         Traceback (most recent call last):
         ...
-        shardsync.errors.LayoutError: state key 0 (int) is not a string; state dict keys must be strings (as model.state_dict() makes them)
+        shardsync.errors.LayoutError: state key 0 (int) is not a string; state dict keys must be ...
     """
     if not isinstance(key, str):
         raise LayoutError(f"state key {key!r} ({type(key).__name__}) is not a string; state dict keys "

@@ -24,7 +24,8 @@ from .strategies import STRATEGIES, ScheduleArgs, strategy_problems
 from .validate import check_inputs, check_plan
 
 __all__ = ["PlanOptions", "build_plan", "check_options", "choose_strategy", "split_ranges", "select_split",
-           "DEFAULT_BUCKET_BYTES", "MIN_BUCKET_BYTES", "MAX_CHUNKS", "SOLO_READ_BYTES", "PIPELINE_DEPTH"]
+           "DEFAULT_BUCKET_BYTES", "DEFAULT_MESH_THRESHOLD_BYTES", "MIN_BUCKET_BYTES", "MAX_CHUNKS",
+           "SOLO_READ_BYTES", "PIPELINE_DEPTH"]
 
 log = logging.getLogger(__name__)
 
@@ -35,6 +36,9 @@ DEFAULT_BUCKET_BYTES = 16 << 20
 #: Under "auto", reads this big travel alone, the smaller ones in buckets: from about here, packing
 #: (a copy on each side) costs more than the gloo broadcast overhead (~0.5 ms) it saves.
 SOLO_READ_BYTES = 1 << 20
+#: mesh2d moves a read alone (two-stage broadcast) when batching it would grow every rank's memory by
+#: more than this (Paddle's ``memory_growth_threshold`` default).
+DEFAULT_MESH_THRESHOLD_BYTES = 8 << 30
 #: Smallest cap the planner goes down to when fitting a memory budget.
 MIN_BUCKET_BYTES = 256
 #: Most pieces the planner cuts the largest read into when fitting a memory budget.
@@ -62,7 +66,7 @@ class PlanOptions:
     consumers: tuple[int, ...] | None = None
     bucket_bytes: int = DEFAULT_BUCKET_BYTES
     memory_budget: int | None = None
-    mesh_threshold_bytes: int = 8 << 30
+    mesh_threshold_bytes: int = DEFAULT_MESH_THRESHOLD_BYTES
     copy: bool = True
     backend: str = "gloo"
 

@@ -168,7 +168,7 @@ class ReplicaSync:
             return selection, resolve_targets(model, selection.names, optimizer, master_params)
 
         def entries(found: tuple[Selection, list[Target]]) -> list[Entry]:
-            targets = found[1]
+            _, targets = found
             return describe(targets, ("param", "master"), optimizer) + _owner_entries(targets)
 
         agreed = agree("replica sync: preflight", preflight, group, share=entries, unanimous=True)
