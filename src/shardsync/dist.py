@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any, Generic, TypeVar, overload
 import torch.distributed as dist
 
 from .errors import DistributedError, ShardsyncError
-from .roll_call import STOPPED, Phase, TransportFailure, describe, is_transport_failure, transport_errors
+from .roll_call import STOPPED, RollCall, TransportFailure, describe, is_transport_failure, transport_errors
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -164,7 +164,7 @@ def agree(phase: str, fn: Callable[[], Any], group: ProcessGroup | None = None, 
     if not is_distributed(group):
         mine = fn()
         return Agreed(mine, [mine if share is None else share(mine)])
-    roll = Phase.enter(phase, GroupRanks.of(group))
+    roll = RollCall.enter(phase, GroupRanks.of(group))
     mine, local_exc = None, None
     try:
         mine = fn()
@@ -209,7 +209,7 @@ def data_phase(phase: str, group: ProcessGroup | None = None) -> Iterator[None]:
     if not is_distributed(group):
         yield
         return
-    roll = Phase.enter(phase, GroupRanks.of(group))
+    roll = RollCall.enter(phase, GroupRanks.of(group))
     try:
         yield
     except GeneratorExit:
@@ -239,8 +239,8 @@ def abandon(phase: str, group: ProcessGroup | None, exc: BaseException) -> None:
         >>> abandon("gather layout", None, ValueError("bad strategy"))   # a plain process: no-op
     """
     if is_distributed(group):
-        Phase.enter(phase, GroupRanks.of(group)).record_failure(describe(exc))
+        RollCall.enter(phase, GroupRanks.of(group)).record_failure(describe(exc))
 
 
-def _error(roll: Phase, failures: dict[int, str]) -> DistributedError:
-    return DistributedError(roll.name, failures, roll.ranks.global_ranks)
+def _error(roll: RollCall, failures: dict[int, str]) -> DistributedError:
+    return DistributedError(roll.phase, failures, roll.ranks.global_ranks)

@@ -23,7 +23,7 @@ import traceback
 import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -33,7 +33,7 @@ from .errors import ShardsyncError
 if TYPE_CHECKING:
     from .dist import GroupRanks
 
-__all__ = ["TransportFailure", "transport_errors", "is_transport_failure", "describe", "Phase",
+__all__ = ["TransportFailure", "transport_errors", "is_transport_failure", "describe", "RollCall",
            "FAILED", "STOPPED", "TRANSPORT", "MAX_GRACE_SECONDS", "POLL_SECONDS"]
 
 #: Kinds of failure record: this rank raised; it stopped iterating; a collective failed under it.
@@ -117,34 +117,43 @@ def _timeout_seconds(pg: Any, store: Any) -> float:
     return 1800.0
 
 
+class _Report(NamedTuple):
+    kind: str  # FAILED, STOPPED or TRANSPORT
+    message: str
+
+
+class _Position(NamedTuple):
+    seq: int  # -1: no phase of this group yet
+    phase: str
+
+
 @dataclass
-class Phase:
-    """One rank's entry in the roll call of one phase of one group.
+class RollCall:
+    """This rank's part in the roll call of one phase of one group.
 
     Example:
-        >>> roll = Phase.enter("stream", GroupRanks.of(group))   # doctest: +SKIP
+        >>> roll = RollCall.enter("stream", GroupRanks.of(group))   # doctest: +SKIP
         >>> failures = roll.blame(exc)   # after a collective failed   # doctest: +SKIP
     """
 
-    name: str
+    phase: str
     ranks: GroupRanks
     seq: int
+    pg: Any
     store: Any
     started: float
-    timeout: float
 
     @classmethod
-    def enter(cls, name: str, ranks: GroupRanks) -> Phase:
-        """Enter phase ``name`` of ``ranks.group``: take its number and note it in the store."""
+    def enter(cls, phase: str, ranks: GroupRanks) -> RollCall:
+        """Enter ``phase`` of ``ranks.group``: take its number and note it in the store."""
         pg = ranks.group if ranks.group is not None else dist.group.WORLD
-        assert pg is not None  # torch.distributed is initialised: every phase runs under a group
         seq = _entered.get(pg, 0)
         _entered[pg] = seq + 1
         store = None
         with contextlib.suppress(Exception):  # no store behind this group: peers just time out
-            store = pg.get_group_store()
-        roll = cls(name, ranks, seq, store, time.monotonic(), _timeout_seconds(pg, store))
-        roll._set(f"at/{ranks.rank}", f"{seq}|{name}")
+            store = pg.get_group_store()  # type: ignore[union-attr]
+        roll = cls(phase, ranks, seq, pg, store, time.monotonic())
+        roll._set(f"at/{ranks.rank}", f"{seq}|{phase}")
         return roll
 
     def _set(self, key: str, value: str) -> None:
@@ -168,26 +177,26 @@ class Phase:
         """Publish that this rank's own work failed in this phase."""
         self.record(FAILED, message)
 
-    def _records(self) -> dict[int, tuple[str, str]]:
+    def _reports(self) -> dict[int, _Report]:
         out = {}
         for r in range(self.ranks.world):
             value = self._get(f"{self.seq}/{r}") if r != self.ranks.rank else None
             if value is not None:
                 kind, _, message = value.partition("|")
-                out[r] = (kind, message)
+                out[r] = _Report(kind, message)
         return out
 
-    def _position(self, rank: int) -> tuple[int, str]:
-        """The last phase ``rank`` entered in this group: ``(seq, name)``; ``(-1, "")`` for none."""
+    def _position(self, rank: int) -> _Position:
+        """The last phase ``rank`` entered in this group."""
         value = self._get(f"at/{rank}")
         if value is None:
-            return -1, ""
-        seq, _, name = value.partition("|")
-        return int(seq), name
+            return _Position(-1, "")
+        seq, _, phase = value.partition("|")
+        return _Position(int(seq), phase)
 
     def culprits(self) -> dict[int, str]:
         """Peers that reported a failure of their own (not a transport failure) in this phase."""
-        return {r: m for r, (kind, m) in self._records().items() if kind != TRANSPORT}
+        return {r: rep.message for r, rep in self._reports().items() if rep.kind != TRANSPORT}
 
     def blame(self, exc: BaseException) -> dict[int, str]:
         """After a transport failure here: ``{group rank: why}`` for the ranks at fault.
@@ -203,39 +212,39 @@ class Phase:
         """
         mine = describe(exc)
         self.record(TRANSPORT, mine)
-        me = self.ranks.rank
+        timeout = _timeout_seconds(self.pg, self.store)
         waited = getattr(exc, "waited", 0.0)
-        deadline = time.monotonic() + max(0.0, self.timeout - waited) + min(self.timeout, MAX_GRACE_SECONDS)
-        if waited < self.timeout:
+        deadline = time.monotonic() + max(0.0, timeout - waited) + min(timeout, MAX_GRACE_SECONDS)
+        if waited < timeout:
             log.warning("phase %r: a collective failed on %s (%s); waiting up to %.0f s for the other "
-                        "ranks to report, to name the one at fault", self.name,
-                        self.ranks.label(me), exc, deadline - time.monotonic())
+                        "ranks to report, to name the one at fault", self.phase,
+                        self.ranks.label(self.ranks.rank), exc, deadline - time.monotonic())
         while True:
-            records = self._records()
-            causes = {r: m for r, (kind, m) in records.items() if kind != TRANSPORT}
+            reports = self._reports()
+            causes = {r: rep.message for r, rep in reports.items() if rep.kind != TRANSPORT}
             if causes:
                 return causes
-            silent = {r: self._position(r) for r in range(self.ranks.world)
-                      if r != me and r not in records}
-            silent = {r: pos for r, pos in silent.items() if pos[0] <= self.seq}  # not moved on
-            waiting = [r for r, pos in silent.items() if pos[0] == self.seq or not self._overdue()]
+            silent = self._silent(reports)
+            overdue = time.monotonic() - self.started >= timeout  # the absent are not coming
+            waiting = [r for r, pos in silent.items() if pos.seq == self.seq or not overdue]
             if not waiting or time.monotonic() >= deadline:
                 break
             time.sleep(POLL_SECONDS)
         if silent:
             return {r: self._silence(pos) for r, pos in silent.items()}
-        return {me: f"transport failure: {mine}",
-                **{r: f"transport failure: {m}" for r, (_, m) in records.items()}}
+        return {self.ranks.rank: f"transport failure: {mine}",
+                **{r: f"transport failure: {rep.message}" for r, rep in reports.items()}}
 
-    def _overdue(self) -> bool:
-        # A peer that has not entered the phase a whole timeout after this rank did is not coming.
-        return time.monotonic() - self.started >= self.timeout
+    def _silent(self, reports: dict[int, _Report]) -> dict[int, _Position]:
+        """Peers that reported nothing here and have not moved on to a later phase."""
+        positions = {r: self._position(r) for r in range(self.ranks.world)
+                     if r != self.ranks.rank and r not in reports}
+        return {r: pos for r, pos in positions.items() if pos.seq <= self.seq}
 
-    def _silence(self, position: tuple[int, str]) -> str:
-        seq, name = position
-        if seq == self.seq:
-            return (f"entered phase {self.name!r} and then stopped answering (it died, or hangs outside "
-                    "shardsync)")
-        last = f"the last phase it entered was {name!r}" if seq >= 0 else \
+    def _silence(self, position: _Position) -> str:
+        if position.seq == self.seq:
+            return (f"entered phase {self.phase!r} and then stopped answering (it died, or hangs "
+                    "outside shardsync)")
+        last = f"the last phase it entered was {position.phase!r}" if position.seq >= 0 else \
             "it entered no phase of this group yet"
-        return f"never entered phase {self.name!r} ({last}; did it call this on every rank?)"
+        return f"never entered phase {self.phase!r} ({last}; did it call this on every rank?)"

@@ -147,8 +147,12 @@ def _open_source(request: _Request) -> Source:
 
 
 def _rank_layout(source: Source, groups: MeshGroups | None, ranks: GroupRanks | None) -> _RankLayout:
-    place = None if groups is None else \
-        local_mesh_info(groups, ranks) if ranks is not None else MeshPlace((0,), (0,))
+    if groups is None:
+        place = None
+    elif ranks is None:  # a single process is a 1 x 1 mesh
+        place = MeshPlace((0,), (0,))
+    else:
+        place = local_mesh_info(groups, ranks)
     return _RankLayout(tuple(source.entries()), place)
 
 

@@ -104,7 +104,7 @@ def strategy_problems(strategy: str, consumers: bool, mesh: bool) -> list[str]:
         return []
     spec = STRATEGIES.get(strategy)
     if spec is None:
-        return [f"strategy {strategy!r} is unknown; use one of {list(STRATEGY_CHOICES)}"]
+        return [f"strategy {strategy!r} is unknown; use one of {['auto', *STRATEGIES]}"]
     problems = []
     if consumers and spec.every_rank:
         subset = ["auto"] + [s.name for s in STRATEGIES.values() if not s.every_rank]
