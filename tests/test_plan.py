@@ -334,13 +334,14 @@ def test_mesh_needs_topology_and_every_consumer() -> None:
 
 
 def test_strategy_names_checks_and_messages_come_from_one_table(monkeypatch: pytest.MonkeyPatch) -> None:
+    import shardsync.planning.strategies as table
     from shardsync.exec import TRANSPORTS
-    from shardsync.planning import STEP_COSTS, STRATEGIES, StepKind, check_options
+    from shardsync.planning import STEP_COSTS, StepKind, check_options
     from shardsync.planning.strategies import strategy_problems
 
-    assert set(TRANSPORTS) == set(STRATEGIES) and set(STEP_COSTS) == set(typing.get_args(StepKind))
-    ring = dataclasses.replace(STRATEGIES["p2p"], name="ring", every_rank=True, needs_mesh=True)
-    monkeypatch.setitem(STRATEGIES, "ring", ring)
+    assert set(TRANSPORTS) == set(table.STRATEGIES) and set(STEP_COSTS) == set(typing.get_args(StepKind))
+    ring = dataclasses.replace(table.STRATEGIES["p2p"], name="ring", every_rank=True, needs_mesh=True)
+    monkeypatch.setitem(table.STRATEGIES, "ring", ring)
     check_options(PlanOptions(strategy="ring"), world=2, meshed=True)  # a known name now
     assert strategy_problems("ring", consumers=True, mesh=False) == [
         "strategy 'ring' delivers to every rank; with consumers use one of ['auto', 'p2p']",

@@ -28,6 +28,7 @@ from .stats import Stats
 __all__ = ["Transport", "Pending", "PacketIO", "Received", "Posted", "unpack",
            "BroadcastTransport", "P2PTransport", "LocalTransport"]
 
+
 class Received(NamedTuple):
     """A packet and the buffer this rank received it in.
 
