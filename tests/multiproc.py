@@ -3,7 +3,8 @@
 ``run_ranks(fn, world, *args)`` calls ``fn(rank, world, *args)`` in every process after
 ``init_process_group("gloo")`` and returns the per-rank results. A rank that raises makes
 ``run_ranks`` raise :class:`RankFailure` carrying every rank's outcome, so tests can also assert that
-all ranks raised. Processes that outlive ``timeout`` are killed: a hang fails the test instead of CI.
+all ranks raised. Processes still running ``timeout`` seconds after the start (one deadline shared by
+all ranks) are killed: a hang fails the test instead of CI.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import datetime
 import os
 import pickle
 import tempfile
+import time
 import traceback
 from collections.abc import Callable
 from typing import Any
@@ -59,15 +61,20 @@ def _entry(rank: int, world: int, store_dir: str, group_timeout: float, fn: Call
 
 def run_ranks(fn: Callable[..., Any], world: int, *args: Any, timeout: float = 120.0,
               group_timeout: float = 60.0) -> list[Any]:
-    """Run ``fn(rank, world, *args)`` on ``world`` gloo ranks; return results by rank."""
+    """Run ``fn(rank, world, *args)`` on ``world`` gloo ranks; return results by rank.
+
+    ``timeout`` bounds the whole run (every rank shares one deadline); ``group_timeout`` is the
+    process group's timeout, how long a collective waits for a peer.
+    """
     ctx = mp.get_context("spawn")
     with tempfile.TemporaryDirectory() as store_dir, tempfile.TemporaryDirectory() as out_dir:
         procs = [ctx.Process(target=_entry, args=(r, world, store_dir, group_timeout, fn, args,
                                                     out_dir), daemon=True) for r in range(world)]
+        deadline = time.monotonic() + timeout
         for p in procs:
             p.start()
         for p in procs:
-            p.join(timeout)
+            p.join(max(0.0, deadline - time.monotonic()))
         outcomes: dict[int, tuple] = {}
         for r, p in enumerate(procs):
             if p.is_alive():

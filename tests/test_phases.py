@@ -1,55 +1,152 @@
-"""The cross-rank phase wrappers: a failure on one rank is raised on every rank."""
+"""The cross-rank phase wrappers: a failure on one rank is raised on every rank, naming the culprit.
+
+One spawn of 4 ranks runs every scenario in turn, each on a fresh group with a short timeout (a group
+whose collective failed is left behind); the scenario where a rank dies comes last.
+"""
 
 from __future__ import annotations
 
+import datetime
+import os
+from typing import Any
+
 import pytest
-from multiproc import run_ranks
+import torch
+import torch.distributed as dist
+from multiproc import RankFailure, run_ranks
 
-from shardsync.errors import DistributedError
-from shardsync.dist import agree, data_phase
+from shardsync.dist import Agreed, abandon, agree, data_phase, transport_errors
+from shardsync.errors import DistributedError, PlanError
+from shardsync.roll_call import TransportFailure, is_transport_failure
+
+TIMEOUT = datetime.timedelta(seconds=2)  # how long a collective of a scenario waits for a peer
 
 
-def _agree_worker(rank: int, world: int, bad: int | None) -> list[int]:
-    def work() -> int:
-        if rank == bad:
-            raise ValueError(f"bad input on {rank}")
-        return rank * 10
+def _caught(fn: Any) -> tuple:
     try:
-        return agree("check", work)
+        return ("ok", fn())
     except DistributedError as exc:
-        return [("DistributedError", exc.phase, exc.failures)]
+        return ("DistributedError", exc.phase, exc.failures, str(exc))
 
 
-def test_agree_gathers_results() -> None:
-    assert run_ranks(_agree_worker, 2, None) == [[0, 10], [0, 10]]
-
-
-def test_agree_raises_everywhere() -> None:
-    out = run_ranks(_agree_worker, 4, 2)
-    assert all(o[0][0] == "DistributedError" and o[0][1] == "check" for o in out)
-    assert all(list(o[0][2]) == [2] and "bad input on 2" in o[0][2][2] for o in out)
-
-
-def _data_worker(rank: int, world: int) -> str:
-    import torch
-    import torch.distributed as dist
+def _moving(group: Any, rank: int, fail: str | None = None) -> None:
+    """A data phase of broadcasts from every rank of ``group``; group rank 1 fails as told."""
     t = torch.zeros(4)
-    try:
-        with data_phase("stream"):
-            if rank == 1:
-                raise KeyError("lost a shard")
-            dist.broadcast(t, src=1)
-    except DistributedError as exc:
-        return f"{exc.phase}:{sorted(exc.failures)}:{'lost a shard' in str(exc)}"
-    return "no error"
+    with data_phase("stream", group):
+        if rank == 1 and fail == "copy":
+            t.copy_(torch.zeros(3))  # a local RuntimeError, not a transport failure
+        if rank == 3 and fail == "die":
+            os._exit(3)
+        for src in dist.get_process_group_ranks(group):
+            with transport_errors():
+                dist.broadcast(t, src=src, group=group)
 
 
-def test_data_phase_peer_failure_is_named() -> None:
-    out = run_ranks(_data_worker, 2, group_timeout=5, timeout=60)
-    assert out == ["stream:[1]:True", "stream:[1]:True"]
+def _scenarios(rank: int, world: int) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    mine = [rank] * (rank + 1)
+    agreed = agree("sizes", lambda: mine, share=len)
+    out["agreed"] = (agreed.mine is mine, agreed.all)
+    out["plain"] = agree("ranks", lambda: rank * 10).all
+
+    def bad() -> int:
+        if rank == 2:
+            raise ValueError("bad input on 2")
+        return rank
+    out["raises"] = _caught(lambda: agree("check", bad))
+
+    tail = dist.new_group([1, 2, 3], timeout=TIMEOUT)  # group ranks 0..2 are global ranks 1..3
+    if rank > 0:
+        out["tail"] = _caught(lambda: agree("check tail", lambda: bad() * 0, tail))
+
+    g = dist.new_group(timeout=TIMEOUT)
+    if rank != 2:  # rank 2 never enters the phase
+        out["missing"] = _caught(lambda: agree("gather layout", lambda: rank, g))
+    dist.barrier()
+
+    g = dist.new_group(timeout=TIMEOUT)
+    if rank == 2:
+        abandon("gather layout", g, PlanError("strategy 'bogus' is unknown"))
+    else:
+        out["abandoned"] = _caught(lambda: agree("gather layout", lambda: rank, g))
+    dist.barrier()
+
+    out["local RuntimeError"] = _caught(lambda: _moving(dist.new_group(timeout=TIMEOUT), rank, "copy"))
+    dist.barrier()
+    out["dies"] = _caught(lambda: _moving(dist.new_group(timeout=TIMEOUT), rank, "die"))
+    return out
+
+
+@pytest.fixture(scope="module")
+def outcomes() -> dict[int, dict[str, Any]]:
+    with pytest.raises(RankFailure) as err:  # rank 3 dies in the last scenario
+        run_ranks(_scenarios, 4, timeout=120, group_timeout=30)
+    got = err.value.outcomes
+    assert got[3][:2] == ("error", "Died"), got[3]
+    return {r: got[r][1] for r in range(3)}
+
+
+def test_agree_returns_this_ranks_object_and_what_everyone_shared(outcomes: dict) -> None:
+    for rank, o in outcomes.items():
+        assert o["agreed"] == (True, [1, 2, 3, 4])
+        assert o["plain"] == [0, 10, 20, 30]
+
+
+def test_agree_raises_everywhere(outcomes: dict) -> None:
+    for o in outcomes.values():
+        kind, phase, failures, text = o["raises"]
+        assert (kind, phase, list(failures)) == ("DistributedError", "check", [2])
+        assert failures[2].startswith("ValueError: bad input on 2 (at ") and "rank 2: ValueError" in text
+
+
+def test_errors_name_group_ranks_with_the_global_rank_in_brackets(outcomes: dict) -> None:
+    for rank in (1, 2):
+        kind, phase, failures, text = outcomes[rank]["tail"]
+        assert (kind, phase, list(failures)) == ("DistributedError", "check tail", [1])
+        assert "phase 'check tail' failed on rank(s) [1]:\n  rank 1 [global 2]: ValueError: bad input" in text
+
+
+def test_a_rank_that_never_enters_is_named(outcomes: dict) -> None:
+    for rank in (0, 1):
+        kind, phase, failures, _ = outcomes[rank]["missing"]
+        assert (kind, phase, list(failures)) == ("DistributedError", "gather layout", [2])
+        assert failures[2] == ("never entered phase 'gather layout' (it entered no phase of this group "
+                               "yet; did it call this on every rank?)")
+
+
+def test_a_rank_that_failed_before_the_phase_says_why(outcomes: dict) -> None:
+    for rank in (0, 1):
+        kind, phase, failures, _ = outcomes[rank]["abandoned"]
+        assert (kind, phase, failures) == ("DistributedError", "gather layout",
+                                           {2: "PlanError: strategy 'bogus' is unknown"})
+
+
+def test_a_local_runtime_error_is_not_taken_for_a_transport_failure(outcomes: dict) -> None:
+    for rank in (0, 1, 2):
+        kind, phase, failures, _ = outcomes[rank]["local RuntimeError"]
+        assert (kind, phase, list(failures)) == ("DistributedError", "stream", [1]), rank
+        assert failures[1].startswith("RuntimeError: The size of tensor a (4) must match"), rank
+
+
+def test_every_survivor_singles_out_the_dead_rank(outcomes: dict) -> None:
+    for rank in (0, 1, 2):
+        kind, phase, failures, _ = outcomes[rank]["dies"]
+        assert (kind, phase, failures) == ("DistributedError", "stream", {
+            3: "entered phase 'stream' and then stopped answering (it died, or hangs outside shardsync)"})
 
 
 def test_single_process_is_plain() -> None:
-    assert agree("x", lambda: 3) == [3]
+    assert agree("x", lambda: 3) == Agreed(3, [3])
+    assert agree("x", lambda: "abc", share=len) == Agreed("abc", [3])
     with pytest.raises(KeyError), data_phase("y"):
         raise KeyError("z")
+
+
+def test_transport_failures_are_classified_by_where_they_come_from() -> None:
+    with pytest.raises(TransportFailure, match="Timed out") as err, transport_errors():
+        raise RuntimeError("Timed out waiting 3000ms for recv operation to complete")
+    assert is_transport_failure(err.value) and isinstance(err.value.__cause__, RuntimeError)
+    assert is_transport_failure(dist.DistBackendError("NCCL watchdog"))
+    assert not is_transport_failure(RuntimeError("The size of tensor a (4) must match"))
+    with pytest.raises(KeyError), transport_errors():  # only RuntimeErrors are transport failures
+        raise KeyError("w")

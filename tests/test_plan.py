@@ -7,6 +7,7 @@ reads it holds or that a step delivered before the target is yielded, sliced out
 from __future__ import annotations
 
 import dataclasses
+import typing
 
 import pytest
 import torch
@@ -239,7 +240,8 @@ def test_bad_options_are_all_reported() -> None:
     with pytest.raises(PlanError) as err:
         build_plan(resolve(None, lay), lay, opts)
     text = str(err.value)
-    for part in ("split_index=5", "bucket_bytes=0", "consumers [0, 0, 7]", "with consumers use 'p2p'"):
+    for part in ("split_index=5", "bucket_bytes=0", "consumers [0, 0, 7]",
+                 "with consumers use one of ['auto', 'p2p']"):
         assert part in text
 
 
@@ -329,3 +331,20 @@ def test_mesh_needs_topology_and_every_consumer() -> None:
     with pytest.raises(PlanError, match="delivers to every rank"):
         build_plan(resolve(None, lay), lay, PlanOptions(strategy="mesh2d", consumers=(0,)),
                    topology=((0, 1),))
+
+
+def test_strategy_names_checks_and_messages_come_from_one_table(monkeypatch: pytest.MonkeyPatch) -> None:
+    import shardsync.planning.strategies as table
+    from shardsync.exec import TRANSPORTS
+    from shardsync.planning import STEP_COSTS, StepKind, check_options
+    from shardsync.planning.strategies import strategy_problems
+
+    assert set(TRANSPORTS) == set(table.STRATEGIES) and set(STEP_COSTS) == set(typing.get_args(StepKind))
+    ring = dataclasses.replace(table.STRATEGIES["p2p"], name="ring", every_rank=True, needs_mesh=True)
+    monkeypatch.setitem(table.STRATEGIES, "ring", ring)
+    check_options(PlanOptions(strategy="ring"), world=2, meshed=True)  # a known name now
+    assert strategy_problems("ring", consumers=True, mesh=False) == [
+        "strategy 'ring' delivers to every rank; with consumers use one of ['auto', 'p2p']",
+        "strategy 'ring' needs mesh=(horizontal group, vertical group) or a 2-D DeviceMesh"]
+    assert strategy_problems("tree", consumers=False, mesh=False) == [
+        "strategy 'tree' is unknown; use one of ['auto', 'broadcast', 'bucketed', 'mesh2d', 'p2p', 'ring']"]

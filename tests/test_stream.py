@@ -143,3 +143,71 @@ def test_plans_are_cached_per_layout_mapping_and_options() -> None:
     bigger = full_params({**state, "w": torch.zeros(6, 3)}, ["w -> a, c, axis=0"])  # other layout
     assert [t.shape for _, t in bigger] == [(3, 3), (3,), (3, 3)]
     assert other.plan is not first.plan and _planned.cache_info().misses == 3
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"strategy": "bogus"}, "strategy 'bogus' is unknown; use one of ['auto', 'broadcast', 'bucketed', "
+                            "'mesh2d', 'p2p']"),
+    ({"strategy": "mesh2d"}, "strategy 'mesh2d' needs mesh=(horizontal group, vertical group)"),
+    ({"num_splits": 2, "split_index": 2}, "num_splits=2, split_index=2: use integers with num_splits >= 1"),
+    ({"split_index": -1}, "num_splits=1, split_index=-1: use integers"),
+    ({"num_splits": 0}, "num_splits=0, split_index=0: use integers"),
+    ({"split_by": "size"}, "split_by 'size' is unknown; use 'count' or 'bytes'"),
+    ({"consumers": "rank0"}, "consumers='rank0': use 'all', a rank, or a list of ranks"),
+    ({"consumers": 1.5}, "consumers=1.5: use 'all', a rank, or a list of ranks"),
+    ({"consumers": [1]}, "consumers [1]: use distinct ranks in [0, 1)"),
+    ({"consumers": [0, 0]}, "consumers [0, 0]: use distinct ranks in [0, 1)"),
+    ({"consumers": 0, "strategy": "bucketed"},
+     "strategy 'bucketed' delivers to every rank; with consumers use one of ['auto', 'p2p']"),
+    ({"bucket_bytes": 0}, "bucket_bytes=0: use a positive number of bytes"),
+    ({"bucket_bytes": 1.5}, "bucket_bytes=1.5: use a positive number of bytes"),
+    ({"memory_budget": -1}, "memory_budget=-1: use a positive number of bytes"),
+    ({"mesh_threshold_bytes": 0}, "mesh_threshold_bytes=0: use a positive number of bytes"),
+    ({"mesh": "2x2"}, "mesh must be a 2-D DeviceMesh or (horizontal group, vertical group); got str"),
+])
+def test_argument_errors_are_raised_by_the_call(kwargs: dict, message: str) -> None:
+    with pytest.raises(PlanError) as err:
+        full_params(model(), **kwargs)  # not iterated: the call itself raises
+    assert message in str(err.value)
+    with pytest.raises(PlanError):
+        plan(model(), **kwargs)
+
+
+def test_every_argument_error_is_reported_at_once() -> None:
+    with pytest.raises(PlanError) as err:
+        full_params(model(), strategy="bogus", split_by="size", bucket_bytes=0)
+    assert str(err.value) == (
+        "invalid stream options:\n"
+        "  strategy 'bogus' is unknown; use one of ['auto', 'broadcast', 'bucketed', 'mesh2d', 'p2p']\n"
+        "  split_by 'size' is unknown; use 'count' or 'bytes'\n"
+        "  bucket_bytes=0: use a positive number of bytes")
+
+
+def test_a_module_instead_of_its_state_says_what_to_pass() -> None:
+    net = torch.nn.Linear(3, 2)
+    with pytest.raises(LayoutError, match=r"^got a module \(Linear\), not its state; pass "
+                                          r"model.state_dict\(\)$"):
+        full_params(net)
+    with pytest.raises(LayoutError, match=r"state must be a mapping of names to tensors, got list"):
+        full_params([torch.zeros(2)])
+    got = dict(full_params(net.state_dict()))
+    assert list(got) == ["bias", "weight"] and torch.equal(got["weight"], net.weight.detach())
+
+
+def test_meta_tensors_are_refused_by_key() -> None:
+    state = {"w": arange_tensor((4, 3)), "lazy": torch.empty(5, 3, device="meta")}
+    with pytest.raises(LayoutError, match=r"^'lazy' is a meta tensor \(a shape without data\), so there "
+                                          r"is nothing to stream; materialise it first"):
+        list(full_params(state))
+    halves = [ShardedTensor(torch.empty(2, 3, device="meta"), (4, 3), (0, 0)),
+              ShardedTensor(arange_tensor((2, 3)), (4, 3), (2, 0))]
+    with pytest.raises(LayoutError, match=r"^'half' is a meta tensor"):
+        list(full_params({"half": halves}))
+
+
+def test_keys_that_are_not_strings_are_named() -> None:
+    with pytest.raises(LayoutError, match=r"^state key 3 \(int\) is not a string; state dict keys must "
+                                          r"be strings"):
+        list(full_params({"w": torch.zeros(2), 3: torch.ones(2)}))
+    with pytest.raises(LayoutError, match=r"^state key \('a', 1\) \(tuple\) is not a string"):
+        plan({("a", 1): torch.ones(2)})

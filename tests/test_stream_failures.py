@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import datetime
 import os
+from typing import Any
 
 import pytest
+import torch.distributed as dist
 from multiproc import RankFailure, run_ranks
 from test_stream_dist import case_tp
 
-from shardsync.errors import DistributedError
+from shardsync.errors import DistributedError, PlanError
 from shardsync.stream import full_params
 
 GROUP_TIMEOUT = 5  # seconds a peer may wait in a collective before it gives up
@@ -67,3 +70,79 @@ def test_rank_that_dies_is_named() -> None:
     assert out[1][:2] == ("error", "Died")
     kind, phase, failed, _, names = out[0][1]
     assert (kind, phase, failed) == ("DistributedError", "stream", [1]) and names[0] == "a"
+
+
+# -- world 4: ranks that never come, and a rank that dies (one spawn; a fresh group per scenario) ----
+
+SCENARIO_TIMEOUT = datetime.timedelta(seconds=2)
+
+
+def _drain(make: Any) -> tuple:
+    try:
+        return ("finished", [name for name, _ in make()])
+    except DistributedError as exc:
+        return ("DistributedError", exc.phase, exc.failures)
+    except PlanError as exc:
+        return ("PlanError", str(exc))
+
+
+def _w4_scenarios(rank: int, world: int) -> dict[str, tuple]:
+    state, _, _ = case_tp(rank, world)
+    out = {}
+    g = dist.new_group(timeout=SCENARIO_TIMEOUT)
+    if rank != 2:  # rank 2 never calls full_params
+        out["never calls"] = _drain(lambda: full_params(state, group=g))
+    dist.barrier()
+    g = dist.new_group(timeout=SCENARIO_TIMEOUT)
+    stream = full_params(state, group=g)
+    if rank != 1:  # rank 1 never iterates its stream
+        out["never iterates"] = _drain(lambda: stream)
+    dist.barrier()
+    g = dist.new_group(timeout=SCENARIO_TIMEOUT)
+    out["bad argument"] = _drain(lambda: full_params(state, group=g, split_index=5 if rank == 3 else 0))
+    dist.barrier()
+    g = dist.new_group(timeout=SCENARIO_TIMEOUT)
+    names = []
+
+    def dying() -> list[str]:
+        for name, _ in full_params(state, group=g, strategy="broadcast"):
+            names.append(name)
+            if rank == 3:
+                os._exit(3)
+        return names
+    out["dies"] = _drain(dying) + (names,)
+    return out
+
+
+@pytest.fixture(scope="module")
+def w4() -> dict[int, dict[str, tuple]]:
+    with pytest.raises(RankFailure) as err:  # rank 3 dies in the last scenario
+        run_ranks(_w4_scenarios, 4, timeout=120, group_timeout=30)
+    got = err.value.outcomes
+    assert got[3][:2] == ("error", "Died"), got[3]
+    return {r: got[r][1] for r in range(3)}
+
+
+def test_a_rank_that_never_calls_full_params_is_named(w4: dict) -> None:
+    never = ("never entered phase 'gather layout' (it entered no phase of this group yet; did it call "
+             "this on every rank?)")
+    for rank in (0, 1):
+        assert w4[rank]["never calls"] == ("DistributedError", "gather layout", {2: never})
+    for rank in (0, 2):
+        assert w4[rank]["never iterates"] == ("DistributedError", "gather layout", {1: never})
+
+
+def test_an_argument_error_is_raised_by_the_call_and_named_to_the_peers(w4: dict) -> None:
+    for rank in (0, 1, 2):
+        kind, phase, failures = w4[rank]["bad argument"]
+        assert (kind, phase, list(failures)) == ("DistributedError", "gather layout", [3])
+        assert failures[3] == ("PlanError: invalid stream options:\n  num_splits=1, split_index=5: use "
+                               "integers with num_splits >= 1 and 0 <= split_index < num_splits")
+
+
+def test_every_survivor_blames_only_the_rank_that_died(w4: dict) -> None:
+    for rank in (0, 1, 2):
+        kind, phase, failures, names = w4[rank]["dies"]
+        assert (kind, phase) == ("DistributedError", "stream") and names[:1] == ["a"]
+        assert failures == {3: "entered phase 'stream' and then stopped answering (it died, or hangs "
+                               "outside shardsync)"}

@@ -1,41 +1,52 @@
 """The cross-rank layer: phases that fail together instead of hanging, and group-rank bookkeeping.
 
-Every other layer that talks to other ranks (``exec``, ``replicas``) goes through this module.
+Every other layer that talks to other ranks (``exec``, ``replicas``, the verbs) goes through this module.
 
 Two kinds of phase:
 
 * :func:`agree` - local work followed by one ``all_gather_object`` that carries either the result or
   the error of every rank. Every rank reaches that collective, so a failure on any rank is raised on
   all of them as one :class:`DistributedError` naming the phase and each failing rank. Use it for
-  everything before data moves (layout, validation, preflight).
+  everything before data moves (layout, plan, preflight).
 * :func:`data_phase` - a context manager around collectives that move data. A local exception is
-  published to the process group's store (so peers can name it) and raised at once; a peer that is
-  left waiting fails with the group timeout and raises a :class:`DistributedError` naming the phase and
-  whatever the store says about the failing ranks.
+  published to the group's store (so peers can name it) and raised at once; a peer that is left
+  waiting fails with the group timeout and raises a :class:`DistributedError` naming the phase and
+  the rank the store says is to blame.
+
+Both kinds keep a roll call in the group's store (:mod:`shardsync.roll_call`): each rank notes the
+phase it enters, and what went wrong when it fails. When a collective fails (a peer died, hangs, or
+never came), the roll call singles out the culprit: a rank that reported a failure, else a rank that
+never entered the phase, else one that entered it and fell silent.
+
+Ranks in errors are group ranks, with the global rank in brackets where they differ
+(``rank 1 [global 3]``).
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
-import traceback
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, TypeVar, overload
 
 import torch.distributed as dist
 
 from .errors import DistributedError, ShardsyncError
+from .roll_call import STOPPED, RollCall, TransportFailure, describe, is_transport_failure, transport_errors
 
-__all__ = ["is_distributed", "group_rank", "group_size", "agree", "data_phase", "GroupRanks"]
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
+
+__all__ = ["is_distributed", "group_rank", "group_size", "GroupRanks", "Agreed", "agree", "data_phase",
+           "abandon", "transport_errors", "TransportFailure"]
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
-_STORE_PREFIX = "shardsync/failure"
-_occurrences: dict[tuple[str, str], int] = {}
+S = TypeVar("S")
 
 
-def is_distributed(group: Any = None) -> bool:
+def is_distributed(group: ProcessGroup | None = None) -> bool:
     """Whether collectives are needed: torch.distributed is up and the group has several ranks.
 
     Example:
@@ -45,7 +56,7 @@ def is_distributed(group: Any = None) -> bool:
     return dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1
 
 
-def group_rank(group: Any = None) -> int:
+def group_rank(group: ProcessGroup | None = None) -> int:
     """This process's rank in ``group`` (0 when not distributed).
 
     Example:
@@ -55,7 +66,7 @@ def group_rank(group: Any = None) -> int:
     return dist.get_rank(group) if dist.is_available() and dist.is_initialized() else 0
 
 
-def group_size(group: Any = None) -> int:
+def group_size(group: ProcessGroup | None = None) -> int:
     """Number of ranks in ``group`` (1 when not distributed).
 
     Example:
@@ -65,162 +76,171 @@ def group_size(group: Any = None) -> int:
     return dist.get_world_size(group) if dist.is_available() and dist.is_initialized() else 1
 
 
-def _describe(exc: BaseException) -> str:
-    if isinstance(exc, ShardsyncError):
-        return f"{type(exc).__name__}: {exc}"
-    frame = traceback.extract_tb(exc.__traceback__)[-1:] if exc.__traceback__ else []
-    where = f" (at {frame[0].filename}:{frame[0].lineno})" if frame else ""
-    return f"{type(exc).__name__}: {exc}{where}"
-
-
-def agree(phase: str, fn: Callable[[], T], group: Any = None, *, unanimous: bool = False) -> list[T]:
-    """Run ``fn`` on every rank and gather the results; raise on all ranks if any rank failed.
-
-    Args:
-        phase: name used in errors.
-        fn: the local work; its result must be picklable.
-        group: process group (None: the default group).
-        unanimous: when every rank raised a :class:`ShardsyncError` with the same message (they all
-            saw the same bad input), re-raise that error itself on every rank, so callers can catch its
-            class (``LayoutError``, ``PlanError``...), instead of a :class:`DistributedError`.
-
-    Returns:
-        the results of all ranks, by group rank (a one-element list when not distributed).
-
-    Raises:
-        DistributedError: one or more ranks raised; every rank raises the same error. A single
-            process re-raises the original exception instead.
-
-    Example:
-        >>> agree("count keys", lambda: len(state))     # doctest: +SKIP
-        [12, 12]
-    """
-    if not is_distributed(group):
-        return [fn()]
-    try:
-        payload: tuple[bool, Any] = (True, fn())
-        local_exc: BaseException | None = None
-    except Exception as exc:  # gathered below, raised on every rank
-        payload, local_exc = (False, _describe(exc)), exc
-    gathered: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(gathered, payload, group=group)
-    failures = {r: msg for r, (ok, msg) in enumerate(gathered) if not ok}
-    if failures:
-        same = len(failures) == len(gathered) and len(set(failures.values())) == 1
-        if unanimous and same and isinstance(local_exc, ShardsyncError):
-            raise local_exc
-        raise DistributedError(phase, failures) from local_exc
-    return [value for _, value in gathered]
-
-
-def _store() -> Any:
-    try:
-        return dist.distributed_c10d._get_default_store()
-    except Exception:  # no store behind this group (private API moved): peers just time out
-        return None
-
-
-def _group_name(group: Any) -> str:
-    g = group if group is not None else dist.group.WORLD
-    return str(getattr(g, "group_name", None) or "world")
-
-
-def _next_tag(phase: str, group: Any) -> str:
-    # Keys are per (group, phase, occurrence): a failure published in one phase never leaks into a
-    # later one. Every rank of a group enters the same phases in the same order, so tags agree.
-    key = (_group_name(group), phase)
-    n = _occurrences.get(key, 0)
-    _occurrences[key] = n + 1
-    return f"{key[0]}/{phase}/{n}"
-
-
-def _publish(tag: str, rank: int, message: str) -> None:
-    store = _store()
-    if store is not None:
-        with contextlib.suppress(Exception):
-            store.set(f"{_STORE_PREFIX}/{tag}/{rank}", message)
-
-
-def _read_failures(tag: str, ranks: list[int]) -> dict[int, str]:
-    store = _store()
-    found: dict[int, str] = {}
-    if store is None:
-        return found
-    for r in ranks:
-        key = f"{_STORE_PREFIX}/{tag}/{r}"
-        with contextlib.suppress(Exception):
-            if store.check([key]):
-                found[r] = store.get(key).decode()
-    return found
-
-
-@contextlib.contextmanager
-def data_phase(phase: str, group: Any = None) -> Iterator[None]:
-    """Wrap collectives that move data so that no failure is silent and no rank waits forever.
-
-    A local exception is published for the peers and raised as a :class:`DistributedError` naming
-    this rank (and any peer that already reported a failure); an exception from a collective (a peer
-    died, timed out or raised) names the ranks that reported a failure, or all other ranks if none
-    did. A generator suspended inside the phase that is closed early (its caller stopped
-    iterating) publishes that, so the peers left waiting can name it.
-
-    Example:
-        >>> with data_phase("stream"):             # doctest: +SKIP
-        ...     dist.broadcast(t, src=0)
-    """
-    if not is_distributed(group):
-        yield
-        return
-    rank = dist.get_rank()
-    tag = _next_tag(phase, group)
-    try:
-        yield
-    except GeneratorExit:
-        _publish(tag, rank, f"stopped iterating during phase {phase!r} (the caller left the loop or "
-                            "raised)")
-        raise
-    except DistributedError:
-        raise
-    except Exception as exc:
-        local = not _looks_like_comm_error(exc)
-        if local:
-            _publish(tag, rank, _describe(exc))
-        members = dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)
-        failures = {r: m for r, m in _read_failures(tag, members).items() if r != rank}
-        if local:
-            failures[rank] = _describe(exc)
-        elif not failures:  # a peer died or hangs without a word
-            failures = {r: f"did not answer ({_describe(exc)})" for r in members if r != rank}
-        log.error("phase %r failed on rank %d: %s", phase, rank, exc)
-        raise DistributedError(phase, failures) from exc
-
-
-def _looks_like_comm_error(exc: BaseException) -> bool:
-    text = f"{type(exc).__name__} {exc}".lower()
-    return isinstance(exc, (RuntimeError, dist.DistBackendError)) and any(
-        w in text for w in ("timeout", "timed out", "connection", "gloo", "nccl", "peer", "closed",
-                            "broken pipe", "reset"))
-
-
 @dataclass(frozen=True, slots=True)
 class GroupRanks:
     """A process group and this process's place in it; translates group ranks to global ranks.
 
     Example:
-        >>> GroupRanks(None, rank=1, world=2, global_ranks=(4, 6)).to_global(1)
-        6
+        >>> ranks = GroupRanks(None, rank=1, world=2, global_ranks=(4, 6))
+        >>> ranks.to_global(1), ranks.label(1)
+        (6, 'rank 1 [global 6]')
     """
 
-    group: Any
+    group: ProcessGroup | None
     rank: int
     world: int
     global_ranks: tuple[int, ...]
 
     @classmethod
-    def of(cls, group: Any) -> GroupRanks:
+    def of(cls, group: ProcessGroup | None) -> GroupRanks:
         """Describe ``group`` (None: the default group) for this process."""
         ranks = tuple(dist.get_process_group_ranks(group or dist.group.WORLD))
         return cls(group, dist.get_rank(group), len(ranks), ranks)
 
     def to_global(self, rank: int) -> int:
+        """The global rank of group rank ``rank``."""
         return self.global_ranks[rank]
+
+    def label(self, rank: int) -> str:
+        """``rank`` as errors name it: the group rank, and the global one in brackets if different."""
+        glob = self.global_ranks[rank]
+        return f"rank {rank}" if glob == rank else f"rank {rank} [global {glob}]"
+
+
+@dataclass(frozen=True, slots=True)
+class Agreed(Generic[T, S]):
+    """What :func:`agree` returns: this rank's own result, and what every rank shared, by group rank.
+
+    Attributes:
+        mine: this rank's result, the object itself (not a copy that went through pickling).
+        all: every rank's shared part (``share(result)``, or the result), by group rank.
+
+    Example:
+        >>> agreed = agree("count", lambda: [1, 2, 3], share=len)
+        >>> agreed.mine, agreed.all
+        ([1, 2, 3], [3])
+    """
+
+    mine: T
+    all: list[S]
+
+
+@overload
+def agree(phase: str, fn: Callable[[], T], group: ProcessGroup | None = None, *,
+          unanimous: bool = False) -> Agreed[T, T]: ...
+
+
+@overload
+def agree(phase: str, fn: Callable[[], T], group: ProcessGroup | None = None, *,
+          share: Callable[[T], S], unanimous: bool = False) -> Agreed[T, S]: ...
+
+
+def agree(phase: str, fn: Callable[[], Any], group: ProcessGroup | None = None, *,
+          share: Callable[[Any], Any] | None = None, unanimous: bool = False) -> Agreed[Any, Any]:
+    """Run ``fn`` on every rank and gather what it shares; raise on all ranks if any rank failed.
+
+    Args:
+        phase: name used in errors.
+        fn: the local work.
+        group: process group (None: the default group).
+        share: what of ``fn``'s result the other ranks get (must be picklable); None: all of it. It
+            runs inside the phase, so its errors are gathered like ``fn``'s.
+        unanimous: when every rank raised a :class:`ShardsyncError` with the same message (they all
+            saw the same bad input), re-raise that error itself on every rank, so callers can catch its
+            class (``LayoutError``, ``PlanError``...), instead of a :class:`DistributedError`.
+
+    Returns:
+        an :class:`Agreed`: this rank's result of ``fn`` (``.mine``) and every rank's shared part by
+        group rank (``.all``; one element when not distributed).
+
+    Raises:
+        DistributedError: one or more ranks raised, or a rank died, hung or never entered the phase;
+            every rank raises the same error. A single process re-raises the original exception.
+
+    Example:
+        >>> agree("count keys", lambda: len({"w": 1})).all     # on each of 2 ranks: [1, 1]
+        [1]
+    """
+    if not is_distributed(group):
+        mine = fn()
+        return Agreed(mine, [mine if share is None else share(mine)])
+    roll = RollCall.enter(phase, GroupRanks.of(group))
+    mine, local_exc = None, None
+    try:
+        mine = fn()
+        payload: tuple[bool, Any] = (True, mine if share is None else share(mine))
+    except Exception as exc:  # gathered below, raised on every rank
+        payload, local_exc = (False, describe(exc)), exc
+        roll.record_failure(payload[1])  # found by peers if the gather itself fails
+    gathered: list[Any] = [None] * roll.ranks.world
+    try:
+        with transport_errors():
+            dist.all_gather_object(gathered, payload, group=group)
+    except TransportFailure as exc:
+        failures = roll.blame(exc)
+        if local_exc is not None:
+            failures[roll.ranks.rank] = payload[1]
+        raise _error(roll, failures) from exc
+    failures = {r: msg for r, (ok, msg) in enumerate(gathered) if not ok}
+    if failures:
+        same = len(failures) == len(gathered) and len(set(failures.values())) == 1
+        if unanimous and same and isinstance(local_exc, ShardsyncError):
+            raise local_exc
+        raise _error(roll, failures) from local_exc
+    return Agreed(mine, [value for _, value in gathered])
+
+
+@contextlib.contextmanager
+def data_phase(phase: str, group: ProcessGroup | None = None) -> Iterator[None]:
+    """Wrap collectives that move data so that no failure is silent and no rank waits forever.
+
+    Mark the torch.distributed calls inside with :func:`transport_errors`: a failure there is a
+    transport failure (a peer died, timed out or left), anything else a local one. A local exception is
+    published for the peers and raised as a :class:`DistributedError` naming this rank (and any peer
+    that already reported a failure); a transport failure names the culprit the roll call finds. A
+    generator suspended inside the phase that is closed early (its caller stopped iterating)
+    publishes that, so the peers left waiting can name it.
+
+    Example:
+        >>> import torch
+        >>> with data_phase("stream"), transport_errors():   # a plain process: runs as is
+        ...     t = torch.zeros(2)
+    """
+    if not is_distributed(group):
+        yield
+        return
+    roll = RollCall.enter(phase, GroupRanks.of(group))
+    try:
+        yield
+    except GeneratorExit:
+        roll.record(STOPPED, f"stopped iterating during phase {phase!r} (the caller left the loop or "
+                             "raised)")
+        raise
+    except DistributedError:
+        raise
+    except Exception as exc:
+        if is_transport_failure(exc):
+            failures = roll.blame(exc)
+        else:
+            roll.record_failure(describe(exc))
+            failures = {**roll.culprits(), roll.ranks.rank: describe(exc)}
+        log.error("phase %r failed on %s: %s", phase, roll.ranks.label(roll.ranks.rank), exc)
+        raise _error(roll, failures) from exc
+
+
+def abandon(phase: str, group: ProcessGroup | None, exc: BaseException) -> None:
+    """Tell the peers that this rank failed before entering ``phase`` and will not come.
+
+    For errors raised before a phase (bad arguments on one rank): the peers, left waiting in the
+    phase, time out and then name this rank with ``exc`` instead of "never entered". Call it right
+    before raising ``exc``; a no-op when not distributed.
+
+    Example:
+        >>> abandon("gather layout", None, ValueError("bad strategy"))   # a plain process: no-op
+    """
+    if is_distributed(group):
+        RollCall.enter(phase, GroupRanks.of(group)).record_failure(describe(exc))
+
+
+def _error(roll: RollCall, failures: dict[int, str]) -> DistributedError:
+    return DistributedError(roll.phase, failures, roll.ranks.global_ranks)

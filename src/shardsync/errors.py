@@ -61,16 +61,29 @@ class FormatError(ShardsyncError, ValueError):
 class DistributedError(ShardsyncError, RuntimeError):
     """A cross-rank phase failed on one or more ranks; raised on every rank together.
 
+    Ranks are group ranks; where a group rank differs from the global rank, the message gives the
+    global one in brackets (``rank 1 [global 3]``).
+
     Attributes:
-        phase: name of the phase that failed (``"gather layout"``, ``"execute"``...).
-        failures: ``{rank: message}`` for each rank that raised or stopped answering.
+        phase: name of the phase that failed (``"gather layout"``, ``"stream"``...).
+        failures: ``{group rank: message}`` for each rank that raised, stopped answering or never came.
+        global_ranks: ``{group rank: global rank}`` for the ranks in ``failures``.
+
+    Example:
+        >>> print(DistributedError("stream", {1: "died"}, global_ranks=(2, 3)))
+        phase 'stream' failed on rank(s) [1]:
+          rank 1 [global 3]: died
     """
 
-    def __init__(self, phase: str, failures: dict[int, str]) -> None:
+    def __init__(self, phase: str, failures: dict[int, str],
+                 global_ranks: Sequence[int] | None = None) -> None:
         self.phase = phase
         self.failures = dict(sorted(failures.items()))
+        self.global_ranks = {r: global_ranks[r] if global_ranks is not None else r for r in self.failures}
         lines = [f"phase {phase!r} failed on rank(s) {sorted(self.failures)}:"]
-        lines += [f"  rank {r}: {msg}" for r, msg in self.failures.items()]
+        for r, msg in self.failures.items():
+            glob = self.global_ranks[r]
+            lines.append(f"  rank {r}{'' if glob == r else f' [global {glob}]'}: {msg}")
         super().__init__("\n".join(lines))
 
 

@@ -4,7 +4,8 @@ The protocol, on every rank of the group: gather the layout (one ``all_gather_ob
 mapping into targets -> plan (split, consumers, reads, strategy, steps, memory) -> validate and agree
 that every rank built the same plan (a second ``all_gather_object``) -> execute, yielding targets as
 they complete. With no process group (or a group of one) the same path runs locally with no
-collectives.
+collectives. Arguments are checked when :func:`full_params` is called; everything else happens while
+the stream is iterated.
 """
 
 from __future__ import annotations
@@ -14,33 +15,56 @@ import logging
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal, Union
+from typing import TYPE_CHECKING, Any, Literal, NamedTuple, Union
 
 import torch
 import torch.distributed as dist
 
-from .errors import PlanError
-from .dist import GroupRanks, agree, is_distributed
-from .exec import (BroadcastTransport, LocalTransport, MeshTransport, P2PTransport, Stats, Transport,
-                   execute, local_mesh_info, mesh_groups)
-from .exec.mesh import MeshGroups
+from .dist import GroupRanks, abandon, agree, group_size, is_distributed
+from .errors import LayoutError, PlanError, ShardsyncError
+from .exec import (MeshGroups, MeshLike, MeshPlace, Stats, Transport, execute, local_mesh_info, mesh_groups,
+                   transport_for)
 from .layout import GlobalLayout, StateValue
-from .layout.meta import check_replicas
+from .layout.meta import LayoutEntry, check_replicas
 from .mapping import Mapping as ParsedMapping
 from .mapping import MappingLike, resolve
-from .planning import DEFAULT_BUCKET_BYTES, Plan, PlanOptions, SplitBy, StrategyChoice, build_plan
+from .planning import (DEFAULT_BUCKET_BYTES, DEFAULT_MESH_THRESHOLD_BYTES, Plan, PlanOptions, SplitBy,
+                       StrategyChoice, build_plan, check_options)
 from .planning.mesh import build_topology
 from .sources import LocalSource, Source
 
-__all__ = ["full_params", "plan", "ParamStream", "Consumers"]
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
+
+__all__ = ["full_params", "plan", "ParamStream", "Consumers", "GATHER_PHASE", "PLAN_PHASE"]
 
 log = logging.getLogger(__name__)
 
 #: Who receives targets: every rank, one rank, or ranks that split the targets among them.
 Consumers = Union[Literal["all"], int, Sequence[int]]
+#: Names of the agreed phases, as they appear in errors (the data phase is ``exec.STREAM_PHASE``).
+GATHER_PHASE, PLAN_PHASE = "gather layout", "plan"
 
 
-@dataclass
+class _RankLayout(NamedTuple):
+    """What one rank contributes to the gathered layout: its shards, and its place in the mesh."""
+
+    entries: tuple[LayoutEntry, ...]
+    mesh: MeshPlace | None
+
+
+@dataclass(frozen=True)
+class _Request:
+    """The checked arguments of one call."""
+
+    state: Mapping[str, StateValue]
+    mapping: MappingLike | None
+    group: ProcessGroup | None
+    groups: MeshGroups | None
+    options: PlanOptions
+
+
+@dataclass(frozen=True)
 class _Context:
     plan: Plan
     source: Source
@@ -49,104 +73,124 @@ class _Context:
     device: torch.device
 
 
-def _options(group: Any, consumers: Consumers, **kw: Any) -> PlanOptions:
+def _request(state: Any, mapping: MappingLike | None, group: ProcessGroup | None, mesh: MeshLike | None,
+             consumers: Consumers, **options: Any) -> _Request:
+    """Check the arguments on this rank, before anything runs (a caller mistake raises here)."""
     if group is not None and dist.is_initialized() and dist.get_rank(group) < 0:
-        raise PlanError(f"rank {dist.get_rank()} is not in the group it passed; call full_params on "
-                        "the group's ranks only")
-    if isinstance(consumers, str) and consumers != "all":
-        raise PlanError(f"consumers={consumers!r}: use 'all', a rank, or a list of ranks")
-    who = None if consumers == "all" else (consumers,) if isinstance(consumers, int) else tuple(consumers)
-    backend = str(dist.get_backend(group)) if is_distributed(group) else "none"
-    return PlanOptions(consumers=who, backend=backend, **kw)
+        raise PlanError(f"global rank {dist.get_rank()} is not in the group it passed; call this on the "
+                        "group's ranks only")
+    try:
+        if isinstance(state, torch.nn.Module):
+            raise LayoutError(f"got a module ({type(state).__name__}), not its state; pass "
+                              "model.state_dict()")
+        if not isinstance(state, Mapping):
+            raise LayoutError(f"state must be a mapping of names to tensors, got {type(state).__name__}; "
+                              "pass model.state_dict() or a dict")
+        groups = mesh_groups(mesh) if mesh is not None else None
+        opts = PlanOptions(consumers=_consumer_ranks(consumers), backend=_backend(group), **options)
+        check_options(opts, group_size(group), meshed=mesh is not None)
+    except ShardsyncError as exc:
+        abandon(GATHER_PHASE, group, exc)  # peers already waiting in the phase learn why
+        raise
+    return _Request(state, mapping, group, groups, opts)
 
 
-def _local_info(source: Source, groups: MeshGroups | None,
-                ranks: GroupRanks | None) -> tuple[Any, Any]:
-    """What this rank contributes to the layout: its shards, and its place in the mesh."""
-    info = None if groups is None else local_mesh_info(groups, ranks) if ranks is not None else ((0,), (0,))
-    return source.entries(), info
+def _consumer_ranks(consumers: object) -> tuple[int, ...] | None:
+    # the ranks themselves are checked with the other options, against the group's size
+    if consumers == "all":
+        return None
+    if isinstance(consumers, int) and not isinstance(consumers, bool):
+        return (consumers,)
+    if isinstance(consumers, Sequence) and not isinstance(consumers, str):
+        return tuple(consumers)
+    raise PlanError(f"consumers={consumers!r}: use 'all', a rank, or a list of ranks")
+
+
+def _backend(group: ProcessGroup | None) -> str:
+    return str(dist.get_backend(group)) if is_distributed(group) else "none"
+
+
+class _Built(NamedTuple):
+    plan: Plan
+    fingerprint: str
 
 
 @functools.lru_cache(maxsize=8)
-def _planned(gathered: tuple[tuple[Any, Any], ...], mapping: ParsedMapping | None, options: PlanOptions,
-             meshed: bool) -> tuple[Plan, str]:
+def _planned(gathered: tuple[_RankLayout, ...], mapping: ParsedMapping | None, options: PlanOptions,
+             meshed: bool) -> _Built:
     """The plan and its fingerprint for a gathered layout. Cached: a training loop that streams the
     same layout every step plans once (a plan is immutable, and equal inputs give equal plans)."""
-    layout = GlobalLayout.merge([entries for entries, _ in gathered])
-    topology = build_topology(*zip(*[info for _, info in gathered])) if meshed else None
+    layout = GlobalLayout.merge([r.entries for r in gathered])
+    topology = build_topology(*zip(*[r.mesh for r in gathered])) if meshed else None
     plan = build_plan(resolve(mapping, layout), layout, options, topology)
-    return plan, plan.fingerprint()
+    return _Built(plan, plan.fingerprint())
 
 
-def _agree_on_plan(gathered: list[tuple[Any, Any]], mapping: Any, options: PlanOptions, meshed: bool,
-                   group: Any) -> Plan:
+def _agree_on_plan(gathered: list[_RankLayout], request: _Request) -> Plan:
     # Every rank plans from the same gathered layout; a caller mistake raises the same error on all
     # ranks, a failure on some ranks a DistributedError, and different arguments a PlanError.
-    built: list[Plan] = []
-
-    def build_and_print() -> str:
-        parsed = None if mapping is None else ParsedMapping.parse(mapping)
-        check_replicas([entries for entries, _ in gathered])
+    def build() -> _Built:
+        parsed = None if request.mapping is None else ParsedMapping.parse(request.mapping)
+        check_replicas([r.entries for r in gathered])
         # values (fingerprints) change every training step, the layout does not: plan once
-        key = tuple((tuple(e[:4] for e in entries), info) for entries, info in gathered)
-        plan, fingerprint = _planned(key, parsed, options, meshed)
-        built.append(plan)
-        return fingerprint
+        key = tuple(_RankLayout(tuple(LayoutEntry(*e[:4]) for e in r.entries), r.mesh) for r in gathered)
+        return _planned(key, parsed, request.options, request.groups is not None)
 
-    prints = agree("plan", build_and_print, group, unanimous=True)
-    if len(set(prints)) > 1:
-        raise PlanError(f"ranks built different plans (fingerprints {prints}); pass the same mapping "
-                        "and options on every rank of the group")
-    return built[0]
-
-
-def _transport(plan: Plan, ranks: GroupRanks | None, groups: MeshGroups | None) -> Transport:
-    if ranks is None:
-        return LocalTransport()
-    if plan.strategy == "mesh2d" and groups is not None and plan.topology is not None:
-        return MeshTransport(ranks, groups, plan.topology)
-    return P2PTransport(ranks) if plan.strategy == "p2p" else BroadcastTransport(ranks)
+    agreed = agree(PLAN_PHASE, build, request.group, share=lambda built: built.fingerprint,
+                   unanimous=True)
+    if len(set(agreed.all)) > 1:
+        raise PlanError(f"ranks built different plans (fingerprints by rank: {agreed.all}); pass the "
+                        "same mapping and options on every rank of the group")
+    return agreed.mine.plan
 
 
-def _prepare(state: Mapping[str, StateValue], mapping: Any, group: Any, mesh: Any,
-             options: PlanOptions) -> _Context:
-    """Gather the layout -> resolve -> plan, validate and agree -> pick the transport."""
-    ranks = GroupRanks.of(group) if is_distributed(group) else None
-    groups = mesh_groups(mesh) if mesh is not None else None
-    sources: list[LocalSource] = []
+def _open_source(request: _Request) -> Source:
+    """This rank's source (the state is normalised once, inside the agreed phase)."""
+    return LocalSource(request.state)
 
-    def local() -> tuple[Any, Any]:  # the state is normalised once, inside the agreed phase
-        sources.append(LocalSource(state))
-        return _local_info(sources[0], groups, ranks)
 
-    gathered = agree("gather layout", local, group)
-    plan = _agree_on_plan(gathered, mapping, options, groups is not None, group)
-    source = sources[0]
-    device = (torch.device("cuda", torch.cuda.current_device()) if options.backend == "nccl"
+def _rank_layout(source: Source, groups: MeshGroups | None, ranks: GroupRanks | None) -> _RankLayout:
+    if groups is None:
+        place = None
+    elif ranks is None:  # a single process is a 1 x 1 mesh
+        place = MeshPlace((0,), (0,))
+    else:
+        place = local_mesh_info(groups, ranks)
+    return _RankLayout(tuple(source.entries()), place)
+
+
+def _prepare(request: _Request) -> _Context:
+    """Gather the layout -> resolve, plan, validate and agree -> pick the transport."""
+    ranks = GroupRanks.of(request.group) if is_distributed(request.group) else None
+    layout = agree(GATHER_PHASE, lambda: _open_source(request), request.group,
+                   share=lambda source: _rank_layout(source, request.groups, ranks))
+    plan = _agree_on_plan(layout.all, request)
+    source = layout.mine
+    device = (torch.device("cuda", torch.cuda.current_device()) if request.options.backend == "nccl"
               else source.device())
-    return _Context(plan, source, _transport(plan, ranks, groups), ranks.rank if ranks else 0, device)
+    return _Context(plan, source, transport_for(plan, ranks, request.groups),
+                    ranks.rank if ranks else 0, device)
 
 
 class ParamStream:
     """The iterable :func:`full_params` returns: iterate once, on every rank, to the end.
 
-    Nothing happens until the first ``next()``: that gathers the layout and plans (collective), and
-    each later ``next()`` runs the steps up to the next target.
+    The arguments were checked when it was made; the first ``next()`` gathers the layout and plans
+    (collective), and each later ``next()`` runs the steps up to the next target.
 
     Attributes:
         plan: the plan, once iteration has started (None before).
         stats: this rank's counters (bytes, collectives, peak memory, seconds), filled while iterating.
 
     Example:
-        >>> stream = full_params(state)          # doctest: +SKIP
-        >>> names = [name for name, _ in stream]  # doctest: +SKIP
-        >>> stream.stats.collectives              # doctest: +SKIP
-        4
+        >>> import torch
+        >>> stream = full_params({"w": torch.arange(4.0), "b": torch.ones(2)})
+        >>> [name for name, _ in stream], stream.stats.targets, stream.stats.collectives
+        (['b', 'w'], 2, 0)
     """
 
-    def __init__(self, state: Mapping[str, StateValue], mapping: Any, group: Any, mesh: Any,
-                 options: PlanOptions) -> None:
-        self._args = (state, mapping, group, mesh, options)
+    def __init__(self, request: _Request) -> None:
+        self._request = request
         self._started = False
         self.plan: Plan | None = None
         self.stats = Stats()
@@ -159,28 +203,30 @@ class ParamStream:
 
     def _run(self) -> Iterator[tuple[str, torch.Tensor]]:
         start = time.perf_counter()
-        ctx = _prepare(*self._args)
+        ctx = _prepare(self._request)
         self.plan = ctx.plan
         self.stats.plan_seconds = time.perf_counter() - start
         yield from execute(ctx.plan, ctx.source, ctx.transport, ctx.rank, self.stats,
-                           group=self._args[2], device=ctx.device)
+                           group=self._request.group, device=ctx.device)
         log.debug("full_params done: %s", self.stats.summary())
 
 
-def full_params(state: Mapping[str, StateValue], mapping: MappingLike | None = None, *, group: Any = None,
-                strategy: StrategyChoice = "auto", mesh: Any = None, num_splits: int = 1,
-                split_index: int = 0, split_by: SplitBy = "count", consumers: Consumers = "all",
+def full_params(state: Mapping[str, StateValue], mapping: MappingLike | None = None, *,
+                group: ProcessGroup | None = None, strategy: StrategyChoice = "auto",
+                mesh: MeshLike | None = None, num_splits: int = 1, split_index: int = 0,
+                split_by: SplitBy = "count", consumers: Consumers = "all",
                 bucket_bytes: int = DEFAULT_BUCKET_BYTES, memory_budget: int | None = None,
-                mesh_threshold_bytes: int = 8 << 30, copy: bool = True) -> ParamStream:
+                mesh_threshold_bytes: int = DEFAULT_MESH_THRESHOLD_BYTES, copy: bool = True) -> ParamStream:
     """Stream full (mapped) tensors out of sharded state; call on every rank of the group.
 
     Args:
-        state: this rank's state dict: values are tensors (full or replicated), ShardedTensor,
-            DTensor, or lists of ShardedTensor.
+        state: this rank's state dict (``model.state_dict()``, not the model): values are tensors (full
+            or replicated), ShardedTensor, DTensor, or lists of ShardedTensor; keys are strings.
         mapping: None (every source is a target) or a mapping program (statements, text, dict, path).
         group: process group; None means the default group when torch.distributed is initialised,
             and a single process otherwise.
-        strategy: ``"broadcast"``, ``"bucketed"``, ``"mesh2d"``, ``"p2p"`` or ``"auto"``.
+        strategy: ``"auto"`` or a name in :data:`shardsync.planning.STRATEGIES` (``"broadcast"``,
+            ``"bucketed"``, ``"mesh2d"``, ``"p2p"``).
         mesh: for mesh2d, ``(horizontal group, vertical group)`` or a 2-D DeviceMesh.
         num_splits: divide the sorted targets into this many contiguous parts ...
         split_index: ... and stream only this one (e.g. one part per data-parallel replica).
@@ -198,30 +244,40 @@ def full_params(state: Mapping[str, StateValue], mapping: MappingLike | None = N
         a :class:`ParamStream`: iterate it for ``(name, tensor)``; ``.stats`` and ``.plan`` after.
 
     Raises:
-        LayoutError: holes, conflicting overlaps, shape/dtype disagreements (on every rank together).
-        PlanError: bad options, or a memory budget that cannot be met.
-        MappingError: the mapping is wrong.
-        DistributedError: a rank failed during a phase (raised on every rank, naming phase and ranks).
+        PlanError: bad arguments (raised here, by this call); while iterating, a memory budget that
+            cannot be met, or ranks that built different plans.
+        LayoutError: a module instead of its state (raised here); while iterating, holes, conflicting
+            overlaps, shape/dtype disagreements, meta tensors, keys that are not strings.
+        MappingError: the mapping is wrong (while iterating).
+        DistributedError: a rank failed, died, or never came during a phase (raised on every rank,
+            naming the phase and the ranks).
 
     Example:
-        >>> for name, tensor in full_params({"w": shard_dim(torch.arange(34.).reshape(17, 2), 0, rank, 2)}):
-        ...     print(name, tensor.shape)     # doctest: +SKIP
-        w torch.Size([17, 2])
+        >>> import torch
+        >>> from shardsync.layout import shard_dim
+        >>> full = torch.arange(34.).reshape(17, 2)
+        >>> shards = [shard_dim(full, 0, r, 2) for r in range(2)]   # both shards, one process
+        >>> for name, tensor in full_params({"w": shards}, "w^T -> w_t"):
+        ...     print(name, tuple(tensor.shape), torch.equal(tensor, full.T))
+        w_t (2, 17) True
     """
-    options = _options(group, consumers, strategy=strategy, num_splits=num_splits,
-                       split_index=split_index, split_by=split_by, bucket_bytes=bucket_bytes,
-                       memory_budget=memory_budget, mesh_threshold_bytes=mesh_threshold_bytes, copy=copy)
-    return ParamStream(state, mapping, group, mesh, options)
+    return ParamStream(_request(state, mapping, group, mesh, consumers, strategy=strategy,
+                                num_splits=num_splits, split_index=split_index, split_by=split_by,
+                                bucket_bytes=bucket_bytes, memory_budget=memory_budget,
+                                mesh_threshold_bytes=mesh_threshold_bytes, copy=copy))
 
 
-def plan(state: Mapping[str, StateValue], mapping: MappingLike | None = None, *, group: Any = None,
-         mesh: Any = None, consumers: Consumers = "all", **options: Any) -> Plan:
+def plan(state: Mapping[str, StateValue], mapping: MappingLike | None = None, *,
+         group: ProcessGroup | None = None, mesh: MeshLike | None = None, consumers: Consumers = "all",
+         **options: Any) -> Plan:
     """The plan :func:`full_params` would run, for inspection (collective: call on every rank).
 
     Takes the same arguments as :func:`full_params`; moves no tensor data.
 
     Example:
-        >>> p = shardsync.plan(state, strategy="bucketed")    # doctest: +SKIP
-        >>> print(p.summary())                                 # doctest: +SKIP
+        >>> import torch
+        >>> p = plan({"w": torch.zeros(4, 3), "b": torch.zeros(3)}, strategy="bucketed")
+        >>> p.strategy, p.order
+        ('bucketed', ('b', 'w'))
     """
-    return _prepare(state, mapping, group, mesh, _options(group, consumers, **options)).plan
+    return _prepare(_request(state, mapping, group, mesh, consumers, **options)).plan

@@ -13,7 +13,7 @@ import logging
 import time
 from collections import deque
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -26,6 +26,9 @@ from ..sources import Source
 from .assemble import copy_piece
 from .stats import Stats
 from .transport import Pending, Received, Transport, unpack
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
 
 __all__ = ["execute", "STREAM_PHASE"]
 
@@ -154,7 +157,7 @@ class _Run:
 
 
 def execute(plan: Plan, source: Source, transport: Transport, rank: int, stats: Stats,
-            *, group: Any = None, device: torch.device | None = None,
+            *, group: ProcessGroup | None = None, device: torch.device | None = None,
             ) -> Iterator[tuple[str, torch.Tensor]]:
     """Run ``plan`` on this rank; yield ``(name, tensor)`` for each target this rank consumes.
 

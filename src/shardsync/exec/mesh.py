@@ -2,58 +2,98 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, NamedTuple, Union
 
+import torch
 import torch.distributed as dist
 
+from ..dist import GroupRanks, transport_errors
 from ..errors import PlanError
 from ..planning.mesh import Topology
-from ..dist import GroupRanks
 from ..planning.model import Step
 from .stats import Stats
 from .transport import PacketIO, Pending, Posted, Received, landing
 
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
+    from torch.distributed.device_mesh import DeviceMesh
 
-__all__ = ["MeshGroups", "mesh_groups", "local_mesh_info", "MeshTransport"]
-
-#: (horizontal group, vertical group or None for a single row).
-MeshGroups = tuple[Any, Any]
+__all__ = ["MeshGroups", "MeshLike", "MeshPlace", "mesh_groups", "local_mesh_info", "MeshTransport"]
 
 
-def mesh_groups(mesh: Any) -> MeshGroups:
-    """Normalise ``mesh``: a 2-D DeviceMesh (dim 1 horizontal, dim 0 vertical) or ``(h, v)`` groups.
+class MeshGroups(NamedTuple):
+    """The groups of a 2-D mesh this rank belongs to.
 
     Example:
-        >>> h, v = mesh_groups(init_device_mesh("cpu", (2, 2)))   # doctest: +SKIP
+        >>> MeshGroups(None, None).vertical is None
+        True
     """
-    if type(mesh).__name__ == "DeviceMesh":
+
+    horizontal: ProcessGroup
+    vertical: ProcessGroup | None  # None: a single row
+
+
+class MeshPlace(NamedTuple):
+    """This rank's horizontal and vertical groups, as ranks of the stream's group (group-rank order).
+
+    Example:
+        >>> MeshPlace(horizontal=(2, 3), vertical=(1, 3)).horizontal.index(3)   # rank 3's column
+        1
+    """
+
+    horizontal: tuple[int, ...]
+    vertical: tuple[int, ...]
+
+
+#: What ``mesh=`` accepts: a 2-D DeviceMesh, or (horizontal group, vertical group or None).
+MeshLike = Union["DeviceMesh", tuple["ProcessGroup", Union["ProcessGroup", None]]]
+
+
+def mesh_groups(mesh: MeshLike) -> MeshGroups:
+    """Normalise ``mesh``: a 2-D DeviceMesh (dim 1 horizontal, dim 0 vertical) or ``(h, v)`` groups.
+
+    Raises:
+        PlanError: ``mesh`` is neither.
+
+    Example:
+        >>> mesh_groups("2x2")
+        Traceback (most recent call last):
+        ...
+        shardsync.errors.PlanError: mesh must be a 2-D DeviceMesh or (horizontal group, ...); got str
+    """
+    from torch.distributed.device_mesh import DeviceMesh  # local: a plain process never needs it
+
+    if isinstance(mesh, DeviceMesh):
         if mesh.ndim != 2:
             raise PlanError(f"mesh2d needs a 2-D DeviceMesh, got {mesh.ndim} dims; pass "
                             "(horizontal group, vertical group) for other shapes")
-        return mesh.get_group(1), mesh.get_group(0)
+        return MeshGroups(mesh.get_group(1), mesh.get_group(0))
     if isinstance(mesh, (tuple, list)) and len(mesh) == 2 and mesh[0] is not None:
-        return mesh[0], mesh[1]
+        return MeshGroups(mesh[0], mesh[1])
     raise PlanError("mesh must be a 2-D DeviceMesh or (horizontal group, vertical group); got "
                     f"{type(mesh).__name__}")
 
 
-def local_mesh_info(groups: MeshGroups, ranks: GroupRanks) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """This rank's horizontal and vertical groups as ranks of the stream's group (group-rank order).
+def local_mesh_info(groups: MeshGroups, ranks: GroupRanks) -> MeshPlace:
+    """This rank's place in the mesh, in ranks of the stream's group.
+
+    Raises:
+        PlanError: a mesh group reaches ranks outside the stream's group.
 
     Example:
         >>> local_mesh_info(mesh_groups(device_mesh), GroupRanks.of(None))   # doctest: +SKIP
-        ((2, 3), (1, 3))
+        MeshPlace(horizontal=(2, 3), vertical=(1, 3))
     """
-    def members(g: Any) -> tuple[int, ...]:
+    def members(g: ProcessGroup | None) -> tuple[int, ...]:
         if g is None:
             return (ranks.rank,)
         glob = dist.get_process_group_ranks(g)
         outside = [r for r in glob if r not in ranks.global_ranks]
         if outside:
-            raise PlanError(f"mesh group with global ranks {glob} reaches ranks {outside} outside the "
-                            "stream's group; build the mesh from the same ranks")
+            raise PlanError(f"mesh group with global ranks {glob} reaches global ranks {outside} outside "
+                            "the stream's group; build the mesh from the same ranks")
         return tuple(ranks.global_ranks.index(r) for r in glob)
-    return members(groups[0]), members(groups[1])
+    return MeshPlace(members(groups.horizontal), members(groups.vertical))
 
 
 class MeshTransport:
@@ -71,7 +111,7 @@ class MeshTransport:
 
     def __init__(self, ranks: GroupRanks, groups: MeshGroups, topology: Topology) -> None:
         self.ranks = ranks
-        self.h, self.v = groups
+        self.h, self.v = groups.horizontal, groups.vertical
         self.topology = topology
         self.row, self.col = next((i, j) for i, row in enumerate(topology)
                                   for j, r in enumerate(row) if r == ranks.rank)
@@ -83,8 +123,9 @@ class MeshTransport:
             return Posted(got=self._global(step, io, stats))
         return Posted()
 
-    def _down(self, buf: Any, src: int, stats: Stats, group: Any) -> None:
-        dist.broadcast(buf, src=self.ranks.to_global(src), group=group)
+    def _down(self, buf: torch.Tensor, src: int, stats: Stats, group: ProcessGroup | None) -> None:
+        with transport_errors():
+            dist.broadcast(buf, src=self.ranks.to_global(src), group=group)
         stats.collectives += 1
         if src == self.ranks.rank:
             stats.bytes_sent += buf.numel()
@@ -99,14 +140,14 @@ class MeshTransport:
             self._down(buf, pk.src, stats, self.v)
         outs = [landing(p, io) if p.src >= 0 and c != self.col and p.src != me else io.buffer(n)
                 for c, p in enumerate(step.packets)]
-        dist.all_gather(outs, buf, group=self.h)
+        with transport_errors():
+            dist.all_gather(outs, buf, group=self.h)
         stats.collectives += 1
         stats.bytes_sent += n
         stats.bytes_received += n * (ncols - 1)
-        got: list[Received] = [(p, outs[c]) for c, p in enumerate(step.packets)
-                               if p.src >= 0 and c != self.col]
+        got = [Received(p, outs[c]) for c, p in enumerate(step.packets) if p.src >= 0 and c != self.col]
         if pk.src >= 0 and pk.src != me:
-            got.append((pk, buf))
+            got.append(Received(pk, buf))
         return got
 
     def _global(self, step: Step, io: PacketIO, stats: Stats) -> list[Received]:
@@ -117,4 +158,4 @@ class MeshTransport:
             self._down(buf, pk.src, stats, self.v)
         if len(self.topology[0]) > 1:
             self._down(buf, self.topology[self.row][src_col], stats, self.h)
-        return [(pk, buf)] if pk.src != me else []
+        return [Received(pk, buf)] if pk.src != me else []

@@ -14,13 +14,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import NamedTuple, Protocol
 
 import torch
 import torch.distributed as dist
 
+from ..dist import GroupRanks, transport_errors
 from ..layout.dtypes import to_torch_dtype
-from ..dist import GroupRanks
 from ..planning.model import Packet, Read, Step
 from .stats import Stats
 
@@ -28,8 +28,17 @@ from .stats import Stats
 __all__ = ["Transport", "Pending", "PacketIO", "Received", "Posted", "unpack",
            "BroadcastTransport", "P2PTransport", "LocalTransport"]
 
-#: Packet and its buffer, as received by this rank.
-Received = tuple[Packet, torch.Tensor]
+
+class Received(NamedTuple):
+    """A packet and the buffer this rank received it in.
+
+    Example:
+        >>> Received(Packet(0, -1, (0,), (0,), 4), torch.zeros(4, dtype=torch.uint8)).buffer.numel()
+        4
+    """
+
+    packet: Packet
+    buffer: torch.Tensor
 
 
 class PacketIO(Protocol):
@@ -73,12 +82,13 @@ class Posted:
         []
     """
 
-    works: list[Any] = field(default_factory=list)
+    works: list[dist.Work] = field(default_factory=list)
     got: list[Received] = field(default_factory=list)
 
     def wait(self) -> list[Received]:
-        for work in self.works:
-            work.wait()
+        with transport_errors():
+            for work in self.works:
+                work.wait()
         self.works = []
         return self.got
 
@@ -142,9 +152,10 @@ class BroadcastTransport:
             else:
                 buf = landing(pk, io)
                 stats.bytes_received += pk.nbytes
-                posted.got.append((pk, buf))
-            posted.works.append(dist.broadcast(buf, src=self.ranks.to_global(pk.src),
-                                               group=self.ranks.group, async_op=True))
+                posted.got.append(Received(pk, buf))
+            with transport_errors():
+                posted.works.append(dist.broadcast(buf, src=self.ranks.to_global(pk.src),
+                                                   group=self.ranks.group, async_op=True))
             stats.collectives += 1
         return posted
 
@@ -171,9 +182,10 @@ class P2PTransport:
                 buf = landing(pk, io)
                 ops.append(dist.P2POp(dist.irecv, buf, self.ranks.to_global(pk.src), group))
                 stats.bytes_received += pk.nbytes
-                posted.got.append((pk, buf))
+                posted.got.append(Received(pk, buf))
         if ops:
-            posted.works = list(dist.batch_isend_irecv(ops))
+            with transport_errors():
+                posted.works = list(dist.batch_isend_irecv(ops))
             stats.collectives += len(ops)
         return posted
 

@@ -107,7 +107,30 @@ def from_dtensor(dt: Any) -> ShardedTensor:
 
 
 def local_shards(key: str, value: StateValue) -> list[ShardedTensor]:
-    """Normalise one state-dict value into the shards this rank holds."""
+    """Normalise one state-dict value into the shards this rank holds.
+
+    Raises:
+        LayoutError: the key is not a string, the value is of an unsupported type, its shards
+            disagree, or it is a meta tensor (no data to stream).
+
+    Example:
+        >>> local_shards(0, torch.zeros(2))
+        Traceback (most recent call last):
+        ...
+        shardsync.errors.LayoutError: state key 0 (int) is not a string; state dict keys must be ...
+    """
+    if not isinstance(key, str):
+        raise LayoutError(f"state key {key!r} ({type(key).__name__}) is not a string; state dict keys "
+                          "must be strings (as model.state_dict() makes them)")
+    shards = _normalise(key, value)
+    if any(s.local.is_meta for s in shards):
+        raise LayoutError(f"{key!r} is a meta tensor (a shape without data), so there is nothing to "
+                          "stream; materialise it first (e.g. model.to_empty(device='cpu'), then load "
+                          "the weights)")
+    return shards
+
+
+def _normalise(key: str, value: StateValue) -> list[ShardedTensor]:
     if type(value).__name__ == "DTensor":
         return [from_dtensor(value)]
     if isinstance(value, ShardedTensor):
@@ -126,9 +149,12 @@ def local_shards(key: str, value: StateValue) -> list[ShardedTensor]:
 
 
 def local_layout(state: Mapping[str, StateValue]) -> list[LayoutEntry]:
-    """This rank's entries ``(key, global_shape, dtype, box)`` for :meth:`GlobalLayout.merge`."""
-    entries = []
-    for key in sorted(state):
-        for shard in local_shards(key, state[key]):
-            entries.append(LayoutEntry(key, shard.global_shape, dtype_name(shard.dtype), shard.box))
-    return entries
+    """This rank's entries ``(key, global_shape, dtype, box)`` for :meth:`GlobalLayout.merge`.
+
+    Example:
+        >>> local_layout({"w": torch.zeros(2, 3)})[0].shape
+        (2, 3)
+    """
+    shards = {key: local_shards(key, value) for key, value in state.items()}  # checks keys first
+    return [LayoutEntry(key, s.global_shape, dtype_name(s.dtype), s.box)
+            for key in sorted(shards) for s in shards[key]]

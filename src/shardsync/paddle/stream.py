@@ -16,6 +16,7 @@ from typing import Any
 
 from ..errors import PlanError
 from ..layout import ShardedTensor, StateValue
+from ..planning import DEFAULT_MESH_THRESHOLD_BYTES
 from ..stream import ParamStream, full_params
 
 __all__ = ["full_param", "PADDLE_KEYWORDS"]
@@ -63,4 +64,4 @@ def full_param(sharded_state_dict: Mapping[str, Any], aoa_config: Any = None, **
     return full_params(state, aoa_config, group=kwargs.get("process_group"),
                        strategy="mesh2d" if h is not None else "auto", mesh=(h, v) if h is not None else None,
                        num_splits=kwargs.get("num_splits", 1), split_index=kwargs.get("shard_idx", 0),
-                       mesh_threshold_bytes=kwargs.get("memory_growth_threshold", 8 << 30))
+                       mesh_threshold_bytes=kwargs.get("memory_growth_threshold", DEFAULT_MESH_THRESHOLD_BYTES))

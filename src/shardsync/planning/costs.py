@@ -10,12 +10,13 @@ released when yielded) plus the step's buffers (packed sends, receive buffers).
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import get_args
 
 from ..layout.box import Box
-from .model import Costs, Read, Step, TargetPlan
+from .model import Costs, Read, Step, StepKind, TargetPlan
 
-__all__ = ["is_zero_copy", "estimate_costs"]
+__all__ = ["is_zero_copy", "estimate_costs", "STEP_COSTS"]
 
 
 def is_zero_copy(target: TargetPlan, reads: Sequence[Read], rank: int, copy: bool) -> bool:
@@ -53,7 +54,8 @@ class _Tally:
                 self.recv[r] += n
 
 
-def _mesh_hv(t: _Tally, step: Step, topology: Sequence[Sequence[int]]) -> None:
+def _mesh_hv(t: _Tally, step: Step, world: int, topology: Sequence[Sequence[int]] | None) -> None:
+    assert topology is not None  # mesh steps exist only in plans with a topology
     # Every rank holds its column's item (packed, received, or padding) and the all_gather output.
     n, ncols = step.packets[0].nbytes, len(topology[0])
     for j, pk in enumerate(step.packets):
@@ -68,7 +70,8 @@ def _mesh_hv(t: _Tally, step: Step, topology: Sequence[Sequence[int]]) -> None:
             t.buf[r] += n * (ncols + 1)
 
 
-def _mesh_global(t: _Tally, step: Step, topology: Sequence[Sequence[int]]) -> None:
+def _mesh_global(t: _Tally, step: Step, world: int, topology: Sequence[Sequence[int]] | None) -> None:
+    assert topology is not None  # mesh steps exist only in plans with a topology
     # Down the sender's column, then across every row from that column; one buffer on every rank.
     pk = step.packets[0]
     j = next(j for row in topology for j, r in enumerate(row) if r == pk.src)
@@ -81,21 +84,29 @@ def _mesh_global(t: _Tally, step: Step, topology: Sequence[Sequence[int]]) -> No
             t.buf[r] += pk.nbytes
 
 
-def _step_traffic(t: _Tally, step: Step, world: int, topology: Sequence[Sequence[int]] | None) -> None:
-    if step.kind == "broadcast":
-        for pk in step.packets:
-            t.collective(range(world), pk.src, pk.nbytes)
-            for r in range(world):
-                t.buf[r] += pk.nbytes
-    elif step.kind == "p2p":
-        for pk in step.packets:
-            t.collective((pk.src, pk.dst), pk.src, pk.nbytes)
-            t.buf[pk.src] += pk.nbytes
-            t.buf[pk.dst] += pk.nbytes
-    elif step.kind == "mesh_hv" and topology is not None:
-        _mesh_hv(t, step, topology)
-    elif step.kind == "mesh_global" and topology is not None:
-        _mesh_global(t, step, topology)
+def _broadcast(t: _Tally, step: Step, world: int, topology: Sequence[Sequence[int]] | None) -> None:
+    for pk in step.packets:
+        t.collective(range(world), pk.src, pk.nbytes)
+        for r in range(world):
+            t.buf[r] += pk.nbytes
+
+
+def _p2p(t: _Tally, step: Step, world: int, topology: Sequence[Sequence[int]] | None) -> None:
+    for pk in step.packets:
+        t.collective((pk.src, pk.dst), pk.src, pk.nbytes)
+        t.buf[pk.src] += pk.nbytes
+        t.buf[pk.dst] += pk.nbytes
+
+
+def _local(t: _Tally, step: Step, world: int, topology: Sequence[Sequence[int]] | None) -> None:
+    pass  # nothing moves
+
+
+#: The cost model of each step kind: adds a step's traffic and buffers to the tally.
+STEP_COSTS: dict[str, Callable[[_Tally, Step, int, Sequence[Sequence[int]] | None], None]] = {
+    "local": _local, "broadcast": _broadcast, "p2p": _p2p, "mesh_hv": _mesh_hv, "mesh_global": _mesh_global}
+if set(STEP_COSTS) != set(get_args(StepKind)):
+    raise ImportError(f"STEP_COSTS {sorted(STEP_COSTS)} must cost every StepKind {get_args(StepKind)}")
 
 
 def estimate_costs(steps: Sequence[Step], reads: Sequence[Read], targets: Sequence[TargetPlan],
@@ -133,7 +144,7 @@ def estimate_costs(steps: Sequence[Step], reads: Sequence[Read], targets: Sequen
 
     for k, step in enumerate(steps):
         t.buf = [0] * world
-        _step_traffic(t, step, world, topology)
+        STEP_COSTS[step.kind](t, step, world, topology)
         inflight.append((step, t.buf))
         for r in range(world):
             held[r] += sum(size[i][r] for i in step.opens)

@@ -16,15 +16,16 @@ from ..errors import PlanError
 from ..layout.meta import GlobalLayout
 from ..mapping.pieces import TargetSpec
 from .costs import estimate_costs
-from .mesh import Topology, schedule_mesh
+from .mesh import Topology
 from .model import Plan, SplitBy, Strategy, StrategyChoice, TargetPlan
 from .reads import build_reads
-from .schedule import RawStep, attach_targets, schedule_broadcast, schedule_bucketed, schedule_p2p
+from .schedule import attach_targets
+from .strategies import STRATEGIES, ScheduleArgs, strategy_problems
 from .validate import check_inputs, check_plan
 
-__all__ = ["PlanOptions", "build_plan", "choose_strategy", "split_ranges", "select_split",
-           "DEFAULT_BUCKET_BYTES", "MIN_BUCKET_BYTES", "MAX_CHUNKS", "SOLO_READ_BYTES", "PIPELINE_DEPTH",
-           "STRATEGIES"]
+__all__ = ["PlanOptions", "build_plan", "check_options", "choose_strategy", "split_ranges", "select_split",
+           "DEFAULT_BUCKET_BYTES", "DEFAULT_MESH_THRESHOLD_BYTES", "MIN_BUCKET_BYTES", "MAX_CHUNKS",
+           "SOLO_READ_BYTES", "PIPELINE_DEPTH"]
 
 log = logging.getLogger(__name__)
 
@@ -35,13 +36,15 @@ DEFAULT_BUCKET_BYTES = 16 << 20
 #: Under "auto", reads this big travel alone, the smaller ones in buckets: from about here, packing
 #: (a copy on each side) costs more than the gloo broadcast overhead (~0.5 ms) it saves.
 SOLO_READ_BYTES = 1 << 20
+#: mesh2d moves a read alone (two-stage broadcast) when batching it would grow every rank's memory by
+#: more than this (Paddle's ``memory_growth_threshold`` default).
+DEFAULT_MESH_THRESHOLD_BYTES = 8 << 30
 #: Smallest cap the planner goes down to when fitting a memory budget.
 MIN_BUCKET_BYTES = 256
 #: Most pieces the planner cuts the largest read into when fitting a memory budget.
 MAX_CHUNKS = 1024
 #: Steps in flight at once (step k+1 is on the wire while step k is copied and yielded).
 PIPELINE_DEPTH = 2
-STRATEGIES: tuple[str, ...] = ("auto", "broadcast", "bucketed", "mesh2d", "p2p")
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,7 +66,7 @@ class PlanOptions:
     consumers: tuple[int, ...] | None = None
     bucket_bytes: int = DEFAULT_BUCKET_BYTES
     memory_budget: int | None = None
-    mesh_threshold_bytes: int = 8 << 30
+    mesh_threshold_bytes: int = DEFAULT_MESH_THRESHOLD_BYTES
     copy: bool = True
     backend: str = "gloo"
 
@@ -141,26 +144,40 @@ def select_split(sizes: Sequence[int], parts: int, index: int, by: SplitBy = "co
 
 # -- options, strategy, fitting ------------------------------------------------------------------
 
-def _option_problems(o: PlanOptions, world: int, topology: Topology | None) -> list[str]:
-    p = []
-    if o.strategy not in STRATEGIES:
-        p.append(f"strategy {o.strategy!r} is unknown; use one of {list(STRATEGIES)}")
-    if o.num_splits < 1 or not 0 <= o.split_index < max(o.num_splits, 1):
-        p.append(f"num_splits={o.num_splits}, split_index={o.split_index}: use num_splits >= 1 and "
-                 "0 <= split_index < num_splits")
+def _is_int(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def check_options(o: PlanOptions, world: int, meshed: bool) -> None:
+    """Check the options of a stream over ``world`` ranks (with a mesh or not), before anything runs.
+
+    Raises:
+        PlanError: every problem at once, each with its fix.
+
+    Example:
+        >>> check_options(PlanOptions(strategy="broadcast", consumers=(0,)), world=2, meshed=False)
+        Traceback (most recent call last):
+        ...
+        shardsync.errors.PlanError: invalid stream options:
+          strategy 'broadcast' delivers to every rank; with consumers use one of ['auto', 'p2p']
+    """
+    p = strategy_problems(o.strategy, o.consumers is not None, meshed)
+    if not (_is_int(o.num_splits) and _is_int(o.split_index) and 0 <= o.split_index < o.num_splits):
+        p.append(f"num_splits={o.num_splits!r}, split_index={o.split_index!r}: use integers with "
+                 "num_splits >= 1 and 0 <= split_index < num_splits")
     if o.split_by not in ("count", "bytes"):
         p.append(f"split_by {o.split_by!r} is unknown; use 'count' or 'bytes'")
-    if o.bucket_bytes < 1 or (o.memory_budget is not None and o.memory_budget < 1):
-        p.append(f"bucket_bytes={o.bucket_bytes}, memory_budget={o.memory_budget}: use positive sizes")
+    sizes = {"bucket_bytes": o.bucket_bytes, "mesh_threshold_bytes": o.mesh_threshold_bytes}
+    if o.memory_budget is not None:
+        sizes["memory_budget"] = o.memory_budget
+    p += [f"{name}={value!r}: use a positive number of bytes"
+          for name, value in sizes.items() if not (_is_int(value) and value >= 1)]
     if o.consumers is not None:
-        bad = [r for r in o.consumers if not 0 <= r < world]
+        bad = [r for r in o.consumers if not (_is_int(r) and 0 <= r < world)]
         if bad or len(set(o.consumers)) != len(o.consumers) or not o.consumers:
             p.append(f"consumers {list(o.consumers)}: use distinct ranks in [0, {world})")
-        if o.strategy in ("broadcast", "bucketed", "mesh2d"):
-            p.append(f"strategy {o.strategy!r} delivers to every rank; with consumers use 'p2p' or 'auto'")
-    if o.strategy == "mesh2d" and topology is None:
-        p.append("strategy 'mesh2d' needs mesh=(horizontal group, vertical group) or a 2-D DeviceMesh")
-    return p
+    if p:
+        raise PlanError("invalid stream options:\n  " + "\n  ".join(p))
 
 
 def choose_strategy(o: PlanOptions, topology: Topology | None) -> Strategy:
@@ -192,32 +209,21 @@ def _consumers(selected: Sequence[TargetSpec], o: PlanOptions, world: int) -> li
     return out
 
 
-def _schedule(strategy: Strategy, reads: Sequence, cap: int, o: PlanOptions,
-              topology: Topology | None) -> tuple[list[RawStep], dict[int, int]]:
-    solo = SOLO_READ_BYTES if o.strategy == "auto" else None
-    if strategy == "broadcast":
-        return schedule_broadcast(reads)
-    if strategy == "bucketed":
-        return schedule_bucketed(reads, cap, solo)
-    if strategy == "p2p":
-        return schedule_p2p(reads, cap, solo)
-    assert topology is not None
-    return schedule_mesh(reads, topology, o.mesh_threshold_bytes)
-
-
 def _attempt(selected: Sequence[TargetSpec], consumers: list[tuple[int, ...]], layout: GlobalLayout,
              world: int, o: PlanOptions, topology: Topology | None, cap: int, strategy: Strategy | None,
              depth: int) -> Plan:
     chunked = cap if o.memory_budget is not None else None
     reads, copies = build_reads(selected, consumers, layout, world, max_read_bytes=chunked)
     strategy = strategy or choose_strategy(o, topology)
-    raw, step_of = _schedule(strategy, reads, cap, o, topology)
+    args = ScheduleArgs(cap, SOLO_READ_BYTES if o.strategy == "auto" else None, topology,
+                        o.mesh_threshold_bytes)
+    raw, step_of = STRATEGIES[strategy].schedule(reads, args)
     targets = tuple(TargetPlan(t.name, t.shape, t.dtype, c, tuple(cp))
                     for t, c, cp in zip(selected, consumers, copies))
     steps = attach_targets(raw, step_of, copies)
     costs = estimate_costs(steps, reads, targets, world, topology, o.copy, depth)
     return Plan(strategy, world, targets, tuple(reads), tuple(steps), cap, costs,
-                topology if strategy == "mesh2d" else None, o.copy, depth)
+                topology if STRATEGIES[strategy].needs_mesh else None, o.copy, depth)
 
 
 def build_plan(targets: Sequence[TargetSpec], layout: GlobalLayout, options: PlanOptions,
@@ -238,9 +244,7 @@ def build_plan(targets: Sequence[TargetSpec], layout: GlobalLayout, options: Pla
         >>> plan = build_plan(resolve(None, layout), layout, opts)  # doctest: +SKIP
     """
     world = layout.world_size
-    problems = _option_problems(options, world, topology)
-    if problems:
-        raise PlanError("invalid stream options:\n  " + "\n  ".join(problems))
+    check_options(options, world, topology is not None)
     sizes = [t.nbytes for t in targets]
     selected = [targets[i] for i in select_split(sizes, options.num_splits, options.split_index,
                                                  options.split_by)]

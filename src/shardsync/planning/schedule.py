@@ -16,6 +16,7 @@ Reads that nobody receives over the wire (every reader holds them) are read in p
 from __future__ import annotations
 
 from collections.abc import Callable, Hashable, Sequence
+from typing import TypeVar
 
 from .model import Copy, Packet, Read, Step, StepKind
 
@@ -26,6 +27,7 @@ __all__ = ["ALIGN", "RawStep", "pack", "schedule_broadcast", "schedule_bucketed"
 ALIGN = 16
 #: A step before targets are attached: its kind and packets.
 RawStep = tuple[StepKind, tuple[Packet, ...]]
+K = TypeVar("K", bound=Hashable)
 
 
 def _aligned(n: int) -> int:
@@ -51,6 +53,12 @@ def _moved(reads: Sequence[Read]) -> list[int]:
     return [i for i, r in enumerate(reads) if r.receivers]
 
 
+def _sender(read: Read) -> int:
+    if read.sender is None:  # build_reads gives every read with receivers a sender
+        raise ValueError(f"read of {read.source!r} {read.box} has receivers but no sender (planner bug)")
+    return read.sender
+
+
 def schedule_broadcast(reads: Sequence[Read]) -> tuple[list[RawStep], dict[int, int]]:
     """One broadcast step per moved read. Returns the steps and each moved read's step index.
 
@@ -58,17 +66,17 @@ def schedule_broadcast(reads: Sequence[Read]) -> tuple[list[RawStep], dict[int, 
         >>> steps, step_of = schedule_broadcast(reads)   # doctest: +SKIP
     """
     moved = _moved(reads)
-    steps: list[RawStep] = [("broadcast", (pack(reads, [i], reads[i].sender or 0),)) for i in moved]
+    steps: list[RawStep] = [("broadcast", (pack(reads, [i], _sender(reads[i])),)) for i in moved]
     return steps, {i: k for k, i in enumerate(moved)}
 
 
-def _rounds(reads: Sequence[Read], cap: int, keys: Callable[[Read], list[Hashable]],
-            solo: int | None = None) -> tuple[list[dict[Hashable, list[int]]], dict[int, int]]:
+def _rounds(reads: Sequence[Read], cap: int, keys: Callable[[Read], list[K]],
+            solo: int | None = None) -> tuple[list[dict[K, list[int]]], dict[int, int]]:
     # Fill one buffer per key; when any buffer of a read would overflow, close the round first, so a
     # read's deliveries all land in one round. A read larger than cap travels alone, and so does one
     # of at least ``solo`` bytes (in a round of its own: sent from the shard, received in place).
-    rounds: list[dict[Hashable, list[int]]] = [{}]
-    size: dict[Hashable, int] = {}
+    rounds: list[dict[K, list[int]]] = [{}]
+    size: dict[K, int] = {}
     step_of: dict[int, int] = {}
     for i in _moved(reads):
         ks, n = keys(reads[i]), reads[i].nbytes
@@ -86,7 +94,7 @@ def _rounds(reads: Sequence[Read], cap: int, keys: Callable[[Read], list[Hashabl
     return [r for r in rounds if r], _renumber(rounds, step_of)
 
 
-def _renumber(rounds: list[dict[Hashable, list[int]]], step_of: dict[int, int]) -> dict[int, int]:
+def _renumber(rounds: Sequence[dict[K, list[int]]], step_of: dict[int, int]) -> dict[int, int]:
     index, k = {}, 0
     for j, r in enumerate(rounds):
         if r:
@@ -103,7 +111,7 @@ def schedule_bucketed(reads: Sequence[Read], cap: int, solo: int | None = None,
     Example:
         >>> steps, step_of = schedule_bucketed(reads, 16 << 20, solo=1 << 20)   # doctest: +SKIP
     """
-    rounds, step_of = _rounds(reads, cap, lambda r: [r.sender], solo)
+    rounds, step_of = _rounds(reads, cap, lambda r: [_sender(r)], solo)
     steps: list[RawStep] = [("broadcast", tuple(pack(reads, ids, src) for src, ids in sorted(rnd.items())))
                             for rnd in rounds]
     return steps, step_of
@@ -117,7 +125,7 @@ def schedule_p2p(reads: Sequence[Read], cap: int, solo: int | None = None,
     Example:
         >>> steps, step_of = schedule_p2p(reads, 16 << 20)   # doctest: +SKIP
     """
-    rounds, step_of = _rounds(reads, cap, lambda r: [(r.sender, d) for d in r.receivers], solo)
+    rounds, step_of = _rounds(reads, cap, lambda r: [(_sender(r), d) for d in r.receivers], solo)
     steps: list[RawStep] = [("p2p", tuple(pack(reads, ids, s, d) for (s, d), ids in sorted(rnd.items())))
                             for rnd in rounds]
     return steps, step_of
@@ -145,7 +153,8 @@ def attach_targets(raw: list[RawStep], step_of: dict[int, int],
         opens.append(min(steps) if steps else None)
     lead = -1 in done
     shift = 1 if lead else 0
-    all_raw: list[RawStep] = ([("local", ())] if lead else []) + list(raw)
+    leading: list[RawStep] = [("local", ())] if lead else []
+    all_raw = leading + list(raw)
     by_ready: list[list[int]] = [[] for _ in all_raw]
     by_open: list[list[int]] = [[] for _ in all_raw]
     for t, (d, o) in enumerate(zip(done, opens)):

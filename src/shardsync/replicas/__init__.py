@@ -18,12 +18,12 @@ from .engine import SyncStats
 from .preflight import DEFAULT_STATES, GroupLike
 from .report import DriftReport, DriftRow
 from .select import DEFAULT_INCLUDE, Choice, Selection, select_replicated, tp_sharding
-from .sync import DEFAULT_BUCKET_BYTES, HookHandle, ReplicaSync
+from .sync import SYNC_BUCKET_BYTES, HookHandle, ReplicaSync
 
 __all__ = [
     "select_replicated", "Selection", "Choice", "DEFAULT_INCLUDE", "tp_sharding",
     "ReplicaSync", "HookHandle", "SyncPlan", "PhasePlan", "Bucket", "SyncStats",
-    "DEFAULT_BUCKET_BYTES", "DEFAULT_STATES", "GroupLike",
+    "SYNC_BUCKET_BYTES", "DEFAULT_STATES", "GroupLike",
     "detect_drift", "DriftReport", "DriftRow", "DEFAULT_WHAT", "watch_drift", "DriftWatch",
     "fingerprint",
     "ReplicaError", "DriftError",

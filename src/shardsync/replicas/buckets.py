@@ -20,6 +20,7 @@ from typing import Any, Literal, NamedTuple
 import torch
 import torch.distributed as dist
 
+from ..dist import transport_errors
 from ..errors import ReplicaError
 from ..layout import dtype_name
 
@@ -143,12 +144,13 @@ def exchange(bucket: Bucket, tensors: Sequence[torch.Tensor | None], *, group: A
             seg.copy_(t.reshape(-1))
     if bucket.flags:
         segments[n].copy_(torch.tensor([t is not None for t in tensors], dtype=bucket.dtype))
-    if bucket.op == "broadcast":
-        dist.broadcast(buf, src=src, group=group)
-    else:
-        dist.all_reduce(buf, op=dist.ReduceOp.SUM, group=group)
-        if bucket.op == "mean":
-            buf[:numel].div_(world)
+    with transport_errors():
+        if bucket.op == "broadcast":
+            dist.broadcast(buf, src=src, group=group)
+        else:
+            dist.all_reduce(buf, op=dist.ReduceOp.SUM, group=group)
+    if bucket.op == "mean":
+        buf[:numel].div_(world)
     present = segments[n].tolist() if bucket.flags else [1] * n
     return [seg.view(m.shape) if flag else None
             for seg, m, flag in zip(segments, bucket.members, present)]

@@ -23,7 +23,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..errors import ReplicaError
-from ..dist import agree, data_phase, group_rank, group_size, is_distributed
+from ..dist import agree, data_phase, group_rank, group_size, is_distributed, transport_errors
 from ..layout import to_torch_dtype
 from .buckets import Item, Member
 from .engine import SyncStats, build_buckets, run_buckets
@@ -32,7 +32,7 @@ from .replicated import (Entry, MasterParams, ReplicatedParam, check_same, descr
                          resolve_replicated)
 from .report import DriftReport, DriftRow
 from .select import SelectorLike, resolve_selector
-from .sync import DEFAULT_BUCKET_BYTES
+from .sync import SYNC_BUCKET_BYTES
 
 __all__ = ["DEFAULT_WHAT", "OnDrift", "detect_drift", "fingerprint", "DriftWatch", "watch_drift"]
 
@@ -129,8 +129,9 @@ def _exact_diffs(indices: Sequence[int], agreed: Sequence[Entry], by_name: dict[
             numels = [math.prod(agreed[i].shape) for i in members]
             hi = _flat(local_ts, numels, -torch.inf, comm, device)
             lo = _flat(local_ts, numels, torch.inf, comm, device)
-            dist.all_reduce(hi, op=dist.ReduceOp.MAX, group=group)
-            dist.all_reduce(lo, op=dist.ReduceOp.MIN, group=group)
+            with transport_errors():
+                dist.all_reduce(hi, op=dist.ReduceOp.MAX, group=group)
+                dist.all_reduce(lo, op=dist.ReduceOp.MIN, group=group)
             spans = (hi.double() - lo.double()).split(numels)
             for i, span in zip(members, spans):
                 out[i] = float(span.max()) if span.numel() else 0.0
@@ -182,7 +183,7 @@ def _repair(rows: Sequence[DriftRow], what: Sequence[str], agreed: Sequence[Entr
         t = get_tensor(by_name[name], kind, optimizer)
         device = str(t.device) if t is not None else str(local(by_name[name].owner).device)
         items.append(Item("broadcast", device, to_torch_dtype(entry.dtype), Member(name, kind, entry.shape)))
-    run_buckets("drift repair", build_buckets(items, DEFAULT_BUCKET_BYTES), by_name, optimizer, group=group,
+    run_buckets("drift repair", build_buckets(items, SYNC_BUCKET_BYTES), by_name, optimizer, group=group,
                 src=src, rank=group_rank(group), world=group_size(group), stats=SyncStats())
 
 
@@ -236,19 +237,18 @@ def detect_drift(model: nn.Module, optimizer: torch.optim.Optimizer | None = Non
     """
     group = resolve_group(group, mesh_dim)
     world = group_size(group)
-    found: dict[str, Any] = {}
-
-    def local_view() -> list[tuple[Entry, Any]]:
+    def local_replicated() -> list[ReplicatedParam]:
         _validate(what, on_drift, atol, src, world)
         selection = resolve_selector(model, selector, mesh_dim)
-        found["replicated"] = resolve_replicated(model, selection.names, optimizer, master_params)
-        return _local_view(found["replicated"], tuple(what), optimizer)
+        return resolve_replicated(model, selection.names, optimizer, master_params)
 
-    per_rank = agree("drift check: fingerprints", local_view, group, unanimous=True)
+    views = agree("drift check: fingerprints", local_replicated, group,
+                  share=lambda found: _local_view(found, tuple(what), optimizer), unanimous=True)
+    per_rank = views.all
     check_same("drift check", [[e for e, _ in view] for view in per_rank], presence=False)
     agreed, drifting, checked = _analyse(per_rank, src)
     _warn_unknown_states(what, per_rank, optimizer)
-    by_name = {rp.name: rp for rp in found["replicated"]}
+    by_name = {rp.name: rp for rp in views.mine}
     exact_for = [i for i, differing, _ in drifting if differing]
     diffs = _exact_diffs(exact_for, agreed, by_name, optimizer, group) if exact_for else {}
     rows = tuple(DriftRow(agreed[i].name, agreed[i].kind, agreed[i].shape, agreed[i].dtype, differing,

@@ -39,13 +39,15 @@ from .replicated import (Entry, MasterParams, ReplicatedParam, check_requires_gr
                          describe, kind_order, layout_entries, local, resolve_replicated)
 from .select import SelectorLike, Selection, resolve_selector
 
-__all__ = ["ReplicaSync", "HookHandle", "SyncMode", "GradMode", "DEFAULT_BUCKET_BYTES",
+__all__ = ["ReplicaSync", "HookHandle", "SyncMode", "GradMode", "SYNC_BUCKET_BYTES",
            "DEFAULT_STATES"]
 
 log = logging.getLogger(__name__)
 
 #: Bucket size limit of replica sync, in communication bytes.
-DEFAULT_BUCKET_BYTES = 64 << 20
+#: Most bytes per bucket of a replica-sync collective (not the streaming bucket cap,
+#: :data:`shardsync.planning.SYNC_BUCKET_BYTES`).
+SYNC_BUCKET_BYTES = 64 << 20
 
 
 class HookHandle:
@@ -121,7 +123,7 @@ class ReplicaSync:
                  params: SyncMode | None = "broadcast",
                  src: int = 0, master_params: MasterParams = "auto", grads: GradMode | None = None,
                  optimizer_states: Sequence[str] = DEFAULT_STATES, states_mode: SyncMode | None = None,
-                 interval: int = 1, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+                 interval: int = 1, bucket_bytes: int = SYNC_BUCKET_BYTES,
                  mesh_dim: int | str | None = None) -> None:
         group = resolve_group(group, mesh_dim)
         self.model, self.optimizer, self.group = model, optimizer, group
@@ -133,21 +135,18 @@ class ReplicaSync:
         self.stats = SyncStats()
         self._master_params = master_params
         self._signature = optimizer_signature(optimizer)
-        found: dict[str, Any] = {}
-
-        def preflight() -> list[Entry]:
+        def preflight() -> tuple[Selection, list[ReplicatedParam]]:
             validate_sync_args(params, grads, states_mode, optimizer_states, src, self.world, interval,
                                bucket_bytes)
-            found["selection"] = resolve_selector(model, selector, mesh_dim)
-            found["replicated"] = resolve_replicated(model, found["selection"].names, optimizer,
-                                                     master_params)
-            return layout_entries(found["replicated"], optimizer)
+            selection = resolve_selector(model, selector, mesh_dim)
+            return selection, resolve_replicated(model, selection.names, optimizer, master_params)
 
-        per_rank = agree("replica sync: preflight", preflight, group, unanimous=True)
-        check_same("replica sync preflight", per_rank)
-        check_requires_grad("replica sync preflight", per_rank)
-        self.selection: Selection = found["selection"]
-        self._use(found["replicated"])
+        agreed = agree("replica sync: preflight", preflight, group,
+                       share=lambda found: layout_entries(found[1], optimizer), unanimous=True)
+        check_same("replica sync preflight", agreed.all)
+        check_requires_grad("replica sync preflight", agreed.all)
+        self.selection: Selection = agreed.mine[0]
+        self._use(agreed.mine[1])
         self._stepped = self._due = self._grads_done = False
         self._handle: HookHandle | None = None
         log.info("replica sync: %d parameters over %d rank(s), %d collectives per synced step",
@@ -172,18 +171,16 @@ class ReplicaSync:
         signature = optimizer_signature(self.optimizer)
         if signature == self._signature:
             return
-        found: dict[str, Any] = {}
+        def rescan() -> list[ReplicatedParam]:
+            return resolve_replicated(self.model, self.selection.names, self.optimizer,
+                                      self._master_params)
 
-        def rescan() -> list[Entry]:
-            found["replicated"] = resolve_replicated(self.model, self.selection.names, self.optimizer,
-                                                     self._master_params)
-            return layout_entries(found["replicated"], self.optimizer)
-
-        per_rank = agree("replica sync: optimizer changed", rescan, self.group, unanimous=True)
-        check_same("replica sync: optimizer changed", per_rank)
-        check_requires_grad("replica sync: optimizer changed", per_rank)
+        agreed = agree("replica sync: optimizer changed", rescan, self.group,
+                       share=lambda found: layout_entries(found, self.optimizer), unanimous=True)
+        check_same("replica sync: optimizer changed", agreed.all)
+        check_requires_grad("replica sync: optimizer changed", agreed.all)
         self._signature = signature
-        self._use(found["replicated"])
+        self._use(agreed.mine)
         log.info("replica sync: the optimizer's parameters changed; the optimizer steps %d master(s) "
                  "of replicated parameters", sum(rp.owner is rp.master for rp in self._replicated))
 
@@ -215,7 +212,7 @@ class ReplicaSync:
         if self._states_fixed or not self.states or self.optimizer is None:
             return
         per_rank = agree("replica sync: optimizer states",
-                         lambda: describe(self._replicated, self.states, self.optimizer), self.group)
+                         lambda: describe(self._replicated, self.states, self.optimizer), self.group).all
         check_same("replica sync: optimizer states", per_rank)
         for key in [k for k in self._agreed if k[1] in self.states]:
             del self._agreed[key]

@@ -1,0 +1,250 @@
+"""The roll call behind :mod:`shardsync.dist`: who entered which phase, who failed, and who to blame.
+
+Every rank of a group enters the same phases in the same order, so phases are numbered per group
+(``seq``). In the group's store each rank keeps one key saying the last phase it entered
+(``shardsync/at/<rank>`` = ``"<seq>|<phase>"``), and writes ``shardsync/<seq>/<rank>`` =
+``"<kind>|<message>"`` when it fails in phase ``seq`` - the store only grows on failures.
+
+When a collective fails this rank cannot tell from the exception which peer is at fault (a timeout
+only says that someone did not come). The roll call can: a peer that recorded a failure of its own is
+the cause; a peer that never entered the phase, or entered it and then neither finished nor reported
+anything within a grace period, is the culprit; peers that recorded a transport failure are victims
+like this rank. Transport failures are classified by where they come from: ``torch.distributed``'s
+own error classes, or any ``RuntimeError`` raised inside :func:`transport_errors` (gloo raises plain
+``RuntimeError`` for timeouts and closed connections, as a failed local copy would).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+import traceback
+import weakref
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+import torch
+import torch.distributed as dist
+
+from .errors import ShardsyncError
+
+if TYPE_CHECKING:
+    from .dist import GroupRanks
+
+__all__ = ["TransportFailure", "transport_errors", "is_transport_failure", "describe", "RollCall",
+           "FAILED", "STOPPED", "TRANSPORT", "MAX_GRACE_SECONDS", "POLL_SECONDS"]
+
+#: Kinds of failure record: this rank raised; it stopped iterating; a collective failed under it.
+FAILED, STOPPED, TRANSPORT = "failed", "stopped", "transport"
+#: Longest a rank whose collective failed waits for silent peers to report before blaming them
+#: (at most the group timeout). Survivors of a dead peer see their collectives fail within about a
+#: second of each other; this covers far slower ones.
+MAX_GRACE_SECONDS = 10.0
+#: How often the store is read while waiting.
+POLL_SECONDS = 0.1
+_PREFIX = "shardsync"
+log = logging.getLogger(__name__)
+_entered: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()  # phases per group
+
+
+class TransportFailure(RuntimeError):
+    """A torch.distributed call failed: a peer died, timed out, or left the collective.
+
+    Attributes:
+        waited: seconds the failing call ran (a timeout waited the whole group timeout; a peer that
+            closed its connection fails the call at once).
+    """
+
+    def __init__(self, message: str, waited: float = 0.0) -> None:
+        super().__init__(message)
+        self.waited = waited
+
+
+@contextlib.contextmanager
+def transport_errors() -> Iterator[None]:
+    """Mark code that only calls torch.distributed: a ``RuntimeError`` in it is a transport failure.
+
+    Example:
+        >>> with transport_errors():
+        ...     raise RuntimeError("Timed out waiting 3000ms for recv operation to complete")
+        Traceback (most recent call last):
+        ...
+        shardsync.roll_call.TransportFailure: Timed out waiting 3000ms for recv operation to complete
+    """
+    start = time.monotonic()
+    try:
+        yield
+    except TransportFailure:
+        raise
+    except RuntimeError as exc:  # gloo: timeouts and closed connections; torch's own DistError too
+        raise TransportFailure(str(exc), time.monotonic() - start) from exc
+
+
+def is_transport_failure(exc: BaseException) -> bool:
+    """Whether ``exc`` came from communication (not from this rank's own work).
+
+    Example:
+        >>> is_transport_failure(TransportFailure("peer closed")), is_transport_failure(KeyError("w"))
+        (True, False)
+    """
+    return isinstance(exc, (TransportFailure, dist.DistError))
+
+
+def describe(exc: BaseException) -> str:
+    """One line for an error on some rank: class, message, and where (unless it is our own error).
+
+    Example:
+        >>> describe(ValueError("bad"))
+        'ValueError: bad'
+    """
+    if isinstance(exc, ShardsyncError):
+        return f"{type(exc).__name__}: {exc}"
+    frame = traceback.extract_tb(exc.__traceback__)[-1:] if exc.__traceback__ else []
+    where = f" (at {frame[0].filename}:{frame[0].lineno})" if frame else ""
+    return f"{type(exc).__name__}: {exc}{where}"
+
+
+def _timeout_seconds(pg: Any, store: Any) -> float:
+    # The group's own timeout lives in its backend's options (not public); the store's timeout is
+    # the one given to init_process_group.
+    for device in ("cpu", "cuda"):
+        with contextlib.suppress(Exception):
+            return float(pg._get_backend(torch.device(device)).options._timeout.total_seconds())
+    with contextlib.suppress(Exception):
+        return float(store.timeout.total_seconds())
+    return 1800.0
+
+
+class _Report(NamedTuple):
+    kind: str  # FAILED, STOPPED or TRANSPORT
+    message: str
+
+
+class _Position(NamedTuple):
+    seq: int  # -1: no phase of this group yet
+    phase: str
+
+
+@dataclass
+class RollCall:
+    """This rank's part in the roll call of one phase of one group.
+
+    Example:
+        >>> roll = RollCall.enter("stream", GroupRanks.of(group))   # doctest: +SKIP
+        >>> failures = roll.blame(exc)   # after a collective failed   # doctest: +SKIP
+    """
+
+    phase: str
+    ranks: GroupRanks
+    seq: int
+    pg: Any
+    store: Any
+    started: float
+
+    @classmethod
+    def enter(cls, phase: str, ranks: GroupRanks) -> RollCall:
+        """Enter ``phase`` of ``ranks.group``: take its number and note it in the store."""
+        pg = ranks.group if ranks.group is not None else dist.group.WORLD
+        seq = _entered.get(pg, 0)
+        _entered[pg] = seq + 1
+        store = None
+        with contextlib.suppress(Exception):  # no store behind this group: peers just time out
+            store = pg.get_group_store()  # type: ignore[union-attr]
+        roll = cls(phase, ranks, seq, pg, store, time.monotonic())
+        roll._set(f"at/{ranks.rank}", f"{seq}|{phase}")
+        return roll
+
+    def _set(self, key: str, value: str) -> None:
+        if self.store is not None:
+            with contextlib.suppress(Exception):
+                self.store.set(f"{_PREFIX}/{key}", value)
+
+    def _get(self, key: str) -> str | None:
+        if self.store is None:
+            return None
+        with contextlib.suppress(Exception):
+            if self.store.check([f"{_PREFIX}/{key}"]):
+                return self.store.get(f"{_PREFIX}/{key}").decode()
+        return None
+
+    def record(self, kind: str, message: str) -> None:
+        """Publish that this rank failed in this phase (``kind``: FAILED, STOPPED or TRANSPORT)."""
+        self._set(f"{self.seq}/{self.ranks.rank}", f"{kind}|{message}")
+
+    def record_failure(self, message: str) -> None:
+        """Publish that this rank's own work failed in this phase."""
+        self.record(FAILED, message)
+
+    def _reports(self) -> dict[int, _Report]:
+        out = {}
+        for r in range(self.ranks.world):
+            value = self._get(f"{self.seq}/{r}") if r != self.ranks.rank else None
+            if value is not None:
+                kind, _, message = value.partition("|")
+                out[r] = _Report(kind, message)
+        return out
+
+    def _position(self, rank: int) -> _Position:
+        """The last phase ``rank`` entered in this group."""
+        value = self._get(f"at/{rank}")
+        if value is None:
+            return _Position(-1, "")
+        seq, _, phase = value.partition("|")
+        return _Position(int(seq), phase)
+
+    def culprits(self) -> dict[int, str]:
+        """Peers that reported a failure of their own (not a transport failure) in this phase."""
+        return {r: rep.message for r, rep in self._reports().items() if rep.kind != TRANSPORT}
+
+    def blame(self, exc: BaseException) -> dict[int, str]:
+        """After a transport failure here: ``{group rank: why}`` for the ranks at fault.
+
+        Publishes this rank's own transport failure, then reads the roll call until a peer's own
+        failure shows up, or every silent peer is accounted for, or the wait ends. Blames, in that
+        order of preference: peers that reported a failure; peers that never entered the phase or fell
+        silent in it; else every rank, each with the transport failure it saw.
+
+        The wait: a peer may be stuck in a collective with a rank that has already left it, until the
+        group timeout. So a rank whose call failed early (a peer closed its connection) waits out the
+        rest of a timeout, and every rank then a grace period for peers that fail a little later.
+        """
+        mine = describe(exc)
+        self.record(TRANSPORT, mine)
+        timeout = _timeout_seconds(self.pg, self.store)
+        waited = getattr(exc, "waited", 0.0)
+        deadline = time.monotonic() + max(0.0, timeout - waited) + min(timeout, MAX_GRACE_SECONDS)
+        if waited < timeout:
+            log.warning("phase %r: a collective failed on %s (%s); waiting up to %.0f s for the other "
+                        "ranks to report, to name the one at fault", self.phase,
+                        self.ranks.label(self.ranks.rank), exc, deadline - time.monotonic())
+        while True:
+            reports = self._reports()
+            causes = {r: rep.message for r, rep in reports.items() if rep.kind != TRANSPORT}
+            if causes:
+                return causes
+            silent = self._silent(reports)
+            overdue = time.monotonic() - self.started >= timeout  # the absent are not coming
+            waiting = [r for r, pos in silent.items() if pos.seq == self.seq or not overdue]
+            if not waiting or time.monotonic() >= deadline:
+                break
+            time.sleep(POLL_SECONDS)
+        if silent:
+            return {r: self._silence(pos) for r, pos in silent.items()}
+        return {self.ranks.rank: f"transport failure: {mine}",
+                **{r: f"transport failure: {rep.message}" for r, rep in reports.items()}}
+
+    def _silent(self, reports: dict[int, _Report]) -> dict[int, _Position]:
+        """Peers that reported nothing here and have not moved on to a later phase."""
+        positions = {r: self._position(r) for r in range(self.ranks.world)
+                     if r != self.ranks.rank and r not in reports}
+        return {r: pos for r, pos in positions.items() if pos.seq <= self.seq}
+
+    def _silence(self, position: _Position) -> str:
+        if position.seq == self.seq:
+            return (f"entered phase {self.phase!r} and then stopped answering (it died, or hangs "
+                    "outside shardsync)")
+        last = f"the last phase it entered was {position.phase!r}" if position.seq >= 0 else \
+            "it entered no phase of this group yet"
+        return f"never entered phase {self.phase!r} ({last}; did it call this on every rank?)"
