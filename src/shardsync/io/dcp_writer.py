@@ -163,7 +163,7 @@ def save(state: Mapping[str, StateValue], path: str | os.PathLike, *, group: Any
     """
     where = Path(path)
     source = LocalSource(state)
-    gathered = agree("save: check", lambda: _check(where, overwrite, source), group, unanimous=True)
+    gathered = agree("save: check", lambda: _check(where, overwrite, source), group, unanimous=True).all
 
     def validate() -> None:
         problems = _layout_problems(GlobalLayout.merge(gathered))

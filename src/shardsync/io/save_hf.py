@@ -266,7 +266,7 @@ def save_hf(source: Any, out_dir: str | os.PathLike, mapping: MappingLike | None
     rank = group_rank(group)
     job = agree("save_hf: check options", lambda: _check(out_dir, max_shard_size, dtype, extra_files,
                                                            config_from, overwrite, memory_budget,
-                                                           clean=rank == 0), group, unanimous=True)[0]
+                                                           clean=rank == 0), group, unanimous=True).all[0]
     part = _PartWriter(job, rank, _progress_bar(progress, rank))
     try:
         _write_part(part, source, mapping, group)
@@ -280,7 +280,7 @@ def save_hf(source: Any, out_dir: str | os.PathLike, mapping: MappingLike | None
             part.bar.close()
     plan = part.plan
     assert plan is not None
-    result = agree("save_hf: commit", lambda: _commit(job, plan) if rank == 0 else None, group)[0]
+    result = agree("save_hf: commit", lambda: _commit(job, plan) if rank == 0 else None, group).all[0]
     assert result is not None  # rank 0's result, sent to every rank
     return result
 
