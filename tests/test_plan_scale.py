@@ -1,7 +1,8 @@
-"""Planning at scale (tier 1): the indexed box queries that keep planning near-linear in shards per key
-give exactly what a scan of every box gives, and the plans built with them are unchanged.
+"""Planning at scale (tier 1): where the planner looks shards up through the box index (coverage, read
+blocks, holders, deliveries), it finds what a scan of every shard finds, and builds the same plans.
 
-References here are brute force: every box scanned, dense masks for regions.
+References here are brute force: every box scanned, dense masks for regions. The index itself is
+tested in test_plan_boxes.py.
 """
 
 from __future__ import annotations
@@ -17,7 +18,6 @@ from shardsync.errors import ShardsyncError
 from shardsync.layout import Box, GlobalLayout
 from shardsync.mapping import Piece, TargetSpec, resolve
 from shardsync.planning import PlanOptions, build_plan, reads, validate
-from shardsync.planning.boxes import BoxIndex, holes_in
 from shardsync.planning.validate import coverage_problems, plan_problems
 
 SHAPE = (9, 7)
@@ -65,38 +65,6 @@ class ScanIndex:
     def pairs(self) -> list[tuple[int, int]]:
         return [(i, j) for i in range(len(self.boxes)) for j in self.query(self.boxes[i]) if j > i]
 
-
-# -- the index and the hole finder -------------------------------------------------------------------
-
-@settings(max_examples=200, deadline=None)
-@given(bs=st.one_of(st.lists(boxes(), max_size=12), tilings()), probes=st.lists(boxes(), min_size=1,
-                                                                              max_size=5))
-def test_index_queries_match_a_scan(bs: list[Box], probes: list[Box]) -> None:
-    index, scan = BoxIndex(bs), ScanIndex(bs)
-    for probe in probes + bs:
-        assert index.query(probe) == scan.query(probe)
-    assert index.pairs() == scan.pairs()
-
-
-def test_index_of_scalars_and_of_many_replicas() -> None:
-    assert BoxIndex([Box((), ()), Box((), ())]).pairs() == [(0, 1)]
-    same = [Box((2, 0), (3, 7))] * 9 + [Box((0, 0), (2, 7))]
-    assert BoxIndex(same).query(Box((1, 3), (2, 1))) == list(range(10))
-    assert BoxIndex(same).query(Box((1, 3), (0, 1))) == []
-
-
-@settings(max_examples=200, deadline=None)
-@given(box=boxes(), cuts=st.one_of(st.lists(boxes(), max_size=6), tilings()), drop=st.integers(0, 30))
-def test_holes_are_exact_disjoint_and_sorted(box: Box, cuts: list[Box], drop: int) -> None:
-    cuts = [c for i, c in enumerate(cuts) if i != drop]
-    holes = holes_in(box, cuts)
-    got = mask(holes)
-    assert got.max(initial=0) <= 1
-    assert np.array_equal(got > 0, (mask([box]) > 0) & (mask(cuts) == 0))
-    assert [h.offsets for h in holes] == sorted(h.offsets for h in holes)
-
-
-# -- the planner's uses of them --------------------------------------------------------------------------
 
 @settings(max_examples=60, deadline=None)
 @given(shards=st.one_of(st.lists(boxes(), max_size=8), tilings()), drop=st.integers(0, 30),

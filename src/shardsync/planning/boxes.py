@@ -1,4 +1,5 @@
-"""Box arithmetic the planner needs: subtraction (holes), chunking (memory budget), overlaps."""
+"""Box arithmetic the planner needs: holes, chunking (memory budget), and an index of boxes for overlap
+and containment queries that keeps planning near-linear in the number of shards."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from typing import NamedTuple
 
 from ..layout.box import Box
 
-__all__ = ["subtract", "subtract_all", "holes_in", "chunk", "BoxIndex", "overlapping_pairs", "union_bbox"]
+__all__ = ["subtract", "holes_in", "chunk", "BoxIndex", "overlapping_pairs", "union_bbox"]
 
 
 def subtract(box: Box, cut: Box) -> list[Box]:
@@ -35,27 +36,12 @@ def subtract(box: Box, cut: Box) -> list[Box]:
     return out
 
 
-def subtract_all(box: Box, cuts: Iterable[Box]) -> list[Box]:
-    """The part of ``box`` covered by none of ``cuts`` (empty list when fully covered).
-
-    Example:
-        >>> [str(b) for b in subtract_all(Box((0,), (10,)), [Box((0,), (3,)), Box((5,), (2,))])]
-        ['[3:5]', '[7:10]']
-    """
-    left = [] if box.empty else [box]
-    for cut in cuts:
-        left = [part for b in left for part in subtract(b, cut)]
-        if not left:
-            break
-    return left
-
-
 def holes_in(box: Box, cuts: Iterable[Box]) -> list[Box]:
     """The part of ``box`` covered by none of ``cuts``, as disjoint boxes sorted by offsets.
 
-    Like :func:`subtract_all`, but the cuts are taken in order of their offsets and the parts that
-    end before a cut starts along dim 0 are set aside (no later cut reaches them), so a box cut by
-    many shards costs about the number of shards times the parts left in one band.
+    The cuts are taken in order of their offsets, and the parts that end before a cut starts along
+    dim 0 are set aside (no later cut reaches them): a box cut by many shards costs about the number
+    of shards times the parts left in one band.
 
     Example:
         >>> [str(b) for b in holes_in(Box((0,), (10,)), [Box((5,), (2,)), Box((0,), (3,))])]
