@@ -98,7 +98,7 @@ def scanned(layout: GlobalLayout, mapping: list[str] | None) -> tuple[float, Pla
         return plan_once(layout, mapping)
 
 
-def exponent(points: list[tuple[int, float]]) -> float:
+def exponent(points: list[tuple[float, float]]) -> float:
     """Slope of log(time) against log(shards): time ~ shards^k."""
     fit = statistics.linear_regression([math.log(n) for n, _ in points], [math.log(t) for _, t in points])
     return fit.slope

@@ -18,7 +18,7 @@ from ..layout.meta import GlobalLayout
 from ..mapping.pieces import Piece, TargetSpec
 from .boxes import BoxIndex, chunk, holes_in, union_bbox
 from .model import Copy, Read
-from .validate import shard_boxes
+from .validate import shard_index
 
 __all__ = ["build_reads"]
 
@@ -41,8 +41,7 @@ def _groups(targets: Sequence[TargetSpec], consumers: Sequence[tuple[int, ...]],
     for ti, t in enumerate(targets):
         for p in t.pieces:
             if p.source not in indexes:
-                boxes = shard_boxes(layout, p.source)
-                indexes[p.source] = BoxIndex(list(boxes)), list(boxes.values())
+                indexes[p.source] = shard_index(layout, p.source)
             index, holders = indexes[p.source]
             for i in _touching(index, p.source_box):
                 shard = index.boxes[i]

@@ -16,8 +16,8 @@ from ..mapping.pieces import TargetSpec
 from .boxes import BoxIndex, holes_in, overlapping_pairs
 from .model import Plan
 
-__all__ = ["shard_boxes", "layout_problems", "coverage_problems", "target_problems", "tiling_problems",
-           "plan_problems", "check_inputs", "check_plan"]
+__all__ = ["shard_boxes", "shard_index", "layout_problems", "coverage_problems", "target_problems",
+           "tiling_problems", "plan_problems", "check_inputs", "check_plan"]
 
 _MAX_LISTED = 40
 
@@ -35,6 +35,20 @@ def shard_boxes(layout: GlobalLayout, key: str) -> dict[Box, tuple[int, ...]]:
         if not s.box.empty:
             out.setdefault(s.box, []).append(s.rank)
     return {b: tuple(sorted(set(r))) for b, r in out.items()}
+
+
+def shard_index(layout: GlobalLayout, key: str) -> tuple[BoxIndex, list[tuple[int, ...]]]:
+    """:func:`shard_boxes` of ``key`` indexed for lookups: the index and the ranks holding each box.
+
+    Example:
+        >>> lay = GlobalLayout.merge([[("w", (4,), "float32", Box((0,), (2,)))],
+        ...                           [("w", (4,), "float32", Box((2,), (2,)))]])
+        >>> index, holders = shard_index(lay, "w")
+        >>> [holders[i] for i in index.query(Box((1,), (2,)))]
+        [(0,), (1,)]
+    """
+    boxes = shard_boxes(layout, key)
+    return BoxIndex(list(boxes)), list(boxes.values())
 
 
 def layout_problems(layout: GlobalLayout, keys: Iterable[str] | None = None) -> list[str]:
@@ -81,11 +95,12 @@ def coverage_problems(targets: Sequence[TargetSpec], layout: GlobalLayout) -> li
             if p.source not in layout or p.source_box.empty:
                 continue  # unknown sources are reported by target_problems; nothing to hold
             if p.source not in indexes:
-                index = BoxIndex(list(shard_boxes(layout, p.source)))
+                index = shard_index(layout, p.source)[0]
                 indexes[p.source] = index, not index.pairs()
             index, disjoint = indexes[p.source]
             boxes = [index.boxes[i] for i in index.query(p.source_box)]
-            if disjoint and sum(p.source_box.intersect(b).numel for b in boxes) == p.source_box.numel:
+            held = sum(x.numel for x in (p.source_box.intersect(b) for b in boxes) if x is not None)
+            if disjoint and held == p.source_box.numel:
                 continue  # disjoint shards holding as many elements as the box: it is covered
             for hole in holes_in(p.source_box, boxes):
                 holes.setdefault((p.source, hole), t.name)
@@ -178,8 +193,7 @@ def _holding_ranks(layout: GlobalLayout, key: str, box: Box,
     if box.empty:
         return {s.rank for s in layout[key].shards if s.box.contains(box)}
     if key not in indexes:
-        boxes = shard_boxes(layout, key)
-        indexes[key] = BoxIndex(list(boxes)), list(boxes.values())
+        indexes[key] = shard_index(layout, key)
     index, holders = indexes[key]
     return {r for i in index.query(box) if index.boxes[i].contains(box) for r in holders[i]}
 
