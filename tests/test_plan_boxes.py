@@ -1,4 +1,4 @@
-"""Box arithmetic and target partitioning, against dense masks (tier 1)."""
+"""Box arithmetic, the box index and target partitioning, against dense masks and scans (tier 1)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 
 from shardsync.layout import Box
 from shardsync.planning import split_ranges
-from shardsync.planning.boxes import chunk, overlapping_pairs, subtract_all
+from shardsync.planning.boxes import BoxIndex, chunk, holes_in, overlapping_pairs
 
 SHAPE = (7, 5, 3)
 
@@ -27,14 +27,45 @@ def mask(bs: list[Box]) -> np.ndarray:
     return m
 
 
+@st.composite
+def tilings(draw: st.DrawFn, shape: tuple[int, ...] = SHAPE) -> list[Box]:
+    """A grid of boxes tiling ``shape`` (cut points drawn per dim), in a drawn order."""
+    edges = [[0, *sorted(draw(st.sets(st.integers(1, n - 1), max_size=3))), n] for n in shape]
+    cells: list[tuple[tuple[int, int], ...]] = [()]
+    for e in edges:
+        cells = [c + ((a, b),) for c in cells for a, b in zip(e, e[1:])]
+    return draw(st.permutations([Box(tuple(a for a, _ in c), tuple(b - a for a, b in c)) for c in cells]))
+
+
+def scan(bs: list[Box], probe: Box) -> list[int]:
+    return [i for i, b in enumerate(bs) if not b.empty and b.intersect(probe) is not None]
+
+
 @settings(max_examples=200, deadline=None)
-@given(box=boxes(), cuts=st.lists(boxes(), max_size=4))
-def test_subtract_all_is_exact_and_disjoint(box: Box, cuts: list[Box]) -> None:
-    left = subtract_all(box, cuts)
-    want = (mask([box]) > 0) & (mask(cuts) == 0)
-    got = mask(left)
+@given(box=boxes(), cuts=st.one_of(st.lists(boxes(), max_size=6), tilings()), drop=st.integers(0, 60))
+def test_holes_are_exact_disjoint_and_sorted(box: Box, cuts: list[Box], drop: int) -> None:
+    cuts = [c for i, c in enumerate(cuts) if i != drop]
+    holes = holes_in(box, cuts)
+    got = mask(holes)
     assert got.max(initial=0) <= 1  # disjoint
-    assert np.array_equal(got > 0, want)
+    assert np.array_equal(got > 0, (mask([box]) > 0) & (mask(cuts) == 0))
+    assert [h.offsets for h in holes] == sorted(h.offsets for h in holes)
+
+
+@settings(max_examples=200, deadline=None)
+@given(bs=st.one_of(st.lists(boxes(), max_size=12), tilings()),
+       probes=st.lists(boxes(), min_size=1, max_size=4))
+def test_index_queries_match_a_scan(bs: list[Box], probes: list[Box]) -> None:
+    index = BoxIndex(bs)
+    for probe in probes + bs:
+        assert index.query(probe) == scan(bs, probe)
+
+
+def test_index_of_scalars_and_of_many_replicas() -> None:
+    assert BoxIndex([Box((), ()), Box((), ())]).pairs() == [(0, 1)]
+    same = [Box((2, 0), (3, 7))] * 9 + [Box((0, 0), (2, 7))]
+    assert BoxIndex(same).query(Box((1, 3), (2, 1))) == list(range(10))
+    assert BoxIndex(same).query(Box((1, 3), (0, 1))) == []
 
 
 @settings(max_examples=200, deadline=None)
@@ -49,7 +80,7 @@ def test_chunks_tile_the_box_and_fit(box: Box, item: int, limit: int) -> None:
 
 
 @settings(max_examples=200, deadline=None)
-@given(bs=st.lists(boxes(), max_size=6))
+@given(bs=st.one_of(st.lists(boxes(), max_size=8), tilings()))
 def test_overlapping_pairs_match_brute_force(bs: list[Box]) -> None:
     brute = [(i, j) for i in range(len(bs)) for j in range(i + 1, len(bs))
              if bs[i].intersect(bs[j]) is not None]

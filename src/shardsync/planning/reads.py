@@ -10,14 +10,15 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from itertools import filterfalse
 
 from ..layout.box import Box
 from ..layout.dtypes import itemsize
 from ..layout.meta import GlobalLayout
 from ..mapping.pieces import Piece, TargetSpec
-from .boxes import chunk, subtract_all, union_bbox
+from .boxes import BoxIndex, chunk, holes_in, union_bbox
 from .model import Copy, Read
-from .validate import shard_boxes
+from .validate import shard_index
 
 __all__ = ["build_reads"]
 
@@ -36,27 +37,45 @@ class _Group:
 def _groups(targets: Sequence[TargetSpec], consumers: Sequence[tuple[int, ...]],
             layout: GlobalLayout) -> list[_Group]:
     groups: dict[tuple[str, Box, tuple[int, ...]], _Group] = {}
-    boxes_of: dict[str, dict[Box, tuple[int, ...]]] = {}
+    indexes: dict[str, tuple[BoxIndex, list[tuple[int, ...]]]] = {}
     for ti, t in enumerate(targets):
         for p in t.pieces:
-            boxes = boxes_of.setdefault(p.source, shard_boxes(layout, p.source))
-            for shard, holders in boxes.items():
+            if p.source not in indexes:
+                indexes[p.source] = shard_index(layout, p.source)
+            index, holders = indexes[p.source]
+            for i in _touching(index, p.source_box):
+                shard = index.boxes[i]
                 inter = p.source_box if shard.contains(p.source_box) else p.source_box.intersect(shard)
                 if inter is None:
                     continue
                 key = (p.source, shard, consumers[ti])
-                g = groups.setdefault(key, _Group(p.source, shard, holders, consumers[ti]))
+                g = groups.setdefault(key, _Group(p.source, shard, holders[i], consumers[ti]))
                 g.frags.append((ti, p if inter == p.source_box else p.restrict(inter)))
     return list(groups.values())
+
+
+def _touching(index: BoxIndex, box: Box) -> list[int]:
+    # The boxes of ``index`` that meet ``box`` or, for an empty one (a zero-size dim), contain it - in
+    # index order. Any box containing a non-empty one meets it.
+    if box.empty:
+        return [i for i, b in enumerate(index.boxes) if b.contains(box)]
+    return index.query(box)
 
 
 def _blocks(frags: Sequence[tuple[int, Piece]]) -> list[Box]:
     # One block if the needed region is a full box; else every fragment box not inside another.
     boxes = list(dict.fromkeys(p.source_box for _, p in frags))
     bbox = union_bbox(boxes) if len(boxes) > 1 else boxes[0]
-    if bbox in boxes or not subtract_all(bbox, boxes):
+    if bbox in boxes:
         return [bbox]
-    return [b for b in boxes if not any(o != b and o.contains(b) for o in boxes)]
+    index = BoxIndex(boxes)
+    if index.pairs():
+        full = not holes_in(bbox, boxes)
+    else:  # disjoint boxes fill their bounding box iff they hold as many elements
+        full = sum(b.numel for b in boxes) == bbox.numel
+    if full:
+        return [bbox]
+    return [b for b in boxes if not any(boxes[o] != b and boxes[o].contains(b) for o in _touching(index, b))]
 
 
 def _balance(reads: list[Read], world: int) -> list[Read]:
@@ -84,7 +103,7 @@ def _order(reads: list[Read], copies: list[list[Copy]], chunk_no: list[int],
             fanout[i] += 1
     new_index: dict[int, int] = {}
     for per_target in copies:
-        fresh = sorted({c.read for c in per_target} - set(new_index),
+        fresh = sorted({c.read for c in per_target if c.read not in new_index},
                        key=lambda i: (-fanout[i], chunk_no[i], reads[i].source, reads[i].box.offsets))
         for i in fresh:
             new_index[i] = len(new_index)
@@ -116,11 +135,11 @@ def build_reads(targets: Sequence[TargetSpec], consumers: Sequence[tuple[int, ..
     copies: list[list[Copy]] = [[] for _ in targets]
     for g in _groups(targets, consumers, layout):
         dtype = layout[g.source].dtype
+        receivers = tuple(filterfalse(set(g.holders).__contains__, g.readers))
         blocks = []
         for block in _blocks(g.frags):
             parts = chunk(block, itemsize(dtype), max_read_bytes) if max_read_bytes else [block]
             first = len(reads)
-            receivers = tuple(r for r in g.readers if r not in g.holders)
             reads += [Read(g.source, b, dtype, g.holders, g.readers, receivers, None) for b in parts]
             chunk_no += range(len(parts))
             blocks.append((block, range(first, len(reads))))

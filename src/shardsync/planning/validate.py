@@ -13,11 +13,11 @@ from ..layout.box import Box
 from ..layout.dtypes import DTYPES
 from ..layout.meta import GlobalLayout
 from ..mapping.pieces import TargetSpec
-from .boxes import overlapping_pairs, subtract_all
+from .boxes import BoxIndex, holes_in, overlapping_pairs
 from .model import Plan
 
-__all__ = ["shard_boxes", "layout_problems", "coverage_problems", "target_problems", "tiling_problems",
-           "plan_problems", "check_inputs", "check_plan"]
+__all__ = ["shard_boxes", "shard_index", "layout_problems", "coverage_problems", "target_problems",
+           "tiling_problems", "plan_problems", "check_inputs", "check_plan"]
 
 _MAX_LISTED = 40
 
@@ -35,6 +35,20 @@ def shard_boxes(layout: GlobalLayout, key: str) -> dict[Box, tuple[int, ...]]:
         if not s.box.empty:
             out.setdefault(s.box, []).append(s.rank)
     return {b: tuple(sorted(set(r))) for b, r in out.items()}
+
+
+def shard_index(layout: GlobalLayout, key: str) -> tuple[BoxIndex, list[tuple[int, ...]]]:
+    """:func:`shard_boxes` of ``key`` indexed for lookups: the index and the ranks holding each box.
+
+    Example:
+        >>> lay = GlobalLayout.merge([[("w", (4,), "float32", Box((0,), (2,)))],
+        ...                           [("w", (4,), "float32", Box((2,), (2,)))]])
+        >>> index, holders = shard_index(lay, "w")
+        >>> [holders[i] for i in index.query(Box((1,), (2,)))]
+        [(0,), (1,)]
+    """
+    boxes = shard_boxes(layout, key)
+    return BoxIndex(list(boxes)), list(boxes.values())
 
 
 def layout_problems(layout: GlobalLayout, keys: Iterable[str] | None = None) -> list[str]:
@@ -75,15 +89,20 @@ def coverage_problems(targets: Sequence[TargetSpec], layout: GlobalLayout) -> li
         "'w': box [3:4] (needed by target 'w') is held"
     """
     holes: dict[tuple[str, Box], str] = {}
-    boxes_of: dict[str, dict[Box, tuple[int, ...]]] = {}
+    indexes: dict[str, tuple[BoxIndex, bool]] = {}
     for t in targets:
         for p in t.pieces:
-            if p.source not in layout:
-                continue  # reported by target_problems
-            boxes = boxes_of.setdefault(p.source, shard_boxes(layout, p.source))
-            if any(b.contains(p.source_box) for b in boxes):
-                continue
-            for hole in subtract_all(p.source_box, boxes):
+            if p.source not in layout or p.source_box.empty:
+                continue  # unknown sources are reported by target_problems; nothing to hold
+            if p.source not in indexes:
+                index = shard_index(layout, p.source)[0]
+                indexes[p.source] = index, not index.pairs()
+            index, disjoint = indexes[p.source]
+            boxes = [index.boxes[i] for i in index.query(p.source_box)]
+            held = sum(x.numel for x in (p.source_box.intersect(b) for b in boxes) if x is not None)
+            if disjoint and held == p.source_box.numel:
+                continue  # disjoint shards holding as many elements as the box: it is covered
+            for hole in holes_in(p.source_box, boxes):
                 holes.setdefault((p.source, hole), t.name)
     return [f"{key!r}: box {hole} (needed by target {name!r}) is held by no rank; give some rank the "
             "shard covering it or fix the global offsets" for (key, hole), name in holes.items()]
@@ -101,7 +120,7 @@ def tiling_problems(what: str, shape: tuple[int, ...], boxes: Sequence[Box]) -> 
     pairs = overlapping_pairs(boxes)
     problems += [f"{what}: boxes {boxes[i]} and {boxes[j]} overlap" for i, j in pairs[:_MAX_LISTED]]
     if sum(b.numel for b in boxes if b.within(shape)) != full.numel or problems:
-        problems += [f"{what}: box {h} is not covered" for h in subtract_all(full, boxes)[:_MAX_LISTED]]
+        problems += [f"{what}: box {h} is not covered" for h in holes_in(full, boxes)[:_MAX_LISTED]]
     return problems
 
 
@@ -167,11 +186,24 @@ def check_inputs(targets: Sequence[TargetSpec], layout: GlobalLayout) -> None:
         raise PlanError(_format("the resolved targets are malformed", target_side))
 
 
+def _holding_ranks(layout: GlobalLayout, key: str, box: Box,
+                   indexes: dict[str, tuple[BoxIndex, list[tuple[int, ...]]]]) -> set[int]:
+    # Ranks with a shard of ``key`` containing ``box``: a non-empty box is contained only in shards it
+    # meets, which the index finds; an empty one is checked against every shard.
+    if box.empty:
+        return {s.rank for s in layout[key].shards if s.box.contains(box)}
+    if key not in indexes:
+        indexes[key] = shard_index(layout, key)
+    index, holders = indexes[key]
+    return {r for i in index.query(box) if index.boxes[i].contains(box) for r in holders[i]}
+
+
 def _read_problems(plan: Plan, layout: GlobalLayout) -> list[str]:
     problems = []
+    indexes: dict[str, tuple[BoxIndex, list[tuple[int, ...]]]] = {}
     for i, r in enumerate(plan.reads):
         where = f"read {i} ({r.source}{r.box})"
-        held = {s.rank for s in layout[r.source].shards if s.box.contains(r.box)}
+        held = _holding_ranks(layout, r.source, r.box, indexes)
         if not set(r.holders) <= held or not r.holders:
             problems.append(f"{where}: holders {list(r.holders)} but only ranks {sorted(held)} hold it")
         if set(r.receivers) != set(r.readers) - set(r.holders):
@@ -182,18 +214,24 @@ def _read_problems(plan: Plan, layout: GlobalLayout) -> list[str]:
 
 
 def _delivery_problems(plan: Plan) -> list[str]:
-    problems, delivered = [], {}
+    problems: list[str] = []
+    to_all: dict[int, int] = {}  # read -> collectives carrying it (each reaches all its receivers)
+    to_one: dict[tuple[int, int], int] = {}  # (read, rank) -> messages carrying it to that rank
     for s in plan.steps:
         for pk in s.packets:
             for i in pk.reads:
-                r = plan.reads[i]
-                if pk.src != r.sender:
-                    problems.append(f"read {i} packed by rank {pk.src} but its sender is {r.sender}")
-                for dst in (r.receivers if pk.dst < 0 else (pk.dst,)):
-                    delivered[(i, dst)] = delivered.get((i, dst), 0) + 1
+                sender = plan.reads[i].sender
+                if pk.src != sender:
+                    problems.append(f"read {i} packed by rank {pk.src} but its sender is {sender}")
+                if pk.dst < 0:
+                    to_all[i] = to_all.get(i, 0) + 1
+                else:
+                    to_one[(i, pk.dst)] = to_one.get((i, pk.dst), 0) + 1
     for i, r in enumerate(plan.reads):
-        problems += [f"read {i} ({r.source}{r.box}) reaches rank {d} {delivered.get((i, d), 0)} times"
-                     for d in r.receivers if delivered.get((i, d), 0) != 1]
+        n = to_all.get(i, 0)
+        if to_one or n != 1:  # else every receiver got it exactly once, by one collective
+            problems += [f"read {i} ({r.source}{r.box}) reaches rank {d} {n + to_one.get((i, d), 0)} times"
+                         for d in r.receivers if n + to_one.get((i, d), 0) != 1]
     ready = [t for s in plan.steps for t in s.ready]
     if sorted(ready) != list(range(len(plan.targets))):
         problems.append(f"steps yield targets {sorted(ready)}, expected each of {len(plan.targets)} once")
