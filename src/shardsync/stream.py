@@ -12,7 +12,7 @@ from __future__ import annotations
 import functools
 import logging
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, Union
 
@@ -24,12 +24,12 @@ from .dist import GroupRanks, agree, is_distributed
 from .exec import (BroadcastTransport, LocalTransport, MeshTransport, P2PTransport, Stats, Transport,
                    execute, local_mesh_info, mesh_groups)
 from .exec.mesh import MeshGroups
-from .layout import GlobalLayout, StateValue
+from .layout import GlobalLayout
 from .mapping import Mapping as ParsedMapping
 from .mapping import MappingLike, resolve
 from .planning import DEFAULT_BUCKET_BYTES, Plan, PlanOptions, SplitBy, StrategyChoice, build_plan
 from .planning.mesh import build_topology
-from .sources import LocalSource, Source
+from .sources import Source, SourceLike, open_source, spread
 
 __all__ = ["full_params", "plan", "ParamStream", "Consumers"]
 
@@ -105,18 +105,18 @@ def _transport(plan: Plan, ranks: GroupRanks | None, groups: MeshGroups | None) 
     return P2PTransport(ranks) if plan.strategy == "p2p" else BroadcastTransport(ranks)
 
 
-def _prepare(state: Mapping[str, StateValue], mapping: Any, group: Any, mesh: Any,
-             options: PlanOptions) -> _Context:
+def _prepare(state: SourceLike, mapping: Any, group: Any, mesh: Any, options: PlanOptions) -> _Context:
     """Gather the layout -> resolve -> plan, validate and agree -> pick the transport."""
     ranks = GroupRanks.of(group) if is_distributed(group) else None
     groups = mesh_groups(mesh) if mesh is not None else None
-    sources: list[LocalSource] = []
+    sources: list[Source] = []
 
-    def local() -> tuple[Any, Any]:  # the state is normalised once, inside the agreed phase
-        sources.append(LocalSource(state))
+    def local() -> tuple[Any, Any]:  # the input is opened once, inside the agreed phase
+        source = open_source(state)  # files every rank sees are spread: each rank reads its share
+        sources.append(spread(source, ranks.rank, ranks.world) if ranks is not None else source)
         return _local_info(sources[0], groups, ranks)
 
-    gathered = agree("gather layout", local, group)
+    gathered = agree("gather layout", local, group, unanimous=True)
     plan = _agree_on_plan(gathered, mapping, options, groups is not None, group)
     source = sources[0]
     device = (torch.device("cuda", torch.cuda.current_device()) if options.backend == "nccl"
@@ -141,7 +141,7 @@ class ParamStream:
         4
     """
 
-    def __init__(self, state: Mapping[str, StateValue], mapping: Any, group: Any, mesh: Any,
+    def __init__(self, state: SourceLike, mapping: Any, group: Any, mesh: Any,
                  options: PlanOptions) -> None:
         self._args = (state, mapping, group, mesh, options)
         self._started = False
@@ -164,7 +164,7 @@ class ParamStream:
         log.debug("full_params done: %s", self.stats.summary())
 
 
-def full_params(state: Mapping[str, StateValue], mapping: MappingLike | None = None, *, group: Any = None,
+def full_params(state: SourceLike, mapping: MappingLike | None = None, *, group: Any = None,
                 strategy: StrategyChoice = "auto", mesh: Any = None, num_splits: int = 1,
                 split_index: int = 0, split_by: SplitBy = "count", consumers: Consumers = "all",
                 bucket_bytes: int = DEFAULT_BUCKET_BYTES, memory_budget: int | None = None,
@@ -172,8 +172,11 @@ def full_params(state: Mapping[str, StateValue], mapping: MappingLike | None = N
     """Stream full (mapped) tensors out of sharded state; call on every rank of the group.
 
     Args:
-        state: this rank's state dict: values are tensors (full or replicated), ShardedTensor,
-            DTensor, or lists of ShardedTensor.
+        state: this rank's state dict (values: tensors (full or replicated), ShardedTensor, DTensor,
+            or lists of ShardedTensor), a :class:`~shardsync.sources.Source`, or a checkpoint path
+            (safetensors file or directory, or torch DCP directory; see
+            :func:`~shardsync.sources.open_source`). Every rank of a group sees a checkpoint's
+            files: each reads its own share of the boxes.
         mapping: None (every source is a target) or a mapping program (statements, text, dict, path).
         group: process group; None means the default group when torch.distributed is initialised,
             and a single process otherwise.
@@ -196,6 +199,7 @@ def full_params(state: Mapping[str, StateValue], mapping: MappingLike | None = N
 
     Raises:
         LayoutError: holes, conflicting overlaps, shape/dtype disagreements (on every rank together).
+        FormatError: a checkpoint path that is missing, incomplete or corrupt.
         PlanError: bad options, or a memory budget that cannot be met.
         MappingError: the mapping is wrong.
         DistributedError: a rank failed during a phase (raised on every rank, naming phase and ranks).
@@ -211,7 +215,7 @@ def full_params(state: Mapping[str, StateValue], mapping: MappingLike | None = N
     return ParamStream(state, mapping, group, mesh, options)
 
 
-def plan(state: Mapping[str, StateValue], mapping: MappingLike | None = None, *, group: Any = None,
+def plan(state: SourceLike, mapping: MappingLike | None = None, *, group: Any = None,
          mesh: Any = None, consumers: Consumers = "all", **options: Any) -> Plan:
     """The plan :func:`full_params` would run, for inspection (collective: call on every rank).
 
