@@ -87,7 +87,8 @@ class DcpSource:
         try:
             metadata = self.reader.read_metadata()
         except Exception as exc:  # unpickling can fail in many ways; all mean "not DCP metadata"
-            raise FormatError(f"{meta_file}: cannot read DCP metadata: {type(exc).__name__}: {exc}") from exc
+            raise FormatError(f"{meta_file}: cannot read DCP metadata (not written by "
+                              f"torch.distributed.checkpoint.save?): {type(exc).__name__}: {exc}") from exc
         if not isinstance(metadata, Metadata):
             raise FormatError(f"{meta_file}: holds a {type(metadata).__name__}, not DCP Metadata")
         self.reader.set_up_storage_reader(metadata, is_coordinator=True)

@@ -210,7 +210,7 @@ def _check_index(index: Path, weight_map: dict[str, Path], found: dict[str, Tens
     problems = []
     for key, file in sorted(weight_map.items()):
         if key not in found or found[key].file != file:
-            where = f"it is in {found[key].file.name}" if key in found else "no file holds it"
+            where = f"it is in {found[key].file.name}" if key in found else "no file it names holds it"
             problems.append(f"{key!r} is mapped to {file.name} but {where}")
     problems += [f"{key!r} is in {info.file.name} but the index does not name it"
                  for key, info in found.items() if key not in weight_map]
