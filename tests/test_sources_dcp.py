@@ -57,6 +57,18 @@ def test_layout_reads_and_non_tensor_entries(tmp_path: Path, caplog: pytest.LogC
     assert torch.equal(got["h"], state["h"]) and stream.stats.bytes_read == 17 * 3 * 4 + 7 * 8 + 127 * 2
 
 
+def test_prefix_selects_one_nested_state(tmp_path: Path) -> None:
+    w = arange_tensor((5, 3))
+    dcp.save({"model": {"w": w, "norm": torch.ones(3)}, "optim": {"w.exp_avg": torch.zeros(5, 3)}},
+             checkpoint_id=tmp_path, no_dist=True)
+    assert [e.key for e in DcpSource(tmp_path).entries()] == ["model.norm", "model.w", "optim.w.exp_avg"]
+    src = DcpSource(tmp_path, prefix="model.")
+    assert [e.key for e in src.entries()] == ["norm", "w"]
+    assert torch.equal(dict(shardsync.full_params(src))["w"], w)
+    with pytest.raises(FormatError, match=f"^{tmp_path}: no tensor under prefix 'mdl.' in this DCP checkpoint$"):
+        DcpSource(tmp_path, prefix="mdl.")
+
+
 def test_metadata_errors(tmp_path: Path) -> None:
     meta = tmp_path / ".metadata"
     with pytest.raises(FormatError, match=f"^{tmp_path} is not a torch DCP checkpoint: it has no "

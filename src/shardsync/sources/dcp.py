@@ -58,6 +58,9 @@ class DcpSource:
 
     Args:
         path: the checkpoint directory (the one holding ``.metadata``).
+        prefix: read only the tensors whose key starts with it, named without it; e.g. ``"model."``
+            for a checkpoint saved as ``{"model": model.state_dict(), "optim": ...}`` (DCP joins
+            nested keys with dots).
 
     Raises:
         FormatError: no ``.metadata``, a metadata file that is not DCP's, or a dtype shardsync does
@@ -75,7 +78,7 @@ class DcpSource:
     #: every rank sees the same data at the same path
     shared = True
 
-    def __init__(self, path: str | os.PathLike) -> None:
+    def __init__(self, path: str | os.PathLike, *, prefix: str = "") -> None:
         from torch.distributed.checkpoint import FileSystemReader
         from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
@@ -92,17 +95,24 @@ class DcpSource:
         if not isinstance(metadata, Metadata):
             raise FormatError(f"{meta_file}: holds a {type(metadata).__name__}, not DCP Metadata")
         self.reader.set_up_storage_reader(metadata, is_coordinator=True)
-        self.tensors: dict[str, Any] = {}  # key -> TensorStorageMetadata
+        self.tensors: dict[str, Any] = {}  # key (prefix removed) -> TensorStorageMetadata
         self._dtypes: dict[str, str] = {}
-        for key, md in sorted(metadata.state_dict_metadata.items()):
+        self._fqns: dict[str, str] = {}  # key -> the checkpoint's own name
+        for fqn, md in sorted(metadata.state_dict_metadata.items()):
             if not isinstance(md, TensorStorageMetadata):
-                log.debug("%s: skipping non-tensor entry %r (%s)", self.path, key, type(md).__name__)
+                log.debug("%s: skipping non-tensor entry %r (%s)", self.path, fqn, type(md).__name__)
                 continue
+            if not fqn.startswith(prefix):
+                continue
+            key = fqn[len(prefix):]
             try:
                 self._dtypes[key] = dtype_name(md.properties.dtype)
             except ValueError as exc:
-                raise FormatError(f"{meta_file}: tensor {key!r}: {exc}") from exc
-            self.tensors[key] = md
+                raise FormatError(f"{meta_file}: tensor {fqn!r}: {exc}") from exc
+            self.tensors[key], self._fqns[key] = md, fqn
+        if not self.tensors:
+            raise FormatError(f"{self.path}: no tensor{f' under prefix {prefix!r}' if prefix else ''} in "
+                              "this DCP checkpoint")
 
     def entries(self) -> list[LayoutEntry]:
         """One entry per saved chunk (duplicates dropped), sorted by key then offsets."""
@@ -129,7 +139,7 @@ class DcpSource:
             raise LayoutError(f"{key!r}{box}: not in the DCP checkpoint {self.path}")
         out = torch.empty(box.sizes, dtype=md.properties.dtype)
         wanted = ChunkStorageMetadata(offsets=torch.Size(box.offsets), sizes=torch.Size(box.sizes))
-        items = create_read_items_for_chunk_list(key, md, [wanted])
+        items = create_read_items_for_chunk_list(self._fqns[key], md, [wanted])
         self.reader.read_data(LoadPlan(items), _box_planner()(out)).wait()
         return out
 

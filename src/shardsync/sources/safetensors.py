@@ -22,7 +22,7 @@ log = logging.getLogger(__name__)
 
 #: A file handle is reopened after serving this many bytes: safetensors maps files into memory, and
 #: the pages a read touched count as this process's resident memory until the mapping is dropped.
-REMAP_BYTES = 64 << 20
+REMAP_BYTES = 16 << 20
 
 
 class SafetensorsSource:
