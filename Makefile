@@ -22,6 +22,7 @@ bench: $(STAMP)
 	$(PY) bench/bench_export.py
 	$(PY) bench/bench_stream.py
 	$(PY) bench/bench_replicas.py
+	$(PY) bench/bench_sources.py
 
 clean:
 	rm -rf $(VENV) build src/*.egg-info

@@ -88,7 +88,8 @@ def cases(root: Path) -> list[tuple[str, str, Path, int, dict[str, str]]]:
     out += [(f"{fmt} -> discard, budget 64 MiB, fixed malloc threshold", "discard", path, BUDGET, FIXED)
             for fmt, path in (("safetensors", st), ("dcp", dc))]
     x2 = f"safetensors x2 ({2 * LAYERS} layers) -> discard, budget 64 MiB"
-    out += [(x2, "discard", st2, BUDGET, {}), (x2 + ", fixed malloc threshold", "discard", st2, BUDGET, FIXED)]
+    out += [(x2, "discard", st2, BUDGET, {}),
+            (x2 + ", fixed malloc threshold", "discard", st2, BUDGET, FIXED)]
     out += [("safetensors -> discard, no budget", "discard", st, 0, {}),
             ("safetensors -> safetensors, budget 64 MiB", "write", st, BUDGET, {}),
             ("dcp -> safetensors, budget 64 MiB", "write", dc, BUDGET, {}),

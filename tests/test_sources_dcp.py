@@ -65,7 +65,8 @@ def test_prefix_selects_one_nested_state(tmp_path: Path) -> None:
     src = DcpSource(tmp_path, prefix="model.")
     assert [e.key for e in src.entries()] == ["norm", "w"]
     assert torch.equal(dict(shardsync.full_params(src))["w"], w)
-    with pytest.raises(FormatError, match=f"^{tmp_path}: no tensor under prefix 'mdl.' in this DCP checkpoint$"):
+    with pytest.raises(FormatError, match=f"^{tmp_path}: no tensor under prefix 'mdl.' in this DCP "
+                       "checkpoint$"):
         DcpSource(tmp_path, prefix="mdl.")
 
 
@@ -151,7 +152,8 @@ def llama(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     root = tmp_path_factory.mktemp("llama")
     model = _llama(root / "ref")
     per_rank = run_ranks(save_tp_and_export, 2, str(root), timeout=300)
-    return {"root": root, "model": model, "export": per_rank, "ref": load_file(root / "ref/model.safetensors")}
+    ref = load_file(root / "ref/model.safetensors")
+    return {"root": root, "model": model, "export": per_rank, "ref": ref}
 
 
 def _shares(source: Any, world: int) -> list[int]:

@@ -41,7 +41,8 @@ def test_layout_from_headers_and_boxes_read_lazily(sharded: tuple[Path, dict]) -
     assert [(e.key, e.shape, e.dtype, e.box) for e in src.entries()] == [
         ("a", (17, 3), "float32", Box((0, 0), (17, 3))), ("b", (127,), "bfloat16", Box((0,), (127,))),
         ("c", (5, 7), "int32", Box((0, 0), (5, 7)))]
-    assert [src.tensors[k].file.name for k in "abc"] == [f"model-0000{i}-of-00003.safetensors" for i in (1, 2, 3)]
+    assert [src.tensors[k].file.name for k in "abc"] == [
+        f"model-0000{i}-of-00003.safetensors" for i in (1, 2, 3)]
     assert torch.equal(src.read("a", Box((3, 1), (9, 2))), tensors["a"][3:12, 1:3])
     assert torch.equal(src.read("b", Box((100,), (27,))), tensors["b"][100:])
     assert torch.equal(src.read("c", Box((0, 0), (5, 7))), tensors["c"])
@@ -66,7 +67,8 @@ def test_every_dtype_safetensors_holds(tmp_path: Path, dtype: torch.dtype) -> No
     src = SafetensorsSource(tmp_path / "m.safetensors")
     assert src.entries()[0].dtype == str(dtype).removeprefix("torch.")
     got = src.read("x", Box((5, 1), (7, 2)))
-    assert got.dtype == dtype and torch.equal(got.view(torch.uint8), full[5:12, 1:3].contiguous().view(torch.uint8))
+    want = full[5:12, 1:3].contiguous()
+    assert got.dtype == dtype and torch.equal(got.view(torch.uint8), want.view(torch.uint8))
     (name, tensor), = shardsync.full_params(tmp_path / "m.safetensors")
     assert name == "x" and torch.equal(tensor.view(torch.uint8), full.view(torch.uint8))
 
@@ -93,7 +95,8 @@ def test_read_helpers_and_explain_on_a_path(sharded: tuple[Path, dict]) -> None:
     back = shardsync.read_tensors(path)
     assert all(torch.equal(back[k], t) for k, t in tensors.items())
     text = shardsync.explain(path, ["a^T -> at"])
-    assert text.splitlines()[:2] == ["at  [3, 17] float32  (1 piece from a)", "    a[0:17, 0:3] -> [0:3, 0:17]  permute [1, 0]"]
+    assert text.splitlines()[:2] == ["at  [3, 17] float32  (1 piece from a)",
+                                     "    a[0:17, 0:3] -> [0:3, 0:17]  permute [1, 0]"]
 
 
 # -- the index checked against the files ----------------------------------------------------------

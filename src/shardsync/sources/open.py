@@ -118,9 +118,11 @@ class SpreadSource:
         return list(self._mine)
 
     def read(self, key: str, box: Box) -> torch.Tensor:
+        """The inner source's data of ``box``."""
         return self.inner.read(key, box)
 
     def device(self) -> torch.device:
+        """The inner source's device."""
         return self.inner.device()
 
 
