@@ -83,6 +83,7 @@ def test_full_params_reads_each_box_once(tmp_path: Path) -> None:
     assert torch.equal(got["q"], qkv[0:6]) and torch.equal(got["k"], qkv[6:9])
     assert torch.equal(got["v"], qkv[9:12]) and torch.equal(got["qkv_t"], qkv.T)
     assert stream.stats.bytes_read == 12 * 3 * 4 + 3 * 2  # qkv feeds four targets: read once
+    assert shardsync.plan(tmp_path, mapping).order == stream.plan.order == ("k", "norm", "q", "qkv_t", "v")
     # a budget cuts reads into pieces; still every byte is read exactly once
     small = shardsync.full_params(tmp_path, mapping, memory_budget=200)
     assert {k: v.tolist() for k, v in small} == {k: v.tolist() for k, v in got.items()}
