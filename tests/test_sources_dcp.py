@@ -29,6 +29,9 @@ from shardsync.layout.box import Box
 from shardsync.layout.dtypes import itemsize
 from shardsync.sources import DcpSource, SafetensorsSource, assign_boxes
 
+# dcp.save(no_dist=True) warns that it runs in one process, which is what these tests want
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+
 TOKENS = torch.tensor([[3, 17, 5, 66, 0, 12, 9, 41, 28, 7, 60]])
 
 

@@ -12,6 +12,9 @@ from safetensors.torch import load_file
 
 from shardsync.cli import main
 
+# dcp.save(no_dist=True) warns that it runs in one process, which is what these tests want
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+
 DOC = Path(__file__).parents[1] / "docs" / "sources.md"
 
 

@@ -18,6 +18,9 @@ from shardsync.layout.meta import LayoutEntry
 from shardsync.sources import (DcpSource, LocalSource, SafetensorsSource, Source, assign_boxes,
                                open_source, spread)
 
+# dcp.save(no_dist=True) warns that it runs in one process, which is what these tests want
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+
 
 def test_detects_each_format(tmp_path: Path) -> None:
     save_file({"w": torch.zeros(2)}, tmp_path / "model.safetensors")

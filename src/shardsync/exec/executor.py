@@ -84,6 +84,8 @@ class _Run:
             r = self.plan.reads[i]
             data = self.source.read(r.source, r.box)
             self.stats.bytes_read += r.nbytes
+            if data.device != self.device:  # a file source reads into CPU memory; nccl sends from GPU
+                data = data.to(self.device)
         self.uses[i] -= 1
         if self.uses[i] > 0:
             self.cache[i] = data
