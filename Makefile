@@ -23,6 +23,7 @@ bench: $(STAMP)
 	$(PY) bench/bench_stream.py
 	$(PY) bench/bench_replicas.py
 	$(PY) bench/bench_plan.py
+	$(PY) bench/bench_sources.py
 
 clean:
 	rm -rf $(VENV) build src/*.egg-info

@@ -4,6 +4,9 @@ Examples::
 
     shardsync explain ckpt/ --mapping megatron_llama_to_hf.txt
     shardsync export ckpt/ hf_out/ --mapping megatron_llama_to_hf.txt --max-shard-size 5GB
+    shardsync export dcp_step_1000/ hf_out/ --memory-budget 2GiB
+
+A checkpoint is a safetensors file or directory, or a torch DCP directory (format detected).
 """
 
 from __future__ import annotations
@@ -18,11 +21,12 @@ from pathlib import Path
 
 import torch
 
-from .errors import ShardsyncError
-from .io import read_layout, read_tensors, save_safetensors
+from .errors import FormatError, ShardsyncError
+from .io import parse_size, save_safetensors
 from .layout.meta import GlobalLayout
 from .mapping import Mapping
 from .mapping.explain import explain
+from .sources import open_source
 from .stream import ParamStream, full_params
 
 __all__ = ["ExplainConfig", "ExportConfig", "main", "run_explain", "run_export"]
@@ -41,7 +45,8 @@ class ExplainConfig:
 
 @dataclass(frozen=True)
 class ExportConfig:
-    """``shardsync export``: map a safetensors checkpoint and write it as HF safetensors."""
+    """``shardsync export``: map a checkpoint (safetensors or DCP) and write it as HF safetensors,
+    holding at most ``memory_budget`` bytes of tensors being built at once (None: no limit)."""
 
     source: Path
     out: Path
@@ -50,12 +55,17 @@ class ExportConfig:
     max_shard_size: str = "5GB"
     overwrite: bool = False
     progress: bool = True
+    memory_budget: int | None = None
 
 
 def _layout(source: Path) -> GlobalLayout:
     if source.suffix == ".json" and not source.name.endswith(".index.json"):
-        return GlobalLayout.from_json(source.read_text())
-    return read_layout(source)
+        try:
+            return GlobalLayout.from_json(source.read_text())
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise FormatError(f"{source} is not a layout JSON (as GlobalLayout.to_json writes) nor a "
+                              f"checkpoint: {type(exc).__name__}: {exc}") from exc
+    return GlobalLayout.merge([open_source(source).entries()])
 
 
 def run_explain(cfg: ExplainConfig) -> str:
@@ -83,9 +93,8 @@ def _progress(stream: ParamStream, enabled: bool) -> Iterator[tuple[str, torch.T
 def run_export(cfg: ExportConfig) -> dict[str, float]:
     """Read, map and write; returns a summary (tensors, bytes, files, seconds)."""
     start = time.perf_counter()
-    state = read_tensors(cfg.source)
     mapping = Mapping.parse(cfg.mapping or [], reverse=cfg.reverse)
-    stream = full_params(state, mapping, copy=False)
+    stream = full_params(cfg.source, mapping, copy=False, memory_budget=cfg.memory_budget)
     result = save_safetensors(_progress(stream, cfg.progress), cfg.out,
                               max_shard_bytes=cfg.max_shard_size, overwrite=cfg.overwrite)
     return {"tensors": result.num_tensors, "bytes": result.total_bytes, "files": len(result.files),
@@ -96,15 +105,18 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="shardsync", description=__doc__.split("\n")[0])
     sub = p.add_subparsers(dest="command", required=True)
     for name, helptext in (("explain", "show how every target is built (reads headers only)"),
-                           ("export", "map a safetensors checkpoint into HF safetensors")):
+                           ("export", "map a checkpoint into HF safetensors")):
         s = sub.add_parser(name, help=helptext)
-        s.add_argument("source", type=Path, help="a .safetensors file, a checkpoint directory, an "
-                       "index.json" + (", or a layout .json" if name == "explain" else ""))
+        s.add_argument("source", type=Path, help="a .safetensors file, a safetensors checkpoint "
+                       "directory, an index.json, a torch DCP directory"
+                       + (", or a layout .json" if name == "explain" else ""))
         if name == "export":
             s.add_argument("out", type=Path, help="output directory")
             s.add_argument("--max-shard-size", default="5GB", help="shard size limit (default 5GB)")
             s.add_argument("--overwrite", action="store_true", help="replace an existing checkpoint")
             s.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+            s.add_argument("--memory-budget", type=parse_size, default=None,
+                           help="most bytes of tensors held while building them, e.g. 2GiB")
         s.add_argument("-m", "--mapping", help="mapping file (.txt/.json/.yaml); default: identity")
         s.add_argument("--reverse", action="store_true", default=None,
                        help="run a load-direction mapping backwards")
@@ -120,7 +132,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(run_explain(ExplainConfig(args.source, args.mapping, args.reverse)))
         else:
             summary = run_export(ExportConfig(args.source, args.out, args.mapping, args.reverse,
-                                              args.max_shard_size, args.overwrite, not args.quiet))
+                                              args.max_shard_size, args.overwrite, not args.quiet,
+                                              args.memory_budget))
             gb = summary["bytes"] / 1e9
             print(f"wrote {summary['tensors']} tensors, {gb:.3f} GB in {summary['files']} file(s) to "
                   f"{args.out} in {summary['seconds']:.2f} s ({gb / max(summary['seconds'], 1e-9):.2f} GB/s)")

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -24,14 +25,14 @@ from .dist import GroupRanks, abandon, agree, group_size, is_distributed
 from .errors import LayoutError, PlanError, ShardsyncError
 from .exec import (MeshGroups, MeshLike, MeshPlace, Stats, Transport, execute, local_mesh_info, mesh_groups,
                    transport_for)
-from .layout import GlobalLayout, StateValue
+from .layout import GlobalLayout
 from .layout.meta import LayoutEntry, check_replicas
 from .mapping import Mapping as ParsedMapping
 from .mapping import MappingLike, resolve
 from .planning import (DEFAULT_BUCKET_BYTES, DEFAULT_MESH_THRESHOLD_BYTES, Plan, PlanOptions, SplitBy,
                        StrategyChoice, build_plan, check_options)
 from .planning.mesh import build_topology
-from .sources import LocalSource, Source
+from .sources import Source, SourceLike, open_source, spread
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -57,7 +58,7 @@ class _RankLayout(NamedTuple):
 class _Request:
     """The checked arguments of one call."""
 
-    state: Mapping[str, StateValue]
+    state: SourceLike
     mapping: MappingLike | None
     group: ProcessGroup | None
     groups: MeshGroups | None
@@ -83,9 +84,9 @@ def _request(state: Any, mapping: MappingLike | None, group: ProcessGroup | None
         if isinstance(state, torch.nn.Module):
             raise LayoutError(f"got a module ({type(state).__name__}), not its state; pass "
                               "model.state_dict()")
-        if not isinstance(state, Mapping):
-            raise LayoutError(f"state must be a mapping of names to tensors, got {type(state).__name__}; "
-                              "pass model.state_dict() or a dict")
+        if not isinstance(state, (Mapping, Source, str, os.PathLike)):
+            raise LayoutError(f"state must be a mapping of names to tensors, a Source or a checkpoint "
+                              f"path, got {type(state).__name__}; pass model.state_dict() or a dict")
         groups = mesh_groups(mesh) if mesh is not None else None
         opts = PlanOptions(consumers=_consumer_ranks(consumers), backend=_backend(group), **options)
         check_options(opts, group_size(group), meshed=mesh is not None)
@@ -144,9 +145,11 @@ def _agree_on_plan(gathered: list[_RankLayout], request: _Request) -> Plan:
     return agreed.mine.plan
 
 
-def _open_source(request: _Request) -> Source:
-    """This rank's source (the state is normalised once, inside the agreed phase)."""
-    return LocalSource(request.state)
+def _open_source(request: _Request, ranks: GroupRanks | None) -> Source:
+    """This rank's source, opened once inside the agreed phase. Files every rank sees are spread:
+    each rank reads its own share of the boxes."""
+    source = open_source(request.state)
+    return spread(source, ranks.rank, ranks.world) if ranks is not None else source
 
 
 def _rank_layout(source: Source, groups: MeshGroups | None, ranks: GroupRanks | None) -> _RankLayout:
@@ -162,8 +165,8 @@ def _rank_layout(source: Source, groups: MeshGroups | None, ranks: GroupRanks | 
 def _prepare(request: _Request) -> _Context:
     """Gather the layout -> resolve, plan, validate and agree -> pick the transport."""
     ranks = GroupRanks.of(request.group) if is_distributed(request.group) else None
-    layout = agree(GATHER_PHASE, lambda: _open_source(request), request.group,
-                   share=lambda source: _rank_layout(source, request.groups, ranks))
+    layout = agree(GATHER_PHASE, lambda: _open_source(request, ranks), request.group,
+                   share=lambda source: _rank_layout(source, request.groups, ranks), unanimous=True)
     plan = _agree_on_plan(layout.all, request)
     source = layout.mine
     device = (torch.device("cuda", torch.cuda.current_device()) if request.options.backend == "nccl"
@@ -211,7 +214,7 @@ class ParamStream:
         log.debug("full_params done: %s", self.stats.summary())
 
 
-def full_params(state: Mapping[str, StateValue], mapping: MappingLike | None = None, *,
+def full_params(state: SourceLike, mapping: MappingLike | None = None, *,
                 group: ProcessGroup | None = None, strategy: StrategyChoice = "auto",
                 mesh: MeshLike | None = None, num_splits: int = 1, split_index: int = 0,
                 split_by: SplitBy = "count", consumers: Consumers = "all",
@@ -220,8 +223,11 @@ def full_params(state: Mapping[str, StateValue], mapping: MappingLike | None = N
     """Stream full (mapped) tensors out of sharded state; call on every rank of the group.
 
     Args:
-        state: this rank's state dict (``model.state_dict()``, not the model): values are tensors (full
-            or replicated), ShardedTensor, DTensor, or lists of ShardedTensor; keys are strings.
+        state: this rank's state dict (``model.state_dict()``, not the model: values are tensors (full
+            or replicated), ShardedTensor, DTensor, or lists of ShardedTensor; keys are strings), a
+            :class:`~shardsync.sources.Source`, or a checkpoint path (safetensors file or directory,
+            or torch DCP directory; see :func:`~shardsync.sources.open_source`). Every rank of a
+            group sees a checkpoint's files: each reads its own share of the boxes.
         mapping: None (every source is a target) or a mapping program (statements, text, dict, path).
         group: process group; None means the default group when torch.distributed is initialised,
             and a single process otherwise.
@@ -248,6 +254,7 @@ def full_params(state: Mapping[str, StateValue], mapping: MappingLike | None = N
             cannot be met, or ranks that built different plans.
         LayoutError: a module instead of its state (raised here); while iterating, holes, conflicting
             overlaps, shape/dtype disagreements, meta tensors, keys that are not strings.
+        FormatError: (while iterating) a checkpoint path that is missing, incomplete or corrupt.
         MappingError: the mapping is wrong (while iterating).
         DistributedError: a rank failed, died, or never came during a phase (raised on every rank,
             naming the phase and the ranks).
@@ -267,7 +274,7 @@ def full_params(state: Mapping[str, StateValue], mapping: MappingLike | None = N
                                 mesh_threshold_bytes=mesh_threshold_bytes, copy=copy))
 
 
-def plan(state: Mapping[str, StateValue], mapping: MappingLike | None = None, *,
+def plan(state: SourceLike, mapping: MappingLike | None = None, *,
          group: ProcessGroup | None = None, mesh: MeshLike | None = None, consumers: Consumers = "all",
          **options: Any) -> Plan:
     """The plan :func:`full_params` would run, for inspection (collective: call on every rank).

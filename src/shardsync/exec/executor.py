@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
@@ -42,6 +42,24 @@ def _step_tag(k: int) -> int:
     return -(k + 1)  # memory-accounting tag of step k's buffers (targets use their index)
 
 
+def _read_uses(plan: Plan, rank: int) -> Counter[int]:
+    """How many times ``rank`` takes each read from its source: once per packet it sends holding the
+    read, per copy into a target it builds from its own data, per target it yields as a view."""
+    uses: Counter[int] = Counter()
+    for step in plan.steps:
+        for pk in step.packets:
+            if pk.src == rank:
+                uses.update(pk.reads)
+    for tp in plan.targets:
+        if rank not in tp.consumers:
+            continue
+        if is_zero_copy(tp, plan.reads, rank, plan.copy):
+            uses[tp.copies[0].read] += 1
+        else:
+            uses.update(c.read for c in tp.copies if rank in plan.reads[c.read].holders)
+    return uses
+
+
 class _Run:
     """One rank's state while executing a plan; also the :class:`PacketIO` its transport uses."""
 
@@ -58,6 +76,23 @@ class _Run:
                 for c in tp.copies:
                     if rank not in plan.reads[c.read].holders:
                         self.remote.setdefault(c.read, []).append((t, c.piece))
+        # A read is taken from the source once (a file source loads it) and kept until its last use.
+        self.uses = _read_uses(plan, rank)
+        self.cache: dict[int, torch.Tensor] = {}
+
+    def read(self, i: int) -> torch.Tensor:
+        """The data of read ``i`` from this rank's source: read on first use, dropped after the last."""
+        data = self.cache.pop(i, None)
+        if data is None:
+            r = self.plan.reads[i]
+            data = self.source.read(r.source, r.box)
+            self.stats.bytes_read += r.nbytes
+            if data.device != self.device:  # a file source reads into CPU memory; nccl sends from GPU
+                data = data.to(self.device)
+        self.uses[i] -= 1
+        if self.uses[i] > 0:
+            self.cache[i] = data
+        return data
 
     def mine(self, t: int) -> bool:
         return self.rank in self.plan.targets[t].consumers
@@ -77,7 +112,7 @@ class _Run:
         for c in self.plan.targets[t].copies:
             r = self.plan.reads[c.read]
             if self.rank in r.holders:
-                copy_piece(self.open[t], self.source.read(r.source, r.box), r.box, c.piece)
+                copy_piece(self.open[t], self.read(c.read), r.box, c.piece)
 
     def buffer(self, nbytes: int) -> torch.Tensor:
         self.stats.hold(nbytes, _step_tag(self.posting))
@@ -86,15 +121,14 @@ class _Run:
     @torch.no_grad()
     def fill(self, pk: Packet) -> torch.Tensor:
         """The bytes of a packet this rank sends: the shard itself when it is one contiguous read."""
-        reads = [self.plan.reads[i] for i in pk.reads]
-        if len(reads) == 1:
-            view = self.source.read(reads[0].source, reads[0].box)
-            if view.is_contiguous():
-                return view.detach().reshape(-1).view(torch.uint8)
+        only = self.read(pk.reads[0]) if len(pk.reads) == 1 else None
+        if only is not None and only.is_contiguous():
+            return only.detach().reshape(-1).view(torch.uint8)
         buf = self.buffer(pk.nbytes)
-        for r, off in zip(reads, pk.offsets):
+        for i, off in zip(pk.reads, pk.offsets):
+            r = self.plan.reads[i]
             dst = buf[off:off + r.nbytes].view(to_torch_dtype(r.dtype)).view(r.box.sizes)
-            dst.copy_(self.source.read(r.source, r.box))
+            dst.copy_(only if only is not None else self.read(i))
         return buf
 
     def sink(self, pk: Packet) -> torch.Tensor | None:
@@ -133,7 +167,10 @@ class _Run:
             self.stats.release(tag=t)
         else:  # zero copy: a view of this rank's own source
             c = tp.copies[0]
-            tensor = self.source.read(c.piece.source, c.piece.source_box)
+            box = self.plan.reads[c.read].box
+            tensor = self.read(c.read)
+            if c.piece.source_box != box:
+                tensor = tensor[c.piece.source_box.relative_to(box).slices()]
         self.stats.targets += 1
         self.stats.bytes_yielded += tp.nbytes
         return tp.name, tensor
@@ -181,5 +218,6 @@ def execute(plan: Plan, source: Source, transport: Transport, rank: int, stats: 
                     stats.seconds = time.perf_counter() - start
                     yield item
                     start = time.perf_counter() - stats.seconds  # time spent in the caller not counted
+    run.cache.clear()
     stats.seconds = time.perf_counter() - start
     log.debug("rank %d stream done: %s", rank, stats.summary())

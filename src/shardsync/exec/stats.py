@@ -13,7 +13,9 @@ class Stats:
 
     Conventions match :class:`shardsync.planning.Costs`: a collective counts once per rank that calls it;
     ``bytes_sent`` is this rank's own data handed to collectives or messages, ``bytes_received`` other
-    ranks' data it got; ``peak_bytes`` is the most the streamer held at once (targets being built and
+    ranks' data it got; ``bytes_read`` what it read from its source (each planned box once, however
+    many copies and packets use it; for a checkpoint, the bytes this rank loaded from files);
+    ``peak_bytes`` is the most the streamer held at once (targets being built and
     communication buffers; yielded targets belong to the caller and are not counted).
 
     Example:
@@ -25,6 +27,7 @@ class Stats:
 
     bytes_sent: int = 0
     bytes_received: int = 0
+    bytes_read: int = 0
     collectives: int = 0
     peak_bytes: int = 0
     held_bytes: int = 0
@@ -51,5 +54,5 @@ class Stats:
         """One line: targets, bytes, collectives, peak memory, seconds."""
         rate = self.bytes_yielded / self.seconds / 1e9 if self.seconds > 0 else 0.0
         return (f"{self.targets} targets, {self.bytes_yielded} B yielded in {self.seconds:.3f} s "
-                f"({rate:.2f} GB/s); sent {self.bytes_sent} B, received {self.bytes_received} B in "
+                f"({rate:.2f} GB/s); read {self.bytes_read} B; sent {self.bytes_sent} B, received {self.bytes_received} B in "
                 f"{self.collectives} collectives; peak {self.peak_bytes} B held")

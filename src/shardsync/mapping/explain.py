@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping as AbcMapping
+from typing import Any
 
 from ..layout.meta import GlobalLayout
-from ..layout.sharded import StateValue, local_layout
 from .pieces import Piece, TargetSpec
 from .program import MappingLike
 from .resolver import resolve
@@ -36,12 +35,14 @@ def describe_targets(targets: list[TargetSpec]) -> str:
     return "\n".join(lines)
 
 
-def explain(state_or_layout: AbcMapping[str, StateValue] | GlobalLayout, mapping: MappingLike | None = None,
-            *, reverse: bool | None = None) -> str:
+def explain(state_or_layout: Any, mapping: MappingLike | None = None, *,
+            reverse: bool | None = None) -> str:
     """Describe how every target of ``mapping`` is built from ``state_or_layout``.
 
     Args:
-        state_or_layout: a state dict (this process's tensors) or a :class:`GlobalLayout`.
+        state_or_layout: a :class:`GlobalLayout`, or anything
+            :func:`~shardsync.sources.open_source` takes: a state dict (this process's tensors), a
+            Source, or a checkpoint path (safetensors or DCP; only headers or metadata are read).
         mapping: anything :meth:`Mapping.parse` takes; None means identity.
         reverse: overrides the mapping's reverse flag.
 
@@ -51,12 +52,17 @@ def explain(state_or_layout: AbcMapping[str, StateValue] | GlobalLayout, mapping
 
     Raises:
         MappingError: the mapping does not resolve against the layout.
+        FormatError: a checkpoint path that is missing, incomplete or corrupt.
 
     Example:
         >>> import torch
         >>> print(explain({"w": torch.zeros(4, 2)}, ["w^T -> wt"]).splitlines()[0])
         wt  [2, 4] float32  (1 piece from w)
     """
-    layout = (state_or_layout if isinstance(state_or_layout, GlobalLayout)
-              else GlobalLayout.merge([local_layout(state_or_layout)]))
+    if isinstance(state_or_layout, GlobalLayout):
+        layout = state_or_layout
+    else:
+        from ..sources import open_source  # sources sit below the mapping layer; only explain needs them
+
+        layout = GlobalLayout.merge([open_source(state_or_layout).entries()])
     return describe_targets(resolve(mapping, layout, reverse=reverse))

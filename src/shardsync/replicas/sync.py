@@ -35,7 +35,7 @@ from .buckets import Bucket, Item, Op, PhasePlan, SyncPlan
 from .engine import SyncStats, build_buckets, items_for, run_buckets
 from .preflight import (DEFAULT_STATES, GradMode, GroupLike, SyncMode, optimizer_signature,
                         resolve_group, validate_sync_args)
-from .replicated import (Entry, MasterParams, ReplicatedParam, check_requires_grad, check_same,
+from .replicated import (MasterParams, ReplicatedParam, check_requires_grad, check_same,
                          describe, kind_order, layout_entries, local, resolve_replicated)
 from .select import SelectorLike, Selection, resolve_selector
 

@@ -1,9 +1,18 @@
-"""Where weights come from: the :class:`Source` protocol and its implementations."""
+"""Where weights come from: the :class:`Source` protocol and its implementations.
+
+In-memory state (:class:`LocalSource`), Hugging Face safetensors checkpoints
+(:class:`SafetensorsSource`) and torch Distributed Checkpoints (:class:`DcpSource`);
+:func:`open_source` picks one for a state dict, a Source or a path.
+"""
 
 from __future__ import annotations
 
 from .base import Source
+from .dcp import DcpSource
 from .local import LocalSource
 from .megatron import from_megatron
+from .open import SourceLike, assign_boxes, open_source, spread
+from .safetensors import SafetensorsSource
 
-__all__ = ["Source", "LocalSource", "from_megatron"]
+__all__ = ["Source", "LocalSource", "SafetensorsSource", "DcpSource", "SourceLike", "open_source",
+           "assign_boxes", "spread", "from_megatron"]

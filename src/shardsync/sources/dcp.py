@@ -1,0 +1,151 @@
+"""A torch Distributed Checkpoint (DCP) directory as a source, read through torch's own reader.
+
+The layout comes from the checkpoint's metadata: every saved chunk of a tensor is one box, so a
+checkpoint saved under any sharding (FSDP, TP, a torchtitan run, a single process) reads as it is.
+:meth:`DcpSource.read` asks torch's ``FileSystemReader`` for just the box wanted (read items made by
+DCP's own resharding helper), so only the chunks that overlap it are loaded.
+
+Trust: DCP metadata is a pickle (``.metadata``), and unpickling runs code the file names. Read only
+checkpoints you trust, as with ``torch.distributed.checkpoint.load`` itself. The tensor data is loaded
+by torch with ``weights_only=True``.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..errors import FormatError, LayoutError
+from ..layout.box import Box
+from ..layout.dtypes import dtype_name
+from ..layout.meta import LayoutEntry
+
+__all__ = ["DcpSource", "METADATA_FILE"]
+
+log = logging.getLogger(__name__)
+
+#: The file that marks a directory as a DCP checkpoint.
+METADATA_FILE = ".metadata"
+
+
+@functools.cache
+def _box_planner() -> type:
+    """DCP's default load planner with every read item landing in one box-sized tensor (made on
+    first use: importing torch's DCP package costs most of a second)."""
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+
+    class BoxPlanner(DefaultLoadPlanner):
+        def __init__(self, out: torch.Tensor) -> None:
+            super().__init__()
+            self.out = out
+
+        def lookup_tensor(self, index: Any) -> torch.Tensor:
+            return self.out  # the default transform_tensor narrows it to each item's dest offsets
+
+    return BoxPlanner
+
+
+class DcpSource:
+    """A DCP checkpoint directory (as written by ``torch.distributed.checkpoint.save``).
+
+    Only trusted checkpoints may be read: the metadata is unpickled (see the module docstring).
+    Non-tensor entries (bytes, objects) are skipped with a debug log.
+
+    Args:
+        path: the checkpoint directory (the one holding ``.metadata``).
+        prefix: read only the tensors whose key starts with it, named without it; e.g. ``"model."``
+            for a checkpoint saved as ``{"model": model.state_dict(), "optim": ...}`` (DCP joins
+            nested keys with dots).
+
+    Raises:
+        FormatError: no ``.metadata``, a metadata file that is not DCP's, or a dtype shardsync does
+            not know.
+
+    Example:
+        >>> import tempfile; import torch.distributed.checkpoint as dcp
+        >>> with tempfile.TemporaryDirectory() as d:
+        ...     _ = dcp.save({"w": torch.arange(6.).reshape(2, 3)}, checkpoint_id=d, no_dist=True)
+        ...     src = DcpSource(d)
+        ...     src.entries()[0].shape, src.read("w", Box((1, 1), (1, 2))).tolist()
+        ((2, 3), [[4.0, 5.0]])
+    """
+
+    #: every rank sees the same data at the same path
+    shared = True
+
+    def __init__(self, path: str | os.PathLike, *, prefix: str = "") -> None:
+        from torch.distributed.checkpoint import FileSystemReader
+        from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+
+        self.path = Path(path)
+        meta_file = self.path / METADATA_FILE
+        if not meta_file.is_file():
+            raise FormatError(f"{self.path} is not a torch DCP checkpoint: it has no {METADATA_FILE} file")
+        self.reader = FileSystemReader(self.path)
+        try:
+            metadata = self.reader.read_metadata()
+        except Exception as exc:  # unpickling can fail in many ways; all mean "not DCP metadata"
+            raise FormatError(f"{meta_file}: cannot read DCP metadata (not written by "
+                              f"torch.distributed.checkpoint.save?): {type(exc).__name__}: {exc}") from exc
+        if not isinstance(metadata, Metadata):
+            raise FormatError(f"{meta_file}: holds a {type(metadata).__name__}, not DCP Metadata")
+        self.reader.set_up_storage_reader(metadata, is_coordinator=True)
+        self.tensors: dict[str, Any] = {}  # key (prefix removed) -> TensorStorageMetadata
+        self._dtypes: dict[str, str] = {}
+        self._fqns: dict[str, str] = {}  # key -> the checkpoint's own name
+        for fqn, md in sorted(metadata.state_dict_metadata.items()):
+            if not isinstance(md, TensorStorageMetadata):
+                log.debug("%s: skipping non-tensor entry %r (%s)", self.path, fqn, type(md).__name__)
+                continue
+            if not fqn.startswith(prefix):
+                continue
+            key = fqn[len(prefix):]
+            try:
+                self._dtypes[key] = dtype_name(md.properties.dtype)
+            except ValueError as exc:
+                raise FormatError(f"{meta_file}: tensor {fqn!r}: {exc}") from exc
+            self.tensors[key], self._fqns[key] = md, fqn
+        if not self.tensors:
+            raise FormatError(f"{self.path}: no tensor{f' under prefix {prefix!r}' if prefix else ''} in "
+                              "this DCP checkpoint")
+
+    def entries(self) -> list[LayoutEntry]:
+        """One entry per saved chunk (duplicates dropped), sorted by key then offsets."""
+        out = []
+        for key, md in self.tensors.items():
+            shape = tuple(md.size)
+            boxes = {Box(tuple(c.offsets), tuple(c.sizes)) for c in md.chunks}
+            out += [LayoutEntry(key, shape, self._dtypes[key], b)
+                    for b in sorted(boxes, key=lambda b: b.offsets)]
+        return out
+
+    def read(self, key: str, box: Box) -> torch.Tensor:
+        """The data of ``box`` of ``key``: torch's reader loads the chunks that overlap it.
+
+        Raises:
+            LayoutError: no such tensor, or the box is outside it.
+        """
+        from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
+        from torch.distributed.checkpoint.planner import LoadPlan
+        from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
+
+        md = self.tensors.get(key)
+        if md is None or not box.within(tuple(md.size)):
+            raise LayoutError(f"{key!r}{box}: not in the DCP checkpoint {self.path}")
+        out = torch.empty(box.sizes, dtype=md.properties.dtype)
+        wanted = ChunkStorageMetadata(offsets=torch.Size(box.offsets), sizes=torch.Size(box.sizes))
+        items = create_read_items_for_chunk_list(self._fqns[key], md, [wanted])
+        self.reader.read_data(LoadPlan(items), _box_planner()(out)).wait()
+        return out
+
+    def device(self) -> torch.device:
+        """Reads land in CPU memory."""
+        return torch.device("cpu")
+
+    def __repr__(self) -> str:
+        return f"DcpSource({str(self.path)!r}, {len(self.tensors)} tensors)"

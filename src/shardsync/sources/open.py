@@ -1,0 +1,139 @@
+"""Turn whatever the caller passed into a :class:`Source`, and spread a shared source across ranks.
+
+``open_source`` takes a state dict, a Source, or a path (format detected). Under a process group a
+*shared* source (files every rank sees: safetensors, DCP) is narrowed on each rank to the boxes that
+rank is assigned (:func:`assign_boxes`: each box to exactly one rank, balanced by bytes), so the
+planner sees it as a sharded state: every box is read by one rank and moved from there.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Union
+
+import torch
+
+from ..errors import FormatError, LayoutError
+from ..layout.box import Box
+from ..layout.dtypes import itemsize
+from ..layout.meta import LayoutEntry
+from ..layout.sharded import StateValue
+from .base import Source
+from .dcp import METADATA_FILE, DcpSource
+from .local import LocalSource
+from .safetensors import SafetensorsSource
+
+__all__ = ["SourceLike", "open_source", "assign_boxes", "spread", "SpreadSource"]
+
+#: What the streaming functions accept as input: a state dict, a Source, or a checkpoint path.
+SourceLike = Union[Mapping[str, StateValue], Source, str, os.PathLike]
+
+_WHAT = ("a .safetensors file, a *.safetensors.index.json, a directory of safetensors files, or a "
+         "torch DCP checkpoint directory (one holding .metadata)")
+
+
+def open_source(x: SourceLike) -> Source:
+    """The Source for ``x``: a state dict becomes a :class:`LocalSource`, a Source is kept, a path
+    is opened by its format (a DCP directory has ``.metadata``; else safetensors).
+
+    Raises:
+        FormatError: a path that does not exist or is not a checkpoint (the message says what is).
+        LayoutError: ``x`` is none of these.
+
+    Example:
+        >>> type(open_source({"w": torch.zeros(2)})).__name__
+        'LocalSource'
+    """
+    if isinstance(x, (str, os.PathLike)):
+        return _open_path(Path(x))
+    if isinstance(x, Mapping):
+        return LocalSource(x)
+    if isinstance(x, Source):
+        return x
+    raise LayoutError(f"cannot read weights from a {type(x).__name__}; pass a state dict, a Source "
+                      f"(e.g. SafetensorsSource, DcpSource), or a path to {_WHAT}")
+
+
+def _open_path(p: Path) -> Source:
+    if p.is_dir():
+        if (p / METADATA_FILE).is_file():
+            return DcpSource(p)
+        if any(p.glob("*.safetensors")) or any(p.glob("*.safetensors.index.json")):
+            return SafetensorsSource(p)
+        raise FormatError(f"{p} is not a checkpoint: it holds no *.safetensors file and no "
+                          f"{METADATA_FILE}; pass {_WHAT}")
+    if p.is_file():
+        if p.name.endswith(".safetensors") or p.name.endswith(".safetensors.index.json"):
+            return SafetensorsSource(p)
+        if p.name == METADATA_FILE:
+            raise FormatError(f"{p} is the metadata file of a DCP checkpoint; pass its directory "
+                              f"{p.parent}")
+        raise FormatError(f"{p} is not a checkpoint file; pass {_WHAT}")
+    raise FormatError(f"{p} does not exist")
+
+
+def assign_boxes(entries: list[LayoutEntry], world: int) -> list[int]:
+    """The rank that reads each entry: largest first, each to the rank with the fewest bytes so far
+    (ties: lowest rank). Deterministic, so every rank computes the same assignment.
+
+    Example:
+        >>> e = [LayoutEntry(k, (n,), "float32", Box((0,), (n,))) for k, n in (("a", 4), ("b", 3), ("c", 2))]
+        >>> assign_boxes(e, 2)
+        [0, 1, 1]
+    """
+    load = [0] * world
+    owner = [0] * len(entries)
+    order = sorted(range(len(entries)), key=lambda i: (-_nbytes(entries[i]), entries[i].key,
+                                                       entries[i].box.offsets))
+    for i in order:
+        r = min(range(world), key=lambda k: (load[k], k))
+        owner[i] = r
+        load[r] += _nbytes(entries[i])
+    return owner
+
+
+def _nbytes(e: LayoutEntry) -> int:
+    return e.box.numel * itemsize(e.dtype)
+
+
+class SpreadSource:
+    """The part of a shared source one rank reads: the boxes :func:`assign_boxes` gives it.
+
+    Example:
+        >>> src = SpreadSource(LocalSource({"a": torch.zeros(4), "b": torch.ones(3)}), rank=1, world=2)
+        >>> [e.key for e in src.entries()]
+        ['b']
+    """
+
+    def __init__(self, inner: Source, rank: int, world: int) -> None:
+        self.inner = inner
+        everything = inner.entries()
+        owner = assign_boxes(everything, world)
+        self._mine = [e for e, r in zip(everything, owner) if r == rank]
+
+    def entries(self) -> list[LayoutEntry]:
+        """This rank's share of the inner source's entries."""
+        return list(self._mine)
+
+    def read(self, key: str, box: Box) -> torch.Tensor:
+        """The inner source's data of ``box``."""
+        return self.inner.read(key, box)
+
+    def device(self) -> torch.device:
+        """The inner source's device."""
+        return self.inner.device()
+
+
+def spread(source: Source, rank: int, world: int) -> Source:
+    """``source`` narrowed to ``rank``'s share when it is shared (every rank sees the same files)
+    and there are several ranks; otherwise ``source`` itself.
+
+    Example:
+        >>> spread(LocalSource({"a": torch.zeros(4)}), 0, 2).entries()[0].key   # not shared: unchanged
+        'a'
+    """
+    if world > 1 and getattr(source, "shared", False):
+        return SpreadSource(source, rank, world)
+    return source
