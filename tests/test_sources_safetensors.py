@@ -225,3 +225,15 @@ def test_truncated_file(tmp_path: Path) -> None:
     path.write_bytes(path.read_bytes()[:-5])
     with pytest.raises(FormatError, match=f"^{path}: corrupt safetensors header: .*incomplete metadata"):
         list(shardsync.full_params(path))  # opened when iteration starts
+
+
+def test_single_file_wins_over_an_uncommitted_index(tmp_path: Path) -> None:
+    # the writer's commit rule (docs/checkpoints.md): while model.safetensors exists it is the
+    # checkpoint; the index and shards of a save that had not yet removed it are not read
+    old = {"w": arange_tensor((5, 3))}
+    save_file(old, str(tmp_path / "model.safetensors"))
+    save_file({"w": arange_tensor((5, 3)) + 100}, str(tmp_path / "model-00001-of-00001-x.safetensors"))
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps(
+        {"metadata": {}, "weight_map": {"w": "model-00001-of-00001-x.safetensors"}}))
+    src = SafetensorsSource(tmp_path)
+    assert torch.equal(src.read("w", Box((0, 0), (5, 3))), old["w"])

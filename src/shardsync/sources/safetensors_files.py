@@ -109,8 +109,9 @@ def checkpoint_files(path: str | os.PathLike) -> list[Path]:
 def scan_checkpoint(path: str | os.PathLike) -> dict[str, TensorInfo]:
     """Every tensor of a checkpoint: its file, shape and dtype, from the headers alone.
 
-    ``path`` is a ``.safetensors`` file, a ``*.safetensors.index.json``, or a directory holding one
-    index (the files it names) or, without an index, ``*.safetensors`` files.
+    ``path`` is a ``.safetensors`` file, a ``*.safetensors.index.json``, or a directory holding
+    ``model.safetensors`` (then only that file counts, as for HF's ``from_pretrained``), one index (the
+    files it names) or, without either, ``*.safetensors`` files.
 
     Raises:
         FormatError: nothing to read; several indexes; an index that names a file outside its
@@ -148,6 +149,10 @@ def _files(p: Path) -> tuple[list[Path], tuple[Path, dict[str, Path]] | None]:
         return [p], None
     if not p.is_dir():
         raise FormatError(f"{p} does not exist")
+    if (p / "model.safetensors").is_file():
+        # the HF rule, which the writer's commit relies on: a single-file checkpoint wins (an index
+        # beside it belongs to a save that had not committed yet)
+        return [p / "model.safetensors"], None
     indexes = sorted(p.glob("*.safetensors.index.json"))
     if len(indexes) > 1:
         raise FormatError(f"{p} holds several indexes ({', '.join(i.name for i in indexes)}); pass the "
