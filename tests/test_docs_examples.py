@@ -9,9 +9,9 @@ namespace, like a notebook:
   written; such a block must be self-contained.
 * A ```` ```text ```` block right after the comment ``<!-- output -->`` is what the python block before
   it prints, compared line by line (trailing spaces ignored).
-* ```` ```sh ```` blocks: each ``shardsync ...`` line runs as the command line tool (exit status 0
-  unless the line ends with ``# exit N``); ``make``/``pip``/``torchrun`` lines are set-up and covered by
-  their own tests (``make demo`` by test_demo.py).
+* ```` ```sh ```` blocks: each ``shardsync ...`` line runs as the command line tool, other lines in the
+  shell (exit status 0 unless the line ends with ``# exit N``); ``make``/``pip``/``torchrun`` lines
+  are set-up and covered by their own tests (``make demo`` by test_demo.py).
 """
 
 from __future__ import annotations
@@ -74,10 +74,11 @@ def _run_sh(body: str, cwd: Path) -> None:
             continue
         status = re.match(r"\s*exit (\d+)", comment)
         expect = int(status[1]) if status else 0
-        argv = shlex.split(line)
-        assert argv[0] == "shardsync", f"unknown command in a docs example: {line}"
         env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
-        done = subprocess.run([sys.executable, "-m", "shardsync", *argv[1:]], cwd=cwd, env=env,
+        argv = shlex.split(line)
+        command: list[str] | str = ([sys.executable, "-m", "shardsync", *argv[1:]]
+                                    if argv[0] == "shardsync" else line)  # other lines: the shell
+        done = subprocess.run(command, cwd=cwd, env=env, shell=isinstance(command, str),
                               capture_output=True, text=True, timeout=300)
         assert done.returncode == expect, f"`{line}` exited {done.returncode}:\n{done.stdout}\n{done.stderr}"
         assert "Traceback" not in done.stderr, done.stderr

@@ -188,7 +188,7 @@ def test_a_module_instead_of_its_state_says_what_to_pass() -> None:
     with pytest.raises(LayoutError, match=r"^got a module \(Linear\), not its state; pass "
                                           r"model.state_dict\(\)$"):
         full_params(net)
-    with pytest.raises(LayoutError, match=r"state must be a mapping of names to tensors, got list"):
+    with pytest.raises(LayoutError, match=r"state must be a mapping of names to tensors, a Source or a checkpoint path, got list"):
         full_params([torch.zeros(2)])
     got = dict(full_params(net.state_dict()))
     assert list(got) == ["bias", "weight"] and torch.equal(got["weight"], net.weight.detach())
