@@ -13,6 +13,7 @@ $(STAMP): pyproject.toml Makefile
 	touch $(STAMP)
 
 test: $(STAMP)
+	$(PY) -m mypy
 	$(PY) -m pytest -q -p no:cacheprovider
 
 demo: $(STAMP)

@@ -216,7 +216,7 @@ def _progress_bar(enabled: bool, rank: int) -> Any:
     if not enabled or rank != 0:
         return None
     try:
-        from tqdm import tqdm  # type: ignore[import-untyped]  # optional: the "cli" extra
+        from tqdm import tqdm  # optional: the "cli" extra
     except ImportError:
         log.warning("progress=True needs tqdm (pip install tqdm); writing without a progress bar")
         return None

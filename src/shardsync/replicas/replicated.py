@@ -92,7 +92,7 @@ def _master_lookup(master_params: MasterParams, optimizer: Any) -> Callable[[str
             return None
         return lookup
     if callable(master_params):
-        return lambda name, p: master_params(p)  # type: ignore[operator]
+        return lambda name, p: master_params(p)
     raise ReplicaError(f"master_params= takes a mapping {{param or name: master}}, a callable "
                        f"param -> master | None, 'auto' or None; got {type(master_params).__name__}")
 
