@@ -19,3 +19,14 @@ def test_docstring_examples(name: str) -> None:
     module = importlib.import_module(name)
     result = doctest.testmod(module, optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE)
     assert result.failed == 0
+
+
+@pytest.mark.parametrize("name", MODULES)
+def test_skipped_examples_show_no_output(name: str) -> None:
+    # an example that never runs can never fail: it may illustrate a call, but not claim a result
+    module = importlib.import_module(name)
+    finder = doctest.DocTestFinder()
+    claims = [f"{test.name}: {ex.source.strip()} -> {ex.want.strip()}"
+              for test in finder.find(module) for ex in test.examples
+              if ex.options.get(doctest.SKIP) and ex.want.strip()]
+    assert not claims, "skipped examples that show output:\n" + "\n".join(claims)

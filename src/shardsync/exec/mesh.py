@@ -81,8 +81,7 @@ def local_mesh_info(groups: MeshGroups, ranks: GroupRanks) -> MeshPlace:
         PlanError: a mesh group reaches ranks outside the stream's group.
 
     Example:
-        >>> local_mesh_info(mesh_groups(device_mesh), GroupRanks.of(None))   # doctest: +SKIP
-        MeshPlace(horizontal=(2, 3), vertical=(1, 3))
+        >>> place = local_mesh_info(mesh_groups(device_mesh), GroupRanks.of(None))  # doctest: +SKIP
     """
     def members(g: ProcessGroup | None) -> tuple[int, ...]:
         if g is None:

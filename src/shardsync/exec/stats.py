@@ -19,10 +19,11 @@ class Stats:
     communication buffers; yielded targets belong to the caller and are not counted).
 
     Example:
-        >>> stream = shardsync.full_params(state)   # doctest: +SKIP
-        >>> for name, tensor in stream: ...         # doctest: +SKIP
-        >>> stream.stats.peak_bytes                 # doctest: +SKIP
-        8388608
+        >>> import torch, shardsync
+        >>> stream = shardsync.full_params({"w": torch.zeros(4, 4)}, "w^T -> wt")
+        >>> _ = [t for _, t in stream]
+        >>> stream.stats.peak_bytes, stream.stats.targets
+        (64, 1)
     """
 
     bytes_sent: int = 0

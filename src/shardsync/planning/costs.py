@@ -25,8 +25,10 @@ def is_zero_copy(target: TargetPlan, reads: Sequence[Read], rank: int, copy: boo
     True for a target built by one copy with no permutation or cast, whose read ``rank`` holds.
 
     Example:
-        >>> [is_zero_copy(t, plan.reads, 0, copy=False) for t in plan.targets]   # doctest: +SKIP
-        [True, False]
+        >>> import torch, shardsync
+        >>> plan = shardsync.plan({"w": torch.zeros(2, 3), "v": torch.zeros(3)}, "w^T -> wt", copy=False)
+        >>> [(t.name, is_zero_copy(t, plan.reads, 0, copy=False)) for t in plan.targets]
+        [('v', True), ('wt', False)]
     """
     if copy or len(target.copies) != 1:
         return False
@@ -119,8 +121,7 @@ def estimate_costs(steps: Sequence[Step], reads: Sequence[Read], targets: Sequen
     built from local data only being allocated right before they are yielded.
 
     Example:
-        >>> estimate_costs(plan.steps, plan.reads, plan.targets, 2).collectives   # doctest: +SKIP
-        (3, 3)
+        >>> costs = estimate_costs(plan.steps, plan.reads, plan.targets, 2)   # doctest: +SKIP
     """
     t = _Tally(world)
     held, peak = [0] * world, [0] * world

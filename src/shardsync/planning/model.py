@@ -182,9 +182,10 @@ class Plan:
         depth: steps in flight at once: step k+1 is posted before step k is finished (1: none).
 
     Example:
-        >>> plan = shardsync.plan(state)                      # doctest: +SKIP
-        >>> plan.costs.bytes_received[0], len(plan.steps)     # doctest: +SKIP
-        (4194304, 3)
+        >>> import torch, shardsync
+        >>> plan = shardsync.plan({"w": torch.zeros(4, 4), "b": torch.zeros(4)})
+        >>> plan.costs.bytes_received[0], len(plan.steps), plan.order
+        (0, 1, ('b', 'w'))
     """
 
     strategy: Strategy

@@ -243,7 +243,10 @@ def plan_problems(plan: Plan, layout: GlobalLayout) -> list[str]:
     targets not tiled by their copies, reads delivered zero or several times.
 
     Example:
-        >>> plan_problems(plan, layout)   # doctest: +SKIP
+        >>> import torch, shardsync
+        >>> from shardsync.layout import GlobalLayout, local_layout
+        >>> state = {"w": torch.zeros(2, 3)}
+        >>> plan_problems(shardsync.plan(state), GlobalLayout.merge([local_layout(state)]))
         []
     """
     problems = _read_problems(plan, layout)

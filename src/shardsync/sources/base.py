@@ -26,8 +26,10 @@ class Source(Protocol):
     ``device()`` once before execution.
 
     Example:
-        >>> src = LocalSource({"w": torch.arange(6.).reshape(2, 3)})   # doctest: +SKIP
-        >>> src.entries()[0].shape, src.read("w", Box((0, 1), (2, 1))).flatten().tolist()  # doctest: +SKIP
+        >>> import torch
+        >>> from shardsync.sources import LocalSource
+        >>> src = LocalSource({"w": torch.arange(6.).reshape(2, 3)})
+        >>> src.entries()[0].shape, src.read("w", Box((0, 1), (2, 1))).flatten().tolist()
         ((2, 3), [1.0, 4.0])
     """
 
