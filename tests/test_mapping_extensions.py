@@ -17,7 +17,7 @@ FULL = {"w": arange_tensor((5, 3)), "b": arange_tensor((5,), start=100),
 LAYOUT = GlobalLayout.merge([[(k, tuple(v.shape), "float32", Box.full(v.shape)) for k, v in FULL.items()]])
 
 
-def outputs(mapping: Mapping | list[str], full: dict[str, torch.Tensor] = FULL, **kw: object
+def outputs(mapping: Mapping | list[str] | str, full: dict[str, torch.Tensor] = FULL, **kw: object
             ) -> dict[str, torch.Tensor]:
     layout = GlobalLayout.merge([[(k, tuple(v.shape), "float32", Box.full(v.shape)) for k, v in full.items()]])
     return {t.name: assemble(t, full) for t in resolve(mapping, layout, **kw)}  # type: ignore[arg-type]

@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-from .params import CONFIG_KEYS, ConfigLike, ParamValue
 from .pieces import Piece, TargetSpec
 from .program import Mapping, MappingLike
 from .resolver import OPTIMIZER_SUFFIXES, SCALAR_SUFFIXES, resolve, unconsumed
-from .shipped import shipped_mappings, shipped_parameters
+from .shipped import CONFIG_KEYS, ConfigLike, ParamValue, shipped_mappings, shipped_parameters
 from .syntax import Diagnostic
 
 __all__ = ["Piece", "TargetSpec", "Mapping", "MappingLike", "resolve", "unconsumed", "Diagnostic",

@@ -12,9 +12,8 @@ from typing import Any, Union
 
 from ..errors import MappingError
 from .lexer import parameter_names
-from .params import ConfigLike, ParamValue, fill_parameters
 from .parser import parse_text
-from .shipped import shipped_path, unknown_mapping
+from .shipped import ConfigLike, ParamValue, fill_parameters, shipped_path, unknown_mapping
 from .syntax import Diagnostic, Statement
 
 __all__ = ["Mapping", "MappingLike"]
@@ -86,8 +85,8 @@ class Mapping:
             if params is not None or config is not None:
                 raise MappingError("params and config fill parameters while a program is parsed, and this "
                                    "Mapping is parsed already: give the mapping's name, file or text")
-            flags = {"reverse": reverse, "prefix": prefix, "strict": strict}
-            return replace(source, **{k: v for k, v in flags.items() if v is not None})
+            return cls(source.statements, source.reverse if reverse is None else reverse,
+                       source.prefix if prefix is None else prefix, source.strict if strict is None else strict)
         path, what = _locate(source)
         chunks, file_reverse = _from_source(source) if path is None else _read_file(path)
         needed = list(dict.fromkeys(n for chunk in chunks for n in parameter_names(chunk)))

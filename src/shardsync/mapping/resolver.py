@@ -260,9 +260,18 @@ def resolve(mapping: MappingLike | None, layout: GlobalLayout, *, dest: GlobalLa
 
 def unconsumed(mapping: MappingLike, layout: GlobalLayout, *, dest: GlobalLayout | None = None,
                reverse: bool | None = None) -> list[str]:
-    """The source keys that no statement of ``mapping`` reads: :func:`resolve` passes them through
-    under their own names (less the mapping's ``prefix``). Optimizer states follow their parameter and
-    are not listed.
+    """The sources a mapping leaves unconsumed.
+
+    Args:
+        mapping: anything :meth:`Mapping.parse` takes.
+        layout: the global layout of the sources.
+        dest: a destination layout, as for :func:`resolve`.
+        reverse: overrides the mapping's own reverse flag.
+
+    Returns:
+        the source keys that no statement reads, in layout order: :func:`resolve` passes them through
+        under their own names (less the mapping's ``prefix``). Optimizer states follow their
+        parameter and are not listed.
 
     Raises:
         MappingError: the mapping does not resolve against ``layout``.
