@@ -78,8 +78,8 @@ class Mapping:
         Example:
             >>> m = Mapping.parse("megatron-llama", params={"num_heads": 8, "num_key_value_groups": 2,
             ...                                             "vocab_size": 1000})
-            >>> m.statements[0].text
-            'embedding.word_embeddings.weight -> model.embed_tokens.weight, axis=0, keep={vocab_size}'
+            >>> m.statements[0].render()
+            'embedding.word_embeddings.weight -> model.embed_tokens.weight, axis=0, keep=1000'
         """
         if isinstance(source, Mapping):
             if params is not None or config is not None:
