@@ -6,8 +6,8 @@ and row-parallel layers, replicated norms. They stream HF-named full tensors thr
 mapping to rank 0, which writes ``model.safetensors``; rank 0 then checks every tensor against the
 unsharded reference and prints a summary.
 
-Run: ``make demo`` or ``.venv/bin/python examples/demo.py [--mapping FILE] [--out DIR]`` (default
-``demo-out/``).
+Run: ``make demo`` or ``.venv/bin/python examples/demo.py [--mapping NAME|FILE] [--out DIR]`` (default
+``megatron-llama`` and ``demo-out/``).
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from shardsync.sources.megatron import tp_shards
 
 __all__ = ["main", "Config", "hf_reference", "megatron_full", "tp_state"]
 
-MAPPING = Path(shardsync.__file__).parent / "mappings" / "megatron_llama_to_hf.txt"
+MAPPING = "megatron-llama"  # shipped; its num_heads, num_key_value_groups, vocab_size come from the config
 TP = 2
 
 
@@ -40,14 +40,19 @@ TP = 2
 class Config:
     layers: int = 4
     hidden: int = 256
-    heads: int = 8  # must match num_heads in the mapping
-    kv_groups: int = 2  # must match num_key_value_groups in the mapping
+    heads: int = 8
+    kv_groups: int = 2
     ffn: int = 688
     vocab: int = 1000
 
     @property
     def head_dim(self) -> int:
         return self.hidden // self.heads
+
+    def hf_config(self) -> dict[str, int]:
+        """The keys of a HuggingFace ``config.json`` that fill the mapping's parameters."""
+        return {"num_attention_heads": self.heads, "num_key_value_heads": self.kv_groups,
+                "vocab_size": self.vocab}
 
 
 def hf_reference(c: Config) -> dict[str, torch.Tensor]:
@@ -107,13 +112,14 @@ def tp_state(c: Config, rank: int) -> dict[str, StateValue]:
     return state
 
 
-def worker(rank: int, mapping: str, out: str, store: str) -> None:
+def worker(rank: int, mapping: str | Path, out: str, store: str) -> None:
     # One intra-op thread per core: idle OpenMP threads spinning next to gloo's cost ~10x here.
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // TP))
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=TP,
                             timeout=datetime.timedelta(seconds=60))
     c = Config()
-    stream = shardsync.full_params(tp_state(c, rank), mapping, consumers=0)
+    parsed = shardsync.Mapping.parse(mapping, config=c.hf_config())
+    stream = shardsync.full_params(tp_state(c, rank), parsed, consumers=0)
     t0 = time.perf_counter()
     if rank == 0:
         shardsync.save_safetensors(stream, out, overwrite=True)
@@ -124,11 +130,12 @@ def worker(rank: int, mapping: str, out: str, store: str) -> None:
     stats = [None] * TP
     dist.all_gather_object(stats, (stream.stats, seconds))
     if rank == 0:
-        report(c, Path(out), mapping, stats)
+        report(c, Path(out), parsed, stats)
     dist.destroy_process_group()
 
 
-def table(c: Config, mapping: str, got: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]) -> str:
+def table(c: Config, mapping: shardsync.Mapping, got: dict[str, torch.Tensor],
+          ref: dict[str, torch.Tensor]) -> str:
     """One row per tensor role (layer numbers folded into ``*``): count, shape, source, check."""
     layout = shardsync.GlobalLayout.merge([local_layout(tp_state(c, r)) for r in range(TP)])
     fold = lambda name: re.sub(r"layers\.\d+\.", "layers.*.", name)  # noqa: E731
@@ -145,7 +152,7 @@ def table(c: Config, mapping: str, got: dict[str, torch.Tensor], ref: dict[str, 
     return "\n".join(lines)
 
 
-def report(c: Config, out: Path, mapping: str, stats: list) -> None:
+def report(c: Config, out: Path, mapping: shardsync.Mapping, stats: list) -> None:
     from safetensors.torch import load_file
 
     ref = hf_reference(c)
@@ -169,7 +176,8 @@ def report(c: Config, out: Path, mapping: str, stats: list) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--mapping", default=str(MAPPING), help="mapping file (Megatron -> HF names)")
+    ap.add_argument("--mapping", default=MAPPING, help="shipped mapping name or mapping file (Megatron -> "
+                    "HF names)")
     ap.add_argument("--out", default="demo-out", help="directory for model.safetensors")
     args = ap.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)

@@ -192,7 +192,11 @@ def test_missing_path_is_named_not_parsed_as_statements(tmp_path: Path, name: st
 
 def test_strings_that_are_programs_still_parse() -> None:
     assert len(Mapping.parse("")) == 0 and len(Mapping.parse("# exported as is")) == 0
-    _diag("w", "expected '->'")  # a bare word is a statement missing its arrow, not a file
+    _diag("w ->", "expected a name")
+    # a bare word is a shipped mapping's name: not one, so an error naming what it is not
+    with pytest.raises(MappingError, match=r"'w' is not a shipped mapping, a mapping file or a statement "
+                                           r"\(a statement has '->'\)\nshipped mappings:\n  megatron-llama: "):
+        resolve("w", LAYOUT)
 
 
 def test_a_text_file_of_any_suffix_is_a_program(tmp_path: Path) -> None:

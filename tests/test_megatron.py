@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import zlib
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -17,7 +18,6 @@ from shardsync.errors import LayoutError
 from shardsync.layout import Box, ShardedTensor
 from shardsync.sources.megatron import from_megatron, partition_of, tp_shards
 
-MAPPING = Path(shardsync.__file__).parent / "mappings" / "megatron_llama_to_hf.txt"
 DOC = Path(__file__).parent.parent / "docs" / "megatron.md"
 LAYERS, HIDDEN, HEADS, GROUPS, FFN, VOCAB = 2, 64, 4, 2, 96, 128
 
@@ -236,7 +236,7 @@ def compare(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> dict
                 got[k].dtype == want[k].dtype and torch.equal(got[k], want[k])))}
 
 
-def tp_case(mapping: str) -> dict[str, Any]:
+def tp_case(mapping: shardsync.Mapping) -> dict[str, Any]:
     init_parallel(tp=2, pp=1)
     model = build_gpt()
     want = hf_by_hand(gathered_by_hand(model), tp=2)
@@ -250,7 +250,7 @@ def tp_case(mapping: str) -> dict[str, Any]:
     return report
 
 
-def pp_case(mapping: str) -> dict[str, Any]:
+def pp_case(mapping: shardsync.Mapping) -> dict[str, Any]:
     import torch.distributed as dist
 
     init_parallel(tp=1, pp=2)
@@ -276,7 +276,8 @@ def doc_case(rank: int, out_dir: str) -> dict[str, Any] | None:
     script = doc_block("<!-- executed by tests/test_megatron.py")
     join = 'dist.init_process_group("gloo")  # "nccl" on GPUs\n'
     assert join in script  # the harness has joined the group already
-    namespace: dict[str, Any] = {"build_model": build_gpt, "out_dir": out_dir}
+    namespace: dict[str, Any] = {"build_model": build_gpt, "out_dir": out_dir,
+                                 "tokenizer": SimpleNamespace(vocab_size=VOCAB)}
     exec(script.replace(join, ""), namespace)
     want = hf_by_hand(gathered_by_hand(namespace["model"]), tp=2)
     if rank != 0:
@@ -286,7 +287,7 @@ def doc_case(rank: int, out_dir: str) -> dict[str, Any] | None:
     return compare(load_file(str(Path(out_dir) / "model.safetensors")), want)
 
 
-def megatron_worker(rank: int, world: int, mapping: str, out_dir: str) -> dict[str, Any]:
+def megatron_worker(rank: int, world: int, mapping: shardsync.Mapping, out_dir: str) -> dict[str, Any]:
     import warnings
 
     warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex).*")
@@ -295,8 +296,8 @@ def megatron_worker(rank: int, world: int, mapping: str, out_dir: str) -> dict[s
 
 def test_megatron_core_gpt_exports_to_hf_bit_exact(tmp_path: Path) -> None:
     pytest.importorskip("megatron.core")
-    mapping = MAPPING.read_text().replace("num_heads=8", f"num_heads={HEADS}")  # the documented edit
-    assert f"num_key_value_groups={GROUPS}" in mapping
+    mapping = shardsync.Mapping.parse("megatron-llama", params={
+        "num_heads": HEADS, "num_key_value_groups": GROUPS, "vocab_size": VOCAB})
     results = run_ranks(megatron_worker, 2, mapping, str(tmp_path), timeout=400)
     for rank, res in enumerate(results):
         cases = ("tp", "pp", "doc") if rank == 0 else ("tp", "pp")

@@ -1,9 +1,11 @@
 """Lexer: statement text -> tokens with positions.
 
 Tokens: ``->``, ``=``, ``:``, ``[``, ``]``, ``,``, integers (ASCII digits, at most 2**63 - 1 in
-magnitude; negative ones too: an extension over Paddle), quoted strings, identifiers and newlines. An identifier starts with a letter or ``_`` and goes
-on with letters, digits and ``. $ _ * ^``, so ``layers.$LAYER_ID.weight^T`` is one token. ``#`` starts a
-comment that runs to the end of the line.
+magnitude; negative ones too: an extension over Paddle), quoted strings, identifiers, parameters and
+newlines. An identifier starts with a letter or ``_`` and goes on with letters, digits and
+``. $ _ * ^``, so ``layers.$LAYER_ID.weight^T`` is one token; a ``?`` may end it (an optional statement,
+an extension). A parameter is ``{name}`` (an extension: its value is filled in when the program is
+parsed). ``#`` starts a comment that runs to the end of the line.
 """
 
 from __future__ import annotations
@@ -12,16 +14,17 @@ import re
 from dataclasses import dataclass
 from typing import Literal
 
-__all__ = ["Token", "TokenKind", "tokenize", "parse_int", "INT_LIMIT"]
+__all__ = ["Token", "TokenKind", "tokenize", "parameter_names", "parse_int", "INT_LIMIT"]
 
 #: ``ERROR`` tokens carry a message (a bad character, an unterminated string) for the parser to report
 #: in the statement where it occurs.
 TokenKind = Literal["ARROW", "EQ", "COLON", "LBRACK", "RBRACK", "COMMA", "INT", "STRING", "NAME",
-                    "NEWLINE", "EOF", "ERROR"]
+                    "PARAM", "NEWLINE", "EOF", "ERROR"]
 _PUNCT: dict[str, TokenKind] = {"=": "EQ", ":": "COLON", "[": "LBRACK", "]": "RBRACK", ",": "COMMA"}
 _NAME_CHARS = frozenset(".$_*^")
 _DIGITS = frozenset("0123456789")
 _INT = re.compile(r"[-+]?[0-9]+")
+_PARAM = re.compile(r"\{([A-Za-z_][A-Za-z0-9_]*)\}")
 #: The largest magnitude an integer may have (every size, dim or count fits a signed 64-bit int).
 INT_LIMIT = 2**63 - 1
 
@@ -57,6 +60,19 @@ def _name_end(text: str, i: int) -> int:
     while i < len(text) and (text[i].isalnum() or text[i] in _NAME_CHARS):
         i += 1
     return i
+
+
+def _param_token(text: str, i: int) -> tuple[Token, int]:
+    """The parameter ``{name}`` at ``i``, or an ERROR token; and where scanning goes on."""
+    m = _PARAM.match(text, i)
+    if m is not None:
+        return Token("PARAM", m.group(1), i), m.end()
+    j = text.find("}", i)
+    line_end = text.find("\n", i)
+    stop = len(text) if line_end < 0 else line_end
+    end = j + 1 if 0 <= j < stop else stop
+    return Token("ERROR", f"a parameter is written {{name}} (a letter or '_', then letters, digits or "
+                          f"'_'), not {text[i:end]!r}", i), end
 
 
 def _int_token(digits: str, pos: int) -> Token:
@@ -107,8 +123,12 @@ def tokenize(text: str) -> list[Token]:
                 continue
             tokens.append(Token("STRING", text[i + 1:j], i))
             i = j + 1
+        elif c == "{":
+            tok, i = _param_token(text, i)
+            tokens.append(tok)
         elif c.isalpha() or c == "_":
             j = _name_end(text, i + 1)
+            j += text.startswith("?", j)  # `name?`: the statement is optional
             tokens.append(Token("NAME", text[i:j], i))
             i = j
         else:
@@ -116,3 +136,13 @@ def tokenize(text: str) -> list[Token]:
             i += 1
     tokens.append(Token("EOF", "", n))
     return tokens
+
+
+def parameter_names(text: str) -> list[str]:
+    """The parameters ``{name}`` that ``text`` uses, in order of first use (comments ignored).
+
+    Example:
+        >>> parameter_names("qkv -> q, k, v, fused_qkv, num_heads={h}, num_key_value_groups={g}  # {x}")
+        ['h', 'g']
+    """
+    return list(dict.fromkeys(t.value for t in tokenize(text) if t.kind == "PARAM"))

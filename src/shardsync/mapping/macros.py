@@ -80,6 +80,8 @@ def _expand_offset(st: Statement, keys: Sequence[str], reverse: bool) -> list[St
         raise _MacroFail(f"{_OFFSET} must appear on the source side", names[0])
     pat = _template(carrier)
     ids = sorted({int(m.group(_OFFSET[1:])) for k in keys if (m := pat.fullmatch(k))})
+    if not ids and st.optional:
+        return []
     if not ids:
         raise _MacroFail(f"{carrier.text!r} matches no source key", carrier,
                          (f"source keys look like {sorted(keys)[:3]}",))
@@ -115,6 +117,8 @@ def _expand_placeholders(st: Statement, src_keys: Sequence[str], dst_keys: Seque
         return {tuple(int(m.group(ph)) for ph in phs) for k in keys if (m := pat.fullmatch(k))}
 
     found = combos(first)
+    if not found and st.optional:
+        return []
     if not found:
         raise _MacroFail(f"{first.text!r} matches no {'source' if keys is src_keys else 'destination'} "
                          "key", first, (f"keys look like {sorted(keys)[:3]}",))
@@ -135,13 +139,18 @@ def _expand_placeholders(st: Statement, src_keys: Sequence[str], dst_keys: Seque
     return out
 
 
+def _star_hits(name: Name, keys: Sequence[str]) -> list[tuple[int, str]]:
+    """The keys a name with one ``*`` matches, as ``(number, key)`` in numeric order."""
+    pat = _template(name)
+    return sorted((int(m.group(1)), k) for k in keys if (m := pat.fullmatch(k)))
+
+
 def _star(name: Name, keys: Sequence[str] | None, which: str) -> list[Name]:
     if name.text.count("*") != 1:
         raise _MacroFail(f"{name.text!r}: a name may hold one '*'", name)
     if keys is None:
         raise _MacroFail(f"{name.text!r}: '*' on the destination side needs a destination layout", name)
-    pat = _template(name)
-    hits = sorted((int(m.group(1)), k) for k in keys if (m := pat.fullmatch(k)))
+    hits = _star_hits(name, keys)
     if not hits:
         raise _MacroFail(f"{name.text!r} matches no {which} key", name,
                          (f"{which} keys look like {sorted(keys)[:3]}",))
@@ -150,11 +159,15 @@ def _star(name: Name, keys: Sequence[str] | None, which: str) -> list[Name]:
 
 
 def _expand_star(st: Statement, src_keys: Sequence[str], dst_keys: Sequence[str] | None,
-                 reverse: bool) -> Statement:
+                 reverse: bool) -> list[Statement]:
+    """``*`` expanded on both sides; an optional statement whose source-side ``*`` matches nothing is
+    dropped."""
     src, dst = _sides(st, reverse)
+    if st.optional and any("*" in n.text and not _star_hits(n, src_keys) for n in src):
+        return []
     new_src = [m for n in src for m in (_star(n, src_keys, "source") if "*" in n.text else [n])]
     new_dst = [m for n in dst for m in (_star(n, dst_keys, "destination") if "*" in n.text else [n])]
-    return _rebuild(st, reverse, new_src, new_dst)
+    return [_rebuild(st, reverse, new_src, new_dst)]
 
 
 def _expand_transpose(st: Statement) -> list[Statement]:
@@ -184,7 +197,7 @@ def expand_macros(statements: Sequence[Statement], src_keys: Sequence[str],
                 todo = [s for t in todo for s in _expand_offset(t, src_keys, reverse)]
             if any(_PLACEHOLDER.search(n.text) for t in todo for n in t.left + t.right):
                 todo = [s for t in todo for s in _expand_placeholders(t, src_keys, dst_keys, reverse)]
-            todo = [_expand_star(t, src_keys, dst_keys, reverse) for t in todo]
+            todo = [s for t in todo for s in _expand_star(t, src_keys, dst_keys, reverse)]
             out += [s for t in todo for s in _expand_transpose(t)]
         except _MacroFail as f:
             col = f.name.col if f.name else 0
@@ -233,9 +246,11 @@ def _reverse_attr(a: Attr) -> Attr:
 def reverse_program(statements: Sequence[Statement]) -> list[Statement]:
     """Run a load-direction program backwards: order reversed, sides swapped, permutations inverted,
     split <-> concat (by the swap), ``src_dtype`` <-> ``dst_dtype``; a split's ``sizes=`` is dropped
-    (the concat it becomes needs none)."""
+    (the concat it becomes needs none), and so is ``keep=`` (no rows are invented: the tensor passes
+    with the rows it has)."""
     out = []
     for st in reversed(statements):
-        attrs = tuple(_reverse_attr(a) for a in st.attrs if not (a.key == "sizes" and len(st.right) > 1))
+        attrs = tuple(_reverse_attr(a) for a in st.attrs
+                      if not (a.key == "sizes" and len(st.right) > 1) and a.key != "keep")
         out.append(replace(st, left=st.right, right=st.left, attrs=attrs))
     return out

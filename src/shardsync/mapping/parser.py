@@ -3,10 +3,13 @@
 Statement boundaries are grammatical: after ``names -> names [, attrs]`` a new statement may start on
 the same line (Paddle parses ``"a -> b" "c -> d"`` as two); newlines also end statements. ``name[a:b]``
 is expanded here into ``name_a, ..., name_{b-1}`` (it depends on no keys), up to
-:data:`MAX_RANGE_NAMES` names.
+:data:`MAX_RANGE_NAMES` names. A parameter ``{name}`` in an attribute's place takes its value from the
+``params`` given; a ``?`` ending a name on the left makes the statement optional.
 """
 
 from __future__ import annotations
+
+from collections.abc import Mapping
 
 from .fused import FUSED_FORMS
 from .lexer import Token, tokenize
@@ -33,8 +36,9 @@ class _Fail(Exception):
 
 
 class _Parser:
-    def __init__(self, text: str, tokens: list[Token]) -> None:
-        self.text, self.toks, self.i = text, tokens, 0
+    def __init__(self, text: str, tokens: list[Token], params: Mapping[str, int | str]) -> None:
+        self.text, self.toks, self.i, self.params = text, tokens, 0, params
+        self.optional = False  # the statement being parsed has a `name?`
 
     def peek(self, k: int = 0) -> Token:
         tok = self.toks[min(self.i + k, len(self.toks) - 1)]
@@ -51,18 +55,24 @@ class _Parser:
         return tok
 
     def names(self, start: int, right: bool) -> list[Name]:
-        out = self.name(start)
+        out = self.name(start, right)
         while self.peek().kind == "COMMA" and self.peek(1).kind == "NAME":
             nxt = self.peek(1)
             if right and (nxt.value in FUSED_FORMS or self.peek(2).kind == "EQ"):
                 break
             self.i += 1
-            out += self.name(start)
+            out += self.name(start, right)
         return out
 
-    def name(self, start: int) -> list[Name]:
+    def name(self, start: int, right: bool) -> list[Name]:
         tok = self.take("NAME", "a name")
         col = tok.pos - start
+        if tok.value.endswith("?"):
+            if right:
+                raise _Fail(f"{tok.value!r}: '?' marks an optional statement and goes after a name on "
+                            "the left of '->'", tok, tok.value)
+            self.optional = True
+            tok = Token(tok.kind, tok.value[:-1], tok.pos)
         if self.peek().kind != "LBRACK":
             return [Name(tok.value, col)]
         self.i += 1
@@ -100,6 +110,11 @@ class _Parser:
         if tok.kind == "STRING":
             self.i += 1
             return Attr(key.value, tok.value, col)
+        if tok.kind == "PARAM":
+            if tok.value not in self.params:
+                raise _Fail(f"parameter {{{tok.value}}} has no value", tok, tok.value)
+            self.i += 1
+            return Attr(key.value, self.params[tok.value], col)
         if tok.kind == "LBRACK":  # extension: permute=[2, 0, 1] without quotes
             self.i += 1
             items = []
@@ -110,11 +125,13 @@ class _Parser:
                 self.i += 1
             self.take("RBRACK", "']' closing the list")
             return Attr(key.value, "[" + ", ".join(items) + "]", col)
-        raise _Fail(f"attribute {key.value!r} needs an integer or a quoted string", tok, key.value)
+        raise _Fail(f"attribute {key.value!r} needs an integer or a quoted string (or a {{parameter}})",
+                    tok, key.value)
 
     def statement(self, index: int) -> Statement:
         first = self.peek()
         start = first.pos
+        self.optional = False
         left = self.names(start, right=False)
         self.take("ARROW", "'->'")
         right = self.names(start, right=True)
@@ -126,8 +143,9 @@ class _Parser:
         if end_tok.kind not in ("NEWLINE", "EOF", "NAME"):
             raise _Fail(f"unexpected {end_tok.value!r} after the statement", end_tok)
         end = self.toks[self.i - 1]
-        stop = end.pos + len(end.value) + (2 if end.kind == "STRING" else 0)
-        return Statement(tuple(left), tuple(right), tuple(attrs), index, self.text[start:stop].strip())
+        stop = end.pos + len(end.value) + (2 if end.kind in ("STRING", "PARAM") else 0)
+        return Statement(tuple(left), tuple(right), tuple(attrs), index, self.text[start:stop].strip(),
+                         self.optional)
 
     def skip_line(self) -> None:
         while self.toks[self.i].kind not in ("NEWLINE", "EOF"):
@@ -142,13 +160,16 @@ def _line_of(text: str, pos: int) -> tuple[str, int]:
     return stripped.rstrip(), pos - lo - (len(line) - len(stripped))
 
 
-def parse_text(text: str, first_index: int = 0) -> tuple[list[Statement], list[Diagnostic]]:
-    """Parse one chunk of program text; statement indices start at ``first_index``.
+def parse_text(text: str, first_index: int = 0, params: Mapping[str, int | str] | None = None,
+               ) -> tuple[list[Statement], list[Diagnostic]]:
+    """Parse one chunk of program text; statement indices start at ``first_index``; ``params`` gives
+    the values of ``{name}`` parameters.
 
     Returns:
-        the statements and the diagnostics (lexical and syntax errors; parsing resumes on the next line).
+        the statements and the diagnostics (lexical and syntax errors, parameters without a value;
+        parsing resumes on the next line).
     """
-    p = _Parser(text, tokenize(text))
+    p = _Parser(text, tokenize(text), params or {})
     diags: list[Diagnostic] = []
     statements: list[Statement] = []
     index = first_index

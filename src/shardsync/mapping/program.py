@@ -1,16 +1,19 @@
-"""Mapping: a parsed program, from any of the input forms the spec allows."""
+"""Mapping: a parsed program, from any of the input forms the spec allows (a shipped name included)."""
 
 from __future__ import annotations
 
 import json
 import os
+from collections.abc import Mapping as AbcMapping
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Union
 
 from ..errors import MappingError
+from .lexer import parameter_names
 from .parser import parse_text
+from .shipped import ConfigLike, ParamValue, fill_parameters, shipped_path, unknown_mapping
 from .syntax import Diagnostic, Statement
 
 __all__ = ["Mapping", "MappingLike"]
@@ -26,8 +29,12 @@ class Mapping:
     """A parsed mapping program (macros not yet expanded: that needs the source keys).
 
     Attributes:
-        statements: the statements as written, with their indices and text.
+        statements: the statements as written (parameters filled in), with their indices and text.
         reverse: run the program backwards (it was written for loading); see the spec.
+        prefix: the left side's keys (the model's, in a Megatron -> HF program) carry this prefix, e.g.
+            ``"module."`` for a DDP-wrapped state dict: source keys lose it; in reverse mode, the
+            targets gain it.
+        strict: resolving is an error if a source passes through unconsumed (not read by any statement).
 
     Example:
         >>> m = Mapping.parse(["qkv -> q, k, v, axis=0", "w^T -> w_t"])
@@ -37,41 +44,66 @@ class Mapping:
 
     statements: tuple[Statement, ...]
     reverse: bool = False
+    prefix: str = ""
+    strict: bool = False
 
     @classmethod
-    def parse(cls, source: MappingLike, *, reverse: bool | None = None) -> Mapping:
+    def parse(cls, source: MappingLike, *, reverse: bool | None = None,
+              params: AbcMapping[str, ParamValue] | None = None, config: ConfigLike | None = None,
+              prefix: str | None = None, strict: bool | None = None) -> Mapping:
         """Parse a program.
 
         Args:
-            source: a list of statement strings; one string with a statement per line; a dict
+            source: the name of a shipped mapping (:func:`~.shipped.shipped_mappings`); a list of
+                statement strings; one string with a statement per line; a dict
                 ``{"aoa_statements": [...], "aoa_config_reverse": bool}``; a path to a ``.json`` or
                 ``.yaml``/``.yml`` file holding that dict (or a bare list) or to a text file (a
-                statement per line, ``#`` comments); or a Mapping (returned as is unless ``reverse``
-                changes it). A string without ``->`` on one line that ends in ``.txt``, ``.json``,
-                ``.yaml`` or ``.yml`` or holds a path separator is a path.
+                statement per line, ``#`` comments); or a Mapping (returned as is unless ``reverse``,
+                ``prefix`` or ``strict`` change it). A string without ``->`` on one line is a shipped
+                name, else a path.
             reverse: overrides ``aoa_config_reverse``.
+            params: values of the program's ``{name}`` parameters (these win over ``config``).
+            config: a model config supplying the other parameters: a ``config.json`` or its
+                directory, a dict, or an object such as Megatron's ``TransformerConfig``.
+            prefix: see the attribute (default ``""``).
+            strict: see the attribute (default False).
 
         Raises:
             MappingError: listing every lexical and syntax error of the program (with the file, for a
                 program read from one); or the file is missing, a directory, unreadable, or not
-                valid JSON/YAML of the expected shape (with line and column where there is one).
+                valid JSON/YAML of the expected shape (with line and column where there is one); or a
+                one-line string is no shipped name, file or statement; or a parameter has no value,
+                a bad one, or is not one of the program's.
+
+        Example:
+            >>> m = Mapping.parse("megatron-llama", params={"num_heads": 8, "num_key_value_groups": 2,
+            ...                                             "vocab_size": 1000})
+            >>> m.statements[0].render()
+            'embedding.word_embeddings.weight -> model.embed_tokens.weight, axis=0, keep=1000'
         """
         if isinstance(source, Mapping):
-            return source if reverse is None else cls(source.statements, reverse)
-        path = _as_path(source)
+            if params is not None or config is not None:
+                raise MappingError("params and config fill parameters while a program is parsed, and this "
+                                   "Mapping is parsed already: give the mapping's name, file or text")
+            return cls(source.statements, source.reverse if reverse is None else reverse,
+                       source.prefix if prefix is None else prefix, source.strict if strict is None else strict)
+        path, what = _locate(source)
         chunks, file_reverse = _from_source(source) if path is None else _read_file(path)
+        needed = list(dict.fromkeys(n for chunk in chunks for n in parameter_names(chunk)))
+        values = fill_parameters(needed, params, config, what=what)
         statements: list[Statement] = []
         diags: list[Diagnostic] = []
         index = 0
         for chunk in chunks:
-            parsed, problems = parse_text(chunk, index)
+            parsed, problems = parse_text(chunk, index, values)
             statements += parsed
             diags += problems
             index = max([s.index + 1 for s in parsed] + [d.index + 1 for d in problems] + [index])
         if diags:
             where = None if path is None else str(path)
             raise MappingError([replace(d, file=where) for d in sorted(diags, key=lambda d: d.index)])
-        return cls(tuple(statements), file_reverse if reverse is None else reverse)
+        return cls(tuple(statements), file_reverse if reverse is None else reverse, prefix or "",
+                   bool(strict))
 
     def __len__(self) -> int:
         return len(self.statements)
@@ -81,20 +113,26 @@ class Mapping:
         return "\n".join(s.render() for s in self.statements)
 
 
-def _as_path(source: Any) -> Path | None:
-    """``source`` as a file path, if it is one: a PathLike, or a one-line string without ``->`` that
-    ends in a mapping-file suffix or holds a path separator (so a missing file is reported as such,
-    not parsed as a statement)."""
+def _locate(source: Any) -> tuple[Path | None, str]:
+    """The file ``source`` names, if it names one, and how errors name the program.
+
+    A PathLike is a path. A one-line string without ``->`` is a shipped mapping's name, else a path
+    (so a missing file is reported as such, not parsed as a statement): it must end in a mapping-file
+    suffix, hold a path separator, or be an existing file.
+    """
     if isinstance(source, os.PathLike):
-        return Path(source)
+        return Path(source), f"mapping file {os.fspath(source)!r}"
     if not isinstance(source, str):
-        return None
+        return None, "the mapping"
     text = source.strip()
     if not text or "->" in text or "\n" in text or text.startswith("#"):
-        return None
-    if Path(text).suffix in _SUFFIXES or "/" in text or os.sep in text:
-        return Path(source)
-    return None
+        return None, "the mapping"
+    shipped = shipped_path(text)
+    if shipped is not None:
+        return shipped, f"mapping {text!r}"
+    if Path(text).suffix in _SUFFIXES or "/" in text or os.sep in text or Path(text).is_file():
+        return Path(text), f"mapping file {text!r}"
+    raise unknown_mapping(text)
 
 
 def _from_source(source: Any) -> tuple[list[str], bool]:

@@ -2,13 +2,18 @@
 
 Variables are source keys and names bound by statements. A name is looked up among the names bound so
 far, then among the sources. The outputs are every variable that no statement consumed and that was
-not dropped, sorted by name; a source read by two statements (tied weights) feeds both.
+not dropped, sorted by name; a source read by two statements (tied weights) feeds both. A source that
+no statement reads passes through under its own name: :func:`unconsumed` lists those, :func:`resolve`
+logs a warning naming them, and refuses them when strict.
 """
 
 from __future__ import annotations
 
+import logging
+import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
+from typing import NamedTuple
 
 from ..errors import MappingError
 from ..layout.meta import GlobalLayout, TensorMeta
@@ -21,7 +26,9 @@ from .statements import StatementError, apply_statement
 from .syntax import Diagnostic, Name, Statement, suggest
 from .vtensor import VTensor, source_tensor, to_pieces
 
-__all__ = ["resolve", "resolve_program", "OPTIMIZER_SUFFIXES", "SCALAR_SUFFIXES"]
+__all__ = ["resolve", "unconsumed", "resolve_program", "Resolved", "OPTIMIZER_SUFFIXES", "SCALAR_SUFFIXES"]
+
+logger = logging.getLogger(__name__)
 
 #: Paddle's optimizer-state suffixes: fp32 master and Adam moments follow their parameter's mapping.
 OPTIMIZER_SUFFIXES: tuple[str, ...] = (".w_0", ".moment1_0", ".moment2_0")
@@ -29,10 +36,20 @@ OPTIMIZER_SUFFIXES: tuple[str, ...] = (".w_0", ".moment1_0", ".moment2_0")
 SCALAR_SUFFIXES: tuple[str, ...] = (".beta1_pow_acc_0", ".beta2_pow_acc_0")
 
 
+class Resolved(NamedTuple):
+    """What :func:`resolve_program` finds: the outputs by name, the problems, and the source keys
+    that no statement read (they are outputs of their own name, less any ``prefix``)."""
+
+    outputs: dict[str, VTensor]
+    diags: list[Diagnostic]
+    unconsumed: list[str]
+
+
 @dataclass
 class _Run:
     layout: GlobalLayout
     dest: GlobalLayout | None
+    dest_prefix: str  # what a destination key has before the program's name for it
     sources: dict[str, VTensor]
     bound: dict[str, VTensor]
     live: dict[str, None]  # ordered set of output candidates
@@ -59,9 +76,10 @@ class _Run:
         built (``v`` None), the destination layout's (1 without a destination layout). The shards
         must all be the same size: each is read as one block."""
         if v is None:
-            if self.dest is None or name.text not in self.dest:
+            key = self.dest_prefix + name.text
+            if self.dest is None or key not in self.dest:
                 return 1
-            meta = self.dest[name.text]
+            meta = self.dest[key]
             return _equal_bands(name, meta, dim, 0, meta.shape[dim], f"destination {name.text!r}")
         whole = [f for f in v.frags if f.box.sizes == v.shape]
         if len(whole) != 1:
@@ -109,6 +127,9 @@ def _run_statement(run: _Run, st: Statement) -> None:
         return
     if [n.text for n in st.left] == ["_"]:
         return  # `_ -> y`: y has no source; nothing is produced for it on export
+    if st.optional and not any(n.text in run.bound or n.text in run.sources or n.text in run.failed
+                               for n in st.left):
+        return  # `a? -> b` without `a`: skipped; a reader of `b` reports it unknown
     inputs = [run.lookup(st, i) for i in range(len(st.left))]
     if any(v is None for v in inputs):
         run.failed.update(n.text for n in st.right)
@@ -136,49 +157,87 @@ def _run_statement(run: _Run, st: Statement) -> None:
             run.live[n.text] = None
 
 
+def _strip(keys: Sequence[str], prefix: str) -> dict[str, str]:
+    """``{name the program reads: key}``: each key less ``prefix`` where it has it."""
+    names: dict[str, str] = {}
+    for k in keys:
+        name = k[len(prefix):] if prefix and k.startswith(prefix) else k
+        if name in names:
+            raise MappingError(f"source keys {names[name]!r} and {k!r} both read as {name!r} with "
+                               f"prefix={prefix!r}; drop one of them or give no prefix")
+        names[name] = k
+    return names
+
+
 def resolve_program(statements: Sequence[Statement], layout: GlobalLayout, *,
                     dest: GlobalLayout | None = None, reverse: bool = False, keys: Sequence[str] | None = None,
-                    tolerate: Callable[[str], bool] = lambda name: False,
-                    ) -> tuple[dict[str, VTensor], list[Diagnostic]]:
+                    tolerate: Callable[[str], bool] = lambda name: False, prefix: str = "") -> Resolved:
     """Expand and evaluate ``statements`` over the sources ``keys`` (default: every layout key).
 
     ``tolerate(name)`` says which unknown names skip their statement (and its dependents) silently.
+    ``prefix`` belongs to the left side's keys: source keys lose it, or in reverse mode outputs gain it.
     """
-    keys = layout.keys() if keys is None else list(keys)
-    expanded, diags = expand_macros(statements, keys, dest.keys() if dest else None, reverse=reverse)
+    names = _strip(layout.keys() if keys is None else list(keys), "" if reverse else prefix)
+    dest_keys = None if dest is None else list(_strip(dest.keys(), prefix if reverse else ""))
+    expanded, diags = expand_macros(statements, list(names), dest_keys, reverse=reverse)
     if reverse:
         diags += [Diagnostic("dtype= is one-way and cannot run in reverse", st.index, st.text,
                              next(a.col for a in st.attrs if a.key == "dtype"), "dtype",
                              ("write src_dtype='<checkpoint dtype>', dst_dtype='<model dtype>'",))
                   for st in expanded if st.has("dtype")]
         expanded = reverse_program(expanded)
-    sources = {k: source_tensor(k, layout[k].shape, layout[k].dtype) for k in keys}
-    run = _Run(layout, dest, sources, {}, dict.fromkeys(keys), diags, set(), tolerate)
+    sources = {n: source_tensor(k, layout[k].shape, layout[k].dtype) for n, k in names.items()}
+    run = _Run(layout, dest, prefix if reverse else "", sources, {}, dict.fromkeys(names), diags, set(),
+               tolerate)
     for st in expanded:
         _run_statement(run, st)
     values = {**run.sources, **run.bound}
-    return {name: values[name] for name in sorted(run.live)}, run.diags
+    out_prefix = prefix if reverse else ""
+    passed = [names[n] for n in run.live if n in run.sources and n not in run.bound]
+    return Resolved({out_prefix + n: values[n] for n in sorted(run.live)}, run.diags, passed)
+
+
+def _resolve(program: Mapping, layout: GlobalLayout, dest: GlobalLayout | None, state_suffixes: Sequence[str],
+             scalar_suffixes: Sequence[str]) -> tuple[list[TargetSpec], list[str]]:
+    """Every target, sorted by name, and the source keys passed through unconsumed."""
+    named = {n.text for st in program.statements for n in st.left + st.right}
+    model_keys, states = _split_state_keys(layout.keys(), named, tuple(state_suffixes),
+                                           tuple(scalar_suffixes))
+    stems = {k[:-len(sfx)] for sfx, ks in states.items() for k in ks}
+    stems |= {k[len(program.prefix):] for k in stems if program.prefix and k.startswith(program.prefix)}
+    outputs, diags, passed = resolve_program(program.statements, layout, dest=dest, reverse=program.reverse,
+                                             keys=model_keys, tolerate=stems.__contains__,
+                                             prefix=program.prefix)
+    if diags:
+        raise MappingError(_with_prefix_hint(sorted(diags, key=lambda d: d.index), model_keys, program))
+    targets = {name: _spec(name, v) for name, v in outputs.items()}
+    targets.update(_state_targets(program, layout, states, tuple(scalar_suffixes), outputs))
+    return [targets[k] for k in sorted(targets)], passed
 
 
 def resolve(mapping: MappingLike | None, layout: GlobalLayout, *, dest: GlobalLayout | None = None,
             reverse: bool | None = None, state_suffixes: Sequence[str] = OPTIMIZER_SUFFIXES,
-            scalar_suffixes: Sequence[str] = SCALAR_SUFFIXES) -> list[TargetSpec]:
+            scalar_suffixes: Sequence[str] = SCALAR_SUFFIXES, strict: bool | None = None) -> list[TargetSpec]:
     """Resolve ``mapping`` against ``layout``: every target, sorted by name, as pieces.
 
     Optimizer-state keys ``<key><suffix>`` follow ``<key>``'s mapping (a state key is one whose stem
     is a source key or a name in the program); scalar states are copied whole from the first source
-    of each target. With ``mapping=None`` every source key is a target of its own.
+    of each target. With ``mapping=None`` every source key is a target of its own. A mapping that
+    leaves sources unconsumed passes them through under their own names and logs a warning listing
+    them (see :func:`unconsumed`); ``strict`` makes that an error.
 
     Args:
-        mapping: anything :meth:`Mapping.parse` takes, or None.
+        mapping: anything :meth:`Mapping.parse` takes (a shipped mapping's name included), or None.
         layout: the global layout of the sources.
         dest: a destination layout, for forms that need one (``*`` on the right, re-blocking).
         reverse: overrides the mapping's own reverse flag.
         state_suffixes: suffixes of states shaped like their parameter (Paddle's by default).
         scalar_suffixes: suffixes of scalar states; pass ``()`` for both to treat no key as a state.
+        strict: refuse a mapping that leaves sources unconsumed; None: the mapping's own ``strict``.
 
     Raises:
-        MappingError: every problem of the program, each naming statement, column and name.
+        MappingError: every problem of the program, each naming statement, column and name; or, when
+            strict, the sources no statement reads.
 
     Example:
         >>> from shardsync.layout import GlobalLayout, Box
@@ -187,17 +246,56 @@ def resolve(mapping: MappingLike | None, layout: GlobalLayout, *, dest: GlobalLa
         ['a', 'b']
     """
     program = Mapping.parse(mapping if mapping is not None else [], reverse=reverse)
-    named = {n.text for st in program.statements for n in st.left + st.right}
-    model_keys, states = _split_state_keys(layout.keys(), named, tuple(state_suffixes),
-                                           tuple(scalar_suffixes))
-    stems = {k[:-len(sfx)] for sfx, ks in states.items() for k in ks}
-    outputs, diags = resolve_program(program.statements, layout, dest=dest, reverse=program.reverse,
-                                     keys=model_keys, tolerate=stems.__contains__)
-    if diags:
-        raise MappingError(sorted(diags, key=lambda d: d.index))
-    targets = {name: _spec(name, v) for name, v in outputs.items()}
-    targets.update(_state_targets(program, layout, states, tuple(scalar_suffixes), outputs))
-    return [targets[k] for k in sorted(targets)]
+    targets, passed = _resolve(program, layout, dest, state_suffixes, scalar_suffixes)
+    if passed and program.statements:
+        shown = ", ".join(map(repr, passed[:10])) + (f" and {len(passed) - 10} more" if len(passed) > 10 else "")
+        if program.strict if strict is None else strict:
+            raise MappingError(f"the mapping leaves {len(passed)} source{'s' * (len(passed) > 1)} unconsumed: "
+                               f"{shown}; map each with a statement or drop it (`name -> _`), or resolve "
+                               "without strict to pass them through under their own names")
+        logger.warning("the mapping leaves %d source%s unconsumed; they pass through under their own "
+                       "names: %s", len(passed), "s" * (len(passed) > 1), shown)
+    return targets
+
+
+def unconsumed(mapping: MappingLike, layout: GlobalLayout, *, dest: GlobalLayout | None = None,
+               reverse: bool | None = None) -> list[str]:
+    """The sources a mapping leaves unconsumed.
+
+    Args:
+        mapping: anything :meth:`Mapping.parse` takes.
+        layout: the global layout of the sources.
+        dest: a destination layout, as for :func:`resolve`.
+        reverse: overrides the mapping's own reverse flag.
+
+    Returns:
+        the source keys that no statement reads, in layout order: :func:`resolve` passes them through
+        under their own names (less the mapping's ``prefix``). Optimizer states follow their
+        parameter and are not listed.
+
+    Raises:
+        MappingError: the mapping does not resolve against ``layout``.
+
+    Example:
+        >>> from shardsync.layout import GlobalLayout, Box
+        >>> lay = GlobalLayout.merge([[(k, (2,), "float32", Box((0,), (2,))) for k in ("w", "b")]])
+        >>> unconsumed(["w -> weight"], lay)
+        ['b']
+    """
+    program = Mapping.parse(mapping, reverse=reverse)
+    return _resolve(program, layout, dest, OPTIMIZER_SUFFIXES, SCALAR_SUFFIXES)[1]
+
+
+def _with_prefix_hint(diags: list[Diagnostic], keys: Sequence[str], program: Mapping) -> list[Diagnostic]:
+    """A hint on each name that matches nothing when every source key carries a wrapper's
+    ``module.`` prefix (a DDP-wrapped state dict) and the mapping has no ``prefix``."""
+    wrapper = re.match(r"(?:module\.)+", min(keys, default="")) if not program.reverse else None
+    if wrapper is None or program.prefix or not all(k.startswith(wrapper.group()) for k in keys):
+        return diags
+    hint = (f"every source key starts with {wrapper.group()!r} (a wrapped model's state dict): parse the "
+            f"mapping with prefix={wrapper.group()!r}")
+    return [replace(d, hints=d.hints + (hint,)) if "matches no source key" in d.message
+            or d.message.startswith("unknown name") else d for d in diags]
 
 
 def _state_targets(program: Mapping, layout: GlobalLayout, states: dict[str, list[str]],
@@ -209,8 +307,9 @@ def _state_targets(program: Mapping, layout: GlobalLayout, states: dict[str, lis
     for sfx in (s for s in states if s not in scalars):
         stand_in = GlobalLayout({k[:-len(sfx)]: replace(layout[k], key=k[:-len(sfx)]) for k in states[sfx]},
                                 layout.world_size)
-        state_out, _ = resolve_program(program.statements, stand_in, reverse=program.reverse,
-                                       tolerate=lambda name: True)  # params without this state
+        state_out = resolve_program(program.statements, stand_in, reverse=program.reverse,
+                                    tolerate=lambda name: True,  # params without this state
+                                    prefix=program.prefix).outputs
         for name, v in state_out.items():
             targets[name + sfx] = TargetSpec(name + sfx, v.shape, v.dtype,
                                              tuple(_suffixed(p, sfx) for p in to_pieces(v)))

@@ -1,5 +1,5 @@
 """Evaluation of one statement without a macro keyword on virtual tensors: rename, split, concat,
-permute, cast (the fused forms are in :mod:`.fused`).
+permute, cast, keep (the fused forms are in :mod:`.fused`).
 
 Each function takes the statement and its input :class:`VTensor` s and returns the bound outputs, or
 raises :class:`StatementError` naming the offending name. No key lookups happen here.
@@ -12,7 +12,7 @@ from collections.abc import Callable, Sequence
 from ..layout.dtypes import dtype_name
 from .syntax import Name, Statement
 from .lexer import parse_int
-from .vtensor import VTensor, cast, concat, permute, split
+from .vtensor import VTensor, cast, concat, permute, split, take
 
 __all__ = ["StatementError", "apply_statement", "ShardCount", "axis_of", "concat_checked",
            "STATEMENT_ATTRIBUTES"]
@@ -21,8 +21,8 @@ __all__ = ["StatementError", "apply_statement", "ShardCount", "axis_of", "concat
 #: tensor being built (its destination layout decides).
 ShardCount = Callable[[Name, "VTensor | None", int], int]
 #: The attributes of statements without a macro keyword (the fused forms add their own).
-STATEMENT_ATTRIBUTES = frozenset({"axis", "permute", "dtype", "src_dtype", "dst_dtype", "sizes"})
-_ONE_TO_ONE = frozenset({"permute", "dtype", "axis", "src_dtype", "dst_dtype"})
+STATEMENT_ATTRIBUTES = frozenset({"axis", "permute", "dtype", "src_dtype", "dst_dtype", "sizes", "keep"})
+_ONE_TO_ONE = frozenset({"permute", "dtype", "axis", "src_dtype", "dst_dtype", "keep"})
 
 
 class StatementError(Exception):
@@ -76,11 +76,26 @@ def _permute(st: Statement, v: VTensor) -> VTensor:
     return permute(v, norm)  # type: ignore[arg-type]
 
 
+def _keep(st: Statement, v: VTensor) -> VTensor:
+    """``a -> b, axis=k, keep=N``: the first N entries of ``a`` along dim k (a padded vocabulary
+    trimmed to its real size)."""
+    if not st.has("axis"):
+        raise StatementError("keep= needs axis=<dim>: the dim to keep the first entries of",
+                             st.attr_name("keep"))
+    dim = axis_of(st, v)
+    n = st.attr("keep")
+    if not isinstance(n, int) or not 0 < n <= v.shape[dim]:
+        raise StatementError(f"keep={n!r} must be a positive integer at most {v.shape[dim]}, the size of "
+                             f"dim {dim} of {st.left[0].text!r} (shape {list(v.shape)})", st.attr_name("keep"),
+                             ("check the value (for a vocabulary: the model config's vocab_size)",))
+    return take(v, dim, 0, n)
+
+
 def _one_to_one(st: Statement, v: VTensor) -> VTensor:
     extra = sorted(a.key for a in st.attrs if a.key not in _ONE_TO_ONE)
     if extra:
-        raise StatementError(f"a 1 -> 1 statement takes permute=, dtype=, axis= or src_dtype=/dst_dtype=, "
-                             f"not {', '.join(extra)}", st.attr_name(extra[0]))
+        raise StatementError(f"a 1 -> 1 statement takes permute=, dtype=, axis= (with keep=) or "
+                             f"src_dtype=/dst_dtype=, not {', '.join(extra)}", st.attr_name(extra[0]))
     kinds = [a.key for a in st.attrs if a.key in ("permute", "dtype", "axis")]
     if len(kinds) > 1:
         raise StatementError(f"a 1 -> 1 statement takes at most one of permute/dtype/axis, got "
@@ -91,6 +106,8 @@ def _one_to_one(st: Statement, v: VTensor) -> VTensor:
     if st.has("src_dtype"):
         _dtype(st, "src_dtype")  # checked for spelling; it documents the other side (as Paddle)
         v = cast(v, _dtype(st, "dst_dtype"))
+    if st.has("keep"):
+        return _keep(st, v)
     if "permute" in kinds:
         return _permute(st, v)
     if "dtype" in kinds:

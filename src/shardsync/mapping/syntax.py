@@ -31,7 +31,8 @@ class Statement:
     """One statement: ``left -> right, attrs``.
 
     ``index`` and ``text`` name the statement as the user wrote it; statements produced by macro
-    expansion keep those of their origin, so errors point at what the user can fix.
+    expansion keep those of their origin, so errors point at what the user can fix. ``optional``
+    (written ``name?`` on the left): the statement is skipped when none of the names it reads exists.
     """
 
     left: tuple[Name, ...]
@@ -39,6 +40,7 @@ class Statement:
     attrs: tuple[Attr, ...] = ()
     index: int = 0
     text: str = ""
+    optional: bool = False
 
     def attr(self, key: str, default: int | str | None = None) -> int | str | None:
         for a in self.attrs:
@@ -59,7 +61,10 @@ class Statement:
             if a.value is None:
                 return a.key
             return f"{a.key}={a.value!r}" if isinstance(a.value, str) else f"{a.key}={a.value}"
-        out = ", ".join(n.text for n in self.left) + " -> " + ", ".join(n.text for n in self.right)
+        left = [n.text for n in self.left]
+        if self.optional and left:
+            left[0] += "?"
+        out = ", ".join(left) + " -> " + ", ".join(n.text for n in self.right)
         return out + "".join(", " + val(a) for a in self.attrs)
 
 
