@@ -220,7 +220,7 @@ def fill_parameters(needed: Sequence[str], params: Mapping[str, ParamValue] | No
     values = {n: _coerce(n, given[n], "given") for n in needed if n in given}
     cfg = None if config is None else read_config(config)
     for name in (n for n in needed if n not in values and cfg is not None):
-        found = _from_config(name, cfg)  # type: ignore[arg-type]
+        found = _from_config(name, cfg)
         if found is not None:
             values[name] = _coerce(name, *found)
     missing = [n for n in needed if n not in values]
