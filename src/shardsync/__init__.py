@@ -6,8 +6,9 @@ safetensors checkpoints, and keep tensor-parallel replicas in sync (:mod:`shards
 
 from __future__ import annotations
 
-from .errors import (DistributedError, DriftError, FormatError, LayoutError, MappingError, PlanError,
-                     ReplicaError, ShardsyncError)
+from .destinations import LoadResult, load, reshard
+from .errors import (DistributedError, DriftError, FormatError, LayoutError, LoadError, MappingError,
+                     PlanError, ReplicaError, ShardsyncError)
 from .io import read_layout, read_tensors, save_safetensors
 from .layout import Box, GlobalLayout, ShardedTensor, from_dtensor, shard_dim
 from .mapping import Mapping, resolve
@@ -21,5 +22,6 @@ __all__ = ["Box", "GlobalLayout", "ShardedTensor", "from_dtensor", "shard_dim", 
            "explain", "full_params", "plan", "full_param", "save_safetensors", "read_layout",
            "read_tensors", "select_replicated", "ReplicaSync", "detect_drift", "watch_drift",
            "add_extra_synchronization", "DriftReport", "ShardsyncError", "MappingError", "LayoutError",
-           "PlanError", "FormatError", "DistributedError", "ReplicaError", "DriftError"]
+           "PlanError", "FormatError", "DistributedError", "ReplicaError", "DriftError", "load", "reshard",
+           "LoadResult", "LoadError"]
 __version__ = "0.1.0"

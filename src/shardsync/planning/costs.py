@@ -100,8 +100,11 @@ def _step_traffic(t: _Tally, step: Step, world: int, topology: Sequence[Sequence
 
 def estimate_costs(steps: Sequence[Step], reads: Sequence[Read], targets: Sequence[TargetPlan],
                    world: int, topology: Sequence[Sequence[int]] | None = None, copy: bool = True,
-                   depth: int = 2) -> Costs:
+                   depth: int = 2, *, in_place: bool = False) -> Costs:
     """Per-rank bytes, collectives and peak memory of running ``steps`` ``depth`` deep.
+
+    With ``in_place`` the targets are memory the caller already holds (load, reshard): only buffers
+    count.
 
     Mirrors the executor: starting step k allocates the targets it opens and its buffers; finishing
     the oldest step in flight (once ``depth`` are) frees its buffers and yields its targets, those
@@ -113,7 +116,7 @@ def estimate_costs(steps: Sequence[Step], reads: Sequence[Read], targets: Sequen
     """
     t = _Tally(world)
     held, peak = [0] * world, [0] * world
-    size = [[0 if is_zero_copy(tp, reads, r, copy) or r not in tp.consumers else tp.nbytes
+    size = [[0 if in_place or is_zero_copy(tp, reads, r, copy) or r not in tp.consumers else tp.nbytes
              for r in range(world)] for tp in targets]
     eager = {i for step in steps for i in step.opens}
     inflight: deque[tuple[Step, list[int]]] = deque()

@@ -49,7 +49,10 @@ class PlanOptions:
     """Everything about a stream besides the state and the mapping (see :func:`shardsync.full_params`).
 
     ``consumers=None`` means every rank receives every target; a tuple of ranks splits the targets
-    among them (part i to ``consumers[i]``) and the other ranks only send.
+    among them (part i to ``consumers[i]``) and the other ranks only send. ``destinations`` instead
+    names the receiving ranks of each target, in target order (load and reshard: the holders of each
+    destination box); ``in_place`` says targets are written into memory the caller already holds, so
+    they count toward no rank's peak.
 
     Example:
         >>> PlanOptions(strategy="p2p", consumers=(0,)).bucket_bytes
@@ -66,6 +69,8 @@ class PlanOptions:
     mesh_threshold_bytes: int = 8 << 30
     copy: bool = True
     backend: str = "gloo"
+    destinations: tuple[tuple[int, ...], ...] | None = None
+    in_place: bool = False
 
 
 # -- dividing the sorted targets into contiguous parts (num_splits, consumers) -----------------------
@@ -158,6 +163,13 @@ def _option_problems(o: PlanOptions, world: int, topology: Topology | None) -> l
             p.append(f"consumers {list(o.consumers)}: use distinct ranks in [0, {world})")
         if o.strategy in ("broadcast", "bucketed", "mesh2d"):
             p.append(f"strategy {o.strategy!r} delivers to every rank; with consumers use 'p2p' or 'auto'")
+    if o.destinations is not None:
+        if o.consumers is not None or o.num_splits != 1:
+            p.append("destinations name each target's ranks; do not combine them with consumers or num_splits")
+        if any(not 0 <= r < world for ranks in o.destinations for r in ranks):
+            p.append(f"destinations name ranks outside [0, {world})")
+        if o.strategy not in ("auto", "p2p"):
+            p.append(f"strategy {o.strategy!r} delivers to every rank; with destinations use 'p2p' or 'auto'")
     if o.strategy == "mesh2d" and topology is None:
         p.append("strategy 'mesh2d' needs mesh=(horizontal group, vertical group) or a 2-D DeviceMesh")
     return p
@@ -174,7 +186,7 @@ def choose_strategy(o: PlanOptions, topology: Topology | None) -> Strategy:
     """
     if o.strategy != "auto":
         return o.strategy
-    if o.consumers is not None:
+    if o.consumers is not None or o.destinations is not None:
         return "p2p"
     if topology is not None and o.backend == "nccl":
         return "mesh2d"
@@ -182,6 +194,11 @@ def choose_strategy(o: PlanOptions, topology: Topology | None) -> Strategy:
 
 
 def _consumers(selected: Sequence[TargetSpec], o: PlanOptions, world: int) -> list[tuple[int, ...]]:
+    if o.destinations is not None:
+        if len(o.destinations) != len(selected):
+            raise PlanError(f"{len(o.destinations)} destinations for {len(selected)} targets; give one "
+                            "tuple of ranks per target")
+        return list(o.destinations)
     if o.consumers is None:
         return [tuple(range(world))] * len(selected)
     parts = split_ranges([t.nbytes for t in selected], len(o.consumers), o.split_by)
@@ -215,7 +232,7 @@ def _attempt(selected: Sequence[TargetSpec], consumers: list[tuple[int, ...]], l
     targets = tuple(TargetPlan(t.name, t.shape, t.dtype, c, tuple(cp))
                     for t, c, cp in zip(selected, consumers, copies))
     steps = attach_targets(raw, step_of, copies)
-    costs = estimate_costs(steps, reads, targets, world, topology, o.copy, depth)
+    costs = estimate_costs(steps, reads, targets, world, topology, o.copy, depth, in_place=o.in_place)
     return Plan(strategy, world, targets, tuple(reads), tuple(steps), cap, costs,
                 topology if strategy == "mesh2d" else None, o.copy, depth)
 
@@ -274,16 +291,17 @@ def _fit(selected: Sequence[TargetSpec], consumers: list[tuple[int, ...]], layou
                 floor = max(MIN_BUCKET_BYTES, max((r.nbytes for r in plan.reads), default=0) // MAX_CHUNKS)
             if max(plan.costs.peak_bytes, default=0) <= budget:
                 return plan
-            if max((t.nbytes for t in plan.targets), default=0) > budget or cap <= floor:
+            whole = 0 if o.in_place else max((t.nbytes for t in plan.targets), default=0)
+            if whole > budget or cap <= floor:
                 break
             cap = max(floor, cap // 2)
-    raise PlanError(_budget_message(plan, budget))
+    raise PlanError(_budget_message(plan, budget, o.in_place))
 
 
-def _budget_message(plan: Plan, budget: int) -> str:
+def _budget_message(plan: Plan, budget: int, in_place: bool) -> str:
     rank = max(range(plan.world_size), key=lambda r: plan.costs.peak_bytes[r])
     need = plan.costs.peak_bytes[rank]
-    largest = max(plan.targets, key=lambda t: t.nbytes, default=None)
+    largest = None if in_place else max(plan.targets, key=lambda t: t.nbytes, default=None)
     if largest is not None and largest.nbytes > budget:
         return (f"memory_budget={budget} B cannot be met: target {largest.name!r} ({largest.nbytes} B) is "
                 f"held whole while it is built; raise memory_budget above {largest.nbytes} B (the "

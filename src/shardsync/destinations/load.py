@@ -1,0 +1,212 @@
+"""Fill sharded destinations in place: :func:`load` (from any source) and :func:`reshard` (live to live).
+
+The protocol, on every rank of the group: gather the source and destination layouts (one
+``all_gather_object``) -> resolve the mapping over the sources, with the destination layout for
+``*`` and re-blocking -> check the targets against the destinations (missing, unexpected, shape,
+dtype) -> cut each target to the destination boxes ranks hold and plan them with each box's holders
+as consumers -> agree that every rank built the same plan -> execute, writing straight into the
+destination shards. A rank receives or reads only the boxes of its own destination shards. Plans are
+cached per gathered layout, so a loop that reshards the same layouts plans once.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ..dist import GroupRanks, agree, is_distributed
+from ..errors import PlanError
+from ..exec import LocalTransport, P2PTransport, Stats, Transport, execute
+from ..layout.box import Box
+from ..layout.meta import GlobalLayout, LayoutEntry
+from ..mapping import Mapping, MappingLike, resolve
+from ..planning import DEFAULT_BUCKET_BYTES, Plan, PlanOptions, build_plan
+from ..planning.destinations import box_targets
+from .check import Mismatch, Report, check_targets, describe, load_error, provenance
+from .state import Destination, DestinationLike, SourceLike, as_source
+
+__all__ = ["load", "reshard", "LoadResult"]
+
+#: This rank's (source entries, destination entries), as gathered.
+_Local = tuple[tuple[LayoutEntry, ...], tuple[LayoutEntry, ...]]
+
+
+@dataclass
+class LoadResult:
+    """What a :func:`load` or :func:`reshard` did (the same lists on every rank).
+
+    Attributes:
+        missing: destination keys nothing was loaded into (empty unless ``strict=False``).
+        unexpected: targets of the source and mapping with no destination (skipped).
+        mismatched: targets whose shape or dtype does not fit their destination (skipped).
+        plan: the plan that ran (the same object on a call that reused the cached plan).
+        stats: this rank's counters (bytes sent and received, collectives, seconds).
+
+    Example:
+        >>> r = load({"w": torch.zeros(3)}, {"w": torch.ones(3)})
+        >>> r.missing, r.stats.bytes_received
+        ((), 0)
+    """
+
+    missing: tuple[str, ...]
+    unexpected: tuple[str, ...]
+    mismatched: tuple[Mismatch, ...]
+    plan: Plan = field(repr=False)
+    stats: Stats = field(repr=False)
+
+
+@dataclass(frozen=True)
+class _Prepared:
+    plan: Plan
+    fingerprint: str
+    report: Report
+    problems: tuple[str, ...]
+    boxes: tuple[tuple[str, Box], ...]  # per plan target: its destination key and box
+
+
+@functools.lru_cache(maxsize=8)
+def _prepare(gathered: tuple[_Local, ...], mapping: Mapping, options: PlanOptions) -> _Prepared:
+    """Resolve, check and plan for a gathered layout. Cached: the same layouts plan once."""
+    layout = GlobalLayout.merge([src for src, _ in gathered])
+    dest = GlobalLayout.merge([dst for _, dst in gathered])
+    targets = resolve(mapping, layout, dest=dest)
+    why = provenance(mapping, layout.keys(), dest.keys())
+    fit, report = check_targets(targets, dest, why)
+    boxes = box_targets(fit, dest, layout)
+    plan = build_plan([b.spec for b in boxes], layout,
+                      replace(options, destinations=tuple(b.ranks for b in boxes)))
+    return _Prepared(plan, plan.fingerprint(), report, describe(report, targets, why),
+                     tuple((b.name, b.box) for b in boxes))
+
+
+def _agree_on_plan(gathered: list[_Local], mapping: MappingLike | None, reverse: bool,
+                   options: PlanOptions, group: Any) -> _Prepared:
+    built: list[_Prepared] = []
+
+    def build() -> str:
+        parsed = Mapping.parse(mapping if mapping is not None else [], reverse=True if reverse else None)
+        built.append(_prepare(tuple(gathered), parsed, options))
+        return built[0].fingerprint
+
+    prints = agree("plan", build, group, unanimous=True)
+    if len(set(prints)) > 1:
+        raise PlanError(f"ranks built different plans (fingerprints {prints}); pass the same mapping "
+                        "and options on every rank of the group")
+    return built[0]
+
+
+def _transfer(source: SourceLike, dst: DestinationLike, mapping: MappingLike | None, group: Any,
+              reverse: bool, strict: bool, options: PlanOptions) -> LoadResult:
+    start = time.perf_counter()
+    ranks = GroupRanks.of(group) if is_distributed(group) else None
+    ends: list[tuple[Any, Destination]] = []
+
+    def local() -> _Local:  # normalised inside the phase: a bad argument fails on every rank
+        ends.append((as_source(source), Destination(dst)))
+        return tuple(ends[0][0].entries()), tuple(ends[0][1].entries())
+
+    gathered = agree("gather layout", local, group)
+    prepared = _agree_on_plan(gathered, mapping, reverse, options, group)
+    if strict and not prepared.report.ok:
+        raise load_error(prepared.report, prepared.problems)  # same lists on every rank
+    src, dest = ends[0]
+    stats = Stats(plan_seconds=time.perf_counter() - start)
+    transport: Transport = P2PTransport(ranks) if ranks is not None else LocalTransport()
+    device = (torch.device("cuda", torch.cuda.current_device()) if options.backend == "nccl"
+              else src.device())
+    rank = ranks.rank if ranks is not None else 0
+    for _ in execute(prepared.plan, src, transport, rank, stats, group=group, device=device,
+                     into=lambda t: dest.memory(*prepared.boxes[t])):
+        pass
+    r = prepared.report
+    return LoadResult(r.missing, r.unexpected, r.mismatched, prepared.plan, stats)
+
+
+def _options(group: Any, memory_budget: int | None, bucket_bytes: int) -> PlanOptions:
+    backend = str(dist.get_backend(group)) if is_distributed(group) else "none"
+    return PlanOptions(strategy="auto", bucket_bytes=bucket_bytes, memory_budget=memory_budget,
+                       backend=backend, in_place=True)
+
+
+def load(dst: DestinationLike, source: SourceLike, mapping: MappingLike | None = None, *,
+         group: Any = None, reverse: bool = False, strict: bool = True, memory_budget: int | None = None,
+         bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> LoadResult:
+    """Fill ``dst`` in place from ``source``, through ``mapping`` in the load direction; call on every
+    rank of the group.
+
+    Each rank receives or reads only the boxes of its own destination shards: from a file source,
+    which every rank can read, it reads them itself; from live sharded state it receives them from a
+    rank holding them (replicas share the sending).
+
+    Args:
+        dst: this rank's destination: a state dict (tensors, ShardedTensor, DTensor, lists of
+            ShardedTensor), an ``nn.Module`` (parameters and buffers written in place, no
+            re-allocation), or None when this rank holds none of it.
+        source: a :class:`~shardsync.sources.Source`, or this rank's live state (state dict or module)
+            on the group, or None.
+        mapping: None (names match as they are) or a program written checkpoint names -> model names:
+            casts, transposes, fused QKV / gate-up (re-blocked for the destination's shard count),
+            ``$LAYER_ID`` macros, ``*`` on either side, ``_ -> y`` to leave ``y`` as it is.
+        group: process group; None means the default group when torch.distributed is initialised.
+        reverse: run a mapping written for export (model -> checkpoint) backwards.
+        strict: raise on any missing, unexpected or mismatched target before anything is written;
+            False loads what fits and returns the rest in the result.
+        memory_budget: most bytes of buffers any rank may hold at once (destinations are not counted:
+            they are written in place); reads are cut to fit, or planning fails naming the shortfall.
+        bucket_bytes: largest packed message.
+
+    Returns:
+        a :class:`LoadResult`: the missing/unexpected/mismatched lists, the plan and this rank's stats.
+
+    Raises:
+        LoadError: ``strict`` and the source does not fit the destination (every problem listed).
+        MappingError: the mapping is wrong.
+        LayoutError: the source cannot serve the destination (holes), or a bad argument.
+        DistributedError: a rank failed during a phase (raised on every rank, naming phase and ranks).
+
+    Example:
+        >>> model = torch.nn.Linear(3, 2)
+        >>> ckpt = {"w": torch.arange(6.).reshape(3, 2), "b": torch.zeros(2)}
+        >>> _ = load(model, ckpt, ["w^T -> weight", "b -> bias"])
+        >>> model.weight.tolist()
+        [[0.0, 2.0, 4.0], [1.0, 3.0, 5.0]]
+    """
+    return _transfer(source, dst, mapping, group, reverse, strict,
+                     _options(group, memory_budget, bucket_bytes))
+
+
+def reshard(src_state: SourceLike, dst_state: DestinationLike, mapping: MappingLike | None = None, *,
+            group: Any = None, reverse: bool = False, strict: bool = True,
+            memory_budget: int | None = None, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> LoadResult:
+    """Move live sharded state into another live sharded layout, in place; call on every rank.
+
+    Ranks may hold sources only (trainers: ``dst_state=None``), destinations only (inference workers:
+    ``src_state=None``), or both (colocated). Each destination box comes from a rank holding it,
+    replicas sharing the sending, point to point; a rank receives only its own shards' bytes. The
+    plan is cached per gathered layout: a loop that reshards the same layouts every step plans once
+    (``result.plan`` is then the same object).
+
+    Args:
+        src_state: this rank's source state (state dict, module or Source), or None.
+        dst_state: this rank's destination (state dict or module), or None.
+        mapping, group, reverse, strict, memory_budget, bucket_bytes: as for :func:`load`.
+
+    Returns:
+        a :class:`LoadResult`.
+
+    Raises:
+        LoadError, MappingError, LayoutError, DistributedError: as for :func:`load`.
+
+    Example:
+        >>> dst = {"w": torch.zeros(2, 3)}
+        >>> _ = reshard({"w": torch.ones(3, 2)}, dst, ["w^T -> w"])
+        >>> dst["w"].sum().item()
+        6.0
+    """
+    return _transfer(src_state, dst_state, mapping, group, reverse, strict,
+                     _options(group, memory_budget, bucket_bytes))
