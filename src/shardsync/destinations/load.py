@@ -14,14 +14,14 @@ from __future__ import annotations
 import functools
 import time
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
 
 from ..dist import GroupRanks, agree, is_distributed
 from ..errors import PlanError
-from ..exec import LocalTransport, P2PTransport, Stats, Transport, execute
+from ..exec import LocalTransport, MulticastTransport, P2PTransport, Stats, Transport, execute
 from ..layout.box import Box
 from ..layout.meta import GlobalLayout, LayoutEntry
 from ..mapping import Mapping, MappingLike, resolve
@@ -30,8 +30,11 @@ from ..planning.destinations import box_targets
 from .check import Mismatch, Report, check_targets, describe, load_error, provenance
 from .state import Destination, DestinationLike, SourceLike, as_source
 
-__all__ = ["load", "reshard", "LoadResult"]
+__all__ = ["load", "reshard", "LoadResult", "DestinationStrategy"]
 
+#: ``"auto"``: a box several ranks want goes by one broadcast among them (when the group is the whole
+#: world), else point to point; ``"p2p"``: always one message per receiving rank.
+DestinationStrategy = Literal["auto", "p2p"]
 #: This rank's (source entries, destination entries), as gathered.
 _Local = tuple[tuple[LayoutEntry, ...], tuple[LayoutEntry, ...]]
 
@@ -101,22 +104,23 @@ def _agree_on_plan(gathered: list[_Local], mapping: MappingLike | None, reverse:
 
 
 def _transfer(source: SourceLike, dst: DestinationLike, mapping: MappingLike | None, group: Any,
-              reverse: bool, strict: bool, options: PlanOptions) -> LoadResult:
+              reverse: bool, strict: bool, plan_args: tuple[DestinationStrategy, int | None, int],
+              ) -> LoadResult:
     start = time.perf_counter()
     ranks = GroupRanks.of(group) if is_distributed(group) else None
-    ends: list[tuple[Any, Destination]] = []
+    ends: list[tuple[Any, Destination, PlanOptions]] = []
 
     def local() -> _Local:  # normalised inside the phase: a bad argument fails on every rank
-        ends.append((as_source(source), Destination(dst)))
+        ends.append((as_source(source), Destination(dst), _options(group, *plan_args)))
         return tuple(ends[0][0].entries()), tuple(ends[0][1].entries())
 
     gathered = agree("gather layout", local, group)
+    src, dest, options = ends[0]
     prepared = _agree_on_plan(gathered, mapping, reverse, options, group)
     if strict and not prepared.report.ok:
         raise load_error(prepared.report, prepared.problems)  # same lists on every rank
-    src, dest = ends[0]
     stats = Stats(plan_seconds=time.perf_counter() - start)
-    transport: Transport = P2PTransport(ranks) if ranks is not None else LocalTransport()
+    transport = _transport(prepared.plan, ranks)
     device = (torch.device("cuda", torch.cuda.current_device()) if options.backend == "nccl"
               else src.device())
     rank = ranks.rank if ranks is not None else 0
@@ -127,15 +131,28 @@ def _transfer(source: SourceLike, dst: DestinationLike, mapping: MappingLike | N
     return LoadResult(r.missing, r.unexpected, r.mismatched, prepared.plan, stats)
 
 
-def _options(group: Any, memory_budget: int | None, bucket_bytes: int) -> PlanOptions:
-    backend = str(dist.get_backend(group)) if is_distributed(group) else "none"
-    return PlanOptions(strategy="auto", bucket_bytes=bucket_bytes, memory_budget=memory_budget,
+def _transport(plan: Plan, ranks: GroupRanks | None) -> Transport:
+    if ranks is None:
+        return LocalTransport()
+    return MulticastTransport(ranks, plan) if plan.strategy == "multicast" else P2PTransport(ranks)
+
+
+def _options(group: Any, strategy: DestinationStrategy, memory_budget: int | None,
+             bucket_bytes: int) -> PlanOptions:
+    if strategy not in ("auto", "p2p"):
+        raise PlanError(f"strategy {strategy!r} is unknown for load/reshard; use 'auto' or 'p2p'")
+    backend = "none"
+    if is_distributed(group):
+        backend = str(dist.get_backend(group))
+        if dist.get_world_size(group) != dist.get_world_size():
+            strategy = "p2p"  # subgroups for broadcasts must be created by the whole world
+    return PlanOptions(strategy=strategy, bucket_bytes=bucket_bytes, memory_budget=memory_budget,
                        backend=backend, in_place=True)
 
 
 def load(dst: DestinationLike, source: SourceLike, mapping: MappingLike | None = None, *,
          group: Any = None, reverse: bool = False, strict: bool = True, memory_budget: int | None = None,
-         bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> LoadResult:
+         bucket_bytes: int = DEFAULT_BUCKET_BYTES, strategy: DestinationStrategy = "auto") -> LoadResult:
     """Fill ``dst`` in place from ``source``, through ``mapping`` in the load direction; call on every
     rank of the group.
 
@@ -159,6 +176,9 @@ def load(dst: DestinationLike, source: SourceLike, mapping: MappingLike | None =
         memory_budget: most bytes of buffers any rank may hold at once (destinations are not counted:
             they are written in place); reads are cut to fit, or planning fails naming the shortfall.
         bucket_bytes: largest packed message.
+        strategy: ``"auto"``: a box several ranks want travels by one broadcast among them and its
+            sender (when ``group`` is the whole world), else point to point; ``"p2p"``: always one
+            message per receiving rank.
 
     Returns:
         a :class:`LoadResult`: the missing/unexpected/mismatched lists, the plan and this rank's stats.
@@ -177,12 +197,13 @@ def load(dst: DestinationLike, source: SourceLike, mapping: MappingLike | None =
         [[0.0, 2.0, 4.0], [1.0, 3.0, 5.0]]
     """
     return _transfer(source, dst, mapping, group, reverse, strict,
-                     _options(group, memory_budget, bucket_bytes))
+                     (strategy, memory_budget, bucket_bytes))
 
 
 def reshard(src_state: SourceLike, dst_state: DestinationLike, mapping: MappingLike | None = None, *,
             group: Any = None, reverse: bool = False, strict: bool = True,
-            memory_budget: int | None = None, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> LoadResult:
+            memory_budget: int | None = None, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+            strategy: DestinationStrategy = "auto") -> LoadResult:
     """Move live sharded state into another live sharded layout, in place; call on every rank.
 
     Ranks may hold sources only (trainers: ``dst_state=None``), destinations only (inference workers:
@@ -194,7 +215,7 @@ def reshard(src_state: SourceLike, dst_state: DestinationLike, mapping: MappingL
     Args:
         src_state: this rank's source state (state dict, module or Source), or None.
         dst_state: this rank's destination (state dict or module), or None.
-        mapping, group, reverse, strict, memory_budget, bucket_bytes: as for :func:`load`.
+        mapping, group, reverse, strict, memory_budget, bucket_bytes, strategy: as for :func:`load`.
 
     Returns:
         a :class:`LoadResult`.
@@ -209,4 +230,4 @@ def reshard(src_state: SourceLike, dst_state: DestinationLike, mapping: MappingL
         6.0
     """
     return _transfer(src_state, dst_state, mapping, group, reverse, strict,
-                     _options(group, memory_budget, bucket_bytes))
+                     (strategy, memory_budget, bucket_bytes))

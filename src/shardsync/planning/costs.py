@@ -81,8 +81,15 @@ def _mesh_global(t: _Tally, step: Step, topology: Sequence[Sequence[int]]) -> No
             t.buf[r] += pk.nbytes
 
 
-def _step_traffic(t: _Tally, step: Step, world: int, topology: Sequence[Sequence[int]] | None) -> None:
-    if step.kind == "broadcast":
+def _step_traffic(t: _Tally, step: Step, world: int, topology: Sequence[Sequence[int]] | None,
+                  reads: Sequence[Read]) -> None:
+    if step.kind == "multicast":  # among the sender and the receivers its reads share
+        for pk in step.packets:
+            members = (pk.src, *reads[pk.reads[0]].receivers)
+            t.collective(members, pk.src, pk.nbytes)
+            for r in members:
+                t.buf[r] += pk.nbytes
+    elif step.kind == "broadcast":
         for pk in step.packets:
             t.collective(range(world), pk.src, pk.nbytes)
             for r in range(world):
@@ -136,7 +143,7 @@ def estimate_costs(steps: Sequence[Step], reads: Sequence[Read], targets: Sequen
 
     for k, step in enumerate(steps):
         t.buf = [0] * world
-        _step_traffic(t, step, world, topology)
+        _step_traffic(t, step, world, topology, reads)
         inflight.append((step, t.buf))
         for r in range(world):
             held[r] += sum(size[i][r] for i in step.opens)

@@ -6,7 +6,10 @@ target of its own: the pieces of the whole target restricted to the box, moved i
 coordinates, cast to the destination's dtype. The planner then plans these with each box's holders as
 its consumers, so a rank receives or reads only the boxes of its own destination shards.
 
-Pure: every rank computes the same cut from the same gathered layouts.
+Each box comes from a rank holding it, point to point, or - when several ranks want the same box -
+by one broadcast among the sender and those ranks (:func:`schedule_multicast`).
+
+Pure: every rank computes the same cut and schedule from the same gathered layouts.
 """
 
 from __future__ import annotations
@@ -18,9 +21,16 @@ from ..layout.box import Box
 from ..layout.meta import GlobalLayout
 from ..mapping.pieces import Piece, TargetSpec
 from ..mapping.vtensor import simplify_casts
+from .model import Read
+from .schedule import RawStep, _rounds, pack
 from .validate import shard_boxes
 
-__all__ = ["BoxTarget", "restrict_piece", "restrict_target", "box_targets"]
+__all__ = ["BoxTarget", "restrict_piece", "restrict_target", "box_targets", "schedule_multicast",
+           "MULTICAST_RECEIVERS"]
+
+#: A read that at least this many ranks receive travels by one broadcast among them and its sender
+#: (a tree or ring in the backend) rather than one message to each.
+MULTICAST_RECEIVERS = 2
 
 
 @dataclass(frozen=True, slots=True)
@@ -117,3 +127,40 @@ def box_targets(targets: Sequence[TargetSpec], dest: GlobalLayout, layout: Globa
             name = t.name if box == Box.full(meta.shape) else f"{t.name}{box}"
             out.append(BoxTarget(t.name, box, ranks, restrict_target(t, box, name, meta.dtype, dtypes)))
     return out
+
+
+def _multicast(r: Read) -> bool:
+    return len(r.receivers) >= MULTICAST_RECEIVERS
+
+
+def schedule_multicast(reads: Sequence[Read], cap: int, solo: int | None = None,
+                       ) -> tuple[list[RawStep], dict[int, int]]:
+    """Buffers of at most ``cap`` bytes per (sender, receiver) pair for reads one rank receives, and
+    per (sender, receiver set) for reads several receive; a round becomes a ``p2p`` step and a
+    ``multicast`` step (one broadcast per packet among its sender and receivers). Reads of at least
+    ``solo`` bytes travel alone, as in :func:`~shardsync.planning.schedule.schedule_p2p`.
+
+    Returns:
+        the steps and each moved read's step index.
+
+    Example:
+        >>> r = Read("w", Box((0,), (4,)), "float32", (0,), (1, 2), (1, 2), 0)
+        >>> [(kind, len(packets)) for kind, packets in schedule_multicast([r], 1 << 20)[0]]
+        [('multicast', 1)]
+    """
+    def keys(r: Read) -> list[tuple[int, int | None, tuple[int, ...]]]:
+        if _multicast(r):
+            return [(1, r.sender, r.receivers)]
+        return [(0, r.sender, (d,)) for d in r.receivers]
+
+    rounds, round_of = _rounds(reads, cap, keys, solo)
+    steps: list[RawStep] = []
+    where: dict[tuple[int, bool], int] = {}
+    for k, rnd in enumerate(rounds):
+        for many, kind in ((False, "p2p"), (True, "multicast")):
+            packets = tuple(pack(reads, ids, src or 0, -1 if many else dst[0])
+                            for (m, src, dst), ids in sorted(rnd.items()) if bool(m) == many)
+            if packets:
+                where[(k, many)] = len(steps)
+                steps.append((kind, packets))  # type: ignore[arg-type]
+    return steps, {i: where[(k, _multicast(reads[i]))] for i, k in round_of.items()}

@@ -16,6 +16,7 @@ from ..errors import PlanError
 from ..layout.meta import GlobalLayout
 from ..mapping.pieces import TargetSpec
 from .costs import estimate_costs
+from .destinations import schedule_multicast
 from .mesh import Topology, schedule_mesh
 from .model import Plan, SplitBy, Strategy, StrategyChoice, TargetPlan
 from .reads import build_reads
@@ -176,9 +177,10 @@ def _option_problems(o: PlanOptions, world: int, topology: Topology | None) -> l
 
 
 def choose_strategy(o: PlanOptions, topology: Topology | None) -> Strategy:
-    """Resolve ``"auto"``: ``p2p`` for a consumer subset; ``mesh2d`` on NCCL when a mesh is given
-    (gloo's all_gather is several times slower than its broadcast); ``bucketed`` otherwise. Under
-    ``auto``, bucketed and p2p send reads of :data:`SOLO_READ_BYTES` or more alone.
+    """Resolve ``"auto"``: ``multicast`` for per-target destinations (load, reshard); ``p2p`` for a
+    consumer subset; ``mesh2d`` on NCCL when a mesh is given (gloo's all_gather is several times
+    slower than its broadcast); ``bucketed`` otherwise. Under ``auto``, bucketed, p2p and multicast
+    send reads of :data:`SOLO_READ_BYTES` or more alone.
 
     Example:
         >>> choose_strategy(PlanOptions(consumers=(0,)), None)
@@ -186,7 +188,9 @@ def choose_strategy(o: PlanOptions, topology: Topology | None) -> Strategy:
     """
     if o.strategy != "auto":
         return o.strategy
-    if o.consumers is not None or o.destinations is not None:
+    if o.destinations is not None:
+        return "multicast"
+    if o.consumers is not None:
         return "p2p"
     if topology is not None and o.backend == "nccl":
         return "mesh2d"
@@ -218,6 +222,8 @@ def _schedule(strategy: Strategy, reads: Sequence, cap: int, o: PlanOptions,
         return schedule_bucketed(reads, cap, solo)
     if strategy == "p2p":
         return schedule_p2p(reads, cap, solo)
+    if strategy == "multicast":
+        return schedule_multicast(reads, cap, solo)
     assert topology is not None
     return schedule_mesh(reads, topology, o.mesh_threshold_bytes)
 
