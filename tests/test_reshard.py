@@ -141,3 +141,31 @@ def test_reshard_trainers_to_inference_colocated_and_errors() -> None:
     assert all(e["bad argument"].startswith("DistributedError: phase 'gather layout' failed on rank(s) [3]")
                for e in errors)
     assert "the destination is a int" in errors[0]["bad argument"]
+
+
+# -- the plan alone (no processes) ------------------------------------------------------------------
+
+def test_plan_cuts_targets_to_destination_boxes_and_pairs_share_steps() -> None:
+    from shardsync.layout import Box, GlobalLayout
+    from shardsync.mapping import resolve
+    from shardsync.planning import PlanOptions, build_plan
+    from shardsync.planning.destinations import box_targets
+
+    # "w" (8, 4): rows cut on trainers 0, 1; the destination cuts columns, on workers 2, 3; "n" (3,)
+    # is on trainer 0 and wanted whole by both workers (one broadcast among 0, 2, 3)
+    src = GlobalLayout.merge([[("n", (3,), "float32", Box((0,), (3,))), ("w", (8, 4), "float32", Box((0, 0), (4, 4)))],
+                              [("w", (8, 4), "float32", Box((4, 0), (4, 4)))], [], []])
+    whole_n = ("n", (3,), "float32", Box((0,), (3,)))
+    dest = GlobalLayout.merge([[], [], [whole_n, ("w", (8, 4), "bfloat16", Box((0, 0), (8, 2)))],
+                               [whole_n, ("w", (8, 4), "bfloat16", Box((0, 2), (8, 2)))]])
+    boxes = box_targets(resolve(None, src), dest, src)
+    assert [(b.spec.name, b.ranks) for b in boxes] == [("n", (2, 3)), ("w[0:8, 0:2]", (2,)), ("w[0:8, 2:4]", (3,))]
+    assert all(p.casts == ("bfloat16",) for b in boxes[1:] for p in b.spec.pieces)
+    plan = build_plan([b.spec for b in boxes], src, PlanOptions(destinations=tuple(b.ranks for b in boxes),
+                                                                in_place=True))
+    assert plan.strategy == "multicast"
+    assert [(s.kind, [(pk.src, pk.dst) for pk in s.packets]) for s in plan.steps] == [
+        ("p2p", [(0, 2), (0, 3), (1, 2), (1, 3)]), ("multicast", [(0, -1)])]
+    assert plan.costs.bytes_received == (0, 0, 12 + 64, 12 + 64)  # each worker: its columns and "n"
+    assert plan.costs.bytes_sent == (12 + 64, 64, 0, 0)  # "n" leaves trainer 0 once
+    assert plan.costs.peak_bytes[2] == 12 + 64  # buffers only: the destination is not counted

@@ -22,7 +22,7 @@ from ..layout.meta import GlobalLayout
 from ..mapping.pieces import Piece, TargetSpec
 from ..mapping.vtensor import simplify_casts
 from .model import Read
-from .schedule import RawStep, _rounds, pack
+from .schedule import ALIGN, RawStep, pack
 from .validate import shard_boxes
 
 __all__ = ["BoxTarget", "restrict_piece", "restrict_target", "box_targets", "schedule_multicast",
@@ -133,12 +133,51 @@ def _multicast(r: Read) -> bool:
     return len(r.receivers) >= MULTICAST_RECEIVERS
 
 
+def _aligned(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
+
+
+def _rounds(reads: Sequence[Read], cap: int, solo: int | None) -> list[dict[_Key, list[int]]]:
+    # One buffer per key (a sender and its receivers) per round: a read of ``solo`` bytes or more
+    # alone, else reads packed up to ``cap``. A round closes only when one of the read's buffers is
+    # taken, so reads between other pairs keep sharing it: every pair's messages travel together.
+    rounds: list[dict[_Key, list[int]]] = [{}]
+    size: dict[_Key, int] = {}
+    alone: set[_Key] = set()
+    for i, r in enumerate(reads):
+        if not r.receivers:
+            continue
+        ks, n = _keys(r), r.nbytes
+        big = solo is not None and n >= solo
+        if any(k in alone or (k in rounds[-1] and (big or _aligned(size[k]) + n > cap)) for k in ks):
+            rounds.append({})
+            size, alone = {}, set()
+        for k in ks:
+            rounds[-1].setdefault(k, []).append(i)
+            size[k] = _aligned(size.get(k, 0)) + n
+        if big:
+            alone.update(ks)
+    return [rnd for rnd in rounds if rnd]
+
+
+#: A buffer's key: (1 for a multicast, sender, receivers).
+_Key = tuple[int, int, tuple[int, ...]]
+
+
+def _keys(r: Read) -> list[_Key]:
+    sender = r.sender if r.sender is not None else -1
+    if _multicast(r):
+        return [(1, sender, r.receivers)]
+    return [(0, sender, (d,)) for d in r.receivers]
+
+
 def schedule_multicast(reads: Sequence[Read], cap: int, solo: int | None = None,
                        ) -> tuple[list[RawStep], dict[int, int]]:
     """Buffers of at most ``cap`` bytes per (sender, receiver) pair for reads one rank receives, and
     per (sender, receiver set) for reads several receive; a round becomes a ``p2p`` step and a
     ``multicast`` step (one broadcast per packet among its sender and receivers). Reads of at least
-    ``solo`` bytes travel alone, as in :func:`~shardsync.planning.schedule.schedule_p2p`.
+    ``solo`` bytes get a buffer of their own (sent from the shard, received in place), but share the
+    round with other pairs' buffers.
 
     Returns:
         the steps and each moved read's step index.
@@ -148,19 +187,13 @@ def schedule_multicast(reads: Sequence[Read], cap: int, solo: int | None = None,
         >>> [(kind, len(packets)) for kind, packets in schedule_multicast([r], 1 << 20)[0]]
         [('multicast', 1)]
     """
-    def keys(r: Read) -> list[tuple[int, int | None, tuple[int, ...]]]:
-        if _multicast(r):
-            return [(1, r.sender, r.receivers)]
-        return [(0, r.sender, (d,)) for d in r.receivers]
-
-    rounds, round_of = _rounds(reads, cap, keys, solo)
     steps: list[RawStep] = []
-    where: dict[tuple[int, bool], int] = {}
-    for k, rnd in enumerate(rounds):
-        for many, kind in ((False, "p2p"), (True, "multicast")):
-            packets = tuple(pack(reads, ids, src or 0, -1 if many else dst[0])
-                            for (m, src, dst), ids in sorted(rnd.items()) if bool(m) == many)
+    step_of: dict[int, int] = {}
+    for rnd in _rounds(reads, cap, solo):
+        for many, kind in ((0, "p2p"), (1, "multicast")):
+            packets = tuple(pack(reads, ids, src, -1 if many else dst[0])
+                            for (m, src, dst), ids in sorted(rnd.items()) if m == many)
             if packets:
-                where[(k, many)] = len(steps)
+                step_of.update({i: len(steps) for pk in packets for i in pk.reads})
                 steps.append((kind, packets))  # type: ignore[arg-type]
-    return steps, {i: where[(k, _multicast(reads[i]))] for i, k in round_of.items()}
+    return steps, step_of
