@@ -85,9 +85,10 @@ def _part(x: torch.Tensor, dim: int, rank: int, world: int) -> ShardedTensor:
 def megatron_state(hf: dict[str, torch.Tensor], a: argparse.Namespace, rank: int) -> dict[str, Any]:
     """Trainer ``rank``'s Megatron TP=2 shards."""
     per, d = a.heads // a.groups, a.hidden // a.heads
-    out: dict[str, Any] = {"embedding.word_embeddings.weight": _part(hf["model.embed_tokens.weight"], 0, rank, 2),
-                           "output_layer.weight": _part(hf["lm_head.weight"], 0, rank, 2),
-                           "decoder.final_layernorm.weight": hf["model.norm.weight"].clone()}
+    out: dict[str, Any] = {
+        "embedding.word_embeddings.weight": _part(hf["model.embed_tokens.weight"], 0, rank, 2),
+        "output_layer.weight": _part(hf["lm_head.weight"], 0, rank, 2),
+        "decoder.final_layernorm.weight": hf["model.norm.weight"].clone()}
     for i in range(a.layers):
         m, p = f"decoder.layers.{i}", f"model.layers.{i}"
         q, k, v = (hf[f"{p}.self_attn.{x}_proj.weight"] for x in "qkv")
@@ -96,7 +97,8 @@ def megatron_state(hf: dict[str, torch.Tensor], a: argparse.Namespace, rank: int
         gate, up = hf[f"{p}.mlp.gate_proj.weight"].chunk(2), hf[f"{p}.mlp.up_proj.weight"].chunk(2)
         fc1 = torch.cat([gate[0], up[0], gate[1], up[1]])
         out |= {f"{m}.self_attention.linear_qkv.weight": _part(qkv, 0, rank, 2),
-                f"{m}.self_attention.linear_proj.weight": _part(hf[f"{p}.self_attn.o_proj.weight"], 1, rank, 2),
+                f"{m}.self_attention.linear_proj.weight":
+                    _part(hf[f"{p}.self_attn.o_proj.weight"], 1, rank, 2),
                 f"{m}.mlp.linear_fc1.weight": _part(fc1, 0, rank, 2),
                 f"{m}.mlp.linear_fc2.weight": _part(hf[f"{p}.mlp.down_proj.weight"], 1, rank, 2),
                 f"{m}.input_layernorm.weight": hf[f"{p}.input_layernorm.weight"].clone(),
@@ -109,6 +111,10 @@ def inference_cut(key: str) -> int | None:
     if key.endswith("norm.weight") or "layernorm" in key:
         return None
     return 0 if ("o_proj" in key or "down_proj" in key) else 1
+
+
+def _local(v: Any) -> torch.Tensor:
+    return v.local if isinstance(v, ShardedTensor) else v
 
 
 def _slowest(seconds: float) -> float:
@@ -151,21 +157,19 @@ def worker(rank: int, world: int, a: argparse.Namespace, store: str, out: str) -
     src = megatron_state(hf, a, rank) if rank in TRAINERS else None
     dst: dict[str, Any] | None = None
     if rank in WORKERS:
-        dst = {k: x.clone() if inference_cut(k) is None else _part(torch.zeros_like(x), inference_cut(k), rank - 2, 2)
-               for k, x in hf.items()}
-        for v in dst.values():
-            (v.local if isinstance(v, ShardedTensor) else v).zero_()
+        dst = {k: torch.zeros_like(x) if inference_cut(k) is None
+               else _part(torch.zeros_like(x), inference_cut(k), rank - 2, 2) for k, x in hf.items()}
 
     def full_then_slice() -> None:
         for name, full in shardsync.full_params(src or {}, program):
             if dst is not None:
                 v = dst[name]
-                (v.local if isinstance(v, ShardedTensor) else v).copy_(
+                _local(v).copy_(
                     full[v.box.slices()] if isinstance(v, ShardedTensor) else full)
 
     first, result = _timed(lambda: shardsync.reshard(src, dst, program))
     bad = [] if dst is None else [k for k, v in dst.items() if not torch.equal(
-        v.local if isinstance(v, ShardedTensor) else v, hf[k][v.box.slices()] if isinstance(v, ShardedTensor) else hf[k])]
+        _local(v), hf[k][v.box.slices()] if isinstance(v, ShardedTensor) else hf[k])]
     variants: dict[str, Callable[[], Any]] = {"reshard": lambda: shardsync.reshard(src, dst, program),
                                               "full then slice": full_then_slice,
                                               "ceiling": _ceiling(result.plan, rank)}
@@ -179,7 +183,7 @@ def worker(rank: int, world: int, a: argparse.Namespace, store: str, out: str) -
               "sent": result.stats.bytes_sent, "peak_bytes": result.stats.peak_bytes,
               "strategy": result.plan.strategy, "steps": len(result.plan.steps),
               "shard_bytes": 0 if dst is None else sum(
-                  (v.local if isinstance(v, ShardedTensor) else v).numel() * 4 for v in dst.values())}
+                  _local(v).numel() * 4 for v in dst.values())}
     with open(os.path.join(out, f"{rank}.json"), "w") as fh:
         json.dump(record, fh)
     dist.destroy_process_group()

@@ -26,8 +26,9 @@ __all__ = ["LAYERS", "H", "G", "D", "HIDDEN", "FFN", "VOCAB", "MAPPING", "hf_sta
 LAYERS, H, G, D, FFN, VOCAB = 2, 8, 4, 2, 20, 17
 HIDDEN = H * D
 #: The shipped Megatron -> HF mapping, with this model's head counts.
-MAPPING = (Path(__file__).resolve().parent.parent / "src/shardsync/mappings/megatron_llama_to_hf.txt"
-           ).read_text().replace("num_heads=8, num_key_value_groups=2", f"num_heads={H}, num_key_value_groups={G}")
+_SHIPPED = Path(__file__).resolve().parent.parent / "src/shardsync/mappings/megatron_llama_to_hf.txt"
+MAPPING = _SHIPPED.read_text().replace("num_heads=8, num_key_value_groups=2",
+                                       f"num_heads={H}, num_key_value_groups={G}")
 
 #: Tensor-parallel dim of each HF weight kind (None: replicated), as torch's Colwise/RowwiseParallel.
 HF_DIMS = {"q_proj": 0, "k_proj": 0, "v_proj": 0, "o_proj": 1, "gate_proj": 0, "up_proj": 0,
@@ -43,9 +44,12 @@ def hf_state() -> dict[str, torch.Tensor]:
               "lm_head.weight": (VOCAB, HIDDEN)}
     for i in range(LAYERS):
         p = f"model.layers.{i}"
-        shapes |= {f"{p}.input_layernorm.weight": (HIDDEN,), f"{p}.post_attention_layernorm.weight": (HIDDEN,),
-                   f"{p}.self_attn.q_proj.weight": (H * D, HIDDEN), f"{p}.self_attn.k_proj.weight": (G * D, HIDDEN),
-                   f"{p}.self_attn.v_proj.weight": (G * D, HIDDEN), f"{p}.self_attn.o_proj.weight": (HIDDEN, H * D),
+        shapes |= {f"{p}.input_layernorm.weight": (HIDDEN,),
+                   f"{p}.post_attention_layernorm.weight": (HIDDEN,),
+                   f"{p}.self_attn.q_proj.weight": (H * D, HIDDEN),
+                   f"{p}.self_attn.k_proj.weight": (G * D, HIDDEN),
+                   f"{p}.self_attn.v_proj.weight": (G * D, HIDDEN),
+                   f"{p}.self_attn.o_proj.weight": (HIDDEN, H * D),
                    f"{p}.mlp.gate_proj.weight": (FFN, HIDDEN), f"{p}.mlp.up_proj.weight": (FFN, HIDDEN),
                    f"{p}.mlp.down_proj.weight": (HIDDEN, FFN)}
     return {k: arange_tensor(s, start=1000 * i, step=0.25) for i, (k, s) in enumerate(sorted(shapes.items()))}
@@ -62,13 +66,15 @@ def _qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
 def megatron_full(hf: dict[str, torch.Tensor], tp: int) -> dict[str, torch.Tensor]:
     """The full Megatron tensors of ``hf`` for tensor-parallel degree ``tp`` (fc1 is blocked per rank)."""
     out = {"embedding.word_embeddings.weight": hf["model.embed_tokens.weight"],
-           "decoder.final_layernorm.weight": hf["model.norm.weight"], "output_layer.weight": hf["lm_head.weight"]}
+           "decoder.final_layernorm.weight": hf["model.norm.weight"],
+           "output_layer.weight": hf["lm_head.weight"]}
     for i in range(LAYERS):
         m, p = f"decoder.layers.{i}", f"model.layers.{i}"
         gate, up = hf[f"{p}.mlp.gate_proj.weight"].chunk(tp), hf[f"{p}.mlp.up_proj.weight"].chunk(tp)
         out |= {f"{m}.input_layernorm.weight": hf[f"{p}.input_layernorm.weight"],
                 f"{m}.pre_mlp_layernorm.weight": hf[f"{p}.post_attention_layernorm.weight"],
-                f"{m}.self_attention.linear_qkv.weight": _qkv(*(hf[f"{p}.self_attn.{x}_proj.weight"] for x in "qkv")),
+                f"{m}.self_attention.linear_qkv.weight":
+                    _qkv(*(hf[f"{p}.self_attn.{x}_proj.weight"] for x in "qkv")),
                 f"{m}.self_attention.linear_proj.weight": hf[f"{p}.self_attn.o_proj.weight"],
                 f"{m}.mlp.linear_fc1.weight": torch.cat([x for r in range(tp) for x in (gate[r], up[r])]),
                 f"{m}.mlp.linear_fc2.weight": hf[f"{p}.mlp.down_proj.weight"]}
@@ -93,7 +99,8 @@ def shard(full: dict[str, torch.Tensor], dims: dict[str, int | None], rank: int,
     return out
 
 
-def megatron_shards(hf: dict[str, torch.Tensor], rank: int, tp: int) -> dict[str, torch.Tensor | ShardedTensor]:
+def megatron_shards(hf: dict[str, torch.Tensor], rank: int, tp: int,
+                    ) -> dict[str, torch.Tensor | ShardedTensor]:
     return shard(megatron_full(hf, tp), MEGATRON_DIMS, rank, tp)
 
 
@@ -118,7 +125,8 @@ class SliceSource:
         self.bytes_read = 0
 
     def entries(self) -> list[LayoutEntry]:
-        return [LayoutEntry(k, m.shape, m.dtype, Box.full(m.shape)) for k, m in sorted(self.layout.tensors.items())]
+        return [LayoutEntry(k, m.shape, m.dtype, Box.full(m.shape))
+                for k, m in sorted(self.layout.tensors.items())]
 
     def read(self, key: str, box: Box) -> torch.Tensor:
         with safe_open(str(self.files[key]), framework="pt") as fh:

@@ -64,7 +64,8 @@ def test_not_strict_loads_what_fits_and_returns_the_lists() -> None:
 
 
 def test_module_written_in_place_with_casts_to_its_dtype() -> None:
-    model = torch.nn.ModuleDict({"lin": torch.nn.Linear(5, 3), "ln": torch.nn.LayerNorm(3)}).to(torch.bfloat16)
+    model = torch.nn.ModuleDict({"lin": torch.nn.Linear(5, 3), "ln": torch.nn.LayerNorm(3)})
+    model.to(torch.bfloat16)
     before = {k: v.data_ptr() for k, v in model.state_dict().items()}
     ckpt = {"proj.w": arange_tensor((5, 3), step=0.37), "proj.b": arange_tensor((3,), start=2),
             "norm.w": arange_tensor((3,), step=0.11), "norm.b": arange_tensor((3,), start=-1)}
@@ -88,7 +89,8 @@ def test_untouched_dropped_and_star_on_the_destination_side() -> None:
 
 def test_list_of_shards_on_one_rank_each_filled() -> None:
     full = arange_tensor((17, 3))
-    mine = [ShardedTensor(torch.zeros(5, 3), (17, 3), (0, 0)), ShardedTensor(torch.zeros(4, 3), (17, 3), (13, 0))]
+    mine = [ShardedTensor(torch.zeros(5, 3), (17, 3), (0, 0)),
+            ShardedTensor(torch.zeros(4, 3), (17, 3), (13, 0))]
     load({"w": mine}, {"w": full})
     assert torch.equal(mine[0].local, full[:5]) and torch.equal(mine[1].local, full[13:])
 
@@ -160,13 +162,14 @@ def _compare(got: dict[str, Any], want: dict[str, Any]) -> list[str]:
 def _load_worker(rank: int, world: int, path: str) -> dict:
     hf = hf_state()
     zeros = {k: torch.zeros_like(v) for k, v in hf.items()}
+    uneven_ref = _cut_like(hf, _uneven(hf, rank))
     layouts = {  # name: (this rank's destination, its reference, mapping, reverse)
         "tp4": (megatron_shards(zeros, rank, 4), megatron_shards(hf, rank, 4), MAPPING, True),
         "tp1": ((megatron_shards(zeros, 0, 1), megatron_shards(hf, 0, 1), MAPPING, True) if rank == 0
                 else ({}, {}, MAPPING, True)),
         "replicated": (megatron_shards(zeros, rank % 2, 2), megatron_shards(hf, rank % 2, 2), MAPPING, True),
-        "uneven bf16": (_uneven(hf, rank), {k: _local(v).to(torch.bfloat16)
-                                            for k, v in _cut_like(hf, _uneven(hf, rank)).items()}, None, False),
+        "uneven bf16": (_uneven(hf, rank), {k: v.to(torch.bfloat16) for k, v in uneven_ref.items()},
+                        None, False),
     }
     out = {}
     for name, (dst, want, mapping, reverse) in layouts.items():

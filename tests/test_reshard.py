@@ -133,7 +133,8 @@ def test_reshard_trainers_to_inference_colocated_and_errors() -> None:
     report = errors[0]["strict"]
     assert report.startswith("LoadError: the source does not fit the destination (4 problems")
     assert "missing 'model.extra.weight'" in report
-    assert "unexpected 'model.norm.weight' (statement 1 `decoder.final_layernorm.weight -> model.norm.weight`)" in report
+    assert ("unexpected 'model.norm.weight' (statement 1 `decoder.final_layernorm.weight -> "
+            "model.norm.weight`)") in report
     assert ("shape of 'lm_head.weight': statement 2 `output_layer.weight -> lm_head.weight` gives [17, 16], "
             "the destination is [5, 16]") in report
     assert "dtype of 'model.layers.0.input_layernorm.weight'" in report and "gives float32" in report
@@ -153,13 +154,14 @@ def test_plan_cuts_targets_to_destination_boxes_and_pairs_share_steps() -> None:
 
     # "w" (8, 4): rows cut on trainers 0, 1; the destination cuts columns, on workers 2, 3; "n" (3,)
     # is on trainer 0 and wanted whole by both workers (one broadcast among 0, 2, 3)
-    src = GlobalLayout.merge([[("n", (3,), "float32", Box((0,), (3,))), ("w", (8, 4), "float32", Box((0, 0), (4, 4)))],
+    n = ("n", (3,), "float32", Box((0,), (3,)))
+    src = GlobalLayout.merge([[n, ("w", (8, 4), "float32", Box((0, 0), (4, 4)))],
                               [("w", (8, 4), "float32", Box((4, 0), (4, 4)))], [], []])
-    whole_n = ("n", (3,), "float32", Box((0,), (3,)))
-    dest = GlobalLayout.merge([[], [], [whole_n, ("w", (8, 4), "bfloat16", Box((0, 0), (8, 2)))],
-                               [whole_n, ("w", (8, 4), "bfloat16", Box((0, 2), (8, 2)))]])
+    dest = GlobalLayout.merge([[], [], [n, ("w", (8, 4), "bfloat16", Box((0, 0), (8, 2)))],
+                               [n, ("w", (8, 4), "bfloat16", Box((0, 2), (8, 2)))]])
     boxes = box_targets(resolve(None, src), dest, src)
-    assert [(b.spec.name, b.ranks) for b in boxes] == [("n", (2, 3)), ("w[0:8, 0:2]", (2,)), ("w[0:8, 2:4]", (3,))]
+    assert [(b.spec.name, b.ranks) for b in boxes] == [("n", (2, 3)), ("w[0:8, 0:2]", (2,)),
+                                                       ("w[0:8, 2:4]", (3,))]
     assert all(p.casts == ("bfloat16",) for b in boxes[1:] for p in b.spec.pieces)
     plan = build_plan([b.spec for b in boxes], src, PlanOptions(destinations=tuple(b.ranks for b in boxes),
                                                                 in_place=True))

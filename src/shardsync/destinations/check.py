@@ -47,7 +47,8 @@ class Mismatch:
     origin: str
 
     def __str__(self) -> str:
-        return f"{self.kind} of {self.name!r}: {self.origin} gives {self.got}, the destination is {self.expected}"
+        return (f"{self.kind} of {self.name!r}: {self.origin} gives {self.got}, the destination is "
+                f"{self.expected}")
 
 
 @dataclass(frozen=True, slots=True)

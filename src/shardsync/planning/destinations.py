@@ -61,8 +61,9 @@ def restrict_piece(piece: Piece, box: Box) -> Piece | None:
 
     Example:
         >>> p = Piece("s", Box((0, 0), (2, 3)), Box((0, 0), (3, 2)), perm=(1, 0))
-        >>> restrict_piece(p, Box((1, 0), (2, 2)))
-        Piece(source='s', source_box=Box(offsets=(0, 1), sizes=(2, 2)), target_box=Box(offsets=(0, 0), sizes=(2, 2)), perm=(1, 0), casts=())
+        >>> cut = restrict_piece(p, Box((1, 0), (2, 2)))
+        >>> cut.source_box, cut.target_box
+        (Box(offsets=(0, 1), sizes=(2, 2)), Box(offsets=(0, 0), sizes=(2, 2)))
     """
     hit = piece.target_box.intersect(box)
     if hit is None:

@@ -166,7 +166,8 @@ def _option_problems(o: PlanOptions, world: int, topology: Topology | None) -> l
             p.append(f"strategy {o.strategy!r} delivers to every rank; with consumers use 'p2p' or 'auto'")
     if o.destinations is not None:
         if o.consumers is not None or o.num_splits != 1:
-            p.append("destinations name each target's ranks; do not combine them with consumers or num_splits")
+            p.append("destinations name each target's ranks; do not combine them with consumers or "
+                     "num_splits")
         if any(not 0 <= r < world for ranks in o.destinations for r in ranks):
             p.append(f"destinations name ranks outside [0, {world})")
         if o.strategy not in ("auto", "p2p"):
