@@ -202,3 +202,12 @@ def test_megatron_tp2_to_hf_to_tp4_tp1_uneven_and_replicated(tmp_path: Path) -> 
             assert r["received"] == r["sent"] == 0  # every rank reads the file itself
             assert r["read"] == r["mine"], (rank, name)  # ... only the boxes of its own shards
     assert records[0]["tp1"]["keys"] == 3 + 6 * 2 and records[1]["tp1"]["read"] == 0
+
+
+def test_tied_weights_load_through_the_first_name() -> None:
+    model = torch.nn.ModuleDict({"embed": torch.nn.Embedding(7, 3),
+                                 "head": torch.nn.Linear(3, 7, bias=False)})
+    model["head"].weight = model["embed"].weight
+    ckpt = {"embed.weight": arange_tensor((7, 3))}  # a tied checkpoint stores the weight once
+    assert load(model, ckpt).missing == ()
+    assert torch.equal(model["head"].weight, ckpt["embed.weight"])

@@ -87,19 +87,19 @@ def _prepare(gathered: tuple[_Local, ...], mapping: Mapping, options: PlanOption
                      tuple((b.name, b.box) for b in boxes))
 
 
-def _agree_on_plan(gathered: list[_Local], mapping: MappingLike | None, reverse: bool,
+def _agree_on_plan(gathered: list[_Local], mapping: MappingLike | None, reverse: bool, strict: bool,
                    options: PlanOptions, group: Any) -> _Prepared:
     built: list[_Prepared] = []
 
     def build() -> str:
         parsed = Mapping.parse(mapping if mapping is not None else [], reverse=True if reverse else None)
         built.append(_prepare(tuple(gathered), parsed, options))
-        return built[0].fingerprint
+        return f"{built[0].fingerprint} strict={strict}"  # all raise, or none does
 
     prints = agree("plan", build, group, unanimous=True)
     if len(set(prints)) > 1:
-        raise PlanError(f"ranks built different plans (fingerprints {prints}); pass the same mapping "
-                        "and options on every rank of the group")
+        raise PlanError(f"ranks built different plans ({prints}); pass the same mapping and options "
+                        "on every rank of the group")
     return built[0]
 
 
@@ -116,7 +116,7 @@ def _transfer(source: SourceLike, dst: DestinationLike, mapping: MappingLike | N
 
     gathered = agree("gather layout", local, group)
     src, dest, options = ends[0]
-    prepared = _agree_on_plan(gathered, mapping, reverse, options, group)
+    prepared = _agree_on_plan(gathered, mapping, reverse, strict, options, group)
     if strict and not prepared.report.ok:
         raise load_error(prepared.report, prepared.problems)  # same lists on every rank
     stats = Stats(plan_seconds=time.perf_counter() - start)

@@ -22,15 +22,33 @@ DestinationLike = Union[Mapping[str, StateValue], torch.nn.Module, None]
 SourceLike = Union[Source, Mapping[str, StateValue], torch.nn.Module, None]
 
 
+def _identity(t: torch.Tensor) -> tuple[int, int, tuple[int, ...], tuple[int, ...]] | None:
+    """Where a tensor's data lives (None for no data: empty tensors are never tied)."""
+    local = t.to_local() if type(t).__name__ == "DTensor" else t  # type: ignore[attr-defined]
+    if local.numel() == 0:
+        return None
+    return (local.untyped_storage().data_ptr(), int(local.storage_offset()), tuple(t.shape),
+            tuple(local.stride()))
+
+
 def module_state(module: torch.nn.Module) -> dict[str, Any]:
-    """A module's tensors by state-dict key (sharing memory with its parameters and buffers);
-    non-tensor entries (``_extra_state``) are left out.
+    """A module's tensors by state-dict key (sharing memory with its parameters and buffers).
+
+    Non-tensor entries (``_extra_state``) are left out, and so is a key whose tensor is another key's
+    (tied weights, e.g. ``lm_head.weight`` tied to the embeddings): it is filled through the first.
 
     Example:
         >>> sorted(module_state(torch.nn.Linear(2, 3)))
         ['bias', 'weight']
     """
-    return {k: v for k, v in module.state_dict().items() if isinstance(v, torch.Tensor)}
+    out: dict[str, Any] = {}
+    seen: set[Any] = set()
+    for k, v in module.state_dict().items():
+        where = _identity(v) if isinstance(v, torch.Tensor) else None
+        if isinstance(v, torch.Tensor) and (where is None or where not in seen):
+            seen.add(where)
+            out[k] = v
+    return out
 
 
 def _state(value: Any, what: str) -> Mapping[str, StateValue]:
