@@ -211,3 +211,16 @@ def test_tied_weights_load_through_the_first_name() -> None:
     ckpt = {"embed.weight": arange_tensor((7, 3))}  # a tied checkpoint stores the weight once
     assert load(model, ckpt).missing == ()
     assert torch.equal(model["head"].weight, ckpt["embed.weight"])
+
+
+def test_fused_qkv_reblocked_for_the_destination_shard_count() -> None:
+    q, k, v = arange_tensor((16, 3)), arange_tensor((8, 3), start=100), arange_tensor((8, 3), start=200)
+
+    def blocked(t: int) -> torch.Tensor:  # Megatron's older layout: [Q_r | K_r | V_r] per TP rank r
+        return torch.cat([x for r in range(t) for x in (q.chunk(t)[r], k.chunk(t)[r], v.chunk(t)[r])])
+
+    src = [ShardedTensor(x, (32, 3), (16 * r, 0)) for r, x in enumerate(blocked(2).chunk(2))]
+    dst = [ShardedTensor(torch.zeros(8, 3), (32, 3), (8 * r, 0)) for r in range(4)]
+    load({"w4": dst}, {"w2": src},
+         ["w2 -> w4, fused_qkv_old, num_heads=8, num_key_value_groups=4, axis=0"])
+    assert torch.equal(torch.cat([s.local for s in dst]), blocked(4))
