@@ -233,7 +233,8 @@ def _attempt(selected: Sequence[TargetSpec], consumers: list[tuple[int, ...]], l
              world: int, o: PlanOptions, topology: Topology | None, cap: int, strategy: Strategy | None,
              depth: int) -> Plan:
     chunked = cap if o.memory_budget is not None else None
-    reads, copies = build_reads(selected, consumers, layout, world, max_read_bytes=chunked)
+    reads, copies = build_reads(selected, consumers, layout, world, max_read_bytes=chunked,
+                                merge=not o.in_place)
     strategy = strategy or choose_strategy(o, topology)
     raw, step_of = _schedule(strategy, reads, cap, o, topology)
     targets = tuple(TargetPlan(t.name, t.shape, t.dtype, c, tuple(cp))

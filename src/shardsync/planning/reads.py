@@ -94,7 +94,7 @@ def _order(reads: list[Read], copies: list[list[Copy]], chunk_no: list[int],
 
 def build_reads(targets: Sequence[TargetSpec], consumers: Sequence[tuple[int, ...]],
                 layout: GlobalLayout, world: int, *, max_read_bytes: int | None = None,
-                ) -> tuple[list[Read], list[list[Copy]]]:
+                merge: bool = True) -> tuple[list[Read], list[list[Copy]]]:
     """Reads that feed ``targets`` and, per target, the copies that build it.
 
     Args:
@@ -103,6 +103,8 @@ def build_reads(targets: Sequence[TargetSpec], consumers: Sequence[tuple[int, ..
         layout: the gathered global layout.
         world: ranks in the group.
         max_read_bytes: cut larger reads into chunks (to fit a memory budget); None keeps them whole.
+        merge: merge the fragments of one shard into one read of the region they cover; False reads
+            each fragment on its own (in place: then each read lands in one region of one target).
 
     Returns:
         ``(reads, copies)``: reads in the order the targets first need them, senders chosen; and for
@@ -117,7 +119,7 @@ def build_reads(targets: Sequence[TargetSpec], consumers: Sequence[tuple[int, ..
     for g in _groups(targets, consumers, layout):
         dtype = layout[g.source].dtype
         blocks = []
-        for block in _blocks(g.frags):
+        for block in _blocks(g.frags) if merge else list(dict.fromkeys(p.source_box for _, p in g.frags)):
             parts = chunk(block, itemsize(dtype), max_read_bytes) if max_read_bytes else [block]
             first = len(reads)
             receivers = tuple(r for r in g.readers if r not in g.holders)
