@@ -1,9 +1,16 @@
 """Benchmark: reshard trainer weights into inference workers, on 4 gloo processes.
 
 Ranks 0-1 train: a Llama-style stack in Megatron form (fused QKV with GQA, fused gate/up), TP=2.
-Ranks 2-3 serve: the same model in HF form (separate q/k/v, gate, up), TP=2 with a different cut -
-every matrix is cut along the other dim than in training (and the vocab of the embeddings by columns),
-so each inference shard is assembled from pieces of both trainers' shards. Three variants:
+Ranks 2-3 serve: the same model in HF form (separate q/k/v, gate, up), TP=2 with a different cut, so
+that each inference shard is assembled from pieces of both trainers' shards. Two cuts:
+
+* ``transposed``: every matrix is cut along the other dim than in training (the embeddings by
+  columns): each piece is a strided region on one side, so every byte is copied once (packed by the
+  sender, or unpacked by the receiver) besides travelling;
+* ``shifted``: the same dims as in training, cut at 3/8 instead of 1/2: pieces are contiguous on
+  both sides, sent straight from the trainers' shards and received straight into the destination.
+
+Three variants per cut:
 
 * ``reshard``: :func:`shardsync.reshard` (warm: the plan is cached after the first call; the first
   call's time, planning included, is reported separately);
@@ -40,11 +47,12 @@ import torch.multiprocessing as mp
 import shardsync
 from shardsync import ShardedTensor
 
-__all__ = ["main", "mapping", "hf_model", "megatron_state", "inference_cut"]
+__all__ = ["main", "mapping", "hf_model", "megatron_state", "inference_cut", "inference_state", "CUTS"]
 
 RESULTS = Path(__file__).parent / "results"
 SHIPPED = Path(shardsync.__file__).parent / "mappings" / "megatron_llama_to_hf.txt"
 TRAINERS, WORKERS = (0, 1), (2, 3)
+CUTS = ("transposed", "shifted")
 
 
 def _filled(shape: tuple[int, ...], seed: int) -> torch.Tensor:
@@ -106,11 +114,31 @@ def megatron_state(hf: dict[str, torch.Tensor], a: argparse.Namespace, rank: int
     return out
 
 
-def inference_cut(key: str) -> int | None:
-    """The inference cut: the other dim than training's (column-parallel weights cut by columns...)."""
+def inference_cut(key: str, cut: str) -> int | None:
+    """The dim an inference weight is cut along: the other dim than training's (``transposed``) or
+    the same (``shifted``); None for replicated norms."""
     if key.endswith("norm.weight") or "layernorm" in key:
         return None
-    return 0 if ("o_proj" in key or "down_proj" in key) else 1
+    rowwise = "o_proj" in key or "down_proj" in key  # cut along dim 1 in training
+    return int(rowwise == (cut == "shifted"))
+
+
+def inference_state(hf: dict[str, torch.Tensor], cut: str, worker: int) -> dict[str, Any]:
+    """Worker ``worker`` (0 or 1)'s zero-filled destination for ``cut``."""
+    out: dict[str, Any] = {}
+    for k, x in hf.items():
+        dim = inference_cut(k, cut)
+        if dim is None:
+            out[k] = torch.zeros_like(x)
+        elif cut == "transposed":
+            out[k] = _part(torch.zeros_like(x), dim, worker, 2)
+        else:
+            edge = x.shape[dim] * 3 // 8
+            lo, hi = (0, edge) if worker == 0 else (edge, x.shape[dim])
+            shape, offset = list(x.shape), [0, 0]
+            shape[dim], offset[dim] = hi - lo, lo
+            out[k] = ShardedTensor(torch.zeros(shape), x.shape, offset)
+    return out
 
 
 def _local(v: Any) -> torch.Tensor:
@@ -149,23 +177,16 @@ def _ceiling(plan: shardsync.planning.Plan, rank: int) -> Callable[[], None]:
     return run
 
 
-def worker(rank: int, world: int, a: argparse.Namespace, store: str, out: str) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=600))
-    hf, program = hf_model(a), mapping(a)
-    src = megatron_state(hf, a, rank) if rank in TRAINERS else None
-    dst: dict[str, Any] | None = None
-    if rank in WORKERS:
-        dst = {k: torch.zeros_like(x) if inference_cut(k) is None
-               else _part(torch.zeros_like(x), inference_cut(k), rank - 2, 2) for k, x in hf.items()}
+def run_cut(rank: int, a: argparse.Namespace, hf: dict[str, torch.Tensor], program: str,
+            src: dict[str, Any] | None, cut: str) -> dict[str, Any]:
+    """Time the three variants for one cut on this rank; check the reshard output once."""
+    dst = inference_state(hf, cut, rank - 2) if rank in WORKERS else None
 
     def full_then_slice() -> None:
         for name, full in shardsync.full_params(src or {}, program):
             if dst is not None:
                 v = dst[name]
-                _local(v).copy_(
-                    full[v.box.slices()] if isinstance(v, ShardedTensor) else full)
+                _local(v).copy_(full[v.box.slices()] if isinstance(v, ShardedTensor) else full)
 
     first, result = _timed(lambda: shardsync.reshard(src, dst, program))
     bad = [] if dst is None else [k for k, v in dst.items() if not torch.equal(
@@ -178,35 +199,41 @@ def worker(rank: int, world: int, a: argparse.Namespace, store: str, out: str) -
         for name, fn in variants.items():
             seconds, _ = _timed(fn)
             best[name] = min(best.get(name, seconds), seconds)
-    record = {"rank": rank, "first_reshard_seconds": first, "plan_seconds": result.stats.plan_seconds,
-              "best": best, "bad": bad, "received": result.stats.bytes_received,
-              "sent": result.stats.bytes_sent, "peak_bytes": result.stats.peak_bytes,
-              "strategy": result.plan.strategy, "steps": len(result.plan.steps),
-              "shard_bytes": 0 if dst is None else sum(
-                  _local(v).numel() * 4 for v in dst.values())}
+    return {"first_reshard_seconds": first, "plan_seconds": result.stats.plan_seconds,
+            "best": best, "bad": bad, "received": result.stats.bytes_received,
+            "sent": result.stats.bytes_sent, "peak_bytes": result.stats.peak_bytes,
+            "strategy": result.plan.strategy, "steps": len(result.plan.steps),
+            "shard_bytes": 0 if dst is None else sum(_local(v).numel() * 4 for v in dst.values())}
+
+
+def worker(rank: int, world: int, a: argparse.Namespace, store: str, out: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=600))
+    hf, program = hf_model(a), mapping(a)
+    src = megatron_state(hf, a, rank) if rank in TRAINERS else None
+    record = {cut: run_cut(rank, a, hf, program, src, cut) for cut in CUTS}
     with open(os.path.join(out, f"{rank}.json"), "w") as fh:
         json.dump(record, fh)
     dist.destroy_process_group()
 
 
-def report(per_rank: list[dict], a: argparse.Namespace, total: int) -> dict[str, Any]:
-    best = per_rank[0]["best"]  # every rank has the same (slowest-rank) times
-    needed = sum(r["shard_bytes"] for r in per_rank)
-    rows = {name: {"seconds": s, "GB_per_s_delivered": needed / s / 1e9,
-                   "x_reshard": s / best["reshard"]} for name, s in best.items()}
+def report(per_rank: list[dict], cut: str) -> dict[str, Any]:
+    """One cut's results: times (the slowest rank's, best run), ratios, bytes, memory."""
+    ranks = [r[cut] for r in per_rank]
+    best = ranks[0]["best"]  # every rank has the same (slowest-rank) times
+    needed = sum(r["shard_bytes"] for r in ranks)
     return {
-        "date": datetime.datetime.now().isoformat(timespec="seconds"), "host": platform.node(),
-        "cpus": os.cpu_count(), "torch": torch.__version__, "world": 4, "repeats": a.repeats,
-        "model": {k: getattr(a, k) for k in ("layers", "hidden", "heads", "groups", "ffn", "vocab")},
-        "model_bytes": total, "inference_bytes_needed": needed,
+        "cut": cut, "inference_bytes_needed": needed,
         "reshard_vs_full_then_slice": best["full then slice"] / best["reshard"],
         "reshard_x_ceiling": best["reshard"] / best["ceiling"],
-        "first_reshard_seconds": per_rank[0]["first_reshard_seconds"],
-        "plan_seconds": max(r["plan_seconds"] for r in per_rank),
-        "received_bytes": [r["received"] for r in per_rank], "sent_bytes": [r["sent"] for r in per_rank],
-        "reshard_peak_MiB": [r["peak_bytes"] / 2**20 for r in per_rank],
-        "strategy": per_rank[0]["strategy"], "steps": per_rank[0]["steps"], "rows": rows,
-        "exact": all(not r["bad"] for r in per_rank),
+        "first_reshard_seconds": ranks[0]["first_reshard_seconds"],
+        "plan_seconds": max(r["plan_seconds"] for r in ranks),
+        "received_bytes": [r["received"] for r in ranks], "sent_bytes": [r["sent"] for r in ranks],
+        "reshard_peak_MiB": [r["peak_bytes"] / 2**20 for r in ranks],
+        "strategy": ranks[0]["strategy"], "steps": ranks[0]["steps"],
+        "rows": {name: {"seconds": s, "GB_per_s_delivered": needed / s / 1e9} for name, s in best.items()},
+        "exact": all(not r["bad"] for r in ranks),
     }
 
 
@@ -224,14 +251,18 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as tmp:
         mp.spawn(worker, args=(4, a, os.path.join(tmp, "store"), tmp), nprocs=4)
         per_rank = [json.loads(Path(tmp, f"{r}.json").read_text()) for r in range(4)]
-    total = sum(t.numel() * 4 for t in hf_model(a).values())
-    doc = report(per_rank, a, total)
+    doc = {"date": datetime.datetime.now().isoformat(timespec="seconds"), "host": platform.node(),
+           "cpus": os.cpu_count(), "torch": torch.__version__, "world": 4, "repeats": a.repeats,
+           "model": {k: getattr(a, k) for k in ("layers", "hidden", "heads", "groups", "ffn", "vocab")},
+           "model_bytes": sum(t.numel() * 4 for t in hf_model(a).values()),
+           "cuts": [report(per_rank, cut) for cut in CUTS]}
+    doc["exact"] = all(c["exact"] for c in doc["cuts"])
     a.out.parent.mkdir(parents=True, exist_ok=True)
     a.out.write_text(json.dumps(doc, indent=1) + "\n")
-    for name, row in doc["rows"].items():
-        print(f"{name:>16}: {row['seconds']:.3f} s  {row['GB_per_s_delivered']:.2f} GB/s delivered")
-    print(f"reshard is {doc['reshard_vs_full_then_slice']:.2f}x faster than full-then-slice and "
-          f"{doc['reshard_x_ceiling']:.2f}x the ceiling; exact: {doc['exact']}")
+    for c in doc["cuts"]:
+        times = ", ".join(f"{name} {row['seconds']:.3f} s" for name, row in c["rows"].items())
+        print(f"{c['cut']:>10}: {times}; reshard is {c['reshard_vs_full_then_slice']:.2f}x faster than "
+              f"full-then-slice, {c['reshard_x_ceiling']:.2f}x the ceiling; exact: {c['exact']}")
     return doc
 
 

@@ -51,6 +51,13 @@ def _trainers_to_inference(rank: int, hf: dict) -> dict:
     out["same plan"] = second.plan is first.plan
     out["bad again"] = _bad(dst, hf_shards(hf, rank - 2, 2)) if dst else []
     out["stats again"] = (second.stats.bytes_sent, second.stats.bytes_received, second.stats.collectives)
+    # only rank 3 changes (it leaves): every rank must notice and plan again
+    if dst:
+        _zero(dst)
+    third = reshard(src, None if rank == 3 else dst, MAPPING)
+    out["third replanned"] = third.plan is not first.plan
+    out["third received"] = third.stats.bytes_received
+    out["bad third"] = _bad(dst, hf_shards(hf, 0, 2)) if rank == 2 else []
     budget = reshard(src, dst, MAPPING, memory_budget=600, bucket_bytes=600)
     out["budget peak"] = budget.stats.peak_bytes
     out["bad budget"] = _bad(dst, hf_shards(hf, rank - 2, 2)) if dst else []
@@ -106,12 +113,13 @@ def test_reshard_trainers_to_inference_colocated_and_errors() -> None:
     acc = [rec["acceptance"] for rec in records]
     for rank, a in enumerate(acc):
         assert a["bad"] == a["bad again"] == a["bad budget"] == [], rank
-        assert a["same plan"], rank
+        assert a["same plan"] and a["third replanned"] and a["bad third"] == [], rank
         assert a["stats again"] == a["stats"] == a["costs"]
         assert a["budget peak"] <= 600
         assert a["kinds"] == ["multicast", "p2p"]  # the norms, wanted by both workers, are broadcast
     # each inference rank received exactly its own shards' bytes, and sent nothing; trainers only send
     assert [a["stats"][1] for a in acc] == [0, 0, acc[2]["mine"], acc[3]["mine"]]
+    assert [a["third received"] for a in acc] == [0, 0, acc[2]["mine"], 0]
     assert acc[2]["mine"] > 0 and [a["stats"][0] for a in acc[2:]] == [0, 0]
     norms = (2 * LAYERS + 1) * HIDDEN * 4  # replicated on both workers, sent once
     assert sum(a["stats"][0] for a in acc[:2]) == acc[2]["mine"] + acc[3]["mine"] - norms

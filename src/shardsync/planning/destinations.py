@@ -138,15 +138,16 @@ def _aligned(n: int) -> int:
     return -(-n // ALIGN) * ALIGN
 
 
-def _rounds(reads: Sequence[Read], cap: int, solo: int | None) -> list[dict[_Key, list[int]]]:
+def _rounds(reads: Sequence[Read], cap: int, solo: int | None, many: bool) -> list[dict[_Key, list[int]]]:
     # One buffer per key (a sender and its receivers) per round: a read of ``solo`` bytes or more
     # alone, else reads packed up to ``cap``. A round closes only when one of the read's buffers is
     # taken, so reads between other pairs keep sharing it: every pair's messages travel together.
+    # ``many``: the reads several ranks receive (multicast), else those one rank receives.
     rounds: list[dict[_Key, list[int]]] = [{}]
     size: dict[_Key, int] = {}
     alone: set[_Key] = set()
     for i, r in enumerate(reads):
-        if not r.receivers:
+        if not r.receivers or _multicast(r) != many:
             continue
         ks, n = _keys(r), r.nbytes
         big = solo is not None and n >= solo
@@ -174,11 +175,12 @@ def _keys(r: Read) -> list[_Key]:
 
 def schedule_multicast(reads: Sequence[Read], cap: int, solo: int | None = None,
                        ) -> tuple[list[RawStep], dict[int, int]]:
-    """Buffers of at most ``cap`` bytes per (sender, receiver) pair for reads one rank receives, and
-    per (sender, receiver set) for reads several receive; a round becomes a ``p2p`` step and a
-    ``multicast`` step (one broadcast per packet among its sender and receivers). Reads of at least
-    ``solo`` bytes get a buffer of their own (sent from the shard, received in place), but share the
-    round with other pairs' buffers.
+    """Buffers of at most ``cap`` bytes per (sender, receiver) pair for reads one rank receives, in
+    ``p2p`` steps; then buffers per (sender, receiver set) for reads several receive, in ``multicast``
+    steps (one broadcast per packet among its sender and receivers). Reads of at least ``solo`` bytes
+    get a buffer of their own (sent from the shard, received in place), but share the step with other
+    pairs' buffers. Multicast reads go last, packed together: they are usually small (replicated
+    norms), and a destination written in place holds no memory while it waits for them.
 
     Returns:
         the steps and each moved read's step index.
@@ -190,11 +192,10 @@ def schedule_multicast(reads: Sequence[Read], cap: int, solo: int | None = None,
     """
     steps: list[RawStep] = []
     step_of: dict[int, int] = {}
-    for rnd in _rounds(reads, cap, solo):
-        for many, kind in ((0, "p2p"), (1, "multicast")):
+    for many, kind in ((False, "p2p"), (True, "multicast")):
+        for rnd in _rounds(reads, cap, solo, many):
             packets = tuple(pack(reads, ids, src, -1 if many else dst[0])
-                            for (m, src, dst), ids in sorted(rnd.items()) if m == many)
-            if packets:
-                step_of.update({i: len(steps) for pk in packets for i in pk.reads})
-                steps.append((kind, packets))  # type: ignore[arg-type]
+                            for (_, src, dst), ids in sorted(rnd.items()))
+            step_of.update({i: len(steps) for pk in packets for i in pk.reads})
+            steps.append((kind, packets))  # type: ignore[arg-type]
     return steps, step_of
