@@ -7,8 +7,9 @@ replicas in sync (:mod:`shardsync.replicas`).
 
 from __future__ import annotations
 
-from .errors import (DistributedError, DriftError, FormatError, LayoutError, MappingError, PlanError,
-                     ReplicaError, ShardsyncError)
+from .destinations import LoadResult, load, reshard
+from .errors import (DistributedError, DriftError, FormatError, LayoutError, LoadError, MappingError,
+                     PlanError, ReplicaError, ShardsyncError)
 from .io import read_layout, read_tensors, save_safetensors
 from .io.dcp_writer import save
 from .io.save_hf import save_hf
@@ -26,5 +27,6 @@ __all__ = ["Box", "GlobalLayout", "ShardedTensor", "from_dtensor", "shard_dim", 
            "full_param", "save_safetensors", "read_layout",
            "read_tensors", "select_replicated", "ReplicaSync", "detect_drift", "watch_drift",
            "add_extra_synchronization", "DriftReport", "ShardsyncError", "MappingError", "LayoutError",
-           "PlanError", "FormatError", "DistributedError", "ReplicaError", "DriftError", "save_hf", "save"]
+           "PlanError", "FormatError", "DistributedError", "ReplicaError", "DriftError", "save_hf", "save",
+           "load", "reshard", "LoadResult", "LoadError"]
 __version__ = "0.1.0"

@@ -14,6 +14,7 @@ __all__ = [
     "ShardsyncError",
     "MappingError",
     "LayoutError",
+    "LoadError",
     "PlanError",
     "FormatError",
     "DistributedError",
@@ -48,6 +49,23 @@ class MappingError(ShardsyncError, ValueError):
 
 class LayoutError(ShardsyncError, ValueError):
     """Sharded state cannot serve a request: a hole, an overlap, a shape or dtype disagreement."""
+
+
+class LoadError(LayoutError):
+    """A destination and its source do not match (``load``/``reshard`` with ``strict=True``): every
+    missing target, unexpected source, shape and dtype mismatch at once, each naming the mapping
+    statement it comes from. Raised on every rank before any destination tensor is written.
+
+    Attributes:
+        missing: destination keys nothing would be loaded into.
+        unexpected: targets the source and mapping produce that have no destination.
+        mismatched: shape and dtype mismatches (``.name``, ``.kind``, ``.expected``, ``.got``).
+    """
+
+    def __init__(self, message: str, missing: Sequence[str] = (), unexpected: Sequence[str] = (),
+                 mismatched: Sequence[Any] = ()) -> None:
+        super().__init__(message)
+        self.missing, self.unexpected, self.mismatched = tuple(missing), tuple(unexpected), tuple(mismatched)
 
 
 class PlanError(ShardsyncError, ValueError):

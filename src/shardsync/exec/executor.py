@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import Counter, deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
 import torch
@@ -64,8 +64,9 @@ class _Run:
     """One rank's state while executing a plan; also the :class:`PacketIO` its transport uses."""
 
     def __init__(self, plan: Plan, source: Source, rank: int, stats: Stats,
-                 device: torch.device) -> None:
+                 device: torch.device, into: Callable[[int], torch.Tensor] | None = None) -> None:
         self.plan, self.source, self.rank, self.stats, self.device = plan, source, rank, stats, device
+        self.into = into
         self.open: dict[int, torch.Tensor] = {}
         self.direct: set[int] = set()  # reads received straight into their target
         self.posting = 0  # the step being started: its buffers are held under its tag
@@ -98,8 +99,12 @@ class _Run:
         return self.rank in self.plan.targets[t].consumers
 
     def allocate(self, t: int) -> None:
-        """Allocate target ``t`` (unless it will be a view of this rank's own data)."""
+        """Allocate target ``t`` (unless it will be a view of this rank's own data, or is written into
+        memory the caller gave)."""
         tp = self.plan.targets[t]
+        if self.into is not None:
+            self.open[t] = self.into(t)
+            return
         if not is_zero_copy(tp, self.plan.reads, self.rank, self.plan.copy):
             self.open[t] = torch.empty(tp.shape, dtype=to_torch_dtype(tp.dtype), device=self.device)
             self.stats.hold(tp.nbytes, tag=t)
@@ -141,7 +146,7 @@ class _Run:
         if not identity or piece.casts or piece.source_box != self.plan.reads[i].box or t not in self.open:
             return None
         region = self.open[t][piece.target_box.slices()]
-        if not region.is_contiguous():
+        if not region.is_contiguous() or region.device != self.device:
             return None
         self.direct.add(i)
         return region.reshape(-1).view(torch.uint8)
@@ -195,8 +200,11 @@ class _Run:
 
 def execute(plan: Plan, source: Source, transport: Transport, rank: int, stats: Stats,
             *, group: ProcessGroup | None = None, device: torch.device | None = None,
-            ) -> Iterator[tuple[str, torch.Tensor]]:
+            into: Callable[[int], torch.Tensor] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     """Run ``plan`` on this rank; yield ``(name, tensor)`` for each target this rank consumes.
+
+    ``into(t)``, when given, is the memory target ``t`` is written into (a destination shard, written
+    in place: load and reshard) instead of a fresh allocation; it is what is yielded.
 
     Every rank of the group must call this with the same plan and iterate to the end: the steps are
     collective. A failure on any rank is raised on every rank as a
@@ -207,7 +215,7 @@ def execute(plan: Plan, source: Source, transport: Transport, rank: int, stats: 
         >>> for name, tensor in execute(plan, LocalSource(state), transport, rank, Stats()):  # doctest: +SKIP
         ...     save(name, tensor)
     """
-    run = _Run(plan, source, rank, stats, device or source.device())
+    run = _Run(plan, source, rank, stats, device or source.device(), into)
     inflight: deque[tuple[int, Step, Pending]] = deque()
     start = time.perf_counter()
     with data_phase(STREAM_PHASE, group):

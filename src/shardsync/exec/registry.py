@@ -8,6 +8,7 @@ from ..dist import GroupRanks
 from ..errors import PlanError
 from ..planning import STRATEGIES, Plan
 from .mesh import MeshGroups, MeshTransport
+from .multicast import MulticastTransport
 from .transport import BroadcastTransport, LocalTransport, P2PTransport, Transport
 
 __all__ = ["TRANSPORTS", "transport_for"]
@@ -26,6 +27,7 @@ TRANSPORTS: dict[str, Callable[[GroupRanks, Plan, MeshGroups | None], Transport]
     "bucketed": lambda ranks, plan, groups: BroadcastTransport(ranks),
     "mesh2d": _mesh,
     "p2p": lambda ranks, plan, groups: P2PTransport(ranks),
+    "multicast": lambda ranks, plan, groups: MulticastTransport(ranks, plan),
 }
 if set(TRANSPORTS) != set(STRATEGIES):
     raise ImportError(f"TRANSPORTS {sorted(TRANSPORTS)} must move every strategy {sorted(STRATEGIES)}")

@@ -56,7 +56,8 @@ class _Tally:
                 self.recv[r] += n
 
 
-def _mesh_hv(t: _Tally, step: Step, world: int, topology: Sequence[Sequence[int]] | None) -> None:
+def _mesh_hv(t: _Tally, step: Step, world: int, topology: Sequence[Sequence[int]] | None,
+             reads: Sequence[Read]) -> None:
     assert topology is not None  # mesh steps exist only in plans with a topology
     # Every rank holds its column's item (packed, received, or padding) and the all_gather output.
     n, ncols = step.packets[0].nbytes, len(topology[0])
@@ -72,7 +73,8 @@ def _mesh_hv(t: _Tally, step: Step, world: int, topology: Sequence[Sequence[int]
             t.buf[r] += n * (ncols + 1)
 
 
-def _mesh_global(t: _Tally, step: Step, world: int, topology: Sequence[Sequence[int]] | None) -> None:
+def _mesh_global(t: _Tally, step: Step, world: int, topology: Sequence[Sequence[int]] | None,
+             reads: Sequence[Read]) -> None:
     assert topology is not None  # mesh steps exist only in plans with a topology
     # Down the sender's column, then across every row from that column; one buffer on every rank.
     pk = step.packets[0]
@@ -86,35 +88,50 @@ def _mesh_global(t: _Tally, step: Step, world: int, topology: Sequence[Sequence[
             t.buf[r] += pk.nbytes
 
 
-def _broadcast(t: _Tally, step: Step, world: int, topology: Sequence[Sequence[int]] | None) -> None:
+def _broadcast(t: _Tally, step: Step, world: int, topology: Sequence[Sequence[int]] | None,
+             reads: Sequence[Read]) -> None:
     for pk in step.packets:
         t.collective(range(world), pk.src, pk.nbytes)
         for r in range(world):
             t.buf[r] += pk.nbytes
 
 
-def _p2p(t: _Tally, step: Step, world: int, topology: Sequence[Sequence[int]] | None) -> None:
+def _p2p(t: _Tally, step: Step, world: int, topology: Sequence[Sequence[int]] | None,
+             reads: Sequence[Read]) -> None:
     for pk in step.packets:
         t.collective((pk.src, pk.dst), pk.src, pk.nbytes)
         t.buf[pk.src] += pk.nbytes
         t.buf[pk.dst] += pk.nbytes
 
 
-def _local(t: _Tally, step: Step, world: int, topology: Sequence[Sequence[int]] | None) -> None:
+def _multicast(t: _Tally, step: Step, world: int, topology: Sequence[Sequence[int]] | None,
+               reads: Sequence[Read]) -> None:
+    for pk in step.packets:  # among the sender and the receivers its reads share
+        members = (pk.src, *reads[pk.reads[0]].receivers)
+        t.collective(members, pk.src, pk.nbytes)
+        for r in members:
+            t.buf[r] += pk.nbytes
+
+
+def _local(t: _Tally, step: Step, world: int, topology: Sequence[Sequence[int]] | None,
+             reads: Sequence[Read]) -> None:
     pass  # nothing moves
 
 
 #: The cost model of each step kind: adds a step's traffic and buffers to the tally.
-STEP_COSTS: dict[str, Callable[[_Tally, Step, int, Sequence[Sequence[int]] | None], None]] = {
-    "local": _local, "broadcast": _broadcast, "p2p": _p2p, "mesh_hv": _mesh_hv, "mesh_global": _mesh_global}
+STEP_COSTS: dict[str, Callable[[_Tally, Step, int, Sequence[Sequence[int]] | None, Sequence[Read]], None]] = {
+    "local": _local, "broadcast": _broadcast, "p2p": _p2p, "multicast": _multicast, "mesh_hv": _mesh_hv, "mesh_global": _mesh_global}
 if set(STEP_COSTS) != set(get_args(StepKind)):
     raise ImportError(f"STEP_COSTS {sorted(STEP_COSTS)} must cost every StepKind {get_args(StepKind)}")
 
 
 def estimate_costs(steps: Sequence[Step], reads: Sequence[Read], targets: Sequence[TargetPlan],
                    world: int, topology: Sequence[Sequence[int]] | None = None, copy: bool = True,
-                   depth: int = 2) -> Costs:
+                   depth: int = 2, *, in_place: bool = False) -> Costs:
     """Per-rank bytes, collectives and peak memory of running ``steps`` ``depth`` deep.
+
+    With ``in_place`` the targets are memory the caller already holds (load, reshard): only buffers
+    count.
 
     Mirrors the executor: starting step k allocates the targets it opens and its buffers; finishing
     the oldest step in flight (once ``depth`` are) frees its buffers and yields its targets, those
@@ -125,7 +142,7 @@ def estimate_costs(steps: Sequence[Step], reads: Sequence[Read], targets: Sequen
     """
     t = _Tally(world)
     held, peak = [0] * world, [0] * world
-    size = [[0 if is_zero_copy(tp, reads, r, copy) or r not in tp.consumers else tp.nbytes
+    size = [[0 if in_place or is_zero_copy(tp, reads, r, copy) or r not in tp.consumers else tp.nbytes
              for r in range(world)] for tp in targets]
     eager = {i for step in steps for i in step.opens}
     inflight: deque[tuple[Step, list[int]]] = deque()
@@ -145,7 +162,7 @@ def estimate_costs(steps: Sequence[Step], reads: Sequence[Read], targets: Sequen
 
     for k, step in enumerate(steps):
         t.buf = [0] * world
-        STEP_COSTS[step.kind](t, step, world, topology)
+        STEP_COSTS[step.kind](t, step, world, topology, reads)
         inflight.append((step, t.buf))
         for r in range(world):
             held[r] += sum(size[i][r] for i in step.opens)

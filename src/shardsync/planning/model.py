@@ -28,14 +28,15 @@ __all__ = ["Strategy", "StrategyChoice", "SplitBy", "StepKind", "Read", "Copy", 
            "Step", "Costs", "Plan"]
 
 #: A communication strategy a plan is built for.
-Strategy = Literal["broadcast", "bucketed", "mesh2d", "p2p"]
+Strategy = Literal["broadcast", "bucketed", "mesh2d", "p2p", "multicast"]
 #: What callers may ask for; ``"auto"`` picks one of :data:`Strategy` by backend and sizes.
-StrategyChoice = Literal["auto", "broadcast", "bucketed", "mesh2d", "p2p"]
+StrategyChoice = Literal["auto", "broadcast", "bucketed", "mesh2d", "p2p", "multicast"]
 #: How targets are divided into parts (``num_splits``, several consumers): equal counts or bytes.
 SplitBy = Literal["count", "bytes"]
 #: ``local``: no communication; ``broadcast``: one broadcast per packet; ``p2p``: batched send/recv;
-#: ``mesh_hv``: vertical broadcast then horizontal all_gather; ``mesh_global``: two-stage broadcast.
-StepKind = Literal["local", "broadcast", "p2p", "mesh_hv", "mesh_global"]
+#: ``mesh_hv``: vertical broadcast then horizontal all_gather; ``mesh_global``: two-stage broadcast;
+#: ``multicast``: one broadcast per packet among its sender and the receivers of its reads.
+StepKind = Literal["local", "broadcast", "p2p", "mesh_hv", "mesh_global", "multicast"]
 
 
 @dataclass(frozen=True, slots=True)

@@ -52,7 +52,10 @@ class PlanOptions:
     """Everything about a stream besides the state and the mapping (see :func:`shardsync.full_params`).
 
     ``consumers=None`` means every rank receives every target; a tuple of ranks splits the targets
-    among them (part i to ``consumers[i]``) and the other ranks only send.
+    among them (part i to ``consumers[i]``) and the other ranks only send. ``destinations`` instead
+    names the receiving ranks of each target, in target order (load and reshard: the holders of each
+    destination box); ``in_place`` says targets are written into memory the caller already holds, so
+    they count toward no rank's peak.
 
     Example:
         >>> PlanOptions(strategy="p2p", consumers=(0,)).bucket_bytes
@@ -69,6 +72,8 @@ class PlanOptions:
     mesh_threshold_bytes: int = DEFAULT_MESH_THRESHOLD_BYTES
     copy: bool = True
     backend: str = "gloo"
+    destinations: tuple[tuple[int, ...], ...] | None = None
+    in_place: bool = False
 
 
 # -- dividing the sorted targets into contiguous parts (num_splits, consumers) -----------------------
@@ -176,14 +181,24 @@ def check_options(o: PlanOptions, world: int, meshed: bool) -> None:
         bad = [r for r in o.consumers if not (_is_int(r) and 0 <= r < world)]
         if bad or len(set(o.consumers)) != len(o.consumers) or not o.consumers:
             p.append(f"consumers {list(o.consumers)}: use distinct ranks in [0, {world})")
+    if o.destinations is not None:
+        if o.consumers is not None or o.num_splits != 1:
+            p.append("destinations name each target's ranks; do not combine them with consumers or "
+                     "num_splits")
+        if any(not (_is_int(r) and 0 <= r < world) for ranks in o.destinations for r in ranks):
+            p.append(f"destinations name ranks outside [0, {world})")
+        if o.strategy != "auto" and STRATEGIES[o.strategy].every_rank:
+            p.append(f"strategy {o.strategy!r} delivers to every rank; with destinations use 'auto', "
+                     "'p2p' or 'multicast'")
     if p:
         raise PlanError("invalid stream options:\n  " + "\n  ".join(p))
 
 
 def choose_strategy(o: PlanOptions, topology: Topology | None) -> Strategy:
-    """Resolve ``"auto"``: ``p2p`` for a consumer subset; ``mesh2d`` on NCCL when a mesh is given
-    (gloo's all_gather is several times slower than its broadcast); ``bucketed`` otherwise. Under
-    ``auto``, bucketed and p2p send reads of :data:`SOLO_READ_BYTES` or more alone.
+    """Resolve ``"auto"``: ``multicast`` for per-target destinations (load, reshard); ``p2p`` for a
+    consumer subset; ``mesh2d`` on NCCL when a mesh is given (gloo's all_gather is several times
+    slower than its broadcast); ``bucketed`` otherwise. Under ``auto``, bucketed, p2p and multicast
+    send reads of :data:`SOLO_READ_BYTES` or more alone.
 
     Example:
         >>> choose_strategy(PlanOptions(consumers=(0,)), None)
@@ -191,6 +206,8 @@ def choose_strategy(o: PlanOptions, topology: Topology | None) -> Strategy:
     """
     if o.strategy != "auto":
         return o.strategy
+    if o.destinations is not None:
+        return "multicast"
     if o.consumers is not None:
         return "p2p"
     if topology is not None and o.backend == "nccl":
@@ -199,6 +216,11 @@ def choose_strategy(o: PlanOptions, topology: Topology | None) -> Strategy:
 
 
 def _consumers(selected: Sequence[TargetSpec], o: PlanOptions, world: int) -> list[tuple[int, ...]]:
+    if o.destinations is not None:
+        if len(o.destinations) != len(selected):
+            raise PlanError(f"{len(o.destinations)} destinations for {len(selected)} targets; give one "
+                            "tuple of ranks per target")
+        return list(o.destinations)
     if o.consumers is None:
         return [tuple(range(world))] * len(selected)
     parts = split_ranges([t.nbytes for t in selected], len(o.consumers), o.split_by)
@@ -213,7 +235,8 @@ def _attempt(selected: Sequence[TargetSpec], consumers: list[tuple[int, ...]], l
              world: int, o: PlanOptions, topology: Topology | None, cap: int, strategy: Strategy | None,
              depth: int) -> Plan:
     chunked = cap if o.memory_budget is not None else None
-    reads, copies = build_reads(selected, consumers, layout, world, max_read_bytes=chunked)
+    reads, copies = build_reads(selected, consumers, layout, world, max_read_bytes=chunked,
+                                merge=not o.in_place)
     strategy = strategy or choose_strategy(o, topology)
     args = ScheduleArgs(cap, SOLO_READ_BYTES if o.strategy == "auto" else None, topology,
                         o.mesh_threshold_bytes)
@@ -221,7 +244,7 @@ def _attempt(selected: Sequence[TargetSpec], consumers: list[tuple[int, ...]], l
     targets = tuple(TargetPlan(t.name, t.shape, t.dtype, c, tuple(cp))
                     for t, c, cp in zip(selected, consumers, copies))
     steps = attach_targets(raw, step_of, copies)
-    costs = estimate_costs(steps, reads, targets, world, topology, o.copy, depth)
+    costs = estimate_costs(steps, reads, targets, world, topology, o.copy, depth, in_place=o.in_place)
     return Plan(strategy, world, targets, tuple(reads), tuple(steps), cap, costs,
                 topology if STRATEGIES[strategy].needs_mesh else None, o.copy, depth)
 
@@ -278,16 +301,17 @@ def _fit(selected: Sequence[TargetSpec], consumers: list[tuple[int, ...]], layou
                 floor = max(MIN_BUCKET_BYTES, max((r.nbytes for r in plan.reads), default=0) // MAX_CHUNKS)
             if max(plan.costs.peak_bytes, default=0) <= budget:
                 return plan
-            if max((t.nbytes for t in plan.targets), default=0) > budget or cap <= floor:
+            whole = 0 if o.in_place else max((t.nbytes for t in plan.targets), default=0)
+            if whole > budget or cap <= floor:
                 break
             cap = max(floor, cap // 2)
-    raise PlanError(_budget_message(plan, budget))
+    raise PlanError(_budget_message(plan, budget, o.in_place))
 
 
-def _budget_message(plan: Plan, budget: int) -> str:
+def _budget_message(plan: Plan, budget: int, in_place: bool) -> str:
     rank = max(range(plan.world_size), key=lambda r: plan.costs.peak_bytes[r])
     need = plan.costs.peak_bytes[rank]
-    largest = max(plan.targets, key=lambda t: t.nbytes, default=None)
+    largest = None if in_place else max(plan.targets, key=lambda t: t.nbytes, default=None)
     if largest is not None and largest.nbytes > budget:
         return (f"memory_budget={budget} B cannot be met: target {largest.name!r} ({largest.nbytes} B) is "
                 f"held whole while it is built; raise memory_budget above {largest.nbytes} B (the "

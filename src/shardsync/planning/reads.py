@@ -113,7 +113,7 @@ def _order(reads: list[Read], copies: list[list[Copy]], chunk_no: list[int],
 
 def build_reads(targets: Sequence[TargetSpec], consumers: Sequence[tuple[int, ...]],
                 layout: GlobalLayout, world: int, *, max_read_bytes: int | None = None,
-                ) -> tuple[list[Read], list[list[Copy]]]:
+                merge: bool = True) -> tuple[list[Read], list[list[Copy]]]:
     """Reads that feed ``targets`` and, per target, the copies that build it.
 
     Args:
@@ -122,6 +122,8 @@ def build_reads(targets: Sequence[TargetSpec], consumers: Sequence[tuple[int, ..
         layout: the gathered global layout.
         world: ranks in the group.
         max_read_bytes: cut larger reads into chunks (to fit a memory budget); None keeps them whole.
+        merge: merge the fragments of one shard into one read of the region they cover; False reads
+            each fragment on its own (in place: then each read lands in one region of one target).
 
     Returns:
         ``(reads, copies)``: reads in the order the targets first need them, senders chosen; and for
@@ -137,7 +139,7 @@ def build_reads(targets: Sequence[TargetSpec], consumers: Sequence[tuple[int, ..
         dtype = layout[g.source].dtype
         receivers = tuple(filterfalse(set(g.holders).__contains__, g.readers))
         blocks = []
-        for block in _blocks(g.frags):
+        for block in _blocks(g.frags) if merge else list(dict.fromkeys(p.source_box for _, p in g.frags)):
             parts = chunk(block, itemsize(dtype), max_read_bytes) if max_read_bytes else [block]
             first = len(reads)
             reads += [Read(g.source, b, dtype, g.holders, g.readers, receivers, None) for b in parts]

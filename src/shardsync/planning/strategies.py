@@ -16,6 +16,7 @@ from typing import NamedTuple, get_args
 
 from .mesh import Topology, schedule_mesh
 from .model import Read, Strategy, StrategyChoice
+from .destinations import schedule_multicast
 from .schedule import RawStep, schedule_broadcast, schedule_bucketed, schedule_p2p
 
 __all__ = ["ScheduleArgs", "StrategySpec", "STRATEGIES", "STRATEGY_CHOICES", "strategy_problems"]
@@ -84,6 +85,9 @@ STRATEGIES: dict[str, StrategySpec] = {s.name: s for s in (
                  summary="down the mesh columns, then all_gather across the rows"),
     StrategySpec("p2p", lambda reads, a: schedule_p2p(reads, a.cap, a.solo), every_rank=False,
                  needs_mesh=False, summary="point to point, to the consumers only"),
+    StrategySpec("multicast", lambda reads, a: schedule_multicast(reads, a.cap, a.solo), every_rank=False,
+                 needs_mesh=False, summary="one message or subgroup broadcast per read, to the ranks "
+                 "that want it (load, reshard)"),
 )}
 #: What ``strategy=`` accepts: ``"auto"`` and every strategy.
 STRATEGY_CHOICES: tuple[str, ...] = ("auto", *STRATEGIES)

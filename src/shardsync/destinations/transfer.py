@@ -1,0 +1,272 @@
+"""Fill sharded destinations in place: :func:`load` (from any source) and :func:`reshard` (live to live).
+
+The protocol, on every rank of the group: gather the source and destination layouts (one
+``all_gather_object``) -> resolve the mapping over the sources, with the destination layout for
+``*`` and re-blocking -> check the targets against the destinations (missing, unexpected, shape,
+dtype) -> cut each target to the destination boxes ranks hold and plan them with each box's holders
+as consumers -> agree that every rank built the same plan -> execute, writing straight into the
+destination shards. A rank receives or reads only the boxes of its own destination shards. Plans are
+cached per gathered layout, so a loop that reshards the same layouts plans once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import time
+from dataclasses import dataclass, field, replace
+from typing import Any, Literal, NamedTuple
+
+import torch
+import torch.distributed as dist
+
+from ..dist import GroupRanks, agree, is_distributed
+from ..errors import PlanError
+from ..exec import LocalTransport, MulticastTransport, P2PTransport, Stats, Transport, execute
+from ..layout.box import Box
+from ..layout.meta import GlobalLayout, LayoutEntry
+from ..mapping import Mapping, MappingLike, resolve
+from ..planning import DEFAULT_BUCKET_BYTES, Plan, PlanOptions, build_plan
+from ..planning.destinations import box_targets
+from .check import Mismatch, Report, check_targets, describe, load_error, provenance
+from ..sources import Source
+from .state import Destination, DestinationLike, SourceLike, as_source
+
+__all__ = ["load", "reshard", "LoadResult", "DestinationStrategy"]
+
+#: ``"auto"``: a box several ranks want goes by one broadcast among them (when the group is the whole
+#: world), else point to point; ``"p2p"``: always one message per receiving rank.
+DestinationStrategy = Literal["auto", "p2p"]
+#: This rank's (source entries, destination entries), as gathered.
+_Local = tuple[tuple[LayoutEntry, ...], tuple[LayoutEntry, ...]]
+
+
+class _Ends(NamedTuple):
+    """This rank's source, destination and plan options."""
+
+    source: Source
+    dest: Destination
+    options: PlanOptions
+
+    def entries(self) -> _Local:
+        return tuple(self.source.entries()), tuple(self.dest.entries())
+
+
+@dataclass
+class LoadResult:
+    """What a :func:`load` or :func:`reshard` did (the same lists on every rank).
+
+    Attributes:
+        missing: destination keys nothing was loaded into (empty unless ``strict=False``).
+        unexpected: targets of the source and mapping with no destination (skipped).
+        mismatched: targets whose shape or dtype does not fit their destination (skipped).
+        plan: the plan that ran (the same object on a call that reused the cached plan).
+        stats: this rank's counters (bytes sent and received, collectives, seconds).
+
+    Example:
+        >>> r = load({"w": torch.zeros(3)}, {"w": torch.ones(3)})
+        >>> r.missing, r.stats.bytes_received
+        ((), 0)
+    """
+
+    missing: tuple[str, ...]
+    unexpected: tuple[str, ...]
+    mismatched: tuple[Mismatch, ...]
+    plan: Plan = field(repr=False)
+    stats: Stats = field(repr=False)
+
+
+@dataclass(frozen=True)
+class _Prepared:
+    plan: Plan
+    fingerprint: str
+    report: Report
+    problems: tuple[str, ...]
+    boxes: tuple[tuple[str, Box], ...]  # per plan target: its destination key and box
+
+
+@functools.lru_cache(maxsize=8)
+def _prepare(gathered: tuple[_Local, ...], mapping: Mapping, options: PlanOptions) -> _Prepared:
+    """Resolve, check and plan for a gathered layout. Cached: the same layouts plan once."""
+    layout = GlobalLayout.merge([src for src, _ in gathered])
+    dest = GlobalLayout.merge([dst for _, dst in gathered])
+    targets = resolve(mapping, layout, dest=dest)
+    why = provenance(mapping, layout.keys(), dest.keys())
+    fit, report = check_targets(targets, dest, why)
+    boxes = box_targets(fit, dest, layout)
+    plan = build_plan([b.spec for b in boxes], layout,
+                      replace(options, destinations=tuple(b.ranks for b in boxes)))
+    return _Prepared(plan, plan.fingerprint(), report, describe(report, targets, why),
+                     tuple((b.name, b.box) for b in boxes))
+
+
+def _parse(mapping: MappingLike | None, reverse: bool) -> Mapping:
+    return Mapping.parse(mapping if mapping is not None else [], reverse=True if reverse else None)
+
+
+def _agree_on_plan(gathered: list[_Local], mapping: MappingLike | None, reverse: bool, strict: bool,
+                   options: PlanOptions, group: Any) -> _Prepared:
+    agreed = agree("plan", lambda: _prepare(tuple(gathered), _parse(mapping, reverse), options), group,
+                   share=lambda built: f"{built.fingerprint} strict={strict}", unanimous=True)
+    if len(set(agreed.all)) > 1:
+        raise PlanError(f"ranks built different plans ({agreed.all}); pass the same mapping and options "
+                        "on every rank of the group")
+    return agreed.mine
+
+
+#: Per group: this rank's inputs at its last call, and the plan they agreed on (the fast path).
+_last: dict[tuple[int, tuple[int, ...]], tuple[Any, _Prepared]] = {}
+
+
+def _slot(ranks: GroupRanks) -> tuple[int, tuple[int, ...]]:
+    return id(dist.distributed_c10d._get_default_group()), ranks.global_ranks
+
+
+def _unchanged(ranks: GroupRanks, inputs: Any) -> _Prepared | None:
+    """The last call's plan when no rank's inputs changed since (one small all_reduce: the RL loop
+    skips both gathers); None when any rank's did, or failed to be read (``inputs`` None). Every rank
+    of a group makes the same calls, so all hold the same last plan."""
+    last = _last.get(_slot(ranks))
+    on_gpu = str(dist.get_backend(ranks.group)) == "nccl"
+    changed = torch.tensor([int(inputs is None or last is None or last[0] != inputs)],
+                           device=torch.device("cuda", torch.cuda.current_device()) if on_gpu else "cpu")
+    dist.all_reduce(changed, op=dist.ReduceOp.MAX, group=ranks.group)
+    return last[1] if last is not None and not changed.item() else None
+
+
+def _transfer(source: SourceLike, dst: DestinationLike, mapping: MappingLike | None, group: Any,
+              reverse: bool, strict: bool, plan_args: tuple[DestinationStrategy, int | None, int],
+              ) -> LoadResult:
+    start = time.perf_counter()
+    ranks = GroupRanks.of(group) if is_distributed(group) else None
+    def open_ends() -> _Ends:  # normalised inside the phase: a bad argument fails on every rank
+        return _Ends(as_source(source), Destination(dst), _options(group, *plan_args))
+
+    ends: _Ends | None = None
+    inputs = None
+    with contextlib.suppress(Exception):  # a failure here is raised by the phases below, on every rank
+        ends = open_ends()
+        inputs = (ends.entries(), _parse(mapping, reverse), ends.options, strict)
+    prepared = _unchanged(ranks, inputs) if ranks is not None else None
+    if prepared is None or ends is None:
+        opened = agree("gather layout", lambda: ends if ends is not None else open_ends(), group,
+                       share=_Ends.entries, unanimous=True)
+        ends = opened.mine
+        prepared = _agree_on_plan(opened.all, mapping, reverse, strict, ends.options, group)
+        if ranks is not None and inputs is not None:
+            _last[_slot(ranks)] = (inputs, prepared)
+    src, dest, options = ends
+    if strict and not prepared.report.ok:
+        raise load_error(prepared.report, prepared.problems)  # same lists on every rank
+    stats = Stats(plan_seconds=time.perf_counter() - start)
+    transport = _transport(prepared.plan, ranks)
+    device = (torch.device("cuda", torch.cuda.current_device()) if options.backend == "nccl"
+              else src.device())
+    rank = ranks.rank if ranks is not None else 0
+    for _ in execute(prepared.plan, src, transport, rank, stats, group=group, device=device,
+                     into=lambda t: dest.memory(*prepared.boxes[t])):
+        pass
+    r = prepared.report
+    return LoadResult(r.missing, r.unexpected, r.mismatched, prepared.plan, stats)
+
+
+def _transport(plan: Plan, ranks: GroupRanks | None) -> Transport:
+    if ranks is None:
+        return LocalTransport()
+    return MulticastTransport(ranks, plan) if plan.strategy == "multicast" else P2PTransport(ranks)
+
+
+def _options(group: Any, strategy: DestinationStrategy, memory_budget: int | None,
+             bucket_bytes: int) -> PlanOptions:
+    if strategy not in ("auto", "p2p"):
+        raise PlanError(f"strategy {strategy!r} is unknown for load/reshard; use 'auto' or 'p2p'")
+    backend = "none"
+    if is_distributed(group):
+        backend = str(dist.get_backend(group))
+        if dist.get_world_size(group) != dist.get_world_size():
+            strategy = "p2p"  # subgroups for broadcasts must be created by the whole world
+    return PlanOptions(strategy=strategy, bucket_bytes=bucket_bytes, memory_budget=memory_budget,
+                       backend=backend, in_place=True)
+
+
+def load(dst: DestinationLike, source: SourceLike, mapping: MappingLike | None = None, *,
+         group: Any = None, reverse: bool = False, strict: bool = True, memory_budget: int | None = None,
+         bucket_bytes: int = DEFAULT_BUCKET_BYTES, strategy: DestinationStrategy = "auto") -> LoadResult:
+    """Fill ``dst`` in place from ``source``, through ``mapping`` in the load direction; call on every
+    rank of the group.
+
+    Each rank receives or reads only the boxes of its own destination shards: from a file source,
+    which every rank can read, it reads them itself; from live sharded state it receives them from a
+    rank holding them (replicas share the sending).
+
+    Args:
+        dst: this rank's destination: a state dict (tensors, ShardedTensor, DTensor, lists of
+            ShardedTensor), an ``nn.Module`` (parameters and buffers written in place, no
+            re-allocation), or None when this rank holds none of it.
+        source: a :class:`~shardsync.sources.Source`, or this rank's live state (state dict or module)
+            on the group, or None.
+        mapping: None (names match as they are) or a program written checkpoint names -> model names:
+            casts, transposes, fused QKV / gate-up (re-blocked for the destination's shard count),
+            ``$LAYER_ID`` macros, ``*`` on either side, ``_ -> y`` to leave ``y`` as it is.
+        group: process group; None means the default group when torch.distributed is initialised.
+        reverse: run a mapping written for export (model -> checkpoint) backwards.
+        strict: raise on any missing, unexpected or mismatched target before anything is written;
+            False loads what fits and returns the rest in the result.
+        memory_budget: most bytes of buffers any rank may hold at once (destinations are not counted:
+            they are written in place); reads are cut to fit, or planning fails naming the shortfall.
+        bucket_bytes: largest packed message.
+        strategy: ``"auto"``: a box several ranks want travels by one broadcast among them and its
+            sender (when ``group`` is the whole world), else point to point; ``"p2p"``: always one
+            message per receiving rank.
+
+    Returns:
+        a :class:`LoadResult`: the missing/unexpected/mismatched lists, the plan and this rank's stats.
+
+    Raises:
+        LoadError: ``strict`` and the source does not fit the destination (every problem listed).
+        MappingError: the mapping is wrong.
+        LayoutError: the source cannot serve the destination (holes), or a bad argument.
+        DistributedError: a rank failed during a phase (raised on every rank, naming phase and ranks).
+
+    Example:
+        >>> model = torch.nn.Linear(3, 2)
+        >>> ckpt = {"w": torch.arange(6.).reshape(3, 2), "b": torch.zeros(2)}
+        >>> _ = load(model, ckpt, ["w^T -> weight", "b -> bias"])
+        >>> model.weight.tolist()
+        [[0.0, 2.0, 4.0], [1.0, 3.0, 5.0]]
+    """
+    return _transfer(source, dst, mapping, group, reverse, strict,
+                     (strategy, memory_budget, bucket_bytes))
+
+
+def reshard(src_state: SourceLike, dst_state: DestinationLike, mapping: MappingLike | None = None, *,
+            group: Any = None, reverse: bool = False, strict: bool = True,
+            memory_budget: int | None = None, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+            strategy: DestinationStrategy = "auto") -> LoadResult:
+    """Move live sharded state into another live sharded layout, in place; call on every rank.
+
+    Ranks may hold sources only (trainers: ``dst_state=None``), destinations only (inference workers:
+    ``src_state=None``), or both (colocated). Each destination box comes from a rank holding it,
+    replicas sharing the sending, point to point; a rank receives only its own shards' bytes. The
+    plan is cached per gathered layout: a loop that reshards the same layouts every step plans once
+    (``result.plan`` is then the same object).
+
+    Args:
+        src_state: this rank's source state (state dict, module or Source), or None.
+        dst_state: this rank's destination (state dict or module), or None.
+        mapping, group, reverse, strict, memory_budget, bucket_bytes, strategy: as for :func:`load`.
+
+    Returns:
+        a :class:`LoadResult`.
+
+    Raises:
+        LoadError, MappingError, LayoutError, DistributedError: as for :func:`load`.
+
+    Example:
+        >>> dst = {"w": torch.zeros(2, 3)}
+        >>> _ = reshard({"w": torch.ones(3, 2)}, dst, ["w^T -> w"])
+        >>> dst["w"].sum().item()
+        6.0
+    """
+    return _transfer(src_state, dst_state, mapping, group, reverse, strict,
+                     (strategy, memory_budget, bucket_bytes))
