@@ -241,7 +241,7 @@ def test_bad_options_are_all_reported() -> None:
         build_plan(resolve(None, lay), lay, opts)
     text = str(err.value)
     for part in ("split_index=5", "bucket_bytes=0", "consumers [0, 0, 7]",
-                 "with consumers use one of ['auto', 'p2p']"):
+                 "with consumers use one of ['auto', 'p2p', 'multicast']"):
         assert part in text
 
 
@@ -344,7 +344,7 @@ def test_strategy_names_checks_and_messages_come_from_one_table(monkeypatch: pyt
     monkeypatch.setitem(table.STRATEGIES, "ring", ring)
     check_options(PlanOptions(strategy="ring"), world=2, meshed=True)  # a known name now
     assert strategy_problems("ring", consumers=True, mesh=False) == [
-        "strategy 'ring' delivers to every rank; with consumers use one of ['auto', 'p2p']",
+        "strategy 'ring' delivers to every rank; with consumers use one of ['auto', 'p2p', 'multicast']",
         "strategy 'ring' needs mesh=(horizontal group, vertical group) or a 2-D DeviceMesh"]
     assert strategy_problems("tree", consumers=False, mesh=False) == [
-        "strategy 'tree' is unknown; use one of ['auto', 'broadcast', 'bucketed', 'mesh2d', 'p2p', 'ring']"]
+        "strategy 'tree' is unknown; use one of ['auto', 'broadcast', 'bucketed', 'mesh2d', 'p2p', 'multicast', 'ring']"]

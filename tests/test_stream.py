@@ -147,7 +147,7 @@ def test_plans_are_cached_per_layout_mapping_and_options() -> None:
 
 @pytest.mark.parametrize("kwargs, message", [
     ({"strategy": "bogus"}, "strategy 'bogus' is unknown; use one of ['auto', 'broadcast', 'bucketed', "
-                            "'mesh2d', 'p2p']"),
+                            "'mesh2d', 'p2p', 'multicast']"),
     ({"strategy": "mesh2d"}, "strategy 'mesh2d' needs mesh=(horizontal group, vertical group)"),
     ({"num_splits": 2, "split_index": 2}, "num_splits=2, split_index=2: use integers with num_splits >= 1"),
     ({"split_index": -1}, "num_splits=1, split_index=-1: use integers"),
@@ -158,7 +158,7 @@ def test_plans_are_cached_per_layout_mapping_and_options() -> None:
     ({"consumers": [1]}, "consumers [1]: use distinct ranks in [0, 1)"),
     ({"consumers": [0, 0]}, "consumers [0, 0]: use distinct ranks in [0, 1)"),
     ({"consumers": 0, "strategy": "bucketed"},
-     "strategy 'bucketed' delivers to every rank; with consumers use one of ['auto', 'p2p']"),
+     "strategy 'bucketed' delivers to every rank; with consumers use one of ['auto', 'p2p', 'multicast']"),
     ({"bucket_bytes": 0}, "bucket_bytes=0: use a positive number of bytes"),
     ({"bucket_bytes": 1.5}, "bucket_bytes=1.5: use a positive number of bytes"),
     ({"memory_budget": -1}, "memory_budget=-1: use a positive number of bytes"),
@@ -178,7 +178,7 @@ def test_every_argument_error_is_reported_at_once() -> None:
         full_params(model(), strategy="bogus", split_by="size", bucket_bytes=0)
     assert str(err.value) == (
         "invalid stream options:\n"
-        "  strategy 'bogus' is unknown; use one of ['auto', 'broadcast', 'bucketed', 'mesh2d', 'p2p']\n"
+        "  strategy 'bogus' is unknown; use one of ['auto', 'broadcast', 'bucketed', 'mesh2d', 'p2p', 'multicast']\n"
         "  split_by 'size' is unknown; use 'count' or 'bytes'\n"
         "  bucket_bytes=0: use a positive number of bytes")
 

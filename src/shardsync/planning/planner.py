@@ -164,7 +164,7 @@ def check_options(o: PlanOptions, world: int, meshed: bool) -> None:
         Traceback (most recent call last):
         ...
         shardsync.errors.PlanError: invalid stream options:
-          strategy 'broadcast' delivers to every rank; with consumers use one of ['auto', 'p2p']
+          strategy 'broadcast' delivers to every rank; with consumers use one of ['auto', 'p2p', 'multicast']
     """
     p = strategy_problems(o.strategy, o.consumers is not None, meshed)
     if not (_is_int(o.num_splits) and _is_int(o.split_index) and 0 <= o.split_index < o.num_splits):

@@ -102,7 +102,7 @@ def strategy_problems(strategy: str, consumers: bool, mesh: bool) -> list[str]:
 
     Example:
         >>> strategy_problems("bucketed", consumers=True, mesh=False)
-        ["strategy 'bucketed' delivers to every rank; with consumers use one of ['auto', 'p2p']"]
+        ["strategy 'bucketed' delivers to every rank; with consumers use one of ['auto', 'p2p', 'multicast']"]
     """
     if strategy == "auto":
         return []
