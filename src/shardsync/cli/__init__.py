@@ -27,7 +27,7 @@ from .. import __version__
 from ..layout.meta import GlobalLayout
 from ..mapping.explain import describe_targets
 from ..sources import open_source
-from .args import parser
+from .args import commands, parser
 from .common import _load_mapping, command_logging, dtype_flag, parse_sets, resolve_targets, size_flag
 from .convert import ConvertConfig, run_convert
 from .diff import DiffConfig, run_diff
@@ -158,8 +158,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         shardsync ...
         0
     """
+    p = parser(__version__)
     try:
-        args = parser(__version__).parse_args(argv)
+        args, extra = p.parse_known_args(argv)
+        if extra:  # reported by the command's own parser, so that the line names the command
+            commands(p)[args.command].error(f"unrecognized arguments: {' '.join(extra)}")
     except SystemExit as exc:  # --help, --version, or a usage error already printed as one line
         return exc.code if isinstance(exc.code, int) else 0
     command = args.command

@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 from typing import NoReturn
 
-__all__ = ["parser"]
+__all__ = ["parser", "commands"]
 
 _CHECKPOINT = ("a checkpoint: a .safetensors file, a safetensors directory or *.safetensors.index.json, "
                "or a torch DCP directory")
@@ -95,3 +95,9 @@ def parser(version: str) -> argparse.ArgumentParser:
     for name in sub.choices:
         _common(sub.choices[name])
     return p
+
+
+def commands(p: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
+    """The parser of each command of ``p`` (made by :func:`parser`), by name."""
+    sub = next(a for a in p._actions if isinstance(a, argparse._SubParsersAction))
+    return dict(sub.choices)

@@ -113,6 +113,8 @@ def prepare(cfg: ConvertConfig) -> _Prepared:
         here = _source_dir(cfg.source)
         config_from = here if (here / "config.json").is_file() else None
     _check_output(cfg)
+    if cfg.to == "dcp":
+        _stream_budget(cfg, targets, cfg.nproc)  # fails here, before any worker starts
     return _Prepared(source, mapping, targets, config_from)
 
 
@@ -164,20 +166,32 @@ def _out_bytes(t: TargetSpec, dtype: torch.dtype | None) -> int:
     return math.prod(t.shape) * size
 
 
+def _dcp_shares(targets: list[TargetSpec], world: int, dtype: torch.dtype | None) -> list[int]:
+    """Bytes of targets each of ``world`` workers holds under ``--to dcp`` (the stream's split)."""
+    parts = split_ranges([t.nbytes for t in targets], world, "bytes")
+    return [sum(_out_bytes(targets[i], dtype) for i in part) for part in parts]
+
+
 def _stream_budget(cfg: ConvertConfig, targets: list[TargetSpec], world: int) -> int | None:
-    """The streamer's budget under ``--to dcp``: what ``--memory-budget`` leaves after the largest
-    share of targets a worker holds until DCP writes them."""
+    """The streamer's budget under ``--to dcp``: what ``--memory-budget`` leaves after the share of
+    targets a worker holds until DCP writes them, which must still fit the largest target.
+
+    Raises:
+        UsageError: it does not (with the number of workers that would fit, if there is one).
+    """
     if cfg.memory_budget is None:
         return None
-    parts = split_ranges([t.nbytes for t in targets], world, "bytes")  # the stream's consumer split
-    share = max((sum(_out_bytes(targets[i], cfg.dtype) for i in part) for part in parts), default=0)
-    if share >= cfg.memory_budget:
-        need = -(-sum(_out_bytes(t, cfg.dtype) for t in targets) // cfg.memory_budget) + 1
-        raise UsageError(f"--to dcp holds each worker's share of the targets until it is written: "
-                         f"{human_bytes(share)}, over --memory-budget {human_bytes(cfg.memory_budget)}",
-                         f"use --nproc {max(need, world + 1)} or more, raise --memory-budget, or write "
-                         "--to hf")
-    return cfg.memory_budget - share
+    largest = max((t.nbytes for t in targets), default=0)
+    share = max(_dcp_shares(targets, world, cfg.dtype), default=0)
+    if cfg.memory_budget - share >= largest:
+        return cfg.memory_budget - share
+    fits = next((w for w in range(world + 1, len(targets) + 1)
+                 if max(_dcp_shares(targets, w, cfg.dtype)) + largest <= cfg.memory_budget), None)
+    more = f"use --nproc {fits} or more, " if fits is not None else ""
+    raise UsageError(f"--to dcp holds each worker's share of the targets until it is written (up to "
+                     f"{human_bytes(share)}), which leaves less of --memory-budget "
+                     f"{human_bytes(cfg.memory_budget)} than the largest target ({human_bytes(largest)}) "
+                     "to read and build them", f"{more}raise --memory-budget, or write --to hf")
 
 
 def _write_dcp(cfg: ConvertConfig, prepared: _Prepared, group: Any, progress: bool,

@@ -67,6 +67,7 @@ _OS_FIXES = {
     errno.ENOTDIR: ("{f}: a part of the path is a file, not a directory", "check the path"),
     errno.EISDIR: ("{f} is a directory", "check the path"),
 }
+_LAST_PARENS = re.compile(r"\(([^()]*)\)$")
 _ERRNO = re.compile(r"\[Errno (\d+)\] ([^:']+)(?::\s*'([^']*)')?")
 
 
@@ -81,11 +82,11 @@ def one_line(command: str, exc: BaseException) -> tuple[str, int]:
     """
     if isinstance(exc, KeyboardInterrupt):
         return f"shardsync {command}: interrupted", INTERRUPTED
+    if isinstance(exc, ShardsyncError):
+        return f"shardsync {command}: {_user_text(exc)}", USER_ERROR
     os_error = _os_error(exc)
     if os_error is not None:
         return f"shardsync {command}: {os_error}", USER_ERROR
-    if isinstance(exc, ShardsyncError):
-        return f"shardsync {command}: {_user_text(exc)}", USER_ERROR
     text = _flat(f"{type(exc).__name__}: {exc}")
     return f"shardsync {command}: {text} (a bug; run with --debug for the traceback)", INTERNAL_ERROR
 
@@ -155,4 +156,5 @@ def _with_fix(text: str, generic: str) -> str:
     what, sep, fix = text.rpartition("; ")
     if sep and fix.lower().startswith(_FIX_WORDS):
         return f"{what} ({fix})"
-    return text if text.endswith(")") else f"{text} ({generic})"
+    last = _LAST_PARENS.search(text)
+    return text if last and last[1].lower().startswith(_FIX_WORDS) else f"{text} ({generic})"

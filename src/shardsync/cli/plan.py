@@ -114,7 +114,7 @@ def table(doc: dict[str, Any]) -> str:
     total = sum(t["bytes"] for t in doc["targets"])
     n = doc["workers"]
     head = (f"plan: {doc['source']} with {n} worker{'s' if n > 1 else ''}: {len(doc['targets'])} targets "
-            f"({human_bytes(total)}), strategy {doc['strategy']}, {doc['steps']} steps")
+            f"({human_bytes(total)}), strategy {doc['strategy']}, {doc['steps']} step{'s' if doc['steps'] != 1 else ''}")
     targets = render(("target", "n", "shape", "dtype", "pieces", "from", "worker", "bytes"), body,
                      right=(1, 4, 7))
     per = [(str(w["worker"]), human_bytes(w["reads_bytes"]), human_bytes(w["writes_bytes"]),
