@@ -46,7 +46,8 @@ def _assert_same(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) ->
 def test_convert_to_hf_from_each_format(ck: Checkpoints, fmt: str, tmp_path: Path,
                                         capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "hf"
-    assert main(["convert", str(ck.all[fmt]), str(out), "-m", str(ck.mapping), "--max-shard-size", "300B"]) == 0
+    assert main(["convert", str(ck.all[fmt]), str(out), "-m", str(ck.mapping), "--max-shard-size",
+                 "300B"]) == 0
     _assert_same(_hf(out), mapped())
     index = json.loads((out / "model.safetensors.index.json").read_text())
     assert index["weight_map"]["model.embed"] == "model-00001-of-00003.safetensors"
@@ -57,8 +58,8 @@ def test_convert_to_hf_from_each_format(ck: Checkpoints, fmt: str, tmp_path: Pat
 
 def test_convert_to_dcp_with_dtype_reads_back(ck: Checkpoints, tmp_path: Path) -> None:
     out = tmp_path / "dcp"
-    assert main(["convert", str(ck.sharded), str(out), "--to", "dcp", "-m", str(ck.mapping), "--dtype", "bf16",
-                 "-q"]) == 0
+    assert main(["convert", str(ck.sharded), str(out), "--to", "dcp", "-m", str(ck.mapping), "--dtype",
+                 "bf16", "-q"]) == 0
     want = {k: v.to(torch.bfloat16) for k, v in mapped().items()}
     got = {k: torch.zeros_like(v) for k, v in want.items()}
     dcp.load(got, checkpoint_id=out, no_dist=True)  # torch's own reader
@@ -102,7 +103,8 @@ def _inspect_json(path: Path, capsys: pytest.CaptureFixture[str]) -> dict:
     return json.loads(capsys.readouterr().out)
 
 
-def _tensor(shape: list[int], dtype: str, nbytes: int, shards: list[tuple[list[int], list[int], str]]) -> dict:
+def _tensor(shape: list[int], dtype: str, nbytes: int,
+            shards: list[tuple[list[int], list[int], str]]) -> dict:
     return {"shape": shape, "dtype": dtype, "bytes": nbytes,
             "shards": [{"offsets": o, "sizes": s, "file": f} for o, s, f in shards]}
 
@@ -135,7 +137,8 @@ def test_inspect_json_dcp(ck: Checkpoints, capsys: pytest.CaptureFixture[str]) -
     halves = lambda cols: [([0, 0], [9, cols], data), ([9, 0], [8, cols], data)]  # noqa: E731
     sixes = [([0, 0], [6, 5], data), ([6, 0], [6, 5], data)]
     want = {
-        "path": str(ck.dcp), "format": "dcp", "files": [{"name": data, "bytes": (ck.dcp / data).stat().st_size}],
+        "path": str(ck.dcp), "format": "dcp",
+        "files": [{"name": data, "bytes": (ck.dcp / data).stat().st_size}],
         "num_tensors": 5, "total_bytes": 840,
         "tensors": {"embed": _tensor([17, 5], "float32", 340, halves(5)),
                     "layers.0.norm": _tensor([5], "bfloat16", 10, [([0], [5], data)]),
@@ -177,7 +180,8 @@ def test_plan_json_partitions_targets(ck: Checkpoints, capsys: pytest.CaptureFix
     got = {t["name"]: t for t in doc["targets"]}
     for name, t in got.items():  # one worker each, and the pieces tile the target
         assert len(t["workers"]) == 1
-        assert sum(torch.Size(p["target_box"]["sizes"]).numel() for p in t["pieces"]) == mapped()[name].numel()
+        covered = sum(torch.Size(p["target_box"]["sizes"]).numel() for p in t["pieces"])
+        assert covered == mapped()[name].numel()
     assert [p["source"] for p in got["model.layers.1.v"]["pieces"]] == ["layers.1.qkv"]
     assert got["model.layers.1.v"]["pieces"][0]["source_box"] == {"offsets": [9, 0], "sizes": [3, 5]}
     per = doc["per_worker"]
@@ -202,7 +206,8 @@ def test_diff(ck: Checkpoints, tmp_path: Path, capsys: pytest.CaptureFixture[str
     assert main(["diff", str(ck.dcp), str(ck.sharded)]) == 0
     assert capsys.readouterr().out == "equal: 5 tensors, max abs diff 0\n"
     assert main(["convert", str(ck.dcp), str(tmp_path / "hf"), "-m", str(ck.mapping), "-q"]) == 0
-    assert main(["diff", str(ck.dcp), str(tmp_path / "hf"), "-m", str(ck.mapping)]) == 0  # verify a conversion
+    # how a conversion is verified
+    assert main(["diff", str(ck.dcp), str(tmp_path / "hf"), "-m", str(ck.mapping)]) == 0
     assert capsys.readouterr().out == "equal: 9 tensors, max abs diff 0\n"
     other = _modified(ck, tmp_path / "other")
     assert main(["diff", str(ck.single), str(other)]) == 1

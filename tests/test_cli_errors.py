@@ -147,7 +147,8 @@ def test_warning_for_unconsumed_sources(ck: Checkpoints, tmp_path: Path,
     assert capsys.readouterr().err == (
         "shardsync convert: warning: no statement consumes 3 sources (embed, layers.0.norm, layers.1.norm): "
         "they pass through under their own names (--strict makes this an error)\n")
-    assert main(["convert", str(ck.single), str(tmp_path / "q"), "-q", "-m", str(ck.root / "export_map.txt")]) == 0
+    assert main(["convert", str(ck.single), str(tmp_path / "q"), "-q", "-m",
+                 str(ck.root / "export_map.txt")]) == 0
     assert capsys.readouterr() == ("", "")
 
 
@@ -196,16 +197,16 @@ def test_unexpected_errors_point_to_debug(ck: Checkpoints, tmp_path: Path, monke
 
 
 def test_errors_from_workers_are_one_line() -> None:
-    same = DistributedError("save_hf: write files", {0: "OSError: [Errno 28] No space left on device: '/o/x'",
-                                                      1: "OSError: [Errno 28] No space left on device: '/o/x'"})
+    full = "OSError: [Errno 28] No space left on device: '/o/x'"
+    same = DistributedError("save_hf: write files", {0: full, 1: full})
     assert one_line("convert", same) == ("shardsync convert: no space left on the device of /o/x (free some "
                                          "space, or write to another directory) (on worker 0, 1)", 2)
     one = DistributedError("stream", {1: "FormatError: x.safetensors: cannot read 'w'; check the file"})
     assert one_line("convert", one) == ("shardsync convert: x.safetensors: cannot read 'w' (check the file; "
                                         "on worker 1)", 2)
     mixed = DistributedError("plan", {0: "PlanError: a", 1: "ValueError: b (at x.py:3)"})
-    assert one_line("plan", mixed) == ("shardsync plan: workers 0, 1 failed in 'plan', e.g. PlanError: a (run "
-                                       "with --debug to see each)", 2)
+    assert one_line("plan", mixed) == ("shardsync plan: workers 0, 1 failed in 'plan', e.g. PlanError: a "
+                                       "(run with --debug to see each)", 2)
 
 
 def test_command_line_runs(ck: Checkpoints, tmp_path: Path) -> None:

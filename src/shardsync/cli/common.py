@@ -107,11 +107,12 @@ def resolve_targets(mapping: Mapping | None, layout: GlobalLayout, *, strict: bo
     if unused:
         n = len(unused)
         listed = ", ".join(unused[:5]) + (f" and {n - 5} more" if n > 5 else "")
-        what = f"no statement consumes {listed}" if n == 1 else f"no statement consumes {n} sources ({listed})"
+        what = f"no statement consumes {listed if n == 1 else f'{n} sources ({listed})'}"
         if strict:
             raise UsageError(what, "map them, drop them with `NAME -> _`, or leave out --strict")
-        log.warning("%s: %s through under %s own name%s (--strict makes this an error)", what,
-                    "it passes" if n == 1 else "they pass", "its" if n == 1 else "their", "" if n == 1 else "s")
+        passes = ("it passes through under its own name" if n == 1
+                  else "they pass through under their own names")
+        log.warning("%s: %s (--strict makes this an error)", what, passes)
     return targets
 
 

@@ -56,8 +56,8 @@ def describe_checkpoint(path: Path) -> dict[str, Any]:
         >>> with tempfile.TemporaryDirectory() as d:
         ...     save_file({"w": torch.zeros(2, 3)}, f"{d}/model.safetensors")
         ...     doc = describe_checkpoint(Path(d))
-        >>> doc["format"], doc["tensors"]["w"]
-        ('safetensors', {'shape': [2, 3], 'dtype': 'float32', 'bytes': 24, 'shards': [{'offsets': [0, 0], 'sizes': [2, 3], 'file': 'model.safetensors'}]})
+        >>> doc["format"], doc["total_bytes"], doc["tensors"]["w"]["shards"]
+        ('safetensors', 24, [{'offsets': [0, 0], 'sizes': [2, 3], 'file': 'model.safetensors'}])
     """
     source = open_source(path)
     shards = _shards(source)

@@ -115,7 +115,8 @@ def _distributed_text(exc: DistributedError) -> str:
             return _os_text(int(found[1]), found[2], found[3]) + f" (on worker {ranks})"
         cls, _, text = message.partition(": ")
         fix = _GENERIC_FIX.get(cls, "see the message of each worker")
-        return _with_fix(_flags(_flat(text if text else cls)), fix).removesuffix(")") + f"; on worker {ranks})"
+        line = _with_fix(_flags(_flat(text if text else cls)), fix)
+        return line.removesuffix(")") + f"; on worker {ranks})"
     first = _flat(sorted(messages)[0])
     return f"workers {ranks} failed in {exc.phase!r}, e.g. {_flags(first)} (run with --debug to see each)"
 

@@ -97,7 +97,8 @@ def plan_document(plan: Plan, source: Path) -> dict[str, Any]:
     workers = [{"worker": r, "reads_bytes": reads[r],
                 "writes_bytes": sum(t.nbytes for t in plan.targets if r in t.consumers),
                 "sent_bytes": c.bytes_sent[r], "received_bytes": c.bytes_received[r],
-                "collectives": c.collectives[r], "peak_bytes": c.peak_bytes[r]} for r in range(plan.world_size)]
+                "collectives": c.collectives[r], "peak_bytes": c.peak_bytes[r]}
+               for r in range(plan.world_size)]
     return {"source": str(source), "workers": plan.world_size, "strategy": plan.strategy,
             "bucket_bytes": plan.bucket_bytes, "steps": len(plan.steps), "targets": targets,
             "per_worker": workers}
@@ -113,8 +114,9 @@ def table(doc: dict[str, Any]) -> str:
             for names, row in fold(rows)]
     total = sum(t["bytes"] for t in doc["targets"])
     n = doc["workers"]
+    steps = doc["steps"]
     head = (f"plan: {doc['source']} with {n} worker{'s' if n > 1 else ''}: {len(doc['targets'])} targets "
-            f"({human_bytes(total)}), strategy {doc['strategy']}, {doc['steps']} step{'s' if doc['steps'] != 1 else ''}")
+            f"({human_bytes(total)}), strategy {doc['strategy']}, {steps} step{'s' if steps != 1 else ''}")
     targets = render(("target", "n", "shape", "dtype", "pieces", "from", "worker", "bytes"), body,
                      right=(1, 4, 7))
     per = [(str(w["worker"]), human_bytes(w["reads_bytes"]), human_bytes(w["writes_bytes"]),

@@ -58,7 +58,8 @@ def fold(rows: Sequence[Row]) -> list[tuple[tuple[str, ...], Row]]:
         ``(folded names, folded row)`` pairs in natural order (``layers.2`` before ``layers.10``).
 
     Example:
-        >>> rows = [Row((f"layers.{i}.w", f"l.{i}.x"), ("f32",), nbytes=4) for i in range(4)] + [Row(("norm",))]
+        >>> rows = [Row((f"layers.{i}.w", f"l.{i}.x"), ("f32",), nbytes=4) for i in range(4)]
+        >>> rows.append(Row(("norm",)))
         >>> [(names, row.count, row.nbytes) for names, row in fold(rows)]
         [(('layers.{0..3}.w', 'l.{0..3}.x'), 4, 16), (('norm',), 1, 0)]
     """
@@ -67,16 +68,16 @@ def fold(rows: Sequence[Row]) -> list[tuple[tuple[str, ...], Row]]:
         cut = tuple(tuple(_NUMBER.split(n)) for n in row.names)
         numbers = [int(x) for n in row.names for x in _NUMBER.findall(n)]
         by_template.setdefault((cut, row.same), []).append((numbers, row))
-    out: list[tuple[tuple[int, ...], tuple[str, ...], Row]] = []
+    out: list[tuple[Any, tuple[str, ...], Row]] = []
     for (cut, _), members in by_template.items():
         group = _classes(cut, [numbers for numbers, _ in members])
         items = [_Folding([frozenset({nums[c[0]]}) for c in group.positions], row) for nums, row in members]
         for k in range(len(group.positions)):
             items = _fold_class(items, k)
         for item in items:
-            names = _names(group, item.values)
-            out.append((tuple(min(v) for v in item.values), names, item.row))
-    out.sort(key=lambda t: (_natural(t[1]), t[0]))
+            first = _names(group, [frozenset({min(v)}) for v in item.values])  # sorts the row
+            out.append((_natural(first), _names(group, item.values), item.row))
+    out.sort(key=lambda t: t[0])
     return [(names, row) for _, names, row in out]
 
 
@@ -188,5 +189,7 @@ def json_text(doc: object) -> str:
         }
     """
     text = json.dumps(doc, indent=2)
-    return _NUMBER_LIST.sub(lambda m: "[" + ", ".join(x.strip() for x in (m[1] or "").split(",") if x.strip()) + "]",
-                            text)
+    def one_line(m: re.Match[str]) -> str:
+        return "[" + ", ".join(x.strip() for x in (m[1] or "").split(",") if x.strip()) + "]"
+
+    return _NUMBER_LIST.sub(one_line, text)
