@@ -235,6 +235,12 @@ def test_diff_within_atol(ck: Checkpoints, tmp_path: Path, capsys: pytest.Captur
     assert main(["diff", str(ck.dcp), str(tmp_path), "--atol", "0.25"]) == 0
     assert capsys.readouterr().out == "equal: 5 tensors, max abs diff 0.25 (within --atol 0.25)\n"
     assert main(["diff", str(ck.dcp), str(tmp_path), "--atol", "0.2"]) == 1
+    half = tmp_path / "half"
+    assert main(["convert", str(ck.dcp), str(half), "--dtype", "fp16", "-q"]) == 0
+    capsys.readouterr()
+    assert main(["diff", str(ck.dcp), str(half)]) == 1
+    assert capsys.readouterr().out.splitlines()[-1] == "differ: 5 of 5 common tensors, 0 only in A, 0 only in B"
+    assert main(["diff", str(ck.dcp), str(half), "--ignore-dtype"]) == 0  # every value fits fp16 exactly
 
 
 def test_explain(ck: Checkpoints, capsys: pytest.CaptureFixture[str]) -> None:

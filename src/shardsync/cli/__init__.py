@@ -130,7 +130,7 @@ def _diff(args: argparse.Namespace) -> int:
     if not atol >= 0:
         raise UsageError(f"--atol {atol} is not a tolerance", "give 0 or a positive number")
     cfg = DiffConfig(args.a, args.b, **_mapping_flags(args),
-                     atol=atol, memory_budget=size_flag(args.memory_budget, "--memory-budget"),
+                     atol=atol, ignore_dtype=args.ignore_dtype, memory_budget=size_flag(args.memory_budget, "--memory-budget"),
                      as_json=args.json, progress=_progress(args))
     out, status = run_diff(cfg)
     if not args.quiet:

@@ -87,6 +87,8 @@ def parser(version: str) -> argparse.ArgumentParser:
     _mapping(s, "A")
     s.add_argument("--atol", type=float, default=0.0, help="largest absolute difference that counts as "
                    "equal (default 0: exact)")
+    s.add_argument("--ignore-dtype", action="store_true",
+                   help="compare values only, not dtypes (to check a conversion with --dtype)")
     s.add_argument("--memory-budget", metavar="SIZE", help="most bytes held while reading A")
     s.add_argument("--json", action="store_true", help="JSON instead of text")
     s = sub.add_parser("explain", help="how each target of a mapping is built (reads headers only)")

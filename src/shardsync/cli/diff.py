@@ -1,7 +1,8 @@
 """``shardsync diff``: compare two checkpoints of any formats, tensor by tensor, ``A`` through a mapping.
 
-Names only in one of them, shapes and dtypes that differ, and the largest absolute difference of
-each common tensor (NaN equals NaN, inf equals inf of the same sign). Memory stays bounded: ``A``'s
+Names only in one of them, shapes and dtypes that differ (``--ignore-dtype``: compare the values
+only, as after ``convert --dtype``), and the largest absolute difference of each common tensor (NaN
+equals NaN, inf equals inf of the same sign). Memory stays bounded: ``A``'s
 targets are streamed one at a time, each compared with the same tensor read from ``B``, in chunks.
 Exit status 0: equal (within ``--atol``); 1: they differ.
 """
@@ -42,6 +43,7 @@ class DiffConfig:
     sets: tuple[tuple[str, str], ...] = ()
     strict: bool = False
     atol: float = 0.0
+    ignore_dtype: bool = False
     memory_budget: int | None = None
     as_json: bool = False
     progress: bool = True
@@ -118,7 +120,7 @@ def compare(cfg: DiffConfig) -> DiffReport:
                 meta = layout_b[name]
                 other = (source_b.read(name, Box.full(meta.shape)) if meta.shape == tuple(tensor.shape)
                          else None)
-                report.tensors.append(_one(name, tensor, meta.shape, meta.dtype, other, cfg.atol))
+                report.tensors.append(_one(name, tensor, meta.shape, meta.dtype, other, cfg))
             if bar is not None:
                 bar.update(tensor.numel() * tensor.element_size())
     finally:
@@ -128,12 +130,15 @@ def compare(cfg: DiffConfig) -> DiffReport:
 
 
 def _one(name: str, a: torch.Tensor, shape_b: tuple[int, ...], dtype_b: str, b: torch.Tensor | None,
-         atol: float) -> TensorDiff:
+         cfg: DiffConfig) -> TensorDiff:
     dtype_a = dtype_name(a.dtype)
     if b is None:
         return TensorDiff(name, "shape", tuple(a.shape), shape_b, dtype_a, dtype_b, None)
     worst = max_abs_diff(a, b)
-    status = "dtype" if dtype_a != dtype_b else ("values" if worst > atol else "equal")
+    if dtype_a != dtype_b and not cfg.ignore_dtype:
+        status = "dtype"
+    else:
+        status = "values" if worst > cfg.atol else "equal"
     return TensorDiff(name, status, tuple(a.shape), shape_b, dtype_a, dtype_b, worst)
 
 
