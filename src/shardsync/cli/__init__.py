@@ -94,7 +94,7 @@ def _convert(args: argparse.Namespace, to: Literal["hf", "dcp"] | None = None) -
             raise UsageError(f"--nproc {cfg.nproc} under torchrun, which already started "
                              f"{launched_world()} workers", "drop --nproc")
         line, status = run_launched(cfg)
-        if line:
+        if line and (status or not args.quiet):
             print(line, file=sys.stderr if status else sys.stdout)
         return status
     done = run_convert(cfg)
@@ -129,9 +129,9 @@ def _diff(args: argparse.Namespace) -> int:
     atol = args.atol
     if not atol >= 0:
         raise UsageError(f"--atol {atol} is not a tolerance", "give 0 or a positive number")
-    cfg = DiffConfig(args.a, args.b, **_mapping_flags(args),
-                     atol=atol, ignore_dtype=args.ignore_dtype, memory_budget=size_flag(args.memory_budget, "--memory-budget"),
-                     as_json=args.json, progress=_progress(args))
+    cfg = DiffConfig(args.a, args.b, **_mapping_flags(args), atol=atol, ignore_dtype=args.ignore_dtype,
+                     memory_budget=size_flag(args.memory_budget, "--memory-budget"), as_json=args.json,
+                     progress=_progress(args))
     out, status = run_diff(cfg)
     if not args.quiet:
         print(out)

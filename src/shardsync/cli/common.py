@@ -1,5 +1,5 @@
-"""What several commands share: the mapping from ``--mapping``/``--set``/``--reverse``/``--strict``,
-checkpoints opened with errors that name the flag, sizes and dtypes read from flags, progress bars.
+"""What several commands share: the mapping from ``--mapping``/``--set``/``--reverse``/``--strict``
+and its checks against the source, sizes and dtypes read from flags, progress bars, warnings.
 """
 
 from __future__ import annotations
@@ -7,8 +7,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import sys
-from collections.abc import Iterator
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -23,19 +22,19 @@ from ..mapping.macros import expand_macros, reverse_program
 from ..sources import Source
 from .messages import UsageError
 
-__all__ = ["command_logging", "layout_of", "resolve_targets", "unconsumed_sources", "size_flag", "dtype_flag",
-           "parse_sets", "progress_bar"]
+__all__ = ["command_logging", "layout_of", "resolve_targets", "unconsumed_sources", "size_flag",
+           "dtype_flag", "parse_sets", "progress_bar"]
 
 log = logging.getLogger(__name__)
 
 
 def _load_mapping(arg: str | None, sets: dict[str, str], config_dir: Path | None, reverse: bool | None,
                   strict: bool) -> Mapping | None:
-    """The mapping ``--mapping`` names (None: identity), with ``--set`` parameters and the source's
-    ``config.json`` (from ``config_dir``) filling in the values it takes.
+    """The mapping ``--mapping`` names (None: identity): a file, or statements inline.
 
-    The one place the command line turns its mapping flags into a :class:`Mapping`. Mapping files
-    take no parameters yet, so ``--set`` is refused with the fix; ``strict`` is applied by
+    The one place the command line turns its mapping flags into a :class:`Mapping`. Parameters
+    (``--set``, and the source's ``config.json`` in ``config_dir``) are for parameterised mappings;
+    mapping files take none, so ``--set`` is refused with the fix. ``strict`` is applied by
     :func:`resolve_targets`, which sees the source keys.
 
     Raises:
@@ -55,7 +54,6 @@ def _load_mapping(arg: str | None, sets: dict[str, str], config_dir: Path | None
         raise MappingError(f"mapping file {arg!r} does not exist; give the path of a .txt, .json or .yaml "
                            "mapping file, or statements such as 'a -> b'")
     return Mapping.parse(Path(arg), reverse=reverse)
-
 
 
 def parse_sets(items: Sequence[str] | None) -> dict[str, str]:
@@ -101,8 +99,8 @@ def resolve_targets(mapping: Mapping | None, layout: GlobalLayout, *, strict: bo
         except MappingError:
             raise exc from None
         fix = "pass --reverse" if not mapping.reverse else "drop --reverse (or pass --no-reverse)"
-        raise UsageError(f"the mapping does not fit the source's names as written, but does when run "
-                         f"the other way", fix) from exc
+        raise UsageError("the mapping does not fit the source's names as written, but does when run the "
+                         "other way", fix) from exc
     unused = unconsumed_sources(mapping, layout.keys())
     if unused:
         n = len(unused)
