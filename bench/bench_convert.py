@@ -382,13 +382,13 @@ def markdown(runs: list[dict[str, Any]]) -> str:
              "peak RSS of the child process (2 ranks: the larger), growth = peak - RSS after imports.", "",
              *head, *rows, ""]
     for i, r in enumerate(runs):
-        lines.append(f"- run {i + 1} ({r['uptime']}): shardsync {r['speedup_vs_fastest_torch']}x faster than "
-                     f"the fastest torch route ({r['fastest_torch_route']}), 2 ranks "
+        lines.append(f"- run {i + 1} ({r['uptime']}): shardsync at {r['speedup_vs_fastest_torch']}x the "
+                     f"speed of the fastest torch route ({r['fastest_torch_route']}), 2 ranks "
                      f"{r['speedup_2ranks_vs_fastest_torch']}x; {r['ratio_vs_save_file']}x the time of "
                      f"save_file ({r['ratio_vs_save_file_fsync']}x with its fsync); the command end to end: "
                      f"{r['cli_wall_seconds']['cli_nproc1']} s, --nproc 2: "
                      f"{r['cli_wall_seconds']['cli_nproc2']} s")
-    lines.append("- goal: >= 3x faster than the fastest torch route, <= 2x the time of save_file")
+    lines.append("- goal: >= 3x the speed of the fastest torch route, <= 2x the time of save_file")
     return "\n".join(lines) + "\n"
 
 

@@ -27,9 +27,9 @@ def _common(p: argparse.ArgumentParser) -> None:
 
 
 def _mapping(p: argparse.ArgumentParser, target: str = "the source") -> None:
-    p.add_argument("-m", "--mapping", metavar="FILE|NAME",
-                   help=f"how {target}'s tensors become the output's: a mapping file (.txt, .json, .yaml), "
-                        "a shipped mapping's name, or statements ('a^T -> b'); default: same names")
+    p.add_argument("-m", "--mapping", metavar="FILE",
+                   help=f"how {target}'s tensors become the output's: a mapping file (.txt, .json, .yaml) "
+                        "or statements ('a^T -> b'); default: same names")
     p.add_argument("--reverse", action=argparse.BooleanOptionalAction, default=None,
                    help="run a mapping written for the other direction backwards")
     p.add_argument("--set", action="append", metavar="KEY=VALUE", default=[],
