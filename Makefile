@@ -25,6 +25,7 @@ bench: $(STAMP)
 	$(PY) bench/bench_replicas.py
 	$(PY) bench/bench_plan.py
 	$(PY) bench/bench_sources.py
+	$(PY) bench/bench_convert.py
 
 clean:
 	rm -rf $(VENV) build src/*.egg-info

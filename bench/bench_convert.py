@@ -1,0 +1,413 @@
+"""``shardsync convert``: a TP=2 torch DCP checkpoint to HF safetensors on disk, against torch's own routes.
+
+The checkpoint: a Megatron-style Llama (6 layers, hidden 1024, FFN 2816, vocabulary 8192, fp32, about
+0.34 GB) written by ``shardsync.save`` on 2 gloo ranks, each holding its tensor-parallel shards
+(column-parallel QKV/FC1/embeddings cut along dim 0, row-parallel projections along dim 1, norms
+replicated): two ``.distcp`` files, as a TP=2 training job leaves them.
+
+Routes, each in a fresh child process that times the conversion alone (after its imports) and reports
+its peak resident memory (``VmHWM``; for two ranks, the larger):
+
+* ``shardsync``: ``save_hf(dcp_dir, out)`` in one process (what ``shardsync convert`` runs), on 2
+  gloo ranks (``convert --nproc 2``, less the launcher) writing one file and writing 100 MB files,
+  and with the Megatron -> HF mapping;
+* ``torch dcp_to_torch_save``: ``format_utils.dcp_to_torch_save`` to a ``.pt`` file, ``torch.load``,
+  then ``safetensors.torch.save_file``;
+* ``torch HF writer (1 process)``: ``dcp.load`` into full tensors, then ``dcp.save`` with
+  ``HuggingFaceStorageWriter`` (rank-0 checkpointing);
+* ``torch HF writer (2 ranks)``: each rank ``dcp.load``\\ s its shards as DTensors, then ``dcp.save``
+  with ``HuggingFaceStorageWriter(save_distributed=True, enable_consolidation=True)`` (torch's
+  consolidation into one file);
+* baseline ``save_file``: ``safetensors.torch.save_file`` of the same tensors, already in memory
+  (the write alone), with and without an fsync (shardsync fsyncs every file it commits).
+
+Also the end-to-end wall time of the command (``python -m shardsync convert``, interpreter start
+included). Rounds interleave the routes; medians are reported. Goal: >= 3x faster than the fastest
+torch route, and within 2x of ``save_file``. Run: ``make bench`` or ``.venv/bin/python
+bench/bench_convert.py``. Writes bench/results/convert.{json,md}.
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+LAYERS = int(os.environ.get("BENCH_LAYERS", "6"))  # fewer for a quick try
+HIDDEN, FFN, VOCAB, HEADS, GROUPS = 1024, 2816, 8192, 16, 4
+HEAD = HIDDEN // HEADS
+ROUNDS = 3
+RESULTS = Path(__file__).parent / "results"
+MAPPING = "\n".join([
+    "embedding.word_embeddings.weight -> model.embed_tokens.weight",
+    "decoder.final_layernorm.weight -> model.norm.weight",
+    "output_layer.weight -> lm_head.weight",
+    "decoder.layers.$L.self_attention.linear_qkv.weight -> model.layers.$L.self_attn.q_proj.weight, "
+    "model.layers.$L.self_attn.k_proj.weight, model.layers.$L.self_attn.v_proj.weight, fused_qkv, "
+    f"num_heads={HEADS}, num_key_value_groups={GROUPS}, axis=0",
+    "decoder.layers.$L.self_attention.linear_proj.weight -> model.layers.$L.self_attn.o_proj.weight",
+    "decoder.layers.$L.mlp.linear_fc1.weight -> model.layers.$L.mlp.gate_proj.weight, "
+    "model.layers.$L.mlp.up_proj.weight, fused_ffn, axis=0, tp=1",
+    "decoder.layers.$L.mlp.linear_fc2.weight -> model.layers.$L.mlp.down_proj.weight",
+    "decoder.layers.$L.input_layernorm.weight -> model.layers.$L.input_layernorm.weight",
+    "decoder.layers.$L.pre_mlp_layernorm.weight -> model.layers.$L.post_attention_layernorm.weight",
+])
+
+
+def full_state() -> dict[str, tuple[torch.Tensor, int | None]]:
+    """Every tensor, with the dim tensor parallelism cuts (None: replicated)."""
+    g = torch.Generator().manual_seed(0)
+    randn = lambda *shape: torch.randn(*shape, generator=g)  # noqa: E731
+    out: dict[str, tuple[torch.Tensor, int | None]] = {
+        "embedding.word_embeddings.weight": (randn(VOCAB, HIDDEN), 0),
+        "decoder.final_layernorm.weight": (randn(HIDDEN), None),
+        "output_layer.weight": (randn(VOCAB, HIDDEN), 0)}
+    for i in range(LAYERS):
+        p = f"decoder.layers.{i}."
+        out[p + "self_attention.linear_qkv.weight"] = (randn((HEADS + 2 * GROUPS) * HEAD, HIDDEN), 0)
+        out[p + "self_attention.linear_proj.weight"] = (randn(HIDDEN, HIDDEN), 1)
+        out[p + "mlp.linear_fc1.weight"] = (randn(2 * FFN, HIDDEN), 0)
+        out[p + "mlp.linear_fc2.weight"] = (randn(HIDDEN, FFN), 1)
+        out[p + "input_layernorm.weight"] = (randn(HIDDEN), None)
+        out[p + "pre_mlp_layernorm.weight"] = (randn(HIDDEN), None)
+    return out
+
+
+# -- running on 2 gloo ranks -------------------------------------------------------------------------
+
+def _rank_entry(rank: int, store: str, fn: Callable[..., Any], args: tuple, out: str) -> None:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
+    torch.set_num_threads(1)
+    result = fn(rank, *args)
+    dist.barrier()
+    Path(out, f"{rank}.json").write_text(json.dumps({"result": result, "peak": _rss("VmHWM")}))
+    dist.destroy_process_group()
+
+
+def on_two_ranks(fn: Callable[..., Any], *args: Any) -> list[dict[str, Any]]:
+    ctx = mp.get_context("spawn")
+    with tempfile.TemporaryDirectory() as tmp:
+        procs = [ctx.Process(target=_rank_entry, args=(r, f"{tmp}/store", fn, args, tmp)) for r in range(2)]
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join(600)
+            if p.exitcode != 0:
+                raise RuntimeError(f"a rank failed (exit code {p.exitcode})")
+        return [json.loads(Path(tmp, f"{r}.json").read_text()) for r in range(2)]
+
+
+def _rss(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def _timed(rank: int, work: Callable[[], None]) -> float:
+    import torch.distributed as dist
+
+    dist.barrier()
+    t0 = time.perf_counter()
+    work()
+    dist.barrier()
+    return time.perf_counter() - t0
+
+
+# -- the checkpoint ------------------------------------------------------------------------------------
+
+def _write_tp2(rank: int, path: str) -> None:
+    import shardsync
+    from shardsync.layout import shard_dim
+
+    state = {k: shard_dim(t, dim, rank, 2) if dim is not None else t for k, (t, dim) in full_state().items()}
+    shardsync.save(state, path)
+
+
+# -- the routes (each runs in a child process: `bench_convert.py --route NAME CKPT OUT`) -----------------
+
+def route_shardsync(ckpt: str, out: str) -> float:
+    import shardsync
+
+    t0 = time.perf_counter()
+    shardsync.save_hf(ckpt, out)
+    return time.perf_counter() - t0
+
+
+def route_shardsync_mapped(ckpt: str, out: str) -> float:
+    import shardsync
+
+    t0 = time.perf_counter()
+    shardsync.save_hf(ckpt, out, MAPPING)
+    return time.perf_counter() - t0
+
+
+def _shardsync_rank(rank: int, ckpt: str, out: str, max_shard_size: str) -> float:
+    import shardsync
+
+    return _timed(rank, lambda: shardsync.save_hf(ckpt, out, max_shard_size=max_shard_size))
+
+
+def route_shardsync_2ranks(ckpt: str, out: str) -> float:
+    """One output file (HF's 5GB limit): rank 0 writes it, rank 1 reads and sends its share."""
+    ranks = on_two_ranks(_shardsync_rank, ckpt, out, "5GB")
+    _report_peak(max(r["peak"] for r in ranks))
+    return float(ranks[0]["result"])
+
+
+def route_shardsync_2ranks_100mb(ckpt: str, out: str) -> float:
+    """100 MB files: both ranks write theirs in parallel."""
+    ranks = on_two_ranks(_shardsync_rank, ckpt, out, "100MB")
+    _report_peak(max(r["peak"] for r in ranks))
+    return float(ranks[0]["result"])
+
+
+def route_torch_dcp_to_torch_save(ckpt: str, out: str) -> float:
+    from safetensors.torch import save_file
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    t0 = time.perf_counter()
+    pt = Path(out, "full.pt")
+    dcp_to_torch_save(ckpt, pt)
+    state = torch.load(pt, weights_only=True)
+    save_file(state, str(Path(out, "model.safetensors")))
+    elapsed = time.perf_counter() - t0
+    pt.unlink()
+    return elapsed
+
+
+def _empty_full() -> dict[str, torch.Tensor]:
+    return {k: torch.empty_like(t) for k, (t, _) in full_state().items()}
+
+
+def route_torch_hf_writer_1proc(ckpt: str, out: str) -> float:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import HuggingFaceStorageWriter
+
+    state = _empty_full()
+    t0 = time.perf_counter()
+    dcp.load(state, checkpoint_id=ckpt, no_dist=True)
+    dcp.save(state, storage_writer=HuggingFaceStorageWriter(out), no_dist=True)
+    return time.perf_counter() - t0
+
+
+def _torch_hf_rank(rank: int, ckpt: str, out: str) -> float:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import HuggingFaceStorageWriter
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    mesh = init_device_mesh("cpu", (2,))
+    state = {}
+    for k, (t, dim) in full_state().items():
+        if dim is None:
+            state[k] = DTensor.from_local(torch.empty_like(t), mesh, [Replicate()])
+        else:
+            local = torch.empty_like(t.chunk(2, dim)[rank])
+            state[k] = DTensor.from_local(local, mesh, [Shard(dim)])
+
+    def work() -> None:
+        dcp.load(state, checkpoint_id=ckpt)
+        writer = HuggingFaceStorageWriter(out, save_distributed=True, enable_consolidation=True)
+        dcp.save(state, storage_writer=writer)
+
+    return _timed(rank, work)
+
+
+def route_torch_hf_writer_2ranks(ckpt: str, out: str) -> float:
+    ranks = on_two_ranks(_torch_hf_rank, ckpt, out)
+    _report_peak(max(r["peak"] for r in ranks))
+    return float(ranks[0]["result"])
+
+
+def _loaded(ckpt: str) -> dict[str, torch.Tensor]:
+    import torch.distributed.checkpoint as dcp
+
+    state = _empty_full()
+    dcp.load(state, checkpoint_id=ckpt, no_dist=True)
+    return state
+
+
+def route_save_file(ckpt: str, out: str) -> float:
+    from safetensors.torch import save_file
+
+    state = _loaded(ckpt)
+    global _BEFORE
+    _BEFORE = _rss("VmRSS")
+    t0 = time.perf_counter()
+    save_file(state, str(Path(out, "model.safetensors")))
+    return time.perf_counter() - t0
+
+
+def route_save_file_fsync(ckpt: str, out: str) -> float:
+    from safetensors.torch import save_file
+
+    state = _loaded(ckpt)
+    global _BEFORE
+    _BEFORE = _rss("VmRSS")
+    t0 = time.perf_counter()
+    save_file(state, str(Path(out, "model.safetensors")))
+    fd = os.open(Path(out, "model.safetensors"), os.O_RDONLY)
+    os.fsync(fd)
+    os.close(fd)
+    return time.perf_counter() - t0
+
+
+ROUTES: dict[str, Callable[[str, str], float]] = {
+    "shardsync": route_shardsync,
+    "shardsync_2ranks": route_shardsync_2ranks,
+    "shardsync_2ranks_100mb": route_shardsync_2ranks_100mb,
+    "shardsync_mapped": route_shardsync_mapped,
+    "torch_dcp_to_torch_save": route_torch_dcp_to_torch_save,
+    "torch_hf_writer_1proc": route_torch_hf_writer_1proc,
+    "torch_hf_writer_2ranks": route_torch_hf_writer_2ranks,
+    "save_file": route_save_file,
+    "save_file_fsync": route_save_file_fsync,
+}
+TORCH_ROUTES = ("torch_dcp_to_torch_save", "torch_hf_writer_1proc", "torch_hf_writer_2ranks")
+_BEFORE = 0
+_PEAK: int | None = None
+
+
+def _report_peak(peak: int) -> None:
+    global _PEAK
+    _PEAK = peak
+
+
+def child(route: str, ckpt: str, out: str) -> None:
+    """Run one route and print ``{"seconds", "peak_bytes", "growth_bytes"}`` as the last line."""
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    torch.set_num_threads(1)
+    global _BEFORE
+    _BEFORE = _rss("VmRSS")
+    seconds = ROUTES[route](ckpt, out)
+    peak = _PEAK if _PEAK is not None else _rss("VmHWM")
+    print(json.dumps({"seconds": seconds, "peak_bytes": peak, "growth_bytes": peak - _BEFORE}))
+
+
+# -- the parent ----------------------------------------------------------------------------------------
+
+def _run(route: str, ckpt: Path, out: Path) -> dict[str, float]:
+    shutil.rmtree(out, ignore_errors=True)
+    out.mkdir()
+    run = subprocess.run([sys.executable, __file__, "--route", route, str(ckpt), str(out)], check=True,
+                         capture_output=True, text=True)
+    return json.loads(run.stdout.strip().splitlines()[-1])
+
+
+def _cli(ckpt: Path, out: Path, *flags: str) -> float:
+    shutil.rmtree(out, ignore_errors=True)
+    t0 = time.perf_counter()
+    subprocess.run([sys.executable, "-m", "shardsync", "convert", str(ckpt), str(out), "-q", *flags],
+                   check=True)
+    return time.perf_counter() - t0
+
+
+def _check(tmp: Path, ckpt: Path) -> None:
+    """Every route writes the same tensors (compared with ``shardsync diff``'s comparison)."""
+    from shardsync.cli.diff import DiffConfig, compare
+
+    outs = {}
+    for route in ("shardsync", "torch_dcp_to_torch_save", "torch_hf_writer_2ranks"):
+        outs[route] = tmp / f"check_{route}"
+        _run(route, ckpt, outs[route])
+    for route, out in outs.items():
+        if route != "shardsync":
+            report = compare(DiffConfig(outs["shardsync"], out, progress=False))
+            assert report.equal and len(report.tensors) == 3 + 6 * LAYERS, (route, report)
+    assert compare(DiffConfig(ckpt, outs["shardsync"], progress=False)).equal
+
+
+def measure() -> dict[str, Any]:
+    with tempfile.TemporaryDirectory(dir=os.environ.get("BENCH_TMP")) as d:
+        tmp = Path(d)
+        ckpt = tmp / "dcp_tp2"
+        on_two_ranks(_write_tp2, str(ckpt))
+        nbytes = sum(p.stat().st_size for p in ckpt.glob("*.distcp"))
+        _check(tmp, ckpt)
+        times: dict[str, list[float]] = {r: [] for r in ROUTES}
+        peaks: dict[str, list[int]] = {r: [] for r in ROUTES}
+        growth: dict[str, list[int]] = {r: [] for r in ROUTES}
+        cli: dict[str, list[float]] = {"cli_nproc1": [], "cli_nproc2": []}
+        for _ in range(ROUNDS):
+            for route in ROUTES:
+                got = _run(route, ckpt, tmp / "out")
+                times[route].append(got["seconds"])
+                peaks[route].append(int(got["peak_bytes"]))
+                growth[route].append(int(got["growth_bytes"]))
+            cli["cli_nproc1"].append(_cli(ckpt, tmp / "out"))
+            cli["cli_nproc2"].append(_cli(ckpt, tmp / "out", "--nproc", "2"))
+    med = {r: statistics.median(v) for r, v in times.items()}
+    fastest_torch = min(TORCH_ROUTES, key=med.__getitem__)
+    return {
+        "checkpoint_bytes": nbytes, "rounds": ROUNDS, "threads_per_process": 1,
+        "seconds": {r: round(v, 3) for r, v in med.items()},
+        "gbps": {r: round(nbytes / v / 1e9, 3) for r, v in med.items()},
+        "peak_rss_mb": {r: round(max(v) / 1e6) for r, v in peaks.items()},
+        "rss_growth_mb": {r: round(max(v) / 1e6) for r, v in growth.items()},
+        "cli_wall_seconds": {k: round(statistics.median(v), 2) for k, v in cli.items()},
+        "fastest_torch_route": fastest_torch,
+        "speedup_vs_fastest_torch": round(med[fastest_torch] / med["shardsync"], 2),
+        "speedup_2ranks_vs_fastest_torch": round(med[fastest_torch] / med["shardsync_2ranks"], 2),
+        "ratio_vs_save_file": round(med["shardsync"] / med["save_file"], 2),
+        "ratio_vs_save_file_fsync": round(med["shardsync"] / med["save_file_fsync"], 2),
+    }
+
+
+def markdown(runs: list[dict[str, Any]]) -> str:
+    cols = [f"run {i + 1}: s (GB/s) | peak RSS MB (growth)" for i in range(len(runs))]
+    head = ["| route | " + " | ".join(cols) + " |", "|---|" + "---|---|" * len(runs)]
+    rows = []
+    for route in ROUTES:
+        cells = [f"{r['seconds'][route]} ({r['gbps'][route]}) | {r['peak_rss_mb'][route]} "
+                 f"({r['rss_growth_mb'][route]})" for r in runs]
+        rows.append(f"| {route} | " + " | ".join(cells) + " |")
+    lines = [f"TP=2 DCP checkpoint of {runs[0]['checkpoint_bytes'] / 1e9:.3f} GB (2 .distcp files) to HF "
+             f"safetensors on disk; medians of {runs[0]['rounds']} interleaved rounds, 1 thread per process; "
+             "peak RSS of the child process (2 ranks: the larger), growth = peak - RSS after imports.", "",
+             *head, *rows, ""]
+    for i, r in enumerate(runs):
+        lines.append(f"- run {i + 1} ({r['uptime']}): shardsync at {r['speedup_vs_fastest_torch']}x the "
+                     f"speed of the fastest torch route ({r['fastest_torch_route']}), 2 ranks "
+                     f"{r['speedup_2ranks_vs_fastest_torch']}x; {r['ratio_vs_save_file']}x the time of "
+                     f"save_file ({r['ratio_vs_save_file_fsync']}x with its fsync); the command end to end: "
+                     f"{r['cli_wall_seconds']['cli_nproc1']} s, --nproc 2: "
+                     f"{r['cli_wall_seconds']['cli_nproc2']} s")
+    lines.append("- goal: >= 3x the speed of the fastest torch route, <= 2x the time of save_file")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    runs = []
+    for _ in range(int(os.environ.get("BENCH_RUNS", "2"))):
+        uptime = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
+        result = measure()
+        result["uptime"] = uptime[uptime.find("load"):]
+        runs.append(result)
+        print(json.dumps(result))
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / "convert.json").write_text(json.dumps(runs, indent=2) + "\n")
+    (RESULTS / "convert.md").write_text(markdown(runs))
+    print(markdown(runs))
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] == ["--route"]:
+        child(*sys.argv[2:5])
+    else:
+        main()

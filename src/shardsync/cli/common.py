@@ -1,0 +1,210 @@
+"""What several commands share: the mapping from ``--mapping``/``--set``/``--reverse``/``--strict``
+and its checks against the source, sizes and dtypes read from flags, progress bars, warnings.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import sys
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..errors import FormatError, MappingError
+from ..io import parse_size
+from ..layout.dtypes import to_torch_dtype
+from ..layout.meta import GlobalLayout
+from ..mapping import OPTIMIZER_SUFFIXES, SCALAR_SUFFIXES, Mapping, TargetSpec, resolve
+from ..mapping.macros import expand_macros, reverse_program
+from ..sources import Source
+from .messages import UsageError
+
+__all__ = ["command_logging", "layout_of", "resolve_targets", "unconsumed_sources", "size_flag",
+           "dtype_flag", "parse_sets", "progress_bar"]
+
+log = logging.getLogger(__name__)
+
+
+def _load_mapping(arg: str | None, sets: dict[str, str], config_dir: Path | None, reverse: bool | None,
+                  strict: bool) -> Mapping | None:
+    """The mapping ``--mapping`` names (None: identity): a file, or statements inline.
+
+    The one place the command line turns its mapping flags into a :class:`Mapping`. Parameters
+    (``--set``, and the source's ``config.json`` in ``config_dir``) are for parameterised mappings;
+    mapping files take none, so ``--set`` is refused with the fix. ``strict`` is applied by
+    :func:`resolve_targets`, which sees the source keys.
+
+    Raises:
+        UsageError: ``--set`` without a mapping that takes parameters.
+        MappingError: a missing or unreadable mapping file, or a program with errors.
+    """
+    if sets:
+        given = " ".join(f"--set {k}={v}" for k, v in sets.items())
+        which = f"mapping {arg!r}" if arg else "the identity mapping (no --mapping)"
+        raise UsageError(f"{given}: {which} takes no parameters",
+                         "write the values into the mapping file, or remove --set")
+    if arg is None:
+        return None if reverse is None else Mapping.parse([], reverse=reverse)
+    if "->" in arg or "\n" in arg:  # statements given inline
+        return Mapping.parse(arg, reverse=reverse)
+    if not Path(arg).exists():
+        raise MappingError(f"mapping file {arg!r} does not exist; give the path of a .txt, .json or .yaml "
+                           "mapping file, or statements such as 'a -> b'")
+    return Mapping.parse(Path(arg), reverse=reverse)
+
+
+def parse_sets(items: Sequence[str] | None) -> dict[str, str]:
+    """``--set k=v`` flags as a dict.
+
+    Example:
+        >>> parse_sets(["num_heads=32", "tp=2"])
+        {'num_heads': '32', 'tp': '2'}
+    """
+    out: dict[str, str] = {}
+    for item in items or ():
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise UsageError(f"--set {item!r} is not key=value", "write e.g. --set num_heads=32")
+        out[key.strip()] = value.strip()
+    return out
+
+
+def layout_of(source: Source) -> GlobalLayout:
+    """The layout of a source read by one process."""
+    return GlobalLayout.merge([source.entries()])
+
+
+def resolve_targets(mapping: Mapping | None, layout: GlobalLayout, *, strict: bool = False
+                    ) -> list[TargetSpec]:
+    """Resolve the mapping against a source's layout, with the command line's checks.
+
+    A mapping that does not fit the source as written but does when run the other way is an error
+    that says to pass (or drop) ``--reverse``. Sources the mapping leaves unconsumed (they pass
+    through under their own names) are a warning, or with ``strict`` an error.
+
+    Raises:
+        MappingError: the mapping does not resolve (either way).
+        UsageError: it resolves only the other way; with ``strict``, unconsumed sources.
+    """
+    try:
+        targets = resolve(mapping, layout)
+    except MappingError as exc:
+        if mapping is None or not mapping.statements:
+            raise
+        try:
+            resolve(Mapping(mapping.statements, not mapping.reverse), layout)
+        except MappingError:
+            raise exc from None
+        fix = "pass --reverse" if not mapping.reverse else "drop --reverse (or pass --no-reverse)"
+        raise UsageError("the mapping does not fit the source's names as written, but does when run the "
+                         "other way", fix) from exc
+    unused = unconsumed_sources(mapping, layout.keys())
+    if unused:
+        n = len(unused)
+        listed = ", ".join(unused[:5]) + (f" and {n - 5} more" if n > 5 else "")
+        what = f"no statement consumes {listed if n == 1 else f'{n} sources ({listed})'}"
+        if strict:
+            raise UsageError(what, "map them, drop them with `NAME -> _`, or leave out --strict")
+        passes = ("it passes through under its own name" if n == 1
+                  else "they pass through under their own names")
+        log.warning("%s: %s (--strict makes this an error)", what, passes)
+    return targets
+
+
+def unconsumed_sources(mapping: Mapping | None, keys: Sequence[str]) -> list[str]:
+    """Source keys that no statement of a (non-empty) mapping reads; they pass through unchanged.
+    Optimizer states follow their parameter, so they count as consumed with it.
+
+    Example:
+        >>> unconsumed_sources(Mapping.parse(["a -> b"]), ["a", "c", "a.w_0"])
+        ['c']
+    """
+    if mapping is None or not mapping.statements:
+        return []
+    expanded, _ = expand_macros(mapping.statements, keys, reverse=mapping.reverse)
+    if mapping.reverse:
+        expanded = reverse_program(expanded)
+    used = {n.text for st in expanded for n in st.left}
+    suffixes = OPTIMIZER_SUFFIXES + SCALAR_SUFFIXES
+
+    def consumed(key: str) -> bool:
+        return key in used or any(key.endswith(s) and key[: -len(s)] in used for s in suffixes)
+
+    return [k for k in keys if not consumed(k)]
+
+
+def size_flag(value: str | None, flag: str) -> int | None:
+    """Bytes in a size flag (``5GB``, ``512MiB``); None when not given.
+
+    Raises:
+        UsageError: not a positive size.
+    """
+    if value is None:
+        return None
+    try:
+        return parse_size(value)
+    except FormatError:
+        raise UsageError(f"{flag} {value!r} is not a size", "write e.g. 5GB, 500MB or 512MiB") from None
+
+
+def dtype_flag(value: str | None) -> torch.dtype | None:
+    """The floating dtype ``--dtype`` names (bf16, float16...); None when not given.
+
+    Raises:
+        UsageError: an unknown or non-floating dtype.
+    """
+    if value is None:
+        return None
+    try:
+        dtype = to_torch_dtype(value)
+    except ValueError:
+        dtype = None
+    if dtype is None or not dtype.is_floating_point:
+        raise UsageError(f"--dtype {value!r} is not a floating dtype",
+                         "use bf16, fp16, fp32 or a torch name such as bfloat16")
+    return dtype
+
+
+def progress_bar(enabled: bool, desc: str, total: int | None = None) -> Any:
+    """A tqdm bar in bytes (rate and ETA) on stderr, or None when disabled or tqdm is missing."""
+    if not enabled:
+        return None
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        log.warning("progress bars need tqdm (pip install tqdm)")
+        return None
+    return tqdm(total=total, desc=desc, unit="B", unit_scale=True, unit_divisor=1000, file=sys.stderr,
+                leave=False, dynamic_ncols=True)
+
+
+
+class _Formatter(logging.Formatter):
+    def __init__(self, command: str) -> None:
+        super().__init__()
+        self.command = command
+
+    def format(self, record: logging.LogRecord) -> str:
+        return f"shardsync {self.command}: {record.levelname.lower()}: {record.getMessage()}"
+
+
+@contextlib.contextmanager
+def command_logging(command: str, *, quiet: bool = False, debug: bool = False) -> Iterator[None]:
+    """While a command runs, shardsync's log records go to stderr as ``shardsync <command>: warning:
+    ...`` lines (errors only with ``quiet``; debug records too with ``debug``)."""
+    logger = logging.getLogger("shardsync")
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(_Formatter(command))
+    saved = logger.level, logger.propagate
+    logger.addHandler(handler)
+    logger.setLevel(logging.DEBUG if debug else logging.ERROR if quiet else logging.WARNING)
+    logger.propagate = False
+    try:
+        yield
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(saved[0])
+        logger.propagate = saved[1]

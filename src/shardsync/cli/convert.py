@@ -1,0 +1,222 @@
+"""``shardsync convert`` (and its alias ``export``): any checkpoint to HF safetensors or torch DCP.
+
+The protocol: open the source and resolve the mapping against its layout (headers only; a bad path or
+mapping fails here, before anything is read) -> check the output -> with ``--nproc N``, start N workers
+through torch's launcher, each running the rest on its part -> stream the targets and write them.
+
+Memory: ``--to hf`` holds what the streamer holds (at most ``--memory-budget``) plus the files being
+written (about three files of ``--max-shard-size``); ``--to dcp`` holds each worker's share of the
+targets until torch's DCP writer has written them (about the total divided by ``--nproc``), and
+``--memory-budget`` bounds that share plus the streamer.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+
+from ..dist import group_rank, group_size
+from ..io.commit import CheckpointNames, scan
+from ..io.dcp_writer import save
+from ..io.save_hf import save_hf
+from ..layout.dtypes import itemsize, to_torch_dtype
+from ..mapping import Mapping, TargetSpec
+from ..planning import split_ranges
+from ..sources import Source, open_source
+from ..sources.dcp import METADATA_FILE
+from ..stream import full_params
+from .common import _load_mapping, layout_of, progress_bar, resolve_targets
+from .messages import UsageError
+from .units import human_bytes, human_rate, human_seconds
+
+__all__ = ["ConvertConfig", "Converted", "run_convert", "prepare", "write"]
+
+
+@dataclass(frozen=True)
+class ConvertConfig:
+    """``shardsync convert`` with its flags checked (sizes in bytes, dtype resolved)."""
+
+    source: Path
+    out: Path
+    mapping: str | None = None
+    reverse: bool | None = None
+    sets: tuple[tuple[str, str], ...] = ()
+    strict: bool = False
+    to: Literal["hf", "dcp"] = "hf"
+    dtype: torch.dtype | None = None
+    max_shard_size: int | None = None
+    memory_budget: int | None = None
+    nproc: int = 1
+    config_from: Path | None = None
+    overwrite: bool = False
+    progress: bool = True
+
+
+@dataclass(frozen=True)
+class Converted:
+    """What a conversion wrote: tensors, bytes, files, and how long it took."""
+
+    tensors: int
+    nbytes: int
+    files: int
+    seconds: float
+    workers: int
+
+    def summary(self, out: Path) -> str:
+        """The line ``convert`` prints.
+
+        Example:
+            >>> print(Converted(4, 350_000, 1, 0.5, 1).summary(Path("hf")))
+            wrote 4 tensors (350 KB) in 1 file to hf in 0.50 s (700 KB/s)
+        """
+        workers = f" with {self.workers} workers" if self.workers > 1 else ""
+        return (f"wrote {self.tensors} tensors ({human_bytes(self.nbytes)}) in {self.files} file"
+                f"{'s' if self.files != 1 else ''} to {out} in {human_seconds(self.seconds)}{workers} "
+                f"({human_rate(self.nbytes, self.seconds)})")
+
+
+@dataclass(frozen=True)
+class _Prepared:
+    source: Source
+    mapping: Mapping | None
+    targets: list[TargetSpec]
+    config_from: Path | None
+
+
+def _source_dir(path: Path) -> Path:
+    return path if path.is_dir() else path.parent
+
+
+def prepare(cfg: ConvertConfig) -> _Prepared:
+    """Open the source, resolve the mapping and check the flags and the output (reads headers only).
+
+    Raises:
+        UsageError: flags that do not go together, an output that exists without ``--overwrite``.
+        FormatError: the source is not a checkpoint.
+        MappingError: the mapping is wrong.
+    """
+    if cfg.to == "dcp" and (cfg.max_shard_size is not None or cfg.config_from is not None):
+        flag = "--max-shard-size" if cfg.max_shard_size is not None else "--config-from"
+        raise UsageError(f"{flag} applies to --to hf only", f"drop {flag}, or write --to hf")
+    source = open_source(cfg.source)
+    mapping = _load_mapping(cfg.mapping, dict(cfg.sets), cfg.config_from or _source_dir(cfg.source),
+                            cfg.reverse, cfg.strict)
+    targets = resolve_targets(mapping, layout_of(source), strict=cfg.strict)
+    config_from = cfg.config_from
+    if cfg.to == "hf" and config_from is None and mapping is None:
+        # same names, same model: its config.json and tokenizer files belong with the weights
+        here = _source_dir(cfg.source)
+        config_from = here if (here / "config.json").is_file() else None
+    _check_output(cfg)
+    if cfg.to == "dcp":
+        _stream_budget(cfg, targets, cfg.nproc)  # fails here, before any worker starts
+    return _Prepared(source, mapping, targets, config_from)
+
+
+def _check_output(cfg: ConvertConfig) -> None:
+    """The writers check the output again; checking here fails before any worker starts."""
+    if cfg.out.exists() and not cfg.out.is_dir():
+        raise UsageError(f"{cfg.out} is a file, not a directory", "choose a directory for the checkpoint")
+    if cfg.overwrite:
+        return
+    if cfg.to == "dcp" and (cfg.out / METADATA_FILE).exists():
+        raise UsageError(f"{cfg.out} already holds a DCP checkpoint",
+                         "pass --overwrite to replace it, or choose another directory")
+    committed = scan(cfg.out, CheckpointNames()).committed if cfg.to == "hf" else ()
+    if committed:
+        raise UsageError(f"{cfg.out} already holds a checkpoint ({committed[0]})",
+                         "pass --overwrite to replace it, or choose another directory")
+
+
+def run_convert(cfg: ConvertConfig) -> Converted:
+    """Convert in this process, or with ``cfg.nproc`` workers started through torch's launcher."""
+    start = time.perf_counter()
+    prepared = prepare(cfg)
+    if cfg.nproc > 1:
+        from .launch import launch
+
+        results = launch(cfg, cfg.nproc)
+        return replace(results[0], seconds=time.perf_counter() - start, workers=cfg.nproc)
+    done = write(cfg, prepared, group=None)
+    return replace(done, seconds=time.perf_counter() - start)
+
+
+def write(cfg: ConvertConfig, prepared: _Prepared, group: Any) -> Converted:
+    """Stream and write on every rank of ``group`` (None: this process alone)."""
+    start = time.perf_counter()
+    progress = cfg.progress and group_rank(group) == 0
+    if cfg.to == "hf":
+        result = save_hf(prepared.source, cfg.out, prepared.mapping, group=group,
+                         max_shard_size=cfg.max_shard_size or "5GB", dtype=cfg.dtype,
+                         config_from=prepared.config_from, overwrite=cfg.overwrite, progress=progress,
+                         memory_budget=cfg.memory_budget)
+        return Converted(result.num_tensors, result.total_bytes, len(result.files),
+                         time.perf_counter() - start, group_size(group))
+    return _write_dcp(cfg, prepared, group, progress, start)
+
+
+def _out_bytes(t: TargetSpec, dtype: torch.dtype | None) -> int:
+    floating = to_torch_dtype(t.dtype).is_floating_point
+    size = itemsize(dtype) if dtype is not None and floating else itemsize(t.dtype)
+    return math.prod(t.shape) * size
+
+
+def _dcp_shares(targets: list[TargetSpec], world: int, dtype: torch.dtype | None) -> list[int]:
+    """Bytes of targets each of ``world`` workers holds under ``--to dcp`` (the stream's split)."""
+    parts = split_ranges([t.nbytes for t in targets], world, "bytes")
+    return [sum(_out_bytes(targets[i], dtype) for i in part) for part in parts]
+
+
+def _stream_budget(cfg: ConvertConfig, targets: list[TargetSpec], world: int) -> int | None:
+    """The streamer's budget under ``--to dcp``: what ``--memory-budget`` leaves after the share of
+    targets a worker holds until DCP writes them, which must still fit the largest target.
+
+    Raises:
+        UsageError: it does not (with the number of workers that would fit, if there is one).
+    """
+    if cfg.memory_budget is None:
+        return None
+    largest = max((t.nbytes for t in targets), default=0)
+    share = max(_dcp_shares(targets, world, cfg.dtype), default=0)
+    if cfg.memory_budget - share >= largest:
+        return cfg.memory_budget - share
+    fits = next((w for w in range(world + 1, len(targets) + 1)
+                 if max(_dcp_shares(targets, w, cfg.dtype)) + largest <= cfg.memory_budget), None)
+    more = f"use --nproc {fits} or more, " if fits is not None else ""
+    raise UsageError(f"--to dcp holds each worker's share of the targets until it is written (up to "
+                     f"{human_bytes(share)}), which leaves less of --memory-budget "
+                     f"{human_bytes(cfg.memory_budget)} than the largest target ({human_bytes(largest)}) "
+                     "to read and build them", f"{more}raise --memory-budget, or write --to hf")
+
+
+def _write_dcp(cfg: ConvertConfig, prepared: _Prepared, group: Any, progress: bool,
+               start: float) -> Converted:
+    world = group_size(group)
+    budget = _stream_budget(cfg, prepared.targets, world)
+    stream = full_params(prepared.source, prepared.mapping, group=group, copy=False, split_by="bytes",
+                         consumers=tuple(range(world)) if world > 1 else "all", memory_budget=budget)
+    state: dict[str, torch.Tensor] = {}
+    bar = progress_bar(progress, "convert")
+    try:
+        for name, tensor in stream:
+            if bar is not None and bar.total is None and stream.plan is not None:
+                mine = set(stream.plan.targets_of(group_rank(group)))
+                bar.total = sum(_out_bytes(t, cfg.dtype) for t in prepared.targets if t.name in mine)
+            if cfg.dtype is not None and tensor.is_floating_point():
+                tensor = tensor.to(cfg.dtype)
+            state[name] = tensor
+            if bar is not None:
+                bar.update(tensor.numel() * tensor.element_size())
+    finally:
+        if bar is not None:
+            bar.close()
+    metadata = save(state, cfg.out, group=group, overwrite=cfg.overwrite)
+    files = {info.relative_path for info in (metadata.storage_data or {}).values()}
+    nbytes = sum(_out_bytes(t, cfg.dtype) for t in prepared.targets)
+    return Converted(len(prepared.targets), nbytes, len(files), time.perf_counter() - start, world)
+

@@ -1,0 +1,105 @@
+"""``--nproc N``: N local worker processes started through torch's own launcher (the elastic agent
+that ``torchrun`` runs), joined in a gloo group; each reads and writes its part.
+
+A worker never prints an error itself: it returns its one-line message (errors are agreed across
+ranks, so every worker has the same one) and the command prints rank 0's. A worker that dies
+(killed, out of memory) is reported as one line too.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from ..errors import ShardsyncError
+from .convert import ConvertConfig, Converted, prepare, write
+from .common import command_logging
+from .messages import one_line
+
+__all__ = ["launch", "launched_world", "run_launched", "WorkerFailed"]
+
+#: Seconds between the launcher's checks on its workers.
+MONITOR_SECONDS = 0.1
+
+
+class WorkerFailed(ShardsyncError, RuntimeError):
+    """A worker failed: its one-line message, or how it died, and the exit status to return.
+
+    Attributes:
+        line: the whole line to print (``shardsync convert: ...``).
+        status: the exit status.
+    """
+
+    def __init__(self, line: str, status: int) -> None:
+        super().__init__(line)
+        self.line, self.status = line, status
+
+
+@dataclass(frozen=True)
+class _Outcome:
+    converted: Converted | None
+    line: str = ""
+    status: int = 0
+
+
+def _worker(cfg: ConvertConfig, warn: bool = False) -> _Outcome:
+    """One worker: join the gloo group, convert its part, leave; errors come back as their line."""
+    import torch
+    import torch.distributed as dist
+
+    world = int(os.environ["WORLD_SIZE"])
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    if not dist.is_initialized():
+        dist.init_process_group("gloo")
+    try:
+        with command_logging("convert", quiet=not warn):  # the launching process already warned
+            return _Outcome(write(cfg, prepare(cfg), group=dist.group.WORLD))
+    except BaseException as exc:  # noqa: BLE001 - every failure goes back as one line
+        line, status = one_line("convert", exc)
+        return _Outcome(None, line, status)
+    finally:
+        dist.destroy_process_group()
+
+
+def launched_world() -> int:
+    """How many workers ``torchrun`` started this process among (1 when it did not start it)."""
+    return int(os.environ.get("WORLD_SIZE", "1")) if "TORCHELASTIC_RUN_ID" in os.environ else 1
+
+
+def run_launched(cfg: ConvertConfig) -> tuple[str, int]:
+    """Convert as one of the workers ``torchrun -m shardsync convert ...`` started: rank 0's line
+    (the summary, or the error every rank shares) and the exit status."""
+    rank = int(os.environ.get("RANK", "0"))
+    outcome = _worker(cfg, warn=rank == 0)
+    if outcome.converted is not None:
+        text = outcome.converted.summary(cfg.out)
+    else:
+        text = outcome.line
+    return (text if rank == 0 else ""), outcome.status
+
+
+def launch(cfg: ConvertConfig, nproc: int) -> list[Converted]:
+    """Run the conversion on ``nproc`` local workers; every worker's result, by rank.
+
+    Raises:
+        WorkerFailed: a worker failed (rank 0's line) or died.
+    """
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=uuid.uuid4().hex,
+                          rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=0,
+                          monitor_interval=MONITOR_SECONDS, start_method="spawn")
+    try:
+        outcomes: dict[int, Any] = elastic_launch(config, _worker)(cfg)
+    except ChildFailedError as exc:
+        rank, failure = min(exc.failures.items())
+        raise WorkerFailed(f"shardsync convert: worker {rank} died with exit code {failure.exitcode} "
+                           "(out of memory or killed? run with --debug to see the launcher's report)",
+                           2) from exc
+    failed = [outcomes[r] for r in sorted(outcomes) if outcomes[r].status]
+    if failed:
+        raise WorkerFailed(failed[0].line, max(o.status for o in failed))
+    return [o.converted for o in (outcomes[r] for r in sorted(outcomes)) if o.converted is not None]
