@@ -52,10 +52,10 @@ CASES = {
         "{root}/list.json: 'aoa_statements' must be a list of statement strings (int) (fix the mapping)",
     "convert {root}/single {root}/o -m {root}/missing.map":
         "mapping file '{root}/missing.map' does not exist (give the path of a .txt, .json or .yaml mapping "
-        "file, or statements such as 'a -> b')",
+        "file, a shipped mapping name, or statements such as 'a -> b')",
     "plan {root}/single -m nothing.txt":
-        "mapping file 'nothing.txt' does not exist (give the path of a .txt, .json or .yaml mapping file, or "
-        "statements such as 'a -> b')",
+        "mapping file 'nothing.txt' does not exist (give the path of a .txt, .json or .yaml mapping file, a "
+        "shipped mapping name, or statements such as 'a -> b')",
     "convert {root}/single {root}/a_file":
         "{root}/a_file is a file, not a directory (choose a directory for the checkpoint)",
     "convert {root}/single {root}/a_file --to dcp":
@@ -102,8 +102,8 @@ CASES = {
         "--config-from '{root}/dcp' holds no config.json (give the directory of a HuggingFace model "
         "(where save_pretrained wrote config.json))",
     "convert {root}/single {root}/o --set num_heads=2":
-        "--set num_heads=2: the identity mapping (no --mapping) takes no parameters (write the values into "
-        "the mapping file, or remove --set)",
+        "--set num_heads=2: the identity mapping (no --mapping) takes no parameters (give --mapping NAME "
+        "of a shipped mapping, or remove --set)",
     "convert {root}/single {root}/o --set heads":
         "--set 'heads' is not key=value (write e.g. --set num_heads=32)",
     "diff {root}/single {root}/dcp --atol -1": "--atol -1.0 is not a tolerance (give 0 or a positive number)",

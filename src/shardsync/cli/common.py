@@ -41,19 +41,23 @@ def _load_mapping(arg: str | None, sets: dict[str, str], config_dir: Path | None
         UsageError: ``--set`` without a mapping that takes parameters.
         MappingError: a missing or unreadable mapping file, or a program with errors.
     """
-    if sets:
-        given = " ".join(f"--set {k}={v}" for k, v in sets.items())
-        which = f"mapping {arg!r}" if arg else "the identity mapping (no --mapping)"
-        raise UsageError(f"{given}: {which} takes no parameters",
-                         "write the values into the mapping file, or remove --set")
     if arg is None:
+        if sets:
+            raise UsageError(" ".join(f"--set {k}={v}" for k, v in sets.items())
+                             + ": the identity mapping (no --mapping) takes no parameters",
+                             "give --mapping NAME of a shipped mapping, or remove --set")
         return None if reverse is None else Mapping.parse([], reverse=reverse)
     if "->" in arg or "\n" in arg:  # statements given inline
-        return Mapping.parse(arg, reverse=reverse)
-    if not Path(arg).exists():
+        return Mapping.parse(arg, reverse=reverse, params=sets or None)
+    looks_like_path = "/" in arg or "." in arg  # shipped names have neither
+    if looks_like_path and not Path(arg).exists():
         raise MappingError(f"mapping file {arg!r} does not exist; give the path of a .txt, .json or .yaml "
-                           "mapping file, or statements such as 'a -> b'")
-    return Mapping.parse(Path(arg), reverse=reverse)
+                           "mapping file, a shipped mapping name, or statements such as 'a -> b'")
+    config = config_dir / "config.json" if config_dir is not None else None
+    # a shipped name (megatron-llama) or a file; parameters from --set win over the config.json
+    return Mapping.parse(arg if not Path(arg).exists() else Path(arg), reverse=reverse,
+                         params=sets or None,
+                         config=config if config is not None and config.is_file() else None)
 
 
 def parse_sets(items: Sequence[str] | None) -> dict[str, str]:
@@ -202,9 +206,14 @@ def command_logging(command: str, *, quiet: bool = False, debug: bool = False) -
     logger.addHandler(handler)
     logger.setLevel(logging.DEBUG if debug else logging.ERROR if quiet else logging.WARNING)
     logger.propagate = False
+    # the command line says which sources are unconsumed itself (resolve_targets), with its flags
+    resolver = logging.getLogger("shardsync.mapping.resolver")
+    resolver_level = resolver.level
+    resolver.setLevel(logging.ERROR)
     try:
         yield
     finally:
+        resolver.setLevel(resolver_level)
         logger.removeHandler(handler)
         logger.setLevel(saved[0])
         logger.propagate = saved[1]
