@@ -21,7 +21,7 @@ from typing import Any
 
 import torch.multiprocessing as mp
 
-__all__ = ["run_ranks", "RankFailure"]
+__all__ = ["run_ranks", "run_ranks_one_dies", "RankFailure"]
 
 
 class RankFailure(Exception):
@@ -91,3 +91,20 @@ def run_ranks(fn: Callable[..., Any], world: int, *args: Any, timeout: float = 1
     if any(o[0] != "ok" for o in outcomes.values()):
         raise RankFailure(outcomes)
     return [outcomes[r][1] for r in range(world)]
+
+
+def run_ranks_one_dies(fn: Callable[..., Any], world: int, dead: int, *args: Any, timeout: float = 120.0,
+                       group_timeout: float = 60.0) -> dict[int, Any]:
+    """Run ``fn`` on ``world`` ranks where rank ``dead`` exits the process (its last scenario);
+    check that it died and return the other ranks' results by rank."""
+    try:
+        run_ranks(fn, world, *args, timeout=timeout, group_timeout=group_timeout)
+    except RankFailure as err:
+        got = err.outcomes
+    else:
+        raise AssertionError(f"rank {dead} was meant to die, but every rank returned")
+    assert got[dead][:2] == ("error", "Died"), got[dead]
+    bad = {r: o for r, o in got.items() if r != dead and o[0] != "ok"}
+    assert not bad, bad
+    return {r: o[1] for r, o in got.items() if r != dead}
+

@@ -21,6 +21,7 @@ from safetensors.torch import load_file, save_file
 
 import shardsync
 from shardsync.cli import main
+from shardsync.cli.common import MappingFlags
 from shardsync.cli.plan import PlanConfig, dry_run
 
 
@@ -161,7 +162,7 @@ def test_inspect_table_folds_layers(ck: Checkpoints, capsys: pytest.CaptureFixtu
 
 
 def test_plan_is_the_plan_convert_runs(ck: Checkpoints, capsys: pytest.CaptureFixture[str]) -> None:
-    cfg = PlanConfig(ck.dcp, str(ck.mapping))
+    cfg = PlanConfig(ck.dcp, MappingFlags(str(ck.mapping)))
     streamed = shardsync.plan(ck.dcp, MAPPING, split_by="bytes", copy=False)
     assert dry_run(cfg) == streamed
     assert main(["plan", str(ck.dcp), "-m", str(ck.mapping), "--nproc", "2"]) == 0

@@ -17,6 +17,7 @@ from multiproc import run_ranks
 
 import shardsync
 from shardsync.cli import main
+from shardsync.cli.common import MappingFlags
 from shardsync.cli.plan import PlanConfig, dry_run
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -62,5 +63,5 @@ def _real_plan(rank: int, world: int, path: str) -> str:
 
 
 def test_plan_without_processes_is_the_plan_of_two_ranks(ck: Checkpoints) -> None:
-    planned = dry_run(PlanConfig(ck.dcp, str(ck.mapping), nproc=2))
+    planned = dry_run(PlanConfig(ck.dcp, MappingFlags(str(ck.mapping)), nproc=2))
     assert run_ranks(_real_plan, 2, str(ck.dcp)) == [planned.fingerprint()] * 2

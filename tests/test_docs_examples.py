@@ -121,3 +121,9 @@ def test_examples_run(path: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatc
 @pytest.mark.parametrize("page, test", sorted(RUN_ELSEWHERE.items()))
 def test_pages_run_elsewhere_are_run(page: str, test: str) -> None:
     assert page in (ROOT / "tests" / test).read_text()
+
+
+@pytest.mark.parametrize("path", FILES, ids=[p.name for p in FILES])
+def test_pages_stand_on_their_own(path: Path) -> None:
+    # user docs ship with the repository: no link or path outside it
+    assert "../shared" not in path.read_text() and "shared/design" not in path.read_text()

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from multiproc import RankFailure, run_ranks
+from multiproc import run_ranks_one_dies
 
 from shardsync.dist import Agreed, abandon, agree, data_phase, transport_errors
 from shardsync.errors import DistributedError, PlanError
@@ -79,11 +79,7 @@ def _scenarios(rank: int, world: int) -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def outcomes() -> dict[int, dict[str, Any]]:
-    with pytest.raises(RankFailure) as err:  # rank 3 dies in the last scenario
-        run_ranks(_scenarios, 4, timeout=120, group_timeout=30)
-    got = err.value.outcomes
-    assert got[3][:2] == ("error", "Died"), got[3]
-    return {r: got[r][1] for r in range(3)}
+    return run_ranks_one_dies(_scenarios, 4, 3, timeout=120, group_timeout=30)  # dies in the last scenario
 
 
 def test_agree_returns_this_ranks_object_and_what_everyone_shared(outcomes: dict) -> None:

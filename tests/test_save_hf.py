@@ -11,7 +11,7 @@ from unittest import mock
 
 import pytest
 import torch
-from multiproc import RankFailure, run_ranks
+from multiproc import run_ranks
 from reference import arange_tensor
 from safetensors.torch import load_file
 from test_io_commit import load_checkpoint, same

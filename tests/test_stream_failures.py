@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 import torch.distributed as dist
-from multiproc import RankFailure, run_ranks
+from multiproc import RankFailure, run_ranks, run_ranks_one_dies
 from test_stream_dist import case_tp
 
 from shardsync.errors import DistributedError, PlanError
@@ -116,11 +116,7 @@ def _w4_scenarios(rank: int, world: int) -> dict[str, tuple]:
 
 @pytest.fixture(scope="module")
 def w4() -> dict[int, dict[str, tuple]]:
-    with pytest.raises(RankFailure) as err:  # rank 3 dies in the last scenario
-        run_ranks(_w4_scenarios, 4, timeout=120, group_timeout=30)
-    got = err.value.outcomes
-    assert got[3][:2] == ("error", "Died"), got[3]
-    return {r: got[r][1] for r in range(3)}
+    return run_ranks_one_dies(_w4_scenarios, 4, 3, timeout=120, group_timeout=30)  # dies in the last scenario
 
 
 def test_a_rank_that_never_calls_full_params_is_named(w4: dict) -> None:

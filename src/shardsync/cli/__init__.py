@@ -21,14 +21,14 @@ import sys
 import traceback
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, Literal
+from typing import Literal
 
 from .. import __version__
 from ..layout.meta import GlobalLayout
 from ..mapping.explain import describe_targets
 from ..sources import open_source
 from .args import commands, parser
-from .common import _load_mapping, command_logging, dtype_flag, parse_sets, resolve_targets, size_flag
+from .common import MappingFlags, command_logging, dtype_flag, parse_sets, size_flag, source_dir
 from .convert import ConvertConfig, run_convert
 from .diff import DiffConfig, run_diff
 from .inspect import InspectConfig, run_inspect
@@ -46,8 +46,7 @@ def run_explain(cfg: PlanConfig) -> str:
         layout = _layout_json(cfg.source)
     else:
         layout = GlobalLayout.merge([open_source(cfg.source).entries()])
-    mapping = _load_mapping(cfg.mapping, dict(cfg.sets), None, cfg.reverse, cfg.strict)
-    return describe_targets(resolve_targets(mapping, layout, strict=cfg.strict))
+    return describe_targets(cfg.flags.resolve(layout, source_dir(cfg.source))[1])
 
 
 def _layout_json(path: Path) -> GlobalLayout:
@@ -65,9 +64,8 @@ def _progress(args: argparse.Namespace) -> bool:
     return not args.quiet and sys.stderr.isatty()
 
 
-def _mapping_flags(args: argparse.Namespace) -> dict[str, Any]:
-    return {"mapping": args.mapping, "reverse": args.reverse,
-            "sets": tuple(parse_sets(args.set).items()), "strict": args.strict}
+def _mapping_flags(args: argparse.Namespace) -> MappingFlags:
+    return MappingFlags(args.mapping, args.reverse, tuple(parse_sets(args.set).items()), args.strict)
 
 
 def convert_config(args: argparse.Namespace, to: Literal["hf", "dcp"] | None = None) -> ConvertConfig:
@@ -79,7 +77,7 @@ def convert_config(args: argparse.Namespace, to: Literal["hf", "dcp"] | None = N
     nproc = args.nproc
     if nproc < 1:
         raise UsageError(f"--nproc {nproc} is not a number of workers", "give 1 or more")
-    return ConvertConfig(args.source, args.out, **_mapping_flags(args),
+    return ConvertConfig(args.source, args.out, _mapping_flags(args),
                          to=to or args.to, dtype=dtype_flag(args.dtype),
                          max_shard_size=size_flag(args.max_shard_size, "--max-shard-size"),
                          memory_budget=size_flag(args.memory_budget, "--memory-budget"),
@@ -110,7 +108,7 @@ def _inspect(args: argparse.Namespace) -> int:
 
 def _plan_config(args: argparse.Namespace) -> PlanConfig:
     extra = vars(args)  # explain has the source and mapping flags only
-    return PlanConfig(args.source, **_mapping_flags(args), nproc=extra.get("nproc", 1),
+    return PlanConfig(args.source, _mapping_flags(args), nproc=extra.get("nproc", 1),
                       memory_budget=size_flag(extra.get("memory_budget"), "--memory-budget"),
                       as_json=extra.get("json", False))
 
@@ -129,7 +127,7 @@ def _diff(args: argparse.Namespace) -> int:
     atol = args.atol
     if not atol >= 0:
         raise UsageError(f"--atol {atol} is not a tolerance", "give 0 or a positive number")
-    cfg = DiffConfig(args.a, args.b, **_mapping_flags(args), atol=atol, ignore_dtype=args.ignore_dtype,
+    cfg = DiffConfig(args.a, args.b, _mapping_flags(args), atol=atol, ignore_dtype=args.ignore_dtype,
                      memory_budget=size_flag(args.memory_budget, "--memory-budget"), as_json=args.json,
                      progress=_progress(args))
     out, status = run_diff(cfg)

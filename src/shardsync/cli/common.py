@@ -8,6 +8,7 @@ import contextlib
 import logging
 import sys
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -22,19 +23,18 @@ from ..mapping.macros import expand_macros, reverse_program
 from ..sources import Source
 from .messages import UsageError
 
-__all__ = ["command_logging", "layout_of", "resolve_targets", "unconsumed_sources", "size_flag",
+__all__ = ["MappingFlags", "source_dir", "command_logging", "layout_of", "resolve_targets", "unconsumed_sources", "size_flag",
            "dtype_flag", "parse_sets", "progress_bar"]
 
 log = logging.getLogger(__name__)
 
 
 def _load_mapping(arg: str | None, sets: dict[str, str], config_dir: Path | None, reverse: bool | None,
-                  strict: bool) -> Mapping | None:
-    """The mapping ``--mapping`` names (None: identity): a file, or statements inline.
+                  ) -> Mapping | None:
+    """The mapping ``--mapping`` names (None: identity): a shipped name, a file, or statements inline.
 
-    The one place the command line turns its mapping flags into a :class:`Mapping`. Parameters
-    (``--set``, and the source's ``config.json`` in ``config_dir``) are for parameterised mappings;
-    mapping files take none, so ``--set`` is refused with the fix. ``strict`` is applied by
+    The one place the command line turns its mapping flags into a :class:`Mapping`. Parameters come
+    from ``--set``, then from the ``config.json`` in ``config_dir``. ``--strict`` is applied by
     :func:`resolve_targets`, which sees the source keys.
 
     Raises:
@@ -58,6 +58,27 @@ def _load_mapping(arg: str | None, sets: dict[str, str], config_dir: Path | None
     return Mapping.parse(arg if not Path(arg).exists() else Path(arg), reverse=reverse,
                          params=sets or None,
                          config=config if config is not None and config.is_file() else None)
+
+
+def source_dir(path: Path) -> Path:
+    """The directory of a checkpoint path (where its ``config.json`` would be)."""
+    return path if path.is_dir() else path.parent
+
+
+@dataclass(frozen=True)
+class MappingFlags:
+    """``--mapping``, ``--reverse``, ``--set`` and ``--strict``, as every command takes them."""
+
+    mapping: str | None = None
+    reverse: bool | None = None
+    sets: tuple[tuple[str, str], ...] = ()
+    strict: bool = False
+
+    def resolve(self, layout: GlobalLayout, config_dir: Path | None) -> tuple[Mapping | None, list[TargetSpec]]:
+        """The mapping (parameters from ``--set``, then ``config_dir``'s config.json) and the targets it
+        gives over ``layout``."""
+        mapping = _load_mapping(self.mapping, dict(self.sets), config_dir, self.reverse)
+        return mapping, resolve_targets(mapping, layout, strict=self.strict)
 
 
 def parse_sets(items: Sequence[str] | None) -> dict[str, str]:

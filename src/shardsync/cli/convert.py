@@ -30,7 +30,7 @@ from ..planning import split_ranges
 from ..sources import Source, open_source
 from ..sources.dcp import METADATA_FILE
 from ..stream import full_params
-from .common import _load_mapping, layout_of, progress_bar, resolve_targets
+from .common import MappingFlags, layout_of, progress_bar, source_dir
 from .messages import UsageError
 from .units import human_bytes, human_rate, human_seconds
 
@@ -43,10 +43,7 @@ class ConvertConfig:
 
     source: Path
     out: Path
-    mapping: str | None = None
-    reverse: bool | None = None
-    sets: tuple[tuple[str, str], ...] = ()
-    strict: bool = False
+    flags: MappingFlags = MappingFlags()
     to: Literal["hf", "dcp"] = "hf"
     dtype: torch.dtype | None = None
     max_shard_size: int | None = None
@@ -88,10 +85,6 @@ class _Prepared:
     config_from: Path | None
 
 
-def _source_dir(path: Path) -> Path:
-    return path if path.is_dir() else path.parent
-
-
 def prepare(cfg: ConvertConfig) -> _Prepared:
     """Open the source, resolve the mapping and check the flags and the output (reads headers only).
 
@@ -104,13 +97,11 @@ def prepare(cfg: ConvertConfig) -> _Prepared:
         flag = "--max-shard-size" if cfg.max_shard_size is not None else "--config-from"
         raise UsageError(f"{flag} applies to --to hf only", f"drop {flag}, or write --to hf")
     source = open_source(cfg.source)
-    mapping = _load_mapping(cfg.mapping, dict(cfg.sets), cfg.config_from or _source_dir(cfg.source),
-                            cfg.reverse, cfg.strict)
-    targets = resolve_targets(mapping, layout_of(source), strict=cfg.strict)
+    mapping, targets = cfg.flags.resolve(layout_of(source), cfg.config_from or source_dir(cfg.source))
     config_from = cfg.config_from
     if cfg.to == "hf" and config_from is None and mapping is None:
         # same names, same model: its config.json and tokenizer files belong with the weights
-        here = _source_dir(cfg.source)
+        here = source_dir(cfg.source)
         config_from = here if (here / "config.json").is_file() else None
     _check_output(cfg)
     if cfg.to == "dcp":

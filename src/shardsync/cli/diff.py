@@ -21,7 +21,7 @@ from ..layout.box import Box
 from ..layout.dtypes import dtype_name
 from ..sources import open_source
 from ..stream import full_params
-from .common import _load_mapping, layout_of, progress_bar, resolve_targets
+from .common import MappingFlags, layout_of, progress_bar, source_dir
 from .table import Row, fold, json_text
 
 __all__ = ["DiffConfig", "DiffReport", "TensorDiff", "compare", "max_abs_diff", "run_diff"]
@@ -38,10 +38,7 @@ class DiffConfig:
 
     a: Path
     b: Path
-    mapping: str | None = None
-    reverse: bool | None = None
-    sets: tuple[tuple[str, str], ...] = ()
-    strict: bool = False
+    flags: MappingFlags = MappingFlags()
     atol: float = 0.0
     ignore_dtype: bool = False
     memory_budget: int | None = None
@@ -108,8 +105,8 @@ def compare(cfg: DiffConfig) -> DiffReport:
         FormatError: either path is not a checkpoint; MappingError: the mapping does not fit ``a``.
     """
     source_a, source_b = open_source(cfg.a), open_source(cfg.b)
-    mapping = _load_mapping(cfg.mapping, dict(cfg.sets), None, cfg.reverse, cfg.strict)
-    targets = {t.name: t for t in resolve_targets(mapping, layout_of(source_a), strict=cfg.strict)}
+    mapping, resolved = cfg.flags.resolve(layout_of(source_a), source_dir(cfg.a))
+    targets = {t.name: t for t in resolved}
     layout_b = layout_of(source_b)
     report = DiffReport(sorted(set(targets) - set(layout_b.keys())),
                         sorted(set(layout_b.keys()) - set(targets)))

@@ -17,7 +17,7 @@ from ..layout.box import Box
 from ..layout.meta import GlobalLayout, LayoutEntry
 from ..planning import Plan, PlanOptions, build_plan
 from ..sources import assign_boxes, open_source
-from .common import _load_mapping, resolve_targets
+from .common import MappingFlags, source_dir
 from .messages import UsageError
 from .table import Row, fold, json_text, render, render_ints
 from .units import human_bytes
@@ -30,10 +30,7 @@ class PlanConfig:
     """``shardsync plan``: the source, the mapping flags, the workers and the budget."""
 
     source: Path
-    mapping: str | None = None
-    reverse: bool | None = None
-    sets: tuple[tuple[str, str], ...] = ()
-    strict: bool = False
+    flags: MappingFlags = MappingFlags()
     nproc: int = 1
     memory_budget: int | None = None
     as_json: bool = False
@@ -61,9 +58,8 @@ def dry_run(cfg: PlanConfig) -> Plan:
     if cfg.nproc < 1:
         raise UsageError(f"--nproc {cfg.nproc} is not a number of workers", "give 1 or more")
     source = open_source(cfg.source)
-    mapping = _load_mapping(cfg.mapping, dict(cfg.sets), None, cfg.reverse, cfg.strict)
     layout = spread_layout(source.entries(), cfg.nproc)
-    targets = resolve_targets(mapping, layout, strict=cfg.strict)
+    _, targets = cfg.flags.resolve(layout, source_dir(cfg.source))
     options = PlanOptions(consumers=tuple(range(cfg.nproc)) if cfg.nproc > 1 else None, split_by="bytes",
                           memory_budget=cfg.memory_budget, copy=False,
                           backend="gloo" if cfg.nproc > 1 else "none")

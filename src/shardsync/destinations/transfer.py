@@ -12,6 +12,7 @@ cached per gathered layout, so a loop that reshards the same layouts plans once.
 from __future__ import annotations
 
 import contextlib
+from collections import deque
 import functools
 import time
 from dataclasses import dataclass, field, replace
@@ -22,7 +23,7 @@ import torch.distributed as dist
 
 from ..dist import GroupRanks, agree, is_distributed
 from ..errors import PlanError
-from ..exec import LocalTransport, MulticastTransport, P2PTransport, Stats, Transport, execute
+from ..exec import Stats, execute, transport_for
 from ..layout.box import Box
 from ..layout.meta import GlobalLayout, LayoutEntry
 from ..mapping import Mapping, MappingLike, resolve
@@ -159,21 +160,15 @@ def _transfer(source: SourceLike, dst: DestinationLike, mapping: MappingLike | N
     if strict and not prepared.report.ok:
         raise load_error(prepared.report, prepared.problems)  # same lists on every rank
     stats = Stats(plan_seconds=time.perf_counter() - start)
-    transport = _transport(prepared.plan, ranks)
+    transport = transport_for(prepared.plan, ranks, None)
     device = (torch.device("cuda", torch.cuda.current_device()) if options.backend == "nccl"
               else src.device())
     rank = ranks.rank if ranks is not None else 0
-    for _ in execute(prepared.plan, src, transport, rank, stats, group=group, device=device,
-                     into=lambda t: dest.memory(*prepared.boxes[t])):
-        pass
+    # run every step: the targets are written into the destination's memory as they complete
+    deque(execute(prepared.plan, src, transport, rank, stats, group=group, device=device,
+                  into=lambda t: dest.memory(*prepared.boxes[t])), maxlen=0)
     r = prepared.report
     return LoadResult(r.missing, r.unexpected, r.mismatched, prepared.plan, stats)
-
-
-def _transport(plan: Plan, ranks: GroupRanks | None) -> Transport:
-    if ranks is None:
-        return LocalTransport()
-    return MulticastTransport(ranks, plan) if plan.strategy == "multicast" else P2PTransport(ranks)
 
 
 def _options(group: Any, strategy: DestinationStrategy, memory_budget: int | None,

@@ -15,10 +15,10 @@ from typing import Any
 
 import torch.distributed as dist
 
-from ..dist import GroupRanks, transport_errors
+from ..dist import GroupRanks
 from ..planning.model import Packet, Plan, Step
 from .stats import Stats
-from .transport import P2PTransport, PacketIO, Pending, Posted, Received, landing
+from .transport import P2PTransport, PacketIO, Pending, Posted, broadcast_packet
 
 __all__ = ["MulticastTransport", "multicast_members"]
 
@@ -80,15 +80,5 @@ class MulticastTransport:
             members = multicast_members(self.plan, pk)
             if me not in members:
                 continue
-            if pk.src == me:
-                buf = io.fill(pk)
-                stats.bytes_sent += pk.nbytes
-            else:
-                buf = landing(pk, io)
-                stats.bytes_received += pk.nbytes
-                posted.got.append(Received(pk, buf))
-            with transport_errors():
-                posted.works.append(dist.broadcast(buf, src=self.ranks.to_global(pk.src),
-                                                   group=self.groups[members], async_op=True))
-            stats.collectives += 1
+            broadcast_packet(pk, io, stats, posted, self.ranks, self.groups[members])
         return posted

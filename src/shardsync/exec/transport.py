@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import NamedTuple, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import torch
 import torch.distributed as dist
@@ -26,7 +26,7 @@ from .stats import Stats
 
 
 __all__ = ["Transport", "Pending", "PacketIO", "Received", "Posted", "unpack",
-           "BroadcastTransport", "P2PTransport", "LocalTransport"]
+           "BroadcastTransport", "P2PTransport", "LocalTransport", "broadcast_packet"]
 
 
 class Received(NamedTuple):
@@ -132,6 +132,26 @@ class Transport(Protocol):
         ...
 
 
+def broadcast_packet(pk: Packet, io: PacketIO, stats: Stats, posted: Posted, ranks: GroupRanks,
+                     group: Any) -> None:
+    """Post ``pk`` as one async broadcast over ``group`` (which holds its sender and this rank): the
+    sender's bytes, or where this rank receives them.
+
+    Example:
+        >>> broadcast_packet(pk, io, stats, posted, ranks, ranks.group)   # doctest: +SKIP
+    """
+    if pk.src == ranks.rank:
+        buf = io.fill(pk)
+        stats.bytes_sent += pk.nbytes
+    else:
+        buf = landing(pk, io)
+        stats.bytes_received += pk.nbytes
+        posted.got.append(Received(pk, buf))
+    with transport_errors():
+        posted.works.append(dist.broadcast(buf, src=ranks.to_global(pk.src), group=group, async_op=True))
+    stats.collectives += 1
+
+
 class BroadcastTransport:
     """``broadcast`` and ``bucketed`` steps: one async broadcast per packet over the whole group.
 
@@ -145,17 +165,7 @@ class BroadcastTransport:
     def start(self, step: Step, io: PacketIO, stats: Stats) -> Pending:
         posted = Posted()
         for pk in step.packets:
-            if pk.src == self.ranks.rank:
-                buf = io.fill(pk)
-                stats.bytes_sent += pk.nbytes
-            else:
-                buf = landing(pk, io)
-                stats.bytes_received += pk.nbytes
-                posted.got.append(Received(pk, buf))
-            with transport_errors():
-                posted.works.append(dist.broadcast(buf, src=self.ranks.to_global(pk.src),
-                                                   group=self.ranks.group, async_op=True))
-            stats.collectives += 1
+            broadcast_packet(pk, io, stats, posted, self.ranks, self.ranks.group)
         return posted
 
 

@@ -40,8 +40,8 @@ from pathlib import Path
 
 from ..errors import FormatError
 
-__all__ = ["CheckpointNames", "DirectoryState", "scan", "prepare_directory", "new_tag", "fsync_file",
-           "fsync_dir", "durable_write", "index_text", "commit", "remove_files", "remove_uncommitted",
+__all__ = ["CheckpointNames", "DirectoryState", "scan", "prepare_directory", "new_tag", "fsync_path",
+           "durable_write", "index_text", "commit", "remove_files", "remove_uncommitted",
            "stage_hook", "mark_stage"]
 
 log = logging.getLogger(__name__)
@@ -165,18 +165,9 @@ def prepare_directory(directory: Path, names: CheckpointNames, overwrite: bool) 
     return state
 
 
-def fsync_file(path: Path) -> None:
-    """Flush a written file's data to disk."""
+def fsync_path(path: Path) -> None:
+    """Flush a written file's data, or a directory's entries (renames, removals), to disk."""
     fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def fsync_dir(directory: Path) -> None:
-    """Flush a directory's entries (renames, removals) to disk."""
-    fd = os.open(directory, os.O_RDONLY)
     try:
         os.fsync(fd)
     finally:
@@ -198,7 +189,7 @@ def remove_files(directory: Path, files: Sequence[str]) -> None:
             (directory / name).unlink()
             mark_stage(f"removed {name}")
     if files:
-        fsync_dir(directory)
+        fsync_path(directory)
 
 
 def remove_uncommitted(directory: Path, names: CheckpointNames) -> None:
@@ -253,7 +244,7 @@ def commit(directory: Path, names: CheckpointNames, temps: Sequence[Path], weigh
     n = len(temps)
     if n == 1:
         _rename(temps[0], directory / names.single)
-        fsync_dir(directory)
+        fsync_path(directory)
         mark_stage("committed")
         new: tuple[str, ...] = (names.single,)
         index = None
@@ -264,17 +255,17 @@ def commit(directory: Path, names: CheckpointNames, temps: Sequence[Path], weigh
         for tmp, final in zip(temps, finals):
             _rename(tmp, directory / final)
             mark_stage(f"renamed {final}")
-        fsync_dir(directory)
+        fsync_path(directory)
         index = directory / names.index
         tmp = directory / names.temp(tag, "index")
         durable_write(tmp, index_text({k: finals[i] for k, i in weight_map.items()}, total_size).encode())
         mark_stage(f"wrote {tmp.name}")
         os.replace(tmp, index)
-        fsync_dir(directory)
+        fsync_path(directory)
         if names.single in old.committed:  # model.safetensors hides the index until it is gone
             mark_stage("index in place")
             (directory / names.single).unlink()
-            fsync_dir(directory)
+            fsync_path(directory)
         mark_stage("committed")
         new = (names.index, *finals)
     remove_files(directory, [f for f in old.committed if names.is_own(f) and f not in new])

@@ -34,7 +34,7 @@ from ..layout.meta import GlobalLayout
 from ..layout.sharded import ShardedTensor, StateValue
 from ..planning.validate import layout_problems, shard_boxes, tiling_problems
 from ..sources import LocalSource
-from .commit import fsync_dir, new_tag
+from .commit import fsync_path, new_tag
 
 __all__ = ["save", "BoxSavePlanner"]
 
@@ -127,7 +127,7 @@ def _remove_old_generation(path: Path, metadata: Metadata) -> None:
     for p in old:
         p.unlink()
     if old:
-        fsync_dir(path)
+        fsync_path(path)
 
 
 def save(state: Mapping[str, StateValue], path: str | os.PathLike, *, group: Any = None,

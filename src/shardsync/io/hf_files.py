@@ -11,7 +11,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from ..errors import FormatError
-from .commit import CheckpointNames, fsync_dir, fsync_file, mark_stage
+from .commit import CheckpointNames, fsync_path, mark_stage
 
 __all__ = ["HF_FILES", "extra_files", "copy_files"]
 
@@ -75,12 +75,12 @@ def copy_files(files: Iterable[Path], directory: Path, names: CheckpointNames, t
             tmp.write_text(_with_dtype(src.read_text(), dtype))
         else:
             shutil.copyfile(src, tmp)
-        fsync_file(tmp)
+        fsync_path(tmp)
         os.replace(tmp, directory / src.name)
         mark_stage(f"copied {src.name}")
         copied = True
     if copied:
-        fsync_dir(directory)
+        fsync_path(directory)
 
 
 def _with_dtype(config_text: str, dtype: str) -> str:

@@ -16,7 +16,7 @@ import torch
 from safetensors.torch import save_file
 
 from ..errors import FormatError
-from .commit import (CheckpointNames, commit, fsync_file, mark_stage, new_tag, prepare_directory,
+from .commit import (CheckpointNames, commit, fsync_path, mark_stage, new_tag, prepare_directory,
                      remove_files, remove_uncommitted)
 
 __all__ = ["SafetensorsWriter", "WriteResult", "save_safetensors", "parse_size", "starts_new_shard",
@@ -91,7 +91,7 @@ def file_ready(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 def write_shard(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> None:
     """Write one safetensors file at a temporary ``path`` and fsync it."""
     save_file(file_ready(tensors), str(path), metadata=metadata)
-    fsync_file(path)
+    fsync_path(path)
     mark_stage(f"wrote {path.name}")
 
 

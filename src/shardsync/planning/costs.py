@@ -74,7 +74,7 @@ def _mesh_hv(t: _Tally, step: Step, world: int, topology: Sequence[Sequence[int]
 
 
 def _mesh_global(t: _Tally, step: Step, world: int, topology: Sequence[Sequence[int]] | None,
-             reads: Sequence[Read]) -> None:
+                 reads: Sequence[Read]) -> None:
     assert topology is not None  # mesh steps exist only in plans with a topology
     # Down the sender's column, then across every row from that column; one buffer on every rank.
     pk = step.packets[0]
@@ -89,7 +89,7 @@ def _mesh_global(t: _Tally, step: Step, world: int, topology: Sequence[Sequence[
 
 
 def _broadcast(t: _Tally, step: Step, world: int, topology: Sequence[Sequence[int]] | None,
-             reads: Sequence[Read]) -> None:
+               reads: Sequence[Read]) -> None:
     for pk in step.packets:
         t.collective(range(world), pk.src, pk.nbytes)
         for r in range(world):
@@ -97,7 +97,7 @@ def _broadcast(t: _Tally, step: Step, world: int, topology: Sequence[Sequence[in
 
 
 def _p2p(t: _Tally, step: Step, world: int, topology: Sequence[Sequence[int]] | None,
-             reads: Sequence[Read]) -> None:
+         reads: Sequence[Read]) -> None:
     for pk in step.packets:
         t.collective((pk.src, pk.dst), pk.src, pk.nbytes)
         t.buf[pk.src] += pk.nbytes
@@ -114,13 +114,15 @@ def _multicast(t: _Tally, step: Step, world: int, topology: Sequence[Sequence[in
 
 
 def _local(t: _Tally, step: Step, world: int, topology: Sequence[Sequence[int]] | None,
-             reads: Sequence[Read]) -> None:
-    pass  # nothing moves
+           reads: Sequence[Read]) -> None:
+    """A local step moves nothing: it adds no traffic and no buffers."""
 
 
 #: The cost model of each step kind: adds a step's traffic and buffers to the tally.
-STEP_COSTS: dict[str, Callable[[_Tally, Step, int, Sequence[Sequence[int]] | None, Sequence[Read]], None]] = {
-    "local": _local, "broadcast": _broadcast, "p2p": _p2p, "multicast": _multicast, "mesh_hv": _mesh_hv, "mesh_global": _mesh_global}
+StepCost = Callable[[_Tally, Step, int, Sequence[Sequence[int]] | None, Sequence[Read]], None]
+STEP_COSTS: dict[str, StepCost] = {
+    "local": _local, "broadcast": _broadcast, "p2p": _p2p, "multicast": _multicast,
+    "mesh_hv": _mesh_hv, "mesh_global": _mesh_global}
 if set(STEP_COSTS) != set(get_args(StepKind)):
     raise ImportError(f"STEP_COSTS {sorted(STEP_COSTS)} must cost every StepKind {get_args(StepKind)}")
 
