@@ -241,29 +241,27 @@ def _loaded(ckpt: str) -> dict[str, torch.Tensor]:
     return state
 
 
-def route_save_file(ckpt: str, out: str) -> float:
+def _save_file(ckpt: str, out: str, fsync: bool) -> float:
     from safetensors.torch import save_file
+
+    from shardsync.io.commit import fsync_path
 
     state = _loaded(ckpt)
     global _BEFORE
     _BEFORE = _rss("VmRSS")
     t0 = time.perf_counter()
     save_file(state, str(Path(out, "model.safetensors")))
+    if fsync:  # what the crash-safe commit also pays
+        fsync_path(Path(out, "model.safetensors"))
     return time.perf_counter() - t0
+
+
+def route_save_file(ckpt: str, out: str) -> float:
+    return _save_file(ckpt, out, fsync=False)
 
 
 def route_save_file_fsync(ckpt: str, out: str) -> float:
-    from safetensors.torch import save_file
-
-    state = _loaded(ckpt)
-    global _BEFORE
-    _BEFORE = _rss("VmRSS")
-    t0 = time.perf_counter()
-    save_file(state, str(Path(out, "model.safetensors")))
-    fd = os.open(Path(out, "model.safetensors"), os.O_RDONLY)
-    os.fsync(fd)
-    os.close(fd)
-    return time.perf_counter() - t0
+    return _save_file(ckpt, out, fsync=True)
 
 
 ROUTES: dict[str, Callable[[str, str], float]] = {

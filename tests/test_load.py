@@ -224,3 +224,14 @@ def test_fused_qkv_reblocked_for_the_destination_shard_count() -> None:
     load({"w4": dst}, {"w2": src},
          ["w2 -> w4, fused_qkv_old, num_heads=8, num_key_value_groups=4, axis=0"])
     assert torch.equal(torch.cat([s.local for s in dst]), blocked(4))
+
+
+def test_a_training_step_keeps_the_cached_plan() -> None:
+    # values change every step, the layout does not: the RL loop plans once and still moves new values
+    src = {"w": torch.arange(17 * 3, dtype=torch.float32).reshape(17, 3)}
+    dst = {"w": torch.zeros(3, 17)}
+    first = shardsync.reshard(src, dst, ["w^T -> w"])
+    src["w"].add_(0.5)
+    second = shardsync.reshard(src, dst, ["w^T -> w"])
+    assert second.plan is first.plan
+    assert torch.equal(dst["w"], src["w"].T)

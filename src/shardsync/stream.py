@@ -26,7 +26,7 @@ from .errors import LayoutError, PlanError, ShardsyncError
 from .exec import (MeshGroups, MeshLike, MeshPlace, Stats, Transport, execute, local_mesh_info, mesh_groups,
                    transport_for)
 from .layout import GlobalLayout
-from .layout.meta import LayoutEntry, check_replicas
+from .layout.meta import LayoutEntry, check_replicas, without_values
 from .mapping import Mapping as ParsedMapping
 from .mapping import MappingLike, resolve
 from .planning import (DEFAULT_BUCKET_BYTES, DEFAULT_MESH_THRESHOLD_BYTES, Plan, PlanOptions, SplitBy,
@@ -134,7 +134,7 @@ def _agree_on_plan(gathered: list[_RankLayout], request: _Request) -> Plan:
         parsed = None if request.mapping is None else ParsedMapping.parse(request.mapping)
         check_replicas([r.entries for r in gathered])
         # values (fingerprints) change every training step, the layout does not: plan once
-        key = tuple(_RankLayout(tuple(LayoutEntry(*e[:4]) for e in r.entries), r.mesh) for r in gathered)
+        key = tuple(_RankLayout(without_values(r.entries), r.mesh) for r in gathered)
         return _planned(key, parsed, request.options, request.groups is not None)
 
     agreed = agree(PLAN_PHASE, build, request.group, share=lambda built: built.fingerprint,

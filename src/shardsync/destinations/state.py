@@ -73,11 +73,9 @@ def as_source(value: SourceLike) -> Source:
         >>> as_source({"w": torch.zeros(2)}).entries()[0].shape
         (2,)
     """
-    if isinstance(value, (str, os.PathLike)):  # every rank reads its own boxes of the files
-        return open_source(value)
-    if not isinstance(value, (Mapping, torch.nn.Module)) and isinstance(value, Source):
-        return value
-    return LocalSource(_state(value, "the source"))
+    if value is None or isinstance(value, torch.nn.Module):
+        return LocalSource(_state(value, "the source"))
+    return open_source(value)  # a path is not spread: every rank reads its own boxes of the files
 
 
 class Destination:

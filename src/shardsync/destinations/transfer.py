@@ -25,7 +25,7 @@ from ..dist import GroupRanks, agree, is_distributed
 from ..errors import PlanError
 from ..exec import Stats, execute, transport_for
 from ..layout.box import Box
-from ..layout.meta import GlobalLayout, LayoutEntry
+from ..layout.meta import GlobalLayout, LayoutEntry, check_replicas, without_values
 from ..mapping import Mapping, MappingLike, resolve
 from ..planning import DEFAULT_BUCKET_BYTES, Plan, PlanOptions, build_plan
 from ..planning.destinations import box_targets
@@ -51,6 +51,11 @@ class _Ends(NamedTuple):
 
     def entries(self) -> _Local:
         return tuple(self.source.entries()), tuple(self.dest.entries())
+
+    def layout(self) -> _Local:
+        """The entries without values: what the plan depends on, compared between calls."""
+        src, dst = self.entries()
+        return without_values(src), without_values(dst)
 
 
 @dataclass
@@ -107,7 +112,12 @@ def _parse(mapping: MappingLike | None, reverse: bool) -> Mapping:
 
 def _agree_on_plan(gathered: list[_Local], mapping: MappingLike | None, reverse: bool, strict: bool,
                    options: PlanOptions, group: Any) -> _Prepared:
-    agreed = agree("plan", lambda: _prepare(tuple(gathered), _parse(mapping, reverse), options), group,
+    def build() -> _Prepared:
+        check_replicas([src for src, _ in gathered])  # values: checked on every gather, never cached
+        key = tuple((without_values(src), without_values(dst)) for src, dst in gathered)
+        return _prepare(key, _parse(mapping, reverse), options)
+
+    agreed = agree("plan", build, group,
                    share=lambda built: f"{built.fingerprint} strict={strict}", unanimous=True)
     if len(set(agreed.all)) > 1:
         raise PlanError(f"ranks built different plans ({agreed.all}); pass the same mapping and options "
@@ -147,7 +157,7 @@ def _transfer(source: SourceLike, dst: DestinationLike, mapping: MappingLike | N
     inputs = None
     with contextlib.suppress(Exception):  # a failure here is raised by the phases below, on every rank
         ends = open_ends()
-        inputs = (ends.entries(), _parse(mapping, reverse), ends.options, strict)
+        inputs = (ends.layout(), _parse(mapping, reverse), ends.options, strict)
     prepared = _unchanged(ranks, inputs) if ranks is not None else None
     if prepared is None or ends is None:
         opened = agree("gather layout", lambda: ends if ends is not None else open_ends(), group,

@@ -14,7 +14,7 @@ from typing import Any, NamedTuple
 from ..errors import LayoutError
 from .box import Box
 
-__all__ = ["LayoutEntry", "ShardSpec", "TensorMeta", "GlobalLayout", "check_replicas"]
+__all__ = ["LayoutEntry", "ShardSpec", "TensorMeta", "GlobalLayout", "check_replicas", "without_values"]
 
 
 class LayoutEntry(NamedTuple):
@@ -60,6 +60,17 @@ def _replica_problems(per_rank: Sequence[Iterable[EntryLike]]) -> list[str]:
                         f"fingerprints differ); {fix}; if these are replicas that drifted apart, sync "
                         "them first (shardsync.detect_drift)")
     return problems
+
+
+def without_values(entries: Iterable[EntryLike]) -> tuple[LayoutEntry, ...]:
+    """The entries without their fingerprints: the layout alone, which is what a plan depends on.
+    Values change every training step, the layout does not, so plans are cached by this.
+
+    Example:
+        >>> without_values([LayoutEntry("w", (2,), "float32", Box((0,), (2,)), "01")])[0].fingerprint is None
+        True
+    """
+    return tuple(LayoutEntry(*e[:4]) for e in entries)
 
 
 def check_replicas(per_rank: Sequence[Iterable[EntryLike]]) -> None:
