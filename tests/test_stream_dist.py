@@ -100,6 +100,7 @@ def case_count(rank: int, world: int) -> tuple[dict, Any, dict]:
 # -- running and comparing -----------------------------------------------------------------------------
 
 def run(state: dict, mapping: Any, ref: dict, **kw: Any) -> dict[str, Any]:
+    kw.setdefault("transport", "backend")  # the strategies' collectives (test_shm.py: shared memory)
     stream = full_params(state, mapping, **kw)
     names, problems = [], []
     for name, t in stream:

@@ -9,6 +9,7 @@ collectives.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import time
@@ -23,7 +24,9 @@ from .errors import PlanError
 from .dist import GroupRanks, agree, is_distributed
 from .exec import (BroadcastTransport, LocalTransport, MeshTransport, P2PTransport, Stats, Transport,
                    execute, local_mesh_info, mesh_groups)
+from .exec.memory import REUSE_MODES, Reuse
 from .exec.mesh import MeshGroups
+from .exec.shm import HostInfo, ShmTransport, describe_hosts, host_info, same_host, shm_costs
 from .layout import GlobalLayout, StateValue
 from .layout.meta import check_replicas
 from .mapping import Mapping as ParsedMapping
@@ -32,12 +35,15 @@ from .planning import DEFAULT_BUCKET_BYTES, Plan, PlanOptions, SplitBy, Strategy
 from .planning.mesh import build_topology
 from .sources import LocalSource, Source
 
-__all__ = ["full_params", "plan", "ParamStream", "Consumers"]
+__all__ = ["full_params", "plan", "ParamStream", "Consumers", "TransportChoice"]
 
 log = logging.getLogger(__name__)
 
 #: Who receives targets: every rank, one rank, or ranks that split the targets among them.
 Consumers = Union[Literal["all"], int, Sequence[int]]
+#: How data moves between ranks: ``"shm"`` through shared memory (every rank on one host, CPU),
+#: ``"backend"`` through the process group's collectives, ``"auto"``: shm where it applies.
+TransportChoice = Literal["auto", "shm", "backend"]
 
 
 @dataclass
@@ -47,6 +53,14 @@ class _Context:
     transport: Transport
     rank: int
     device: torch.device
+    kind: str  # how data moves, for stats: "local", "shm", or the backend's name
+
+
+def _check_exec(transport: str, reuse: str) -> None:
+    if transport not in ("auto", "shm", "backend"):
+        raise PlanError(f"transport={transport!r}: use 'auto', 'shm' or 'backend'")
+    if reuse not in REUSE_MODES:
+        raise PlanError(f"reuse={reuse!r}: use one of {list(REUSE_MODES)}")
 
 
 def _options(group: Any, consumers: Consumers, **kw: Any) -> PlanOptions:
@@ -100,31 +114,57 @@ def _agree_on_plan(gathered: list[tuple[Any, Any]], mapping: Any, options: PlanO
     return built[0]
 
 
-def _transport(plan: Plan, ranks: GroupRanks | None, groups: MeshGroups | None) -> Transport:
+def _use_shm(plan: Plan, hosts: list[tuple[HostInfo, str]], device: torch.device) -> bool:
+    """Whether reads move through shared memory; the same answer (or error) on every rank."""
+    choices = {choice for _, choice in hosts}
+    if len(choices) > 1:
+        raise PlanError(f"ranks passed different transport= values {sorted(choices)}; pass the same "
+                        "on every rank of the group")
+    infos, choice = [h for h, _ in hosts], choices.pop()
+    need = sum(r.nbytes for r in plan.reads if r.receivers)
+    why = ("the strategy is mesh2d (its transport is the mesh's groups)" if plan.strategy == "mesh2d"
+           else f"targets are on {device.type}, not cpu" if device.type != "cpu"
+           else f"the ranks are on several hosts ({describe_hosts(infos)})" if not same_host(infos)
+           else f"{infos[0].shm_free} B free in /dev/shm, {need} B needed" if need > infos[0].shm_free
+           else "")
+    if choice == "shm" and why:
+        raise PlanError(f"transport='shm' cannot be used: {why}; pass transport='backend' or 'auto'")
+    return choice != "backend" and not why and need > 0
+
+
+def _transport(plan: Plan, ranks: GroupRanks | None, groups: MeshGroups | None, source: Source,
+               hosts: list[tuple[HostInfo, str]], device: torch.device) -> tuple[Transport, str, Plan]:
     if ranks is None:
-        return LocalTransport()
+        return LocalTransport(), "local", plan
+    if _use_shm(plan, hosts, device):
+        shm = ShmTransport(ranks, plan, source, [h for h, _ in hosts])
+        shm.plan = plan = dataclasses.replace(plan, costs=shm_costs(plan, shm.setup_collectives))
+        return shm, "shm", plan
+    kind = str(dist.get_backend(ranks.group))
     if plan.strategy == "mesh2d" and groups is not None and plan.topology is not None:
-        return MeshTransport(ranks, groups, plan.topology)
-    return P2PTransport(ranks) if plan.strategy == "p2p" else BroadcastTransport(ranks)
+        return MeshTransport(ranks, groups, plan.topology), kind, plan
+    return (P2PTransport(ranks) if plan.strategy == "p2p" else BroadcastTransport(ranks)), kind, plan
 
 
 def _prepare(state: Mapping[str, StateValue], mapping: Any, group: Any, mesh: Any,
-             options: PlanOptions) -> _Context:
-    """Gather the layout -> resolve -> plan, validate and agree -> pick the transport."""
+             options: PlanOptions, transport: TransportChoice = "auto") -> _Context:
+    """Gather the layout (and hosts) -> resolve -> plan, validate and agree -> pick the transport."""
     ranks = GroupRanks.of(group) if is_distributed(group) else None
     groups = mesh_groups(mesh) if mesh is not None else None
     sources: list[LocalSource] = []
 
-    def local() -> tuple[Any, Any]:  # the state is normalised once, inside the agreed phase
+    def local() -> tuple[Any, Any, Any]:  # the state is normalised once, inside the agreed phase
         sources.append(LocalSource(state))
-        return _local_info(sources[0], groups, ranks)
+        return (*_local_info(sources[0], groups, ranks), (host_info(group), transport))
 
     gathered = agree("gather layout", local, group)
-    plan = _agree_on_plan(gathered, mapping, options, groups is not None, group)
+    hosts = [g[2] for g in gathered]
+    plan = _agree_on_plan([g[:2] for g in gathered], mapping, options, groups is not None, group)
     source = sources[0]
     device = (torch.device("cuda", torch.cuda.current_device()) if options.backend == "nccl"
               else source.device())
-    return _Context(plan, source, _transport(plan, ranks, groups), ranks.rank if ranks else 0, device)
+    moved, kind, plan = _transport(plan, ranks, groups, source, hosts, device)
+    return _Context(plan, source, moved, ranks.rank if ranks else 0, device, kind)
 
 
 class ParamStream:
@@ -145,8 +185,10 @@ class ParamStream:
     """
 
     def __init__(self, state: Mapping[str, StateValue], mapping: Any, group: Any, mesh: Any,
-                 options: PlanOptions) -> None:
-        self._args = (state, mapping, group, mesh, options)
+                 options: PlanOptions, transport: TransportChoice = "auto", reuse: Reuse = "dropped",
+                 ) -> None:
+        self._args = (state, mapping, group, mesh, options, transport)
+        self._reuse = reuse
         self._started = False
         self.plan: Plan | None = None
         self.stats = Stats()
@@ -162,8 +204,9 @@ class ParamStream:
         ctx = _prepare(*self._args)
         self.plan = ctx.plan
         self.stats.plan_seconds = time.perf_counter() - start
+        self.stats.transport = ctx.kind
         yield from execute(ctx.plan, ctx.source, ctx.transport, ctx.rank, self.stats,
-                           group=self._args[2], device=ctx.device)
+                           group=self._args[2], device=ctx.device, reuse=self._reuse)
         log.debug("full_params done: %s", self.stats.summary())
 
 
@@ -171,7 +214,8 @@ def full_params(state: Mapping[str, StateValue], mapping: MappingLike | None = N
                 strategy: StrategyChoice = "auto", mesh: Any = None, num_splits: int = 1,
                 split_index: int = 0, split_by: SplitBy = "count", consumers: Consumers = "all",
                 bucket_bytes: int = DEFAULT_BUCKET_BYTES, memory_budget: int | None = None,
-                mesh_threshold_bytes: int = 8 << 30, copy: bool = True) -> ParamStream:
+                mesh_threshold_bytes: int = 8 << 30, copy: bool = True,
+                transport: TransportChoice = "auto", reuse: Reuse = "dropped") -> ParamStream:
     """Stream full (mapped) tensors out of sharded state; call on every rank of the group.
 
     Args:
@@ -193,6 +237,13 @@ def full_params(state: Mapping[str, StateValue], mapping: MappingLike | None = N
         mesh_threshold_bytes: mesh2d moves a read alone by two-stage broadcast when batching it would
             grow every rank's memory by more than this (Paddle's ``memory_growth_threshold``).
         copy: False returns targets that are an unchanged local source as views of it (zero copy).
+        transport: ``"auto"`` moves data through shared memory when every rank is on one host and
+            the targets are on CPU (else through the group's backend), ``"shm"`` insists on shared
+            memory, ``"backend"`` always uses the group's collectives (docs/performance.md).
+        reuse: ``"dropped"``: a target's memory is reused for a later target only once no tensor,
+            view or storage of it is alive; ``"until-next"``: each target is valid only until the
+            next one is requested (its memory is then reused even if still referenced);
+            ``"never"``: fresh memory for each target.
 
     Returns:
         a :class:`ParamStream`: iterate it for ``(name, tensor)``; ``.stats`` and ``.plan`` after.
@@ -208,14 +259,16 @@ def full_params(state: Mapping[str, StateValue], mapping: MappingLike | None = N
         ...     print(name, tensor.shape)     # doctest: +SKIP
         w torch.Size([17, 2])
     """
+    _check_exec(transport, reuse)
     options = _options(group, consumers, strategy=strategy, num_splits=num_splits,
                        split_index=split_index, split_by=split_by, bucket_bytes=bucket_bytes,
                        memory_budget=memory_budget, mesh_threshold_bytes=mesh_threshold_bytes, copy=copy)
-    return ParamStream(state, mapping, group, mesh, options)
+    return ParamStream(state, mapping, group, mesh, options, transport, reuse)
 
 
 def plan(state: Mapping[str, StateValue], mapping: MappingLike | None = None, *, group: Any = None,
-         mesh: Any = None, consumers: Consumers = "all", **options: Any) -> Plan:
+         mesh: Any = None, consumers: Consumers = "all", transport: TransportChoice = "auto",
+         **options: Any) -> Plan:
     """The plan :func:`full_params` would run, for inspection (collective: call on every rank).
 
     Takes the same arguments as :func:`full_params`; moves no tensor data.
@@ -224,4 +277,5 @@ def plan(state: Mapping[str, StateValue], mapping: MappingLike | None = None, *,
         >>> p = shardsync.plan(state, strategy="bucketed")    # doctest: +SKIP
         >>> print(p.summary())                                 # doctest: +SKIP
     """
-    return _prepare(state, mapping, group, mesh, _options(group, consumers, **options)).plan
+    _check_exec(transport, "never")
+    return _prepare(state, mapping, group, mesh, _options(group, consumers, **options), transport).plan

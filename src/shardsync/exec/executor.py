@@ -5,6 +5,9 @@ packed and posted) before step k is *finished* (copies of local pieces, wait, co
 pieces, buffers dropped, completed targets yielded). So while this rank copies - or its caller
 consumes a target - the next packets are already on the wire. Memory held is the open targets plus
 the buffers of the steps in flight, as :func:`shardsync.planning.estimate_costs` assumes.
+
+On CPU, targets and buffers come from a :class:`~shardsync.exec.memory.BlockPool` (``reuse``): memory
+of earlier targets the caller dropped is written again instead of faulting in fresh pages.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from ..planning.costs import is_zero_copy
 from ..planning.model import Packet, Plan, Step
 from ..sources import Source
 from .assemble import copy_piece
+from .memory import BlockPool, Reuse
 from .stats import Stats
 from .transport import Pending, Received, Transport, unpack
 
@@ -43,8 +47,9 @@ class _Run:
     """One rank's state while executing a plan; also the :class:`PacketIO` its transport uses."""
 
     def __init__(self, plan: Plan, source: Source, rank: int, stats: Stats,
-                 device: torch.device) -> None:
+                 device: torch.device, pool: BlockPool | None = None) -> None:
         self.plan, self.source, self.rank, self.stats, self.device = plan, source, rank, stats, device
+        self.pool = pool
         self.open: dict[int, torch.Tensor] = {}
         self.direct: set[int] = set()  # reads received straight into their target
         self.posting = 0  # the step being started: its buffers are held under its tag
@@ -56,6 +61,11 @@ class _Run:
                     if rank not in plan.reads[c.read].holders:
                         self.remote.setdefault(c.read, []).append((t, c.piece))
 
+    def empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        if self.pool is None:
+            return torch.empty(shape, dtype=dtype, device=self.device)
+        return self.pool.empty(shape, dtype)
+
     def mine(self, t: int) -> bool:
         return self.rank in self.plan.targets[t].consumers
 
@@ -63,7 +73,7 @@ class _Run:
         """Allocate target ``t`` (unless it will be a view of this rank's own data)."""
         tp = self.plan.targets[t]
         if not is_zero_copy(tp, self.plan.reads, self.rank, self.plan.copy):
-            self.open[t] = torch.empty(tp.shape, dtype=to_torch_dtype(tp.dtype), device=self.device)
+            self.open[t] = self.empty(tp.shape, to_torch_dtype(tp.dtype))
             self.stats.hold(tp.nbytes, tag=t)
 
     @torch.no_grad()
@@ -78,7 +88,7 @@ class _Run:
 
     def buffer(self, nbytes: int) -> torch.Tensor:
         self.stats.hold(nbytes, _step_tag(self.posting))
-        return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        return self.empty((nbytes,), torch.uint8)
 
     @torch.no_grad()
     def fill(self, pk: Packet) -> torch.Tensor:
@@ -153,21 +163,32 @@ class _Run:
                 yield self.take(t)
 
 
+def _pool(plan: Plan, rank: int, device: torch.device, reuse: Reuse) -> BlockPool | None:
+    # Keeps what the plan holds at once, plus the caller's current target and the one before it.
+    if reuse == "never" or device.type != "cpu":
+        return None
+    largest = max((t.nbytes for t in plan.targets if rank in t.consumers), default=0)
+    return BlockPool(plan.costs.peak_bytes[rank] + 2 * largest, reuse)
+
+
 def execute(plan: Plan, source: Source, transport: Transport, rank: int, stats: Stats,
-            *, group: Any = None, device: torch.device | None = None,
+            *, group: Any = None, device: torch.device | None = None, reuse: Reuse = "dropped",
             ) -> Iterator[tuple[str, torch.Tensor]]:
     """Run ``plan`` on this rank; yield ``(name, tensor)`` for each target this rank consumes.
 
     Every rank of the group must call this with the same plan and iterate to the end: the steps are
     collective. A failure on any rank is raised on every rank as a
     :class:`~shardsync.errors.DistributedError` naming the ``stream`` phase; a rank that stops
-    iterating makes the others fail within the group timeout.
+    iterating makes the others fail within the group timeout. ``reuse`` says when the memory of a
+    yielded target may hold a later one (see :data:`~shardsync.exec.memory.Reuse`). A transport with
+    a ``close(stats)`` method has it called after the last step, inside the phase.
 
     Example:
         >>> for name, tensor in execute(plan, LocalSource(state), transport, rank, Stats()):  # doctest: +SKIP
         ...     save(name, tensor)
     """
-    run = _Run(plan, source, rank, stats, device or source.device())
+    device = device or source.device()
+    run = _Run(plan, source, rank, stats, device, _pool(plan, rank, device, reuse))
     inflight: deque[tuple[int, Step, Pending]] = deque()
     start = time.perf_counter()
     with data_phase(STREAM_PHASE, group):
@@ -178,5 +199,11 @@ def execute(plan: Plan, source: Source, transport: Transport, rank: int, stats: 
                     stats.seconds = time.perf_counter() - start
                     yield item
                     start = time.perf_counter() - stats.seconds  # time spent in the caller not counted
+                    if run.pool is not None:
+                        run.pool.release(item[1])
+        close = getattr(transport, "close", None)
+        if close is not None:
+            close(stats)
+    stats.reused_blocks = run.pool.reused if run.pool is not None else 0
     stats.seconds = time.perf_counter() - start
     log.debug("rank %d stream done: %s", rank, stats.summary())

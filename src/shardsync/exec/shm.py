@@ -1,0 +1,353 @@
+"""The same-host transport: ranks on one machine exchange reads through shared memory, not sockets.
+
+Each rank writes the reads it sends (every read whose sender it is, once, however many ranks receive
+it) into one file in ``/dev/shm``; the peers map that file and copy the boxes they need straight from
+it into their targets - no packing, no socket, no receive buffer. Setup is two agreed phases
+(:func:`shardsync.dist.agree`, so a failure on any rank is raised on all of them):
+
+1. ``shm publish``: each rank creates its segment (``O_EXCL``, space reserved with
+   ``posix_fallocate`` so a full ``/dev/shm`` is an error, never a ``SIGBUS``) and fills it;
+2. ``shm open``: each rank maps the segments of the peers it reads from.
+
+Right after the second phase - whether it succeeded or not - every rank unlinks every segment name of
+the stream, so names live only for the few milliseconds of setup: a rank killed later leaves nothing
+behind (the kernel frees a segment when its last mapping goes), and a rank killed during setup has its
+name removed by the survivors, which know it (names are ``shardsync-<pid of rank 0>-<n>-<rank>-<pid>``,
+all agreed when the layout is gathered). A segment whose creator died with every other rank (all of
+them killed during setup) is removed by the next stream on the host.
+
+After setup no rank waits for another until :meth:`ShmTransport.close`, a barrier after the last
+step: a rank that failed or stopped iterating still makes every other rank raise (the
+``data_phase`` guarantee), and no rank reads a segment its owner could reuse.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import logging
+import mmap
+import os
+import socket
+import warnings
+import weakref
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+import torch
+import torch.distributed as dist
+
+from ..dist import GroupRanks, agree
+from ..layout.dtypes import to_torch_dtype
+from ..planning.model import Costs, Packet, Plan, Step
+from ..planning.schedule import ALIGN
+from ..sources import Source
+from .stats import Stats
+from .transport import PacketIO, Posted
+
+__all__ = ["ShmTransport", "HostInfo", "host_info", "same_host", "describe_hosts", "segment_layout",
+           "shm_costs", "cached_token", "release", "SHM_DIR", "SHM_PREFIX"]
+
+log = logging.getLogger(__name__)
+
+#: Where segments live (a tmpfs on Linux).
+SHM_DIR = "/dev/shm"
+#: Every segment name starts with this.
+SHM_PREFIX = "shardsync-"
+#: Collectives of the setup (publish, open); :meth:`ShmTransport.close` adds one barrier.
+SETUP_COLLECTIVES = 2
+_streams = itertools.count()  # per process; every rank of a group opens its streams in the same order
+
+
+class HostInfo(NamedTuple):
+    """What a rank tells the others about its machine when the layout is gathered.
+
+    Ranks are on one host when hostname, boot id and the device of ``/dev/shm`` all agree (two
+    containers on one machine with separate ``/dev/shm`` mounts are not one host).
+    """
+
+    hostname: str
+    boot_id: str
+    shm_device: int
+    shm_free: int
+    pid: int
+    stream: int  # this process's stream counter: names this stream's segments (rank 0's is used)
+    segments: str  # token of the segments kept for the group ("" if none, see :func:`release`)
+
+    @property
+    def machine(self) -> tuple[str, str, int]:
+        return self.hostname, self.boot_id, self.shm_device
+
+
+def host_info(group: Any = None) -> HostInfo:
+    """This process's :class:`HostInfo` for a stream on ``group`` (``shm_device`` -1 and ``shm_free``
+    0 without a writable /dev/shm).
+
+    Example:
+        >>> host_info().pid == os.getpid()
+        True
+    """
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as fh:
+            boot = fh.read().strip()
+    except OSError:
+        boot = ""
+    try:
+        st, vfs = os.stat(SHM_DIR), os.statvfs(SHM_DIR)
+        dev, free = st.st_dev, vfs.f_bavail * vfs.f_frsize if os.access(SHM_DIR, os.W_OK) else 0
+    except OSError:
+        dev, free = -1, 0
+    return HostInfo(socket.gethostname(), boot, dev, free, os.getpid(), next(_streams), cached_token(group))
+
+
+def segment_layout(plan: Plan) -> tuple[list[int], dict[int, int]]:
+    """Byte size of each rank's segment, and the offset of every moved read in its sender's segment.
+
+    Example:
+        >>> sizes, offsets = segment_layout(plan)   # doctest: +SKIP
+    """
+    sizes = [0] * plan.world_size
+    offsets: dict[int, int] = {}
+    for i, r in enumerate(plan.reads):
+        if r.receivers and r.sender is not None:
+            offsets[i] = sizes[r.sender]
+            sizes[r.sender] = -(-(sizes[r.sender] + r.nbytes) // ALIGN) * ALIGN
+    return sizes, offsets
+
+
+def shm_costs(plan: Plan, setup_collectives: int = SETUP_COLLECTIVES) -> Costs:
+    """The plan's costs when its reads move through shared memory: each read is written once by its
+    sender and copied by each receiver; no collective moves data, small ones synchronise (the setup
+    phases - two, or one with segments kept from the last stream - and the closing barrier); and
+    every rank also holds its own segment for the whole stream (no receive or pack buffers, so the
+    plan's peak stays an upper bound).
+
+    Example:
+        >>> shm_costs(plan).collectives   # doctest: +SKIP
+        (3, 3)
+    """
+    world = plan.world_size
+    sent, recv = [0] * world, [0] * world
+    for r in plan.reads:
+        if r.receivers and r.sender is not None:
+            sent[r.sender] += r.nbytes
+            for d in r.receivers:
+                recv[d] += r.nbytes
+    sizes, _ = segment_layout(plan)
+    peak = tuple(p + s for p, s in zip(plan.costs.peak_bytes, sizes))
+    return Costs(tuple(sent), tuple(recv), (setup_collectives + 1,) * world, peak)
+
+
+def group_name(group: Any) -> str:
+    """The name every member process has for ``group`` (None: the default group).
+
+    Example:
+        >>> group_name(None)
+        'world'
+    """
+    g = group if group is not None else dist.group.WORLD
+    return str(getattr(g, "group_name", None) or "world")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _sweep() -> None:
+    """Remove segments whose creator is dead (every rank of that stream was killed during setup)."""
+    with contextlib.suppress(OSError):
+        for name in os.listdir(SHM_DIR):
+            pid = name.rsplit("-", 1)[-1]
+            if name.startswith(SHM_PREFIX) and pid.isdigit() and not _alive(int(pid)):
+                with contextlib.suppress(OSError):
+                    os.unlink(os.path.join(SHM_DIR, name))
+                    log.warning("removed %s/%s, left by a process that died", SHM_DIR, name)
+
+
+def _map(path: str, size: int, create: bool) -> mmap.mmap:
+    flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
+    fd = os.open(path, flags, 0o600)
+    try:
+        if create:
+            os.posix_fallocate(fd, 0, size)  # ENOSPC here, not SIGBUS on first touch
+        return mmap.mmap(fd, size)
+    finally:
+        os.close(fd)
+
+
+def _bytes(mm: mmap.mmap) -> torch.Tensor:
+    with warnings.catch_warnings():  # frombuffer warns about buffers it cannot check; ours is writable
+        warnings.simplefilter("ignore")
+        return torch.frombuffer(mm, dtype=torch.uint8)
+
+
+class _Segments:
+    """The mappings of one stream's segments (own and peers'), kept for the next stream of the group."""
+
+    def __init__(self, token: str, key: tuple, views: dict[int, torch.Tensor]) -> None:
+        self.token, self.key, self.views = token, key, views
+        self.busy = True  # a stream is using them: no other stream may write into them
+
+
+#: Group name -> the segments of its last stream that set them up.
+_cache: dict[str, _Segments] = {}
+
+
+def cached_token(group: Any) -> str:
+    """The token of ``group``'s kept segments, "" if none or in use (sent with the host info).
+
+    Example:
+        >>> cached_token(None)
+        ''
+    """
+    entry = _cache.get(group_name(group))
+    return entry.token if entry is not None and not entry.busy else ""
+
+
+def release(group: Any = None) -> None:
+    """Drop the shared-memory segments kept for ``group`` (None: the default group) between streams.
+
+    Each rank keeps its segment (the bytes it sends) and its mappings of its peers' ones after a
+    stream, so that the next stream of the same plan writes and reads warm memory instead of
+    faulting in fresh pages. Call this on every rank to give that memory back (the next stream then
+    sets up new segments).
+
+    Example:
+        >>> release()
+    """
+    _cache.pop(group_name(group), None)
+
+
+class ShmTransport:
+    """Moves a plan's reads between ranks of one host through ``/dev/shm`` (see the module doc).
+
+    Works with the packet strategies (``broadcast``, ``bucketed``, ``p2p``): what a packet would
+    carry, a receiver copies from its sender's segment; each read crosses once per receiver.
+
+    Args:
+        ranks: the stream's group and this rank's place in it.
+        plan: the agreed plan.
+        source: this rank's data (the reads it sends are copied from it once per stream).
+        hosts: every rank's :class:`HostInfo`, by group rank (gathered with the layout).
+
+    Example:
+        >>> transport = ShmTransport(GroupRanks.of(None), plan, source, hosts)   # doctest: +SKIP
+    """
+
+    def __init__(self, ranks: GroupRanks, plan: Plan, source: Source, hosts: Sequence[HostInfo]) -> None:
+        self.ranks, self.plan, self.source = ranks, plan, source
+        self.sizes, self.offsets = segment_layout(plan)
+        self.key = (tuple(self.sizes), tuple(sorted(self.offsets.items())), tuple(h.pid for h in hosts))
+        name, tokens = group_name(ranks.group), {h.segments for h in hosts}
+        kept = _cache.get(name)
+        self.kept = (len(tokens) == 1 and kept is not None and not kept.busy and kept.token in tokens
+                     and kept.key == self.key)
+        #: collectives of the setup: one agreed publish with kept segments, publish and open without
+        self.setup_collectives = 1 if self.kept else 2
+        token = kept.token if self.kept and kept is not None else f"{hosts[0].pid}-{hosts[0].stream}"
+        self.paths = [os.path.join(SHM_DIR, f"{SHM_PREFIX}{token}-{r}-{h.pid}") for r, h in enumerate(hosts)]
+        self.segments = kept if self.kept and kept is not None else _Segments(token, self.key, {})
+        self.segments.busy = True
+        self.ready = False
+        weakref.finalize(self, _idle, self.segments)  # an abandoned stream frees them for the next
+
+    def start(self, step: Step, io: PacketIO, stats: Stats) -> Posted:
+        """Set up the segments on the first call (collective); then hand out, for every read of
+        ``step`` this rank receives, a view of it in its sender's segment (no data moves here)."""
+        if not self.ready:
+            self._setup(stats)
+        me, posted, views = self.ranks.rank, Posted(), self.segments.views
+        for pk in step.packets:
+            for i in pk.reads:
+                r = self.plan.reads[i]
+                if me in r.receivers and pk.src != me and pk.dst in (-1, me):
+                    off = self.offsets[i]
+                    posted.got.append((Packet(pk.src, me, (i,), (0,), r.nbytes),
+                                       views[pk.src][off:off + r.nbytes]))
+                    stats.bytes_received += r.nbytes
+        return posted
+
+    def close(self, stats: Stats) -> None:
+        """After the last step, on every rank: wait for the others (a failure anywhere fails all, and
+        no rank writes the next stream's data while another still reads this one's)."""
+        dist.barrier(group=self.ranks.group)
+        stats.collectives += 1
+        stats.release(self.sizes[self.ranks.rank])
+        self.segments.busy = False
+
+    def _setup(self, stats: Stats) -> None:
+        self.ready = True
+        stats.collectives += self.setup_collectives
+        stats.hold(self.sizes[self.ranks.rank])
+        if self.kept:
+            agree("shm publish", lambda: self._fill(stats), self.ranks.group)
+            return
+        try:
+            agree("shm publish", lambda: self._publish(stats), self.ranks.group)
+            agree("shm open", self._open, self.ranks.group)
+            name = group_name(self.ranks.group)
+            if name not in _cache or not _cache[name].busy:
+                _cache[name] = self.segments
+        finally:
+            for path in self.paths:  # mapped by every reader, or failed on every rank: names go
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(path)
+
+    def _publish(self, stats: Stats) -> None:
+        me, size = self.ranks.rank, self.sizes[self.ranks.rank]
+        _sweep()
+        if size == 0:
+            return
+        try:
+            self.segments.views[me] = _bytes(_map(self.paths[me], size, create=True))
+        except OSError as exc:
+            raise RuntimeError(f"cannot create a {size} B shared-memory segment {self.paths[me]} "
+                               f"({exc.strerror}); free space in {SHM_DIR} (docker: --shm-size) or "
+                               "pass transport='backend'") from exc
+        self._fill(stats)
+
+    @torch.no_grad()
+    def _fill(self, stats: Stats) -> None:
+        me = self.ranks.rank
+        for i, off in self.offsets.items():
+            r = self.plan.reads[i]
+            if r.sender == me:
+                dst = self.segments.views[me][off:off + r.nbytes]
+                dst.view(to_torch_dtype(r.dtype)).view(r.box.sizes).copy_(self.source.read(r.source, r.box))
+                stats.bytes_sent += r.nbytes
+
+    def _open(self) -> None:
+        me = self.ranks.rank
+        senders = {r.sender for r in self.plan.reads if me in r.receivers and r.sender is not None}
+        for src in sorted(senders - {me}):
+            self.segments.views[src] = _bytes(_map(self.paths[src], self.sizes[src], create=False))
+
+
+def _idle(segments: _Segments) -> None:
+    segments.busy = False
+
+
+def describe_hosts(hosts: Sequence[HostInfo]) -> str:
+    """``"rank 0: node1, rank 1: node2"``-style text for errors.
+
+    Example:
+        >>> describe_hosts([HostInfo("a", "x", 1, 0, 7), HostInfo("b", "y", 1, 0, 8)])
+        'rank 0: a, rank 1: b'
+    """
+    return ", ".join(f"rank {r}: {h.hostname}" for r, h in enumerate(hosts))
+
+
+def same_host(hosts: Sequence[HostInfo]) -> bool:
+    """Whether every rank runs on one machine and sees the same ``/dev/shm``.
+
+    Example:
+        >>> same_host([HostInfo("a", "x", 1, 0, 7), HostInfo("a", "x", 1, 0, 8)])
+        True
+    """
+    return len({h.machine for h in hosts}) == 1 and hosts[0].shm_device >= 0
