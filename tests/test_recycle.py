@@ -17,7 +17,7 @@ import torch
 from multiproc import run_ranks
 from reference import arange_tensor
 
-from shardsync.exec.memory import BlockPool, tune_allocator
+from shardsync.exec.memory import BlockPool, release_memory, tune_allocator
 from shardsync.layout import shard_dim
 from shardsync.stream import full_params
 
@@ -25,6 +25,13 @@ N = 9  # targets of one size; odd sizes catch a block handed out for the wrong s
 FULL = {f"w{i}": arange_tensor((17, 5), start=1000 * i, step=0.5) for i in range(N)}
 MAPPING = [f"w{i}^T -> t{i}" for i in range(N)]  # a transpose: always copied into a fresh target
 REF = {f"t{i}": FULL[f"w{i}"].T for i in range(N)}
+
+
+
+@pytest.fixture(autouse=True)
+def fresh_pool() -> None:
+    release_memory()  # each test starts without blocks left by another
+
 
 KEEPERS: dict[str, Callable[[torch.Tensor], Any]] = {
     "tensor": lambda t: t,

@@ -27,7 +27,7 @@ from ..planning.costs import is_zero_copy
 from ..planning.model import Packet, Plan, Step
 from ..sources import Source
 from .assemble import copy_piece
-from .memory import BlockPool, Reuse
+from .memory import BlockPool, Reuse, shared_pool
 from .stats import Stats
 from .transport import Pending, Received, Transport, unpack
 
@@ -164,11 +164,11 @@ class _Run:
 
 
 def _pool(plan: Plan, rank: int, device: torch.device, reuse: Reuse) -> BlockPool | None:
-    # Keeps what the plan holds at once, plus the caller's current target and the one before it.
+    # Room for what the plan holds at once, the caller's current target and the one before it.
     if reuse == "never" or device.type != "cpu":
         return None
     largest = max((t.nbytes for t in plan.targets if rank in t.consumers), default=0)
-    return BlockPool(plan.costs.peak_bytes[rank] + 2 * largest, reuse)
+    return shared_pool(plan.costs.peak_bytes[rank] + 2 * largest)
 
 
 def execute(plan: Plan, source: Source, transport: Transport, rank: int, stats: Stats,
@@ -189,6 +189,7 @@ def execute(plan: Plan, source: Source, transport: Transport, rank: int, stats: 
     """
     device = device or source.device()
     run = _Run(plan, source, rank, stats, device, _pool(plan, rank, device, reuse))
+    reused = run.pool.reused if run.pool is not None else 0
     inflight: deque[tuple[int, Step, Pending]] = deque()
     start = time.perf_counter()
     with data_phase(STREAM_PHASE, group):
@@ -199,11 +200,11 @@ def execute(plan: Plan, source: Source, transport: Transport, rank: int, stats: 
                     stats.seconds = time.perf_counter() - start
                     yield item
                     start = time.perf_counter() - stats.seconds  # time spent in the caller not counted
-                    if run.pool is not None:
+                    if run.pool is not None and reuse == "until-next":
                         run.pool.release(item[1])
         close = getattr(transport, "close", None)
         if close is not None:
             close(stats)
-    stats.reused_blocks = run.pool.reused if run.pool is not None else 0
+    stats.reused_blocks = run.pool.reused - reused if run.pool is not None else 0
     stats.seconds = time.perf_counter() - start
     log.debug("rank %d stream done: %s", rank, stats.summary())

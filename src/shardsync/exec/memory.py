@@ -28,7 +28,8 @@ from typing import Literal
 import numpy as np
 import torch
 
-__all__ = ["Reuse", "REUSE_MODES", "BlockPool", "tune_allocator", "MMAP_THRESHOLD_BYTES"]
+__all__ = ["Reuse", "REUSE_MODES", "BlockPool", "shared_pool", "release_memory", "tune_allocator",
+           "MMAP_THRESHOLD_BYTES"]
 
 log = logging.getLogger(__name__)
 
@@ -43,12 +44,11 @@ _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # from glibc's malloc.h
 
 
 class BlockPool:
-    """Recycled CPU memory for targets and buffers of one stream.
+    """Recycled CPU memory for targets and buffers.
 
     Args:
         capacity: most bytes of blocks the pool keeps references to; a block that does not fit is
-            allocated outside the pool (and freed as usual).
-        reuse: ``"dropped"`` or ``"until-next"`` (see :data:`Reuse`).
+            allocated outside the pool (and freed as usual), the oldest blocks make room first.
 
     Example:
         >>> pool = BlockPool(1 << 20)
@@ -61,9 +61,8 @@ class BlockPool:
         True
     """
 
-    def __init__(self, capacity: int, reuse: Reuse = "dropped") -> None:
+    def __init__(self, capacity: int) -> None:
         self.capacity = capacity
-        self.reuse = reuse
         self.held = 0  # bytes of the blocks in the pool, busy or idle
         self.reused = 0  # blocks handed out again (for stats and tests)
         self._blocks: dict[int, np.ndarray] = {}  # id(block) -> block
@@ -113,14 +112,42 @@ class BlockPool:
 
     def release(self, tensor: torch.Tensor) -> None:
         """``reuse="until-next"``: the caller is done with ``tensor`` (it asked for the next target);
-        its block may be reused although references to it remain. No-op under ``"dropped"``."""
-        if self.reuse != "until-next" or tensor.device.type != "cpu":
+        its block may be reused although references to it remain."""
+        if tensor.device.type != "cpu":
             return
         ptr = tensor.untyped_storage().data_ptr()
         for key in self._sizes:
             if self._blocks[key].ctypes.data == ptr:
                 self._released.add(key)
                 return
+
+
+_shared: list[BlockPool] = []
+
+
+def shared_pool(capacity: int) -> BlockPool:
+    """The process's pool, shared by every stream (so that a stream starts on the blocks the last
+    one left), its capacity raised to at least ``capacity``. Sharing is safe: a block in use by one
+    stream's caller is busy for all of them.
+
+    Example:
+        >>> shared_pool(1 << 20) is shared_pool(0)
+        True
+    """
+    if not _shared:
+        _shared.append(BlockPool(capacity))
+    pool = _shared[0]
+    pool.capacity = max(pool.capacity, capacity)
+    return pool
+
+
+def release_memory() -> None:
+    """Drop the process's pool of recycled target memory (the blocks nobody uses are freed).
+
+    Example:
+        >>> release_memory()
+    """
+    _shared.clear()
 
 
 def tune_allocator(threshold: int = MMAP_THRESHOLD_BYTES) -> bool:
