@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 from .errors import ShardsyncError
+from .exec.memory import tune_allocator
 from .io import read_layout, read_tensors, save_safetensors
 from .layout.meta import GlobalLayout
 from .mapping import Mapping
@@ -115,6 +116,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``shardsync`` command; returns the exit status."""
     args = _parser().parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    tune_allocator()  # this process owns its allocator: keep freed memory warm (docs/performance.md)
     try:
         if args.command == "explain":
             print(run_explain(ExplainConfig(args.source, args.mapping, args.reverse)))

@@ -337,7 +337,7 @@ def describe_hosts(hosts: Sequence[HostInfo]) -> str:
     """``"rank 0: node1, rank 1: node2"``-style text for errors.
 
     Example:
-        >>> describe_hosts([HostInfo("a", "x", 1, 0, 7), HostInfo("b", "y", 1, 0, 8)])
+        >>> describe_hosts([HostInfo("a", "x", 1, 0, 7, 0, ""), HostInfo("b", "y", 1, 0, 8, 0, "")])
         'rank 0: a, rank 1: b'
     """
     return ", ".join(f"rank {r}: {h.hostname}" for r, h in enumerate(hosts))
@@ -347,7 +347,7 @@ def same_host(hosts: Sequence[HostInfo]) -> bool:
     """Whether every rank runs on one machine and sees the same ``/dev/shm``.
 
     Example:
-        >>> same_host([HostInfo("a", "x", 1, 0, 7), HostInfo("a", "x", 1, 0, 8)])
+        >>> same_host([HostInfo("a", "x", 1, 0, 7, 0, ""), HostInfo("a", "x", 1, 0, 8, 0, "")])
         True
     """
     return len({h.machine for h in hosts}) == 1 and hosts[0].shm_device >= 0
