@@ -17,6 +17,7 @@ import torch
 from multiproc import run_ranks
 from reference import arange_tensor
 
+import shardsync.exec.memory as memory
 from shardsync.exec.memory import BlockPool, release_memory, tune_allocator
 from shardsync.layout import shard_dim
 from shardsync.stream import full_params
@@ -29,8 +30,9 @@ REF = {f"t{i}": FULL[f"w{i}"].T for i in range(N)}
 
 
 @pytest.fixture(autouse=True)
-def fresh_pool() -> None:
+def fresh_pool(monkeypatch: pytest.MonkeyPatch) -> None:
     release_memory()  # each test starts without blocks left by another
+    monkeypatch.setattr(memory, "POOL_MIN_BYTES", 0)  # these targets are tiny: pool them all
 
 
 KEEPERS: dict[str, Callable[[torch.Tensor], Any]] = {
@@ -100,6 +102,10 @@ def test_pool_hands_out_exact_storages() -> None:
     b = pool.empty((5, 17), torch.float32)  # same bytes, other shape: reused
     c = pool.empty((85,), torch.int32)  # same bytes, b still alive: fresh
     assert b.data_ptr() == ptr != c.data_ptr() and pool.reused == 1
+    big = BlockPool(1 << 20)
+    memory.POOL_MIN_BYTES = 1000  # under it: plain torch.empty, not pooled
+    assert big.empty((17, 5), torch.float32).untyped_storage().nbytes() == 340 and big.held == 0
+    memory.POOL_MIN_BYTES = 0
     small = BlockPool(100)  # too small to keep a 340 B block: every allocation is fresh
     d = small.empty((85,), torch.float32)
     assert small.held == 0 and d.numel() == 85
@@ -115,6 +121,7 @@ def test_allocator_tuning_is_accepted_by_glibc() -> None:
 
 
 def _two_ranks(rank: int, world: int) -> dict:
+    memory.POOL_MIN_BYTES = 0  # a spawned process: the fixture's patch does not reach it
     state = {k: shard_dim(v, 0, rank, world) for k, v in FULL.items()}
     out = {}
     for transport in ("backend", "shm"):

@@ -114,7 +114,8 @@ def _agree_on_plan(gathered: list[tuple[Any, Any]], mapping: Any, options: PlanO
     return built[0]
 
 
-def _use_shm(plan: Plan, hosts: list[tuple[HostInfo, str]], device: torch.device) -> bool:
+def _use_shm(plan: Plan, hosts: list[tuple[HostInfo, str]], device: torch.device,
+             budget: int | None) -> bool:
     """Whether reads move through shared memory; the same answer (or error) on every rank."""
     choices = {choice for _, choice in hosts}
     if len(choices) > 1:
@@ -122,21 +123,24 @@ def _use_shm(plan: Plan, hosts: list[tuple[HostInfo, str]], device: torch.device
                         "on every rank of the group")
     infos, choice = [h for h, _ in hosts], choices.pop()
     need = sum(r.nbytes for r in plan.reads if r.receivers)
+    peak = max(shm_costs(plan).peak_bytes, default=0)
     why = ("the strategy is mesh2d (its transport is the mesh's groups)" if plan.strategy == "mesh2d"
            else f"targets are on {device.type}, not cpu" if device.type != "cpu"
            else f"the ranks are on several hosts ({describe_hosts(infos)})" if not same_host(infos)
            else f"{infos[0].shm_free} B free in /dev/shm, {need} B needed" if need > infos[0].shm_free
-           else "")
+           else f"its segments raise the peak to {peak} B, over memory_budget={budget} B"
+           if budget is not None and peak > budget else "")
     if choice == "shm" and why:
         raise PlanError(f"transport='shm' cannot be used: {why}; pass transport='backend' or 'auto'")
     return choice != "backend" and not why and need > 0
 
 
 def _transport(plan: Plan, ranks: GroupRanks | None, groups: MeshGroups | None, source: Source,
-               hosts: list[tuple[HostInfo, str]], device: torch.device) -> tuple[Transport, str, Plan]:
+               hosts: list[tuple[HostInfo, str]], device: torch.device,
+               budget: int | None) -> tuple[Transport, str, Plan]:
     if ranks is None:
         return LocalTransport(), "local", plan
-    if _use_shm(plan, hosts, device):
+    if _use_shm(plan, hosts, device, budget):
         shm = ShmTransport(ranks, plan, source, [h for h, _ in hosts])
         shm.plan = plan = dataclasses.replace(plan, costs=shm_costs(plan, shm.setup_collectives))
         return shm, "shm", plan
@@ -163,7 +167,7 @@ def _prepare(state: Mapping[str, StateValue], mapping: Any, group: Any, mesh: An
     source = sources[0]
     device = (torch.device("cuda", torch.cuda.current_device()) if options.backend == "nccl"
               else source.device())
-    moved, kind, plan = _transport(plan, ranks, groups, source, hosts, device)
+    moved, kind, plan = _transport(plan, ranks, groups, source, hosts, device, options.memory_budget)
     return _Context(plan, source, moved, ranks.rank if ranks else 0, device, kind)
 
 
