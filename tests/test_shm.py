@@ -84,11 +84,23 @@ def worker_w2(rank: int, world: int) -> dict:
     out["consumers=1"] = both(state, None, ref, consumers=1, strategy="p2p")
     out["consumers=[1,0]"] = both(state, None, ref, consumers=[1, 0], strategy="p2p", split_by="bytes")
     out["copy=False"] = both(state, None, ref, copy=False)
-    # the same plan again keeps the segments (one setup phase), release() drops them (two again)
+    # the next stream writes into the segment the last one made; release() drops it
     shm.release()
-    out["kept"] = [stream(state, None, ref, transport="shm")["stats"][2] for _ in range(2)]
+    kept = []
+    for _ in range(2):
+        got = stream(state, None, ref, transport="shm")
+        own = shm._cache[shm.group_name(None)].own
+        kept.append((got["bad"], got["stats"][2], None if own is None else own[2].data_ptr()))
     shm.release()
-    out["released"] = stream(state, None, ref, transport="shm")["stats"][2]
+    stream(state, None, ref, transport="shm")
+    out["kept"] = (kept, shm._cache[shm.group_name(None)].own[2].data_ptr())
+    # shards already in shared memory are published in place: no segment, nothing copied to publish
+    shared = {k: (v.share_memory_() if isinstance(v, torch.Tensor) else v) for k, v in state.items()}
+    for v in shared.values():
+        if hasattr(v, "local"):  # column shards are views of the full tensor: contiguous first
+            v.local = v.local.contiguous().share_memory_()
+    shm.release()
+    out["in place"] = (stream(shared, None, ref, transport="shm"), shm._cache[shm.group_name(None)].own)
     out["errors"] = _errors(rank, world)
     budget = stream(state, None, ref, memory_budget=1000)  # auto: over budget with shm, so gloo
     out["budget auto"] = (budget["transport"], budget["bad"], budget["peak"] <= 1000)
@@ -119,7 +131,11 @@ def test_two_ranks_shm_matches_broadcast() -> None:
     assert list(records[1]["consumers=1"][0]["targets"]) != [] == list(records[0]["consumers=1"][0]["targets"])
     check_pair(records, "consumers=[1,0]")
     check_pair(records, "copy=False", tp)
-    assert [rec["kept"] for rec in records] == [[3, 2]] * 2 and [rec["released"] for rec in records] == [3, 3]
+    for rec in records:
+        (first, second), fresh = rec["kept"]
+        assert first[:2] == second[:2] == ([], 3) and first[2] == second[2] is not None  # same segment
+        got, own = rec["in place"]
+        assert got["bad"] == [] and got["stats"] == got["costs"] and own is None  # no segment at all
     errors = [rec["errors"] for rec in records]
     assert errors[0]["mesh2d"] == errors[1]["mesh2d"]
     assert errors[0]["mesh2d"].startswith("PlanError: transport='shm' cannot be used: the strategy is mesh2d")
@@ -153,7 +169,7 @@ def test_four_ranks_shm_matches_broadcast() -> None:
 def _dies(rank: int, world: int, when: str) -> tuple:
     state, _, _ = case_tp(rank, world)
     if rank == 1 and when == "setup":  # after creating its segment, before the others map it
-        shm.ShmTransport._open = lambda self: os._exit(3)  # type: ignore[method-assign]
+        shm.ShmTransport._open = lambda self, tables: os._exit(3)  # type: ignore[method-assign]
     names = []
     try:
         for name, _ in full_params(state, transport="shm", strategy="broadcast"):

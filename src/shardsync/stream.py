@@ -141,9 +141,8 @@ def _transport(plan: Plan, ranks: GroupRanks | None, groups: MeshGroups | None, 
     if ranks is None:
         return LocalTransport(), "local", plan
     if _use_shm(plan, hosts, device, budget):
-        shm = ShmTransport(ranks, plan, source, [h for h, _ in hosts])
-        shm.plan = plan = dataclasses.replace(plan, costs=shm_costs(plan, shm.setup_collectives))
-        return shm, "shm", plan
+        plan = dataclasses.replace(plan, costs=shm_costs(plan))
+        return ShmTransport(ranks, plan, source, [h for h, _ in hosts]), "shm", plan
     kind = str(dist.get_backend(ranks.group))
     if plan.strategy == "mesh2d" and groups is not None and plan.topology is not None:
         return MeshTransport(ranks, groups, plan.topology), kind, plan

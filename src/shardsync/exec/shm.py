@@ -115,12 +115,12 @@ def segment_layout(plan: Plan) -> tuple[list[int], dict[int, int]]:
     return sizes, offsets
 
 
-def shm_costs(plan: Plan, setup_collectives: int = SETUP_COLLECTIVES) -> Costs:
+def shm_costs(plan: Plan) -> Costs:
     """The plan's costs when its reads move through shared memory: each read is written once by its
-    sender and copied by each receiver; no collective moves data, small ones synchronise (the setup
-    phases - two, or one with segments kept from the last stream - and the closing barrier); and
-    every rank also holds its own segment for the whole stream (no receive or pack buffers, so the
-    plan's peak stays an upper bound).
+    sender and copied by each receiver; no collective moves data, three small ones synchronise (the
+    two setup phases and the closing barrier); and every rank may also hold a segment of the bytes it
+    sends for the whole stream (none for reads published in place; no receive or pack buffers either,
+    so this stays an upper bound).
 
     Example:
         >>> shm_costs(plan).collectives   # doctest: +SKIP
@@ -135,7 +135,7 @@ def shm_costs(plan: Plan, setup_collectives: int = SETUP_COLLECTIVES) -> Costs:
                 recv[d] += r.nbytes
     sizes, _ = segment_layout(plan)
     peak = tuple(p + s for p, s in zip(plan.costs.peak_bytes, sizes))
-    return Costs(tuple(sent), tuple(recv), (setup_collectives + 1,) * world, peak)
+    return Costs(tuple(sent), tuple(recv), (SETUP_COLLECTIVES + 1,) * world, peak)
 
 
 def group_name(group: Any) -> str:
@@ -187,36 +187,38 @@ def _bytes(mm: mmap.mmap) -> torch.Tensor:
         return torch.frombuffer(mm, dtype=torch.uint8)
 
 
-class _Segments:
-    """The mappings of one stream's segments (own and peers'), kept for the next stream of the group."""
+class _Kept:
+    """What a rank keeps for its group between streams: its own segment (by the reads it holds) and
+    its mappings of peers' segments and shared storages (by handle)."""
 
-    def __init__(self, token: str, key: tuple, views: dict[int, torch.Tensor]) -> None:
-        self.token, self.key, self.views = token, key, views
-        self.busy = True  # a stream is using them: no other stream may write into them
+    def __init__(self) -> None:
+        self.token = ""  # the stream that set these up; "" when none (or after a failure)
+        self.own: tuple[tuple, tuple, torch.Tensor] | None = None  # (reads and sizes, handle, bytes)
+        self.maps: dict[tuple, torch.Tensor] = {}  # handle -> mapped bytes
+        self.busy = False  # a stream is using them: another one works on its own
 
 
-#: Group name -> the segments of its last stream that set them up.
-_cache: dict[str, _Segments] = {}
+#: Group name -> what its ranks keep between streams.
+_cache: dict[str, _Kept] = {}
 
 
 def cached_token(group: Any) -> str:
-    """The token of ``group``'s kept segments, "" if none or in use (sent with the host info).
+    """The stream that set up what is kept for ``group``; "" if nothing is or it is in use.
 
     Example:
         >>> cached_token(None)
         ''
     """
-    entry = _cache.get(group_name(group))
-    return entry.token if entry is not None and not entry.busy else ""
+    kept = _cache.get(group_name(group))
+    return kept.token if kept is not None and not kept.busy else ""
 
 
 def release(group: Any = None) -> None:
-    """Drop the shared-memory segments kept for ``group`` (None: the default group) between streams.
+    """Drop the shared memory kept for ``group`` (None: the default group) between streams.
 
-    Each rank keeps its segment (the bytes it sends) and its mappings of its peers' ones after a
-    stream, so that the next stream of the same plan writes and reads warm memory instead of
-    faulting in fresh pages. Call this on every rank to give that memory back (the next stream then
-    sets up new segments).
+    After a stream each rank keeps its segment (the bytes it sends) and its mappings of its peers',
+    so that the next stream writes and reads memory already touched instead of faulting in fresh
+    pages. Call this on every rank to give that memory back.
 
     Example:
         >>> release()
@@ -224,16 +226,43 @@ def release(group: Any = None) -> None:
     _cache.pop(group_name(group), None)
 
 
+def _storage_handle(view: torch.Tensor) -> tuple[tuple, int] | None:
+    """For a contiguous CPU view inside a storage in shared memory (``share_memory_()``): a handle a
+    peer can map it by, and the view's byte offset in it. None for any other tensor."""
+    if view.device.type != "cpu" or not view.is_contiguous() or not view.is_shared():
+        return None
+    storage = view.untyped_storage()
+    offset = view.data_ptr() - storage.data_ptr()
+    if torch.multiprocessing.get_sharing_strategy() == "file_system":
+        _, name, size = storage._share_filename_cpu_()
+        return ("file", os.path.join(SHM_DIR, name.decode().lstrip("/")), size), offset
+    fd, size = storage._share_fd_cpu_()
+    return ("fd", os.getpid(), fd, os.fstat(fd).st_ino, size), offset
+
+
+def _open_handle(handle: tuple) -> torch.Tensor:
+    if handle[0] == "fd":  # the owner's descriptor, reached through /proc (same user)
+        _, pid, fd, ino, size = handle
+        path = f"/proc/{pid}/fd/{fd}"
+        if os.stat(path).st_ino != ino:
+            raise RuntimeError(f"{path} is no longer the shared storage published by process {pid}")
+    else:
+        _, path, size = handle
+    return _bytes(_map(path, size, create=False))
+
+
 class ShmTransport:
-    """Moves a plan's reads between ranks of one host through ``/dev/shm`` (see the module doc).
+    """Moves a plan's reads between ranks of one host through shared memory (see the module doc).
 
     Works with the packet strategies (``broadcast``, ``bucketed``, ``p2p``): what a packet would
-    carry, a receiver copies from its sender's segment; each read crosses once per receiver.
+    carry, a receiver copies from where its sender published it; each read crosses once per receiver.
+    A read that is a contiguous part of a tensor already in shared memory (``share_memory_()``) is
+    published in place; any other is copied into the sender's segment.
 
     Args:
         ranks: the stream's group and this rank's place in it.
         plan: the agreed plan.
-        source: this rank's data (the reads it sends are copied from it once per stream).
+        source: this rank's data.
         hosts: every rank's :class:`HostInfo`, by group rank (gathered with the layout).
 
     Example:
@@ -242,34 +271,33 @@ class ShmTransport:
 
     def __init__(self, ranks: GroupRanks, plan: Plan, source: Source, hosts: Sequence[HostInfo]) -> None:
         self.ranks, self.plan, self.source = ranks, plan, source
-        self.sizes, self.offsets = segment_layout(plan)
-        self.key = (tuple(self.sizes), tuple(sorted(self.offsets.items())), tuple(h.pid for h in hosts))
-        name, tokens = group_name(ranks.group), {h.segments for h in hosts}
-        kept = _cache.get(name)
-        self.kept = (len(tokens) == 1 and kept is not None and not kept.busy and kept.token in tokens
-                     and kept.key == self.key)
-        #: collectives of the setup: one agreed publish with kept segments, publish and open without
-        self.setup_collectives = 1 if self.kept else 2
-        token = kept.token if self.kept and kept is not None else f"{hosts[0].pid}-{hosts[0].stream}"
+        token = f"{hosts[0].pid}-{hosts[0].stream}"
         self.paths = [os.path.join(SHM_DIR, f"{SHM_PREFIX}{token}-{r}-{h.pid}") for r, h in enumerate(hosts)]
-        self.segments = kept if self.kept and kept is not None else _Segments(token, self.key, {})
-        self.segments.busy = True
+        kept = _cache.setdefault(group_name(ranks.group), _Kept())
+        if kept.busy:  # another stream of this group is live: work on fresh memory of its own
+            kept = _Kept()
+        tokens = {h.segments for h in hosts}
+        self.reuse_own = len(tokens) == 1 and kept.token in tokens and kept.token != ""
+        if not self.reuse_own:
+            kept.own, kept.maps = None, {}
+        self.kept, self.token = kept, token
+        self.views: dict[int, torch.Tensor] = {}  # read this rank receives -> its bytes
+        self.held = 0
         self.ready = False
-        weakref.finalize(self, _idle, self.segments)  # an abandoned stream frees them for the next
+        kept.busy = True
+        weakref.finalize(self, _idle, kept)  # an abandoned stream frees them for the next
 
     def start(self, step: Step, io: PacketIO, stats: Stats) -> Posted:
-        """Set up the segments on the first call (collective); then hand out, for every read of
-        ``step`` this rank receives, a view of it in its sender's segment (no data moves here)."""
+        """Set up on the first call (collective); then hand out, for every read of ``step`` this rank
+        receives, a view of it where its sender published it (no data moves here)."""
         if not self.ready:
             self._setup(stats)
-        me, posted, views = self.ranks.rank, Posted(), self.segments.views
+        me, posted = self.ranks.rank, Posted()
         for pk in step.packets:
             for i in pk.reads:
                 r = self.plan.reads[i]
                 if me in r.receivers and pk.src != me and pk.dst in (-1, me):
-                    off = self.offsets[i]
-                    posted.got.append((Packet(pk.src, me, (i,), (0,), r.nbytes),
-                                       views[pk.src][off:off + r.nbytes]))
+                    posted.got.append((Packet(pk.src, me, (i,), (0,), r.nbytes), self.views[i]))
                     stats.bytes_received += r.nbytes
         return posted
 
@@ -278,59 +306,81 @@ class ShmTransport:
         no rank writes the next stream's data while another still reads this one's)."""
         dist.barrier(group=self.ranks.group)
         stats.collectives += 1
-        stats.release(self.sizes[self.ranks.rank])
-        self.segments.busy = False
+        stats.release(self.held)
+        self.views.clear()
+        self.kept.busy = False
 
     def _setup(self, stats: Stats) -> None:
         self.ready = True
-        stats.collectives += self.setup_collectives
-        stats.hold(self.sizes[self.ranks.rank])
-        if self.kept:
-            agree("shm publish", lambda: self._fill(stats), self.ranks.group)
-            return
+        stats.collectives += SETUP_COLLECTIVES
+        self.kept.token = ""  # until every rank has set up
         try:
-            agree("shm publish", lambda: self._publish(stats), self.ranks.group)
-            agree("shm open", self._open, self.ranks.group)
-            name = group_name(self.ranks.group)
-            if name not in _cache or not _cache[name].busy:
-                _cache[name] = self.segments
+            tables = agree("shm publish", lambda: self._publish(stats), self.ranks.group)
+            agree("shm open", lambda: self._open(tables), self.ranks.group)
+            self.kept.token = self.token
         finally:
             for path in self.paths:  # mapped by every reader, or failed on every rank: names go
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(path)
 
-    def _publish(self, stats: Stats) -> None:
-        me, size = self.ranks.rank, self.sizes[self.ranks.rank]
-        _sweep()
-        if size == 0:
-            return
-        try:
-            self.segments.views[me] = _bytes(_map(self.paths[me], size, create=True))
-        except OSError as exc:
-            raise RuntimeError(f"cannot create a {size} B shared-memory segment {self.paths[me]} "
-                               f"({exc.strerror}); free space in {SHM_DIR} (docker: --shm-size) or "
-                               "pass transport='backend'") from exc
-        self._fill(stats)
-
     @torch.no_grad()
-    def _fill(self, stats: Stats) -> None:
-        me = self.ranks.rank
-        for i, off in self.offsets.items():
-            r = self.plan.reads[i]
-            if r.sender == me:
-                dst = self.segments.views[me][off:off + r.nbytes]
-                dst.view(to_torch_dtype(r.dtype)).view(r.box.sizes).copy_(self.source.read(r.source, r.box))
+    def _publish(self, stats: Stats) -> dict[int, tuple[tuple, int]]:
+        """Where each read this rank sends can be mapped from: (handle, byte offset)."""
+        me, where, copied = self.ranks.rank, {}, []
+        _sweep()
+        for i, r in enumerate(self.plan.reads):
+            if r.sender == me and r.receivers:
                 stats.bytes_sent += r.nbytes
+                view = self.source.read(r.source, r.box)
+                found = _storage_handle(view)
+                if found is None:
+                    copied.append((i, view))
+                else:
+                    where[i] = found
+        if copied:
+            where |= self._fill(copied, stats)
+        return where
 
-    def _open(self) -> None:
-        me = self.ranks.rank
-        senders = {r.sender for r in self.plan.reads if me in r.receivers and r.sender is not None}
-        for src in sorted(senders - {me}):
-            self.segments.views[src] = _bytes(_map(self.paths[src], self.sizes[src], create=False))
+    def _fill(self, copied: list[tuple[int, torch.Tensor]], stats: Stats) -> dict[int, tuple[tuple, int]]:
+        offsets, size = [], 0
+        for i, _ in copied:
+            offsets.append(size)
+            size = -(-(size + self.plan.reads[i].nbytes) // ALIGN) * ALIGN
+        layout = tuple((i, self.plan.reads[i].nbytes) for i, _ in copied)
+        own = self.kept.own
+        if own is None or own[0] != layout or not self.reuse_own:
+            path = self.paths[self.ranks.rank]
+            try:
+                own = (layout, ("seg", path, size), _bytes(_map(path, size, create=True)))
+            except OSError as exc:
+                raise RuntimeError(f"cannot create a {size} B shared-memory segment {path} ({exc.strerror}); "
+                                   f"free space in {SHM_DIR} (docker: --shm-size) or pass "
+                                   "transport='backend'") from exc
+            self.kept.own = own
+        self.held = size
+        stats.hold(size)
+        for (i, view), off in zip(copied, offsets):
+            r = self.plan.reads[i]
+            own[2][off:off + r.nbytes].view(to_torch_dtype(r.dtype)).view(r.box.sizes).copy_(view)
+        return {i: (own[1], off) for (i, _), off in zip(copied, offsets)}
+
+    def _open(self, tables: list[dict[int, tuple[tuple, int]]]) -> None:
+        me, maps = self.ranks.rank, self.kept.maps
+        needed = {}
+        for table in tables:
+            for i, (handle, off) in table.items():
+                if me in self.plan.reads[i].receivers:
+                    needed[i] = (handle, off)
+        for handle in {h for h, _ in needed.values()} - set(maps):
+            maps[handle] = _open_handle(handle)
+        for handle in set(maps) - {h for h, _ in needed.values()}:  # not read any more: unmap
+            del maps[handle]
+        for i, (handle, off) in needed.items():
+            self.views[i] = maps[handle][off:off + self.plan.reads[i].nbytes]
 
 
-def _idle(segments: _Segments) -> None:
-    segments.busy = False
+def _idle(kept: _Kept) -> None:
+    kept.busy = False
 
 
 def describe_hosts(hosts: Sequence[HostInfo]) -> str:
