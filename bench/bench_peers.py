@@ -12,8 +12,9 @@ numpy reference once, then times ``--repeats`` passes and keeps the best:
   told to keep freed memory by :func:`shardsync.exec.memory.tune_allocator`), Paddle 3.3.1's
   ``full_param`` (``--mode single``), and the memcpy ceiling: every target's bytes copied once into
   memory already touched (and, for reference, into fresh memory);
-* two gloo processes: shardsync through shared memory (``transport="auto"``) and through gloo
-  (``transport="backend"``), Paddle's single-group and 2-D mesh paths (``paddle.distributed.launch
+* two gloo processes: shardsync through shared memory (``transport="auto"``; also with the shards
+  moved to shared memory once with ``share_memory_()``, so that they are published in place) and
+  through gloo (``transport="backend"``), Paddle's single-group and 2-D mesh paths (``paddle.distributed.launch
   --nproc_per_node 2``), torch DCP's consolidation routes (``_gather_state_dict``: DTensor
   ``full_tensor`` per weight, as ``get_state_dict(full_state_dict=True)`` does; ``dcp.save`` to a tmpfs
   directory then ``dcp_to_torch_save`` and ``torch.load`` on rank 0 - only rank 0 gets targets), a
@@ -161,8 +162,11 @@ def _variants(rank: int, world: int, tmp: str) -> dict[str, Callable[[], Iterato
     state = {k: ShardedTensor(torch.from_numpy(loc), weights[k].shape, off) for k, (loc, off) in local_np.items()}
     local = {k: torch.from_numpy(loc) for k, (loc, _) in local_np.items()}
     dstate = _dtensors(weights, rank, world)
+    shared = {k: ShardedTensor(torch.from_numpy(loc.copy()).share_memory_(), weights[k].shape, off)
+              for k, (loc, off) in local_np.items()}
     return {
         "shardsync shm": lambda: full_params(state, W.MAPPING),
+        "shardsync shm, shards in shared memory": lambda: full_params(shared, W.MAPPING),
         "shardsync gloo": lambda: full_params(state, W.MAPPING, transport="backend"),
         "torch DCP _gather_state_dict": lambda: _map_full(_gather_state_dict(dstate)),
         "torch DCP save + dcp_to_torch_save": lambda: _dcp_files(dstate, rank, tmp),
@@ -269,7 +273,7 @@ TWO = ["pair", "paddle-group", "paddle-mesh"]
 ROWS = [
     ("dropped", 1), ("never", 1), ("tuned", 1), ("Paddle full_param", 1), ("memcpy warm", 1),
     ("memcpy fresh", 1),
-    ("shardsync shm", 2), ("shardsync gloo", 2), ("Paddle full_param, single group", 2),
+    ("shardsync shm", 2), ("shardsync shm, shards in shared memory", 2), ("shardsync gloo", 2), ("Paddle full_param, single group", 2),
     ("Paddle full_param, 2-D mesh (h_group, v_group)", 2), ("torch DCP _gather_state_dict", 2),
     ("torch DCP save + dcp_to_torch_save", 2), ("naive all_gather", 2),
     ("ceiling: gloo broadcast of the received bytes", 2),

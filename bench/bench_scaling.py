@@ -5,8 +5,9 @@ gate_up split, ``o^T``) at 1, 2, 4 and 8 layers on 2 ranks (42 MB to 336 MB), an
 and 4 ranks. In each configuration every variant runs ``--repeats`` times round-robin (best kept, the
 slowest rank's time), every consumer receiving every target:
 
-* shardsync through shared memory (``transport="auto"``), and through gloo with each strategy
-  (``transport="backend"``: broadcast, bucketed, p2p, mesh2d on a 1 x world mesh);
+* shardsync through shared memory (``transport="auto"``; and with the shards moved to shared memory
+  once, ``share_memory_()``, so that they are published in place), and through gloo with each
+  strategy (``transport="backend"``: broadcast, bucketed, p2p, mesh2d on a 1 x world mesh);
 * naive: all_gather every shard, concatenate, then map by hand;
 * ceilings, measured in the same processes: the bytes each rank must receive over gloo's broadcast
   bandwidth (64 MiB), and every target's bytes copied once into touched memory on all ranks at once.
@@ -66,11 +67,15 @@ def _naive(local: dict[str, torch.Tensor], world: int) -> Iterator[tuple[str, to
 
 
 def _variants(state: dict, local: dict, world: int) -> dict[str, Callable[[], Iterator]]:
+    from shardsync import ShardedTensor
     from shardsync.stream import full_params
 
     if world == 1:
         return {"local": lambda: full_params(state, W.MAPPING)}
-    out: dict[str, Callable[[], Iterator]] = {"shm": lambda: full_params(state, W.MAPPING)}
+    shared = {k: ShardedTensor(v.local.clone().share_memory_(), v.global_shape, v.global_offset)
+              for k, v in state.items()}
+    out: dict[str, Callable[[], Iterator]] = {"shm": lambda: full_params(state, W.MAPPING),
+                                              "shm, shards shared": lambda: full_params(shared, W.MAPPING)}
     for s in STRATEGIES:
         mesh = {"mesh": (dist.group.WORLD, None)} if s == "mesh2d" else {}
         out[s] = lambda s=s, mesh=mesh: full_params(state, W.MAPPING, strategy=s, transport="backend", **mesh)

@@ -247,7 +247,7 @@ def _open_handle(handle: tuple) -> torch.Tensor:
         if os.stat(path).st_ino != ino:
             raise RuntimeError(f"{path} is no longer the shared storage published by process {pid}")
     else:
-        _, path, size = handle
+        path, size = handle[-2:]
     return _bytes(_map(path, size, create=False))
 
 
@@ -351,7 +351,7 @@ class ShmTransport:
         if own is None or own[0] != layout or not self.reuse_own:
             path = self.paths[self.ranks.rank]
             try:
-                own = (layout, ("seg", path, size), _bytes(_map(path, size, create=True)))
+                own = (layout, ("seg", self.ranks.rank, path, size), _bytes(_map(path, size, create=True)))
             except OSError as exc:
                 raise RuntimeError(f"cannot create a {size} B shared-memory segment {path} ({exc.strerror}); "
                                    f"free space in {SHM_DIR} (docker: --shm-size) or pass "
@@ -371,9 +371,13 @@ class ShmTransport:
             for i, (handle, off) in table.items():
                 if me in self.plan.reads[i].receivers:
                     needed[i] = (handle, off)
-        for handle in {h for h, _ in needed.values()} - set(maps):
+        used = {h for h, _ in needed.values()}
+        for handle in used - set(maps):
             maps[handle] = _open_handle(handle)
-        for handle in set(maps) - {h for h, _ in needed.values()}:  # not read any more: unmap
+        # Unmap storages not read any more, and a peer's segment once it published another; keep
+        # the others: their owners write the next stream into them (their names are gone).
+        owners = {h[1] for h in used if h[0] == "seg"}
+        for handle in [h for h in maps if h not in used and (h[0] != "seg" or h[1] in owners)]:
             del maps[handle]
         for i, (handle, off) in needed.items():
             self.views[i] = maps[handle][off:off + self.plan.reads[i].nbytes]
