@@ -22,7 +22,7 @@ from test_stream_dist4 import case_replicas, case_tp_pp
 
 import shardsync.exec.shm as shm
 from shardsync.errors import DistributedError, PlanError
-from shardsync.exec.shm import HostInfo, same_host
+from shardsync.exec.hosts import HostInfo, host_info, same_host
 from shardsync.stream import full_params
 
 CASES = (case_tp, case_fused, case_experts, case_empty_rank)
@@ -218,5 +218,5 @@ def test_same_host_needs_machine_and_shm_mount() -> None:
     assert not same_host([a, a._replace(boot_id="other")])
     assert not same_host([a, a._replace(shm_device=26)])  # a container with its own /dev/shm
     assert not same_host([a._replace(shm_device=-1)] * 2)  # no /dev/shm at all
-    me = shm.host_info()
-    assert me.pid == os.getpid() and me.segments == "" and me.stream + 1 == shm.host_info().stream
+    me = host_info()
+    assert me.pid == os.getpid() and me.segments == "" and me.stream + 1 == host_info().stream

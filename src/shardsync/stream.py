@@ -26,7 +26,8 @@ from .exec import (BroadcastTransport, LocalTransport, MeshTransport, P2PTranspo
                    execute, local_mesh_info, mesh_groups)
 from .exec.memory import REUSE_MODES, Reuse
 from .exec.mesh import MeshGroups
-from .exec.shm import HostInfo, ShmTransport, describe_hosts, host_info, same_host, shm_costs
+from .exec.hosts import HostInfo, describe_hosts, host_info, same_host
+from .exec.shm import ShmTransport, cached_token, shm_costs
 from .layout import GlobalLayout, StateValue
 from .layout.meta import check_replicas
 from .mapping import Mapping as ParsedMapping
@@ -158,7 +159,7 @@ def _prepare(state: Mapping[str, StateValue], mapping: Any, group: Any, mesh: An
 
     def local() -> tuple[Any, Any, Any]:  # the state is normalised once, inside the agreed phase
         sources.append(LocalSource(state))
-        return (*_local_info(sources[0], groups, ranks), (host_info(group), transport))
+        return (*_local_info(sources[0], groups, ranks), (host_info(cached_token(group)), transport))
 
     gathered = agree("gather layout", local, group)
     hosts = [g[2] for g in gathered]

@@ -5,9 +5,9 @@ copying into fresh memory runs at a fraction of the speed of copying into memory
 stream that yields many targets of the same sizes (the layers of a model) to a consumer that drops
 each one can instead reuse the memory of a target the consumer no longer holds.
 
-:class:`BlockPool` does that safely. Every block is a numpy array of exactly the target's bytes, and a
-tensor handed out over it keeps a reference to the array for as long as any tensor, view, storage,
-numpy array or DLPack capsule of it is alive. A block is reused only when the pool holds the last
+:class:`BlockPool` does that safely. Every block is torch memory of exactly the target's bytes, seen
+through a numpy array, and a tensor handed out over it keeps a reference to that array for as long as
+any tensor, view, storage, numpy array or DLPack capsule of it is alive. A block is reused only when the pool holds the last
 reference, so a caller that keeps a target (or any view of it) never sees it overwritten. The opt-in
 ``reuse="until-next"`` drops that check for targets already yielded: each target is then valid only
 until the next one is requested.
@@ -38,11 +38,12 @@ log = logging.getLogger(__name__)
 #: ``"never"``: fresh memory for every target and buffer.
 Reuse = Literal["dropped", "until-next", "never"]
 REUSE_MODES: tuple[str, ...] = ("dropped", "until-next", "never")
-#: Smaller tensors come from torch's allocator: glibc serves them from memory it keeps once its
-#: dynamic mmap threshold has risen (up to 32 MiB), and the pool measured slower there (0.073 s vs
-#: 0.064 s for 56 targets of 4-8 MiB); larger ones it maps fresh every time, and the pool halves
-#: their cost (0.125 s vs 0.282 s for 0.54 GB of 16-64 MiB targets).
-POOL_MIN_BYTES = 32 << 20
+#: Smaller tensors come from torch's allocator: glibc serves them from its heap, already warm (128 KiB
+#: is its initial mmap threshold). Above it glibc maps fresh memory unless its dynamic threshold has
+#: risen (to 32 MiB at most), which made 56 targets of 4-8 MiB take 0.06-0.12 s from run to run,
+#: against 0.06 s steadily from the pool (the warm memcpy ceiling), and 0.54 GB of 16-64 MiB targets
+#: 0.28 s against 0.13 s.
+POOL_MIN_BYTES = 128 << 10
 #: What :func:`tune_allocator` sets glibc's mmap and trim thresholds to.
 MMAP_THRESHOLD_BYTES = 1 << 30
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # from glibc's malloc.h
@@ -94,7 +95,9 @@ class BlockPool:
         return None
 
     def _admit(self, nbytes: int) -> np.ndarray:
-        block = np.empty(nbytes, dtype=np.uint8)
+        # torch's allocator aligns to 64 B (numpy's large arrays sit 16 B past a page: slower copies);
+        # the numpy view is what tensors handed out refer to, so its reference count tells use.
+        block = torch.empty(nbytes, dtype=torch.uint8).numpy()
         while self._sizes and self.held + nbytes > self.capacity:  # oldest out (busy: the caller's)
             key, size = self._sizes.popitem(last=False)
             del self._blocks[key]

@@ -1,13 +1,17 @@
 """The same-host transport: ranks on one machine exchange reads through shared memory, not sockets.
 
-Each rank writes the reads it sends (every read whose sender it is, once, however many ranks receive
-it) into one file in ``/dev/shm``; the peers map that file and copy the boxes they need straight from
-it into their targets - no packing, no socket, no receive buffer. Setup is two agreed phases
-(:func:`shardsync.dist.agree`, so a failure on any rank is raised on all of them):
+Every read a rank sends (each once, however many ranks receive it) is published in shared memory:
+in place when it is a contiguous part of a tensor the caller already moved there (``share_memory_()``
+- nothing is copied to publish it), otherwise copied into the rank's segment, one file in
+``/dev/shm``. The receivers map what they need and copy each box straight into their targets - no
+packing, no socket, no receive buffer. Setup is two agreed phases (:func:`shardsync.dist.agree`, so a
+failure on any rank is raised on all of them):
 
-1. ``shm publish``: each rank creates its segment (``O_EXCL``, space reserved with
-   ``posix_fallocate`` so a full ``/dev/shm`` is an error, never a ``SIGBUS``) and fills it;
-2. ``shm open``: each rank maps the segments of the peers it reads from.
+1. ``shm publish``: each rank fills its segment - created with ``O_EXCL`` and its space reserved with
+   ``posix_fallocate``, so a full ``/dev/shm`` is an error, never a ``SIGBUS`` - and says where each
+   of its reads lies (segment or shared storage, and offset);
+2. ``shm open``: each rank maps what it reads (a peer's shared storage through
+   ``/proc/<pid>/fd/<fd>``, so peers run as the same user).
 
 Right after the second phase - whether it succeeded or not - every rank unlinks every segment name of
 the stream, so names live only for the few milliseconds of setup: a rank killed later leaves nothing
@@ -16,23 +20,25 @@ name removed by the survivors, which know it (names are ``shardsync-<pid of rank
 all agreed when the layout is gathered). A segment whose creator died with every other rank (all of
 them killed during setup) is removed by the next stream on the host.
 
+Fresh shared memory fills at about a third of the speed of memory already touched, so a rank keeps its
+segment, and its mappings of its peers' ones, for the next stream of the group (:func:`release` drops
+them); the next stream writes into them when every rank still has them (agreed with the layout).
+
 After setup no rank waits for another until :meth:`ShmTransport.close`, a barrier after the last
 step: a rank that failed or stopped iterating still makes every other rank raise (the
-``data_phase`` guarantee), and no rank reads a segment its owner could reuse.
+``data_phase`` guarantee), and no rank writes the next stream's data while another reads this one's.
 """
 
 from __future__ import annotations
 
 import contextlib
-import itertools
 import logging
 import mmap
 import os
-import socket
 import warnings
 import weakref
 from collections.abc import Sequence
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -42,77 +48,18 @@ from ..layout.dtypes import to_torch_dtype
 from ..planning.model import Costs, Packet, Plan, Step
 from ..planning.schedule import ALIGN
 from ..sources import Source
+from .hosts import SHM_DIR, HostInfo
 from .stats import Stats
 from .transport import PacketIO, Posted
 
-__all__ = ["ShmTransport", "HostInfo", "host_info", "same_host", "describe_hosts", "segment_layout",
-           "shm_costs", "cached_token", "release", "SHM_DIR", "SHM_PREFIX"]
+__all__ = ["ShmTransport", "shm_costs", "cached_token", "release", "group_name", "SHM_DIR", "SHM_PREFIX"]
 
 log = logging.getLogger(__name__)
 
-#: Where segments live (a tmpfs on Linux).
-SHM_DIR = "/dev/shm"
 #: Every segment name starts with this.
 SHM_PREFIX = "shardsync-"
 #: Collectives of the setup (publish, open); :meth:`ShmTransport.close` adds one barrier.
 SETUP_COLLECTIVES = 2
-_streams = itertools.count()  # per process; every rank of a group opens its streams in the same order
-
-
-class HostInfo(NamedTuple):
-    """What a rank tells the others about its machine when the layout is gathered.
-
-    Ranks are on one host when hostname, boot id and the device of ``/dev/shm`` all agree (two
-    containers on one machine with separate ``/dev/shm`` mounts are not one host).
-    """
-
-    hostname: str
-    boot_id: str
-    shm_device: int
-    shm_free: int
-    pid: int
-    stream: int  # this process's stream counter: names this stream's segments (rank 0's is used)
-    segments: str  # token of the segments kept for the group ("" if none, see :func:`release`)
-
-    @property
-    def machine(self) -> tuple[str, str, int]:
-        return self.hostname, self.boot_id, self.shm_device
-
-
-def host_info(group: Any = None) -> HostInfo:
-    """This process's :class:`HostInfo` for a stream on ``group`` (``shm_device`` -1 and ``shm_free``
-    0 without a writable /dev/shm).
-
-    Example:
-        >>> host_info().pid == os.getpid()
-        True
-    """
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as fh:
-            boot = fh.read().strip()
-    except OSError:
-        boot = ""
-    try:
-        st, vfs = os.stat(SHM_DIR), os.statvfs(SHM_DIR)
-        dev, free = st.st_dev, vfs.f_bavail * vfs.f_frsize if os.access(SHM_DIR, os.W_OK) else 0
-    except OSError:
-        dev, free = -1, 0
-    return HostInfo(socket.gethostname(), boot, dev, free, os.getpid(), next(_streams), cached_token(group))
-
-
-def segment_layout(plan: Plan) -> tuple[list[int], dict[int, int]]:
-    """Byte size of each rank's segment, and the offset of every moved read in its sender's segment.
-
-    Example:
-        >>> sizes, offsets = segment_layout(plan)   # doctest: +SKIP
-    """
-    sizes = [0] * plan.world_size
-    offsets: dict[int, int] = {}
-    for i, r in enumerate(plan.reads):
-        if r.receivers and r.sender is not None:
-            offsets[i] = sizes[r.sender]
-            sizes[r.sender] = -(-(sizes[r.sender] + r.nbytes) // ALIGN) * ALIGN
-    return sizes, offsets
 
 
 def shm_costs(plan: Plan) -> Costs:
@@ -133,8 +80,11 @@ def shm_costs(plan: Plan) -> Costs:
             sent[r.sender] += r.nbytes
             for d in r.receivers:
                 recv[d] += r.nbytes
-    sizes, _ = segment_layout(plan)
-    peak = tuple(p + s for p, s in zip(plan.costs.peak_bytes, sizes))
+    segment = [0] * world  # every read this rank sends copied into its segment, at most
+    for r in plan.reads:
+        if r.receivers and r.sender is not None:
+            segment[r.sender] += -(-r.nbytes // ALIGN) * ALIGN
+    peak = tuple(p + s for p, s in zip(plan.costs.peak_bytes, segment))
     return Costs(tuple(sent), tuple(recv), (SETUP_COLLECTIVES + 1,) * world, peak)
 
 
@@ -244,7 +194,13 @@ def _open_handle(handle: tuple) -> torch.Tensor:
     if handle[0] == "fd":  # the owner's descriptor, reached through /proc (same user)
         _, pid, fd, ino, size = handle
         path = f"/proc/{pid}/fd/{fd}"
-        if os.stat(path).st_ino != ino:
+        try:
+            same = os.stat(path).st_ino == ino
+        except OSError as exc:
+            raise RuntimeError(f"cannot reach the shared tensor storage of process {pid} through {path} "
+                               f"({exc.strerror}): ranks must run as the same user and see each other's "
+                               "/proc; or pass transport='backend'") from exc
+        if not same:
             raise RuntimeError(f"{path} is no longer the shared storage published by process {pid}")
     else:
         path, size = handle[-2:]
@@ -385,23 +341,3 @@ class ShmTransport:
 
 def _idle(kept: _Kept) -> None:
     kept.busy = False
-
-
-def describe_hosts(hosts: Sequence[HostInfo]) -> str:
-    """``"rank 0: node1, rank 1: node2"``-style text for errors.
-
-    Example:
-        >>> describe_hosts([HostInfo("a", "x", 1, 0, 7, 0, ""), HostInfo("b", "y", 1, 0, 8, 0, "")])
-        'rank 0: a, rank 1: b'
-    """
-    return ", ".join(f"rank {r}: {h.hostname}" for r, h in enumerate(hosts))
-
-
-def same_host(hosts: Sequence[HostInfo]) -> bool:
-    """Whether every rank runs on one machine and sees the same ``/dev/shm``.
-
-    Example:
-        >>> same_host([HostInfo("a", "x", 1, 0, 7, 0, ""), HostInfo("a", "x", 1, 0, 8, 0, "")])
-        True
-    """
-    return len({h.machine for h in hosts}) == 1 and hosts[0].shm_device >= 0
