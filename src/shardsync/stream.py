@@ -26,8 +26,8 @@ from .exec import (BroadcastTransport, LocalTransport, MeshTransport, P2PTranspo
                    execute, local_mesh_info, mesh_groups)
 from .exec.memory import REUSE_MODES, Reuse
 from .exec.mesh import MeshGroups
-from .exec.hosts import HostInfo, describe_hosts, host_info, same_host
-from .exec.shm import ShmTransport, cached_token, shm_costs
+from .exec.hosts import HostInfo, host_info
+from .exec.shm import ShmTransport, cached_token, shm_costs, use_shm
 from .layout import GlobalLayout, StateValue
 from .layout.meta import check_replicas
 from .mapping import Mapping as ParsedMapping
@@ -115,33 +115,12 @@ def _agree_on_plan(gathered: list[tuple[Any, Any]], mapping: Any, options: PlanO
     return built[0]
 
 
-def _use_shm(plan: Plan, hosts: list[tuple[HostInfo, str]], device: torch.device,
-             budget: int | None) -> bool:
-    """Whether reads move through shared memory; the same answer (or error) on every rank."""
-    choices = {choice for _, choice in hosts}
-    if len(choices) > 1:
-        raise PlanError(f"ranks passed different transport= values {sorted(choices)}; pass the same "
-                        "on every rank of the group")
-    infos, choice = [h for h, _ in hosts], choices.pop()
-    need = sum(r.nbytes for r in plan.reads if r.receivers)
-    peak = max(shm_costs(plan).peak_bytes, default=0)
-    why = ("the strategy is mesh2d (its transport is the mesh's groups)" if plan.strategy == "mesh2d"
-           else f"targets are on {device.type}, not cpu" if device.type != "cpu"
-           else f"the ranks are on several hosts ({describe_hosts(infos)})" if not same_host(infos)
-           else f"{infos[0].shm_free} B free in /dev/shm, {need} B needed" if need > infos[0].shm_free
-           else f"its segments raise the peak to {peak} B, over memory_budget={budget} B"
-           if budget is not None and peak > budget else "")
-    if choice == "shm" and why:
-        raise PlanError(f"transport='shm' cannot be used: {why}; pass transport='backend' or 'auto'")
-    return choice != "backend" and not why and need > 0
-
-
 def _transport(plan: Plan, ranks: GroupRanks | None, groups: MeshGroups | None, source: Source,
                hosts: list[tuple[HostInfo, str]], device: torch.device,
                budget: int | None) -> tuple[Transport, str, Plan]:
     if ranks is None:
         return LocalTransport(), "local", plan
-    if _use_shm(plan, hosts, device, budget):
+    if use_shm(plan, hosts, device, budget):
         plan = dataclasses.replace(plan, costs=shm_costs(plan))
         return ShmTransport(ranks, plan, source, [h for h, _ in hosts]), "shm", plan
     kind = str(dist.get_backend(ranks.group))

@@ -48,11 +48,12 @@ from ..layout.dtypes import to_torch_dtype
 from ..planning.model import Costs, Packet, Plan, Step
 from ..planning.schedule import ALIGN
 from ..sources import Source
-from .hosts import SHM_DIR, HostInfo
+from ..errors import PlanError
+from .hosts import SHM_DIR, HostInfo, describe_hosts, same_host
 from .stats import Stats
 from .transport import PacketIO, Posted
 
-__all__ = ["ShmTransport", "shm_costs", "cached_token", "release", "group_name", "SHM_DIR", "SHM_PREFIX"]
+__all__ = ["ShmTransport", "use_shm", "shm_costs", "cached_token", "release", "group_name", "SHM_DIR", "SHM_PREFIX"]
 
 log = logging.getLogger(__name__)
 
@@ -97,6 +98,37 @@ def group_name(group: Any) -> str:
     """
     g = group if group is not None else dist.group.WORLD
     return str(getattr(g, "group_name", None) or "world")
+
+
+def use_shm(plan: Plan, hosts: Sequence[tuple[HostInfo, str]], device: torch.device,
+            budget: int | None) -> bool:
+    """Whether ``plan``'s reads move through shared memory, from every rank's host and ``transport=``
+    choice (gathered with the layout): the same answer, or the same error, on every rank.
+
+    Raises:
+        PlanError: the ranks passed different choices, or ``"shm"`` where it cannot be used (mesh2d,
+            CUDA targets, several hosts, too little room in /dev/shm, over ``memory_budget``).
+
+    Example:
+        >>> use_shm(plan, hosts, torch.device("cpu"), None)   # doctest: +SKIP
+        True
+    """
+    choices = {choice for _, choice in hosts}
+    if len(choices) > 1:
+        raise PlanError(f"ranks passed different transport= values {sorted(choices)}; pass the same "
+                        "on every rank of the group")
+    infos, choice = [h for h, _ in hosts], choices.pop()
+    need = sum(r.nbytes for r in plan.reads if r.receivers)
+    peak = max(shm_costs(plan).peak_bytes, default=0)
+    why = ("the strategy is mesh2d (its transport is the mesh's groups)" if plan.strategy == "mesh2d"
+           else f"targets are on {device.type}, not cpu" if device.type != "cpu"
+           else f"the ranks are on several hosts ({describe_hosts(infos)})" if not same_host(infos)
+           else f"{infos[0].shm_free} B free in /dev/shm, {need} B needed" if need > infos[0].shm_free
+           else f"its segments raise the peak to {peak} B, over memory_budget={budget} B"
+           if budget is not None and peak > budget else "")
+    if choice == "shm" and why:
+        raise PlanError(f"transport='shm' cannot be used: {why}; pass transport='backend' or 'auto'")
+    return choice != "backend" and not why and need > 0
 
 
 def _alive(pid: int) -> bool:
