@@ -62,18 +62,21 @@ def plot_scaling(doc: dict[str, Any], out: Path) -> list[Path]:
 
 
 def plot_peers(doc: dict[str, Any], out: Path) -> Path:
-    """Bars of the median seconds of every row of ``peers.json``."""
+    """Bars of the median seconds of every row of ``peers.json``, in the table's order."""
+    sys.path.insert(0, str(Path(__file__).parent))
+    from bench_peers import LABELS, ROWS
+
     rounds = doc["rounds"]
-    keys = [k for k in rounds[0]]
-    secs = [statistics.median(r[k] for r in rounds) for k in keys]
-    fig, ax = plt.subplots(figsize=(8, 0.35 * len(keys) + 1.2))
-    colors = ["tab:green" if "shardsync" in k or k in ("dropped", "never", "tuned") else
-              "tab:gray" if "ceiling" in k or "memcpy" in k else "tab:blue" for k in keys]
-    ax.barh(range(len(keys)), secs, color=colors)
-    ax.set_yticks(range(len(keys)), [k if "shardsync" in k or " " in k else f"shardsync 1 proc, reuse {k}"
-                                     for k in keys], fontsize=7)
+    rows = [(key, world) for key, world in ROWS if key in rounds[0]]
+    secs = [statistics.median(r[key] for r in rounds) for key, _ in rows]
+    names = [f"{world} proc: {LABELS.get(key, key)}" for key, world in rows]
+    colors = ["tab:gray" if "ceiling" in n or "memcpy" in n else "tab:green" if "shardsync" in n
+              else "tab:blue" for n in names]
+    fig, ax = plt.subplots(figsize=(9, 0.35 * len(rows) + 1.2))
+    ax.barh(range(len(rows)), secs, color=colors)
+    ax.set_yticks(range(len(rows)), names, fontsize=7)
     ax.invert_yaxis()
-    ax.set_xlabel("seconds (median over rounds)")
+    ax.set_xlabel("seconds (median over rounds); green: shardsync, blue: peers, gray: ceilings")
     ax.set_title(f"shardsync vs peers, 0.336 GB, TP=2 ({doc['date'][:10]})")
     fig.tight_layout()
     fig.savefig(out / "peers.png", dpi=110)
