@@ -74,6 +74,25 @@ def _errors(rank: int, world: int) -> dict[str, str]:
     return out
 
 
+def _two_hosts(rank: int, world: int) -> tuple:
+    """Each rank claims a host of its own: auto moves data over gloo, shm says why it cannot."""
+    import shardsync.stream as stream_module
+
+    real = stream_module.host_info
+    stream_module.host_info = lambda segments="": real(segments)._replace(hostname=f"node{rank}")
+    try:
+        state, _, ref = case_tp(rank, world)
+        auto = stream(state, None, ref)
+        try:
+            list(full_params(state, transport="shm"))
+            err = "no error"
+        except PlanError as exc:
+            err = str(exc)
+    finally:
+        stream_module.host_info = real
+    return auto["transport"], auto["bad"], err
+
+
 def worker_w2(rank: int, world: int) -> dict:
     out: dict = {"pid0": os.getpid() if rank == 0 else None}
     for case in CASES:
@@ -102,6 +121,7 @@ def worker_w2(rank: int, world: int) -> dict:
     shm.release()
     out["in place"] = (stream(shared, None, ref, transport="shm"), shm._cache[shm.group_name(None)].own)
     out["errors"] = _errors(rank, world)
+    out["two hosts"] = _two_hosts(rank, world)
     budget = stream(state, None, ref, memory_budget=1000)  # auto: over budget with shm, so gloo
     out["budget auto"] = (budget["transport"], budget["bad"], budget["peak"] <= 1000)
     dist.barrier()
@@ -144,6 +164,11 @@ def test_two_ranks_shm_matches_broadcast() -> None:
     assert errors[0]["budget"] == errors[1]["budget"]
     assert "its segments raise the peak to" in errors[0]["budget"] and "memory_budget=1000 B" in errors[0]["budget"]
     assert [rec["budget auto"] for rec in records] == [("gloo", [], True)] * 2
+    for rec in records:
+        transport, bad, err = rec["two hosts"]
+        assert (transport, bad) == ("gloo", [])
+        assert err.startswith("transport='shm' cannot be used: the ranks are on several hosts "
+                              "(rank 0: node0, rank 1: node1)")
     assert records[0]["leftovers"] == []
 
 

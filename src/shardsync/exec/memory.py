@@ -121,7 +121,7 @@ class BlockPool:
         if block is None:
             block = self._admit(nbytes)
         storage = torch.from_numpy(block).untyped_storage()
-        return torch.empty(0, dtype=dtype).set_(storage, 0, tuple(shape))
+        return torch.empty(0, dtype=dtype).set_(storage, 0, tuple(shape), _strides(tuple(shape)))
 
     def release(self, tensor: torch.Tensor) -> None:
         """``reuse="until-next"``: the caller is done with ``tensor`` (it asked for the next target);
@@ -133,6 +133,14 @@ class BlockPool:
             if self._blocks[key].ctypes.data == ptr:
                 self._released.add(key)
                 return
+
+
+def _strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    out, step = [], 1
+    for size in reversed(shape):
+        out.append(step)
+        step *= max(size, 1)
+    return tuple(reversed(out))
 
 
 _shared: list[BlockPool] = []

@@ -76,15 +76,13 @@ def shm_costs(plan: Plan) -> Costs:
     """
     world = plan.world_size
     sent, recv = [0] * world, [0] * world
+    segment = [0] * world  # at most: every read a rank sends copied into its segment
     for r in plan.reads:
         if r.receivers and r.sender is not None:
             sent[r.sender] += r.nbytes
+            segment[r.sender] += -(-r.nbytes // ALIGN) * ALIGN
             for d in r.receivers:
                 recv[d] += r.nbytes
-    segment = [0] * world  # every read this rank sends copied into its segment, at most
-    for r in plan.reads:
-        if r.receivers and r.sender is not None:
-            segment[r.sender] += -(-r.nbytes // ALIGN) * ALIGN
     peak = tuple(p + s for p, s in zip(plan.costs.peak_bytes, segment))
     return Costs(tuple(sent), tuple(recv), (SETUP_COLLECTIVES + 1,) * world, peak)
 
