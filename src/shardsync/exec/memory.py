@@ -7,10 +7,10 @@ each one can instead reuse the memory of a target the consumer no longer holds.
 
 :class:`BlockPool` does that safely. Every block is torch memory of exactly the target's bytes, seen
 through a numpy array, and a tensor handed out over it keeps a reference to that array for as long as
-any tensor, view, storage, numpy array or DLPack capsule of it is alive. A block is reused only when the pool holds the last
-reference, so a caller that keeps a target (or any view of it) never sees it overwritten. The opt-in
-``reuse="until-next"`` drops that check for targets already yielded: each target is then valid only
-until the next one is requested.
+any tensor, view, storage, numpy array or DLPack capsule of it is alive. A block is reused only when
+the pool holds the last reference, so a caller that keeps a target (or any view of it) never sees it
+overwritten. The opt-in ``reuse="until-next"`` drops that check for targets already yielded: each
+target is then valid only until the next one is requested.
 
 :func:`tune_allocator` is for a process that owns its allocator (the ``shardsync`` command): it tells
 glibc to keep freed memory instead of returning it to the system.

@@ -53,7 +53,8 @@ from .hosts import SHM_DIR, HostInfo, describe_hosts, same_host
 from .stats import Stats
 from .transport import PacketIO, Posted
 
-__all__ = ["ShmTransport", "use_shm", "shm_costs", "cached_token", "release", "group_name", "SHM_DIR", "SHM_PREFIX"]
+__all__ = ["ShmTransport", "use_shm", "shm_costs", "cached_token", "release", "group_name", "SHM_DIR",
+           "SHM_PREFIX"]
 
 log = logging.getLogger(__name__)
 
