@@ -37,8 +37,14 @@ def on_device(state: dict) -> dict:
     from shardsync.layout import ShardedTensor
 
     dev = torch.device("cuda", torch.cuda.current_device())
-    return {k: ShardedTensor(v.local.to(dev), v.global_shape, v.global_offset) if isinstance(v, ShardedTensor)
-            else v.to(dev) if isinstance(v, torch.Tensor) else v for k, v in state.items()}
+
+    def move(v: Any) -> Any:
+        if isinstance(v, ShardedTensor):
+            return ShardedTensor(v.local.to(dev), v.global_shape, v.global_offset)
+        plain = isinstance(v, torch.Tensor) and type(v).__name__ != "DTensor"  # DTensors: on their mesh
+        return v.to(dev) if plain else v
+
+    return {k: move(v) for k, v in state.items()}
 
 
 class RankFailure(Exception):
