@@ -5,7 +5,9 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-stamp
 TORCH  := torch==2.13.0
 
-.PHONY: test demo bench clean
+PEERS  := bench/.peers-venv
+
+.PHONY: test demo bench bench-peers gpu-check clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -20,12 +22,30 @@ demo: $(STAMP)
 	$(PY) examples/demo.py
 
 bench: $(STAMP)
+	$(PY) -m pip install -q "$(TORCH)" -e ".[bench]"
 	$(PY) bench/bench_export.py
 	$(PY) bench/bench_stream.py
 	$(PY) bench/bench_replicas.py
 	$(PY) bench/bench_plan.py
 	$(PY) bench/bench_sources.py
 	$(PY) bench/bench_convert.py
+	$(PY) bench/bench_scaling.py
+	$(PY) bench/plots.py
+
+# The peers run in their own venv (Paddle is never a dependency of shardsync).
+$(PEERS)/.installed-stamp:
+	test -x $(PEERS)/bin/python || python3 -m venv $(PEERS)
+	$(PEERS)/bin/pip install -q paddlepaddle==3.3.1
+	touch $@
+
+bench-peers: $(STAMP) $(PEERS)/.installed-stamp
+	$(PY) -m pip install -q "$(TORCH)" -e ".[bench]"
+	$(PY) bench/bench_peers.py
+	$(PY) bench/plots.py
+
+# NCCL paths on the GPUs of this machine; prints "no CUDA: skipped" and exits 0 without CUDA.
+gpu-check: $(STAMP)
+	$(PY) scripts/gpu_check.py
 
 clean:
-	rm -rf $(VENV) build src/*.egg-info
+	rm -rf $(VENV) $(PEERS) build src/*.egg-info

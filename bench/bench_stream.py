@@ -136,13 +136,15 @@ def variants(model: dict, state: dict, world: int, budget: int) -> dict[str, Cal
         "floor: local clone, no communication": lambda: local_clone(model),
         "floor: gloo broadcasts only, no assembly": lambda: wire_only(model, state, world),
         "naive all_gather": lambda: naive(model, state, world),
-        "broadcast": lambda: full_params(state, strategy="broadcast"),
-        "bucketed": lambda: full_params(state, strategy="bucketed"),
-        "p2p (all ranks)": lambda: full_params(state, strategy="p2p"),
+        "broadcast": lambda: full_params(state, strategy="broadcast", transport="backend"),
+        "bucketed": lambda: full_params(state, strategy="bucketed", transport="backend"),
+        "p2p (all ranks)": lambda: full_params(state, strategy="p2p", transport="backend"),
         "mesh2d (1x2)": lambda: full_params(state, strategy="mesh2d", mesh=(dist.group.WORLD, None)),
-        "auto": lambda: full_params(state),
+        "auto, transport='backend'": lambda: full_params(state, transport="backend"),
+        "auto (shared memory)": lambda: full_params(state),
         f"auto, memory_budget={budget / MIB:.1f} MiB": lambda: full_params(state, memory_budget=budget),
-        "consumers=0 (p2p)": lambda: full_params(state, consumers=0),
+        "consumers=0 (p2p)": lambda: full_params(state, consumers=0, transport="backend"),
+        "consumers=0 (shared memory)": lambda: full_params(state, consumers=0),
     }
 
 

@@ -1,7 +1,10 @@
-"""Run a function on N spawned processes joined in a gloo process group (test tier 2).
+"""Run a function on N spawned processes joined in a process group (test tier 2).
 
 ``run_ranks(fn, world, *args)`` calls ``fn(rank, world, *args)`` in every process after
-``init_process_group("gloo")`` and returns the per-rank results. A rank that raises makes
+``init_process_group(BACKEND)`` and returns the per-rank results. ``BACKEND`` is gloo unless the
+environment says ``SHARDSYNC_TEST_BACKEND=nccl`` (``make gpu-check``): then each rank owns GPU
+``rank``, a test needing more GPUs than there are is skipped, and :func:`on_device` moves a test's
+state to the rank's GPU. A rank that raises makes
 ``run_ranks`` raise :class:`RankFailure` carrying every rank's outcome, so tests can also assert that
 all ranks raised. Processes still running ``timeout`` seconds after the start (one deadline shared by
 all ranks) are killed: a hang fails the test instead of CI.
@@ -21,7 +24,29 @@ from typing import Any
 
 import torch.multiprocessing as mp
 
-__all__ = ["run_ranks", "run_ranks_one_dies", "RankFailure"]
+__all__ = ["run_ranks", "run_ranks_one_dies", "RankFailure", "BACKEND", "on_device"]
+
+#: The process group backend of the multi-process tests.
+BACKEND = os.environ.get("SHARDSYNC_TEST_BACKEND", "gloo")
+
+
+def on_device(state: dict) -> dict:
+    """``state`` with its tensors (and ShardedTensor shards) on this rank's GPU under NCCL, else as is."""
+    if BACKEND != "nccl":
+        return state
+    import torch
+
+    from shardsync.layout import ShardedTensor
+
+    dev = torch.device("cuda", torch.cuda.current_device())
+
+    def move(v: Any) -> Any:
+        if isinstance(v, ShardedTensor):
+            return ShardedTensor(v.local.to(dev), v.global_shape, v.global_offset)
+        plain = isinstance(v, torch.Tensor) and type(v).__name__ != "DTensor"  # DTensors: on their mesh
+        return v.to(dev) if plain else v
+
+    return {k: move(v) for k, v in state.items()}
 
 
 class RankFailure(Exception):
@@ -44,7 +69,9 @@ def _entry(rank: int, world: int, store_dir: str, group_timeout: float, fn: Call
     torch.set_num_threads(1)
     result: tuple
     try:
-        dist.init_process_group("gloo", init_method=f"file://{store_dir}/store", rank=rank,
+        if BACKEND == "nccl":
+            torch.cuda.set_device(rank)
+        dist.init_process_group(BACKEND, init_method=f"file://{store_dir}/store", rank=rank,
                                 world_size=world, timeout=datetime.timedelta(seconds=group_timeout))
         try:
             result = ("ok", fn(rank, world, *args))
@@ -61,11 +88,18 @@ def _entry(rank: int, world: int, store_dir: str, group_timeout: float, fn: Call
 
 def run_ranks(fn: Callable[..., Any], world: int, *args: Any, timeout: float = 120.0,
               group_timeout: float = 60.0) -> list[Any]:
-    """Run ``fn(rank, world, *args)`` on ``world`` gloo ranks; return results by rank.
+    """Run ``fn(rank, world, *args)`` on ``world`` ranks; return results by rank.
 
     ``timeout`` bounds the whole run (every rank shares one deadline); ``group_timeout`` is the
     process group's timeout, how long a collective waits for a peer.
     """
+    if BACKEND == "nccl":
+        import pytest
+        import torch
+
+        have = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if have < world:
+            pytest.skip(f"SHARDSYNC_TEST_BACKEND=nccl: {world} ranks need {world} GPUs, {have} present")
     ctx = mp.get_context("spawn")
     with tempfile.TemporaryDirectory() as store_dir, tempfile.TemporaryDirectory() as out_dir:
         procs = [ctx.Process(target=_entry, args=(r, world, store_dir, group_timeout, fn, args,

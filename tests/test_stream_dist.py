@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from multiproc import run_ranks
+from multiproc import BACKEND, on_device, run_ranks
 from reference import arange_tensor
 
 from shardsync.errors import DistributedError, LayoutError, PlanError
@@ -100,14 +100,17 @@ def case_count(rank: int, world: int) -> tuple[dict, Any, dict]:
 # -- running and comparing -----------------------------------------------------------------------------
 
 def run(state: dict, mapping: Any, ref: dict, **kw: Any) -> dict[str, Any]:
-    stream = full_params(state, mapping, **kw)
+    kw.setdefault("transport", "backend")  # the strategies' collectives (test_shm.py: shared memory)
+    stream = full_params(on_device(state), mapping, **kw)
     names, problems = [], []
     for name, t in stream:
         names.append(name)
+        t = t.cpu()
         want = ref.get(name)
         if want is None or t.dtype != want.dtype or t.shape != want.shape or not torch.equal(t, want):
             problems.append(name)
-        if name in state and isinstance(state[name], torch.Tensor) and kw.get("copy") is False:
+        on_cpu = BACKEND == "gloo"  # under NCCL the state was copied to the GPU
+        if name in state and isinstance(state[name], torch.Tensor) and kw.get("copy") is False and on_cpu:
             problems += [] if t is state[name] else [f"{name} copied"]
     s, c, rank = stream.stats, stream.plan.costs, dist.get_rank(kw.get("group"))
     return {"names": names, "problems": problems, "strategy": stream.plan.strategy,
@@ -160,7 +163,7 @@ def worker_w2(rank: int, world: int) -> dict:
         out[("split", i)] = run(state, None, ref, strategy="bucketed", num_splits=3, split_index=i)
     state, _, ref = case_count(rank, world)
     out["count"] = run(state, None, ref, strategy="bucketed", bucket_bytes=2 * 2 * 4 * 4)
-    mesh = init_device_mesh("cpu", (world,))
+    mesh = init_device_mesh("cpu" if BACKEND == "gloo" else "cuda", (world,))
     full = arange_tensor((17, 5))
     dstate = {"d": distribute_tensor(full, mesh, [Shard(0)]),
               "r": distribute_tensor(full, mesh, [Replicate()])}

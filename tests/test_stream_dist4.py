@@ -6,7 +6,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from multiproc import run_ranks
+from multiproc import BACKEND, run_ranks
 from reference import arange_tensor
 from test_stream_dist import (case_count, case_empty_rank, case_experts, case_fused, case_tp, check,
                               qkv_statement, run, split_qkv, strategies)
@@ -48,7 +48,7 @@ def case_replicas(rank: int, world: int) -> tuple[dict, Any, dict]:
 def worker_w4(rank: int, world: int) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
 
-    mesh = init_device_mesh("cpu", (2, 2))
+    mesh = init_device_mesh("cpu" if BACKEND == "gloo" else "cuda", (2, 2))
     out: dict = {}
     for case in (*CASES, case_tp_pp, case_replicas):
         state, mapping, ref = case(rank, world)

@@ -23,8 +23,11 @@ import torch.distributed as dist
 
 from .dist import GroupRanks, abandon, agree, group_size, is_distributed
 from .errors import LayoutError, PlanError, ShardsyncError
-from .exec import (MeshGroups, MeshLike, MeshPlace, Stats, Transport, execute, local_mesh_info, mesh_groups,
-                   transport_for)
+from .exec import (MeshGroups, MeshLike, MeshPlace, Stats, Transport, choose_transport, execute,
+                   local_mesh_info, mesh_groups)
+from .exec.hosts import HostInfo, host_info
+from .exec.memory import REUSE_MODES, Reuse
+from .exec.shm import TRANSPORT_CHOICES, TransportChoice, cached_token
 from .layout import GlobalLayout
 from .layout.meta import LayoutEntry, check_replicas, without_values
 from .mapping import Mapping as ParsedMapping
@@ -37,7 +40,7 @@ from .sources import Source, SourceLike, open_source, spread
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
 
-__all__ = ["full_params", "plan", "ParamStream", "Consumers", "GATHER_PHASE", "PLAN_PHASE"]
+__all__ = ["full_params", "plan", "ParamStream", "Consumers", "TransportChoice", "GATHER_PHASE", "PLAN_PHASE"]
 
 log = logging.getLogger(__name__)
 
@@ -48,10 +51,12 @@ GATHER_PHASE, PLAN_PHASE = "gather layout", "plan"
 
 
 class _RankLayout(NamedTuple):
-    """What one rank contributes to the gathered layout: its shards, and its place in the mesh."""
+    """What one rank contributes to the gathered layout: its shards, its place in the mesh, and its
+    host with its ``transport=`` choice (left out of the plan's cache key)."""
 
     entries: tuple[LayoutEntry, ...]
     mesh: MeshPlace | None
+    host: tuple[HostInfo, TransportChoice] | None = None
 
 
 @dataclass(frozen=True)
@@ -63,6 +68,8 @@ class _Request:
     group: ProcessGroup | None
     groups: MeshGroups | None
     options: PlanOptions
+    transport: TransportChoice = "auto"
+    reuse: Reuse = "dropped"
 
 
 @dataclass(frozen=True)
@@ -72,10 +79,12 @@ class _Context:
     transport: Transport
     rank: int
     device: torch.device
+    kind: str  # how data moves, for stats: "local", "shm", or the backend's name
 
 
 def _request(state: Any, mapping: MappingLike | None, group: ProcessGroup | None, mesh: MeshLike | None,
-             consumers: Consumers, **options: Any) -> _Request:
+             consumers: Consumers, transport: Any = "auto", reuse: Any = "dropped",
+             **options: Any) -> _Request:
     """Check the arguments on this rank, before anything runs (a caller mistake raises here)."""
     if group is not None and dist.is_initialized() and dist.get_rank(group) < 0:
         raise PlanError(f"global rank {dist.get_rank()} is not in the group it passed; call this on the "
@@ -87,13 +96,17 @@ def _request(state: Any, mapping: MappingLike | None, group: ProcessGroup | None
         if not isinstance(state, (Mapping, Source, str, os.PathLike)):
             raise LayoutError(f"state must be a mapping of names to tensors, a Source or a checkpoint "
                               f"path, got {type(state).__name__}; pass model.state_dict() or a dict")
+        if transport not in TRANSPORT_CHOICES:
+            raise PlanError(f"transport={transport!r}: use one of {list(TRANSPORT_CHOICES)}")
+        if reuse not in REUSE_MODES:
+            raise PlanError(f"reuse={reuse!r}: use one of {list(REUSE_MODES)}")
         groups = mesh_groups(mesh) if mesh is not None else None
         opts = PlanOptions(consumers=_consumer_ranks(consumers), backend=_backend(group), **options)
         check_options(opts, group_size(group), meshed=mesh is not None)
     except ShardsyncError as exc:
         abandon(GATHER_PHASE, group, exc)  # peers already waiting in the phase learn why
         raise
-    return _Request(state, mapping, group, groups, opts)
+    return _Request(state, mapping, group, groups, opts, transport, reuse)
 
 
 def _consumer_ranks(consumers: object) -> tuple[int, ...] | None:
@@ -152,27 +165,31 @@ def _open_source(request: _Request, ranks: GroupRanks | None) -> Source:
     return spread(source, ranks.rank, ranks.world) if ranks is not None else source
 
 
-def _rank_layout(source: Source, groups: MeshGroups | None, ranks: GroupRanks | None) -> _RankLayout:
+def _rank_layout(source: Source, request: _Request, ranks: GroupRanks | None) -> _RankLayout:
+    groups = request.groups
+    host = (host_info(cached_token(request.group)), request.transport) if ranks is not None else None
     if groups is None:
         place = None
     elif ranks is None:  # a single process is a 1 x 1 mesh
         place = MeshPlace((0,), (0,))
     else:
         place = local_mesh_info(groups, ranks)
-    return _RankLayout(tuple(source.entries()), place)
+    return _RankLayout(tuple(source.entries()), place, host)
 
 
 def _prepare(request: _Request) -> _Context:
     """Gather the layout -> resolve, plan, validate and agree -> pick the transport."""
     ranks = GroupRanks.of(request.group) if is_distributed(request.group) else None
     layout = agree(GATHER_PHASE, lambda: _open_source(request, ranks), request.group,
-                   share=lambda source: _rank_layout(source, request.groups, ranks), unanimous=True)
+                   share=lambda source: _rank_layout(source, request, ranks), unanimous=True)
     plan = _agree_on_plan(layout.all, request)
     source = layout.mine
     device = (torch.device("cuda", torch.cuda.current_device()) if request.options.backend == "nccl"
               else source.device())
-    return _Context(plan, source, transport_for(plan, ranks, request.groups),
-                    ranks.rank if ranks else 0, device)
+    hosts = [r.host for r in layout.all if r.host is not None]
+    chosen = choose_transport(plan, ranks, request.groups, hosts, device, request.options.backend,
+                              request.options.memory_budget)
+    return _Context(chosen.plan, source, chosen.transport, ranks.rank if ranks else 0, device, chosen.kind)
 
 
 class ParamStream:
@@ -209,8 +226,9 @@ class ParamStream:
         ctx = _prepare(self._request)
         self.plan = ctx.plan
         self.stats.plan_seconds = time.perf_counter() - start
+        self.stats.transport = ctx.kind
         yield from execute(ctx.plan, ctx.source, ctx.transport, ctx.rank, self.stats,
-                           group=self._request.group, device=ctx.device)
+                           group=self._request.group, device=ctx.device, reuse=self._request.reuse)
         log.debug("full_params done: %s", self.stats.summary())
 
 
@@ -219,7 +237,8 @@ def full_params(state: SourceLike, mapping: MappingLike | None = None, *,
                 mesh: MeshLike | None = None, num_splits: int = 1, split_index: int = 0,
                 split_by: SplitBy = "count", consumers: Consumers = "all",
                 bucket_bytes: int = DEFAULT_BUCKET_BYTES, memory_budget: int | None = None,
-                mesh_threshold_bytes: int = DEFAULT_MESH_THRESHOLD_BYTES, copy: bool = True) -> ParamStream:
+                mesh_threshold_bytes: int = DEFAULT_MESH_THRESHOLD_BYTES, copy: bool = True,
+                transport: TransportChoice = "auto", reuse: Reuse = "dropped") -> ParamStream:
     """Stream full (mapped) tensors out of sharded state; call on every rank of the group.
 
     Args:
@@ -245,6 +264,13 @@ def full_params(state: SourceLike, mapping: MappingLike | None = None, *,
         mesh_threshold_bytes: mesh2d moves a read alone by two-stage broadcast when batching it would
             grow every rank's memory by more than this (Paddle's ``memory_growth_threshold``).
         copy: False returns targets that are an unchanged local source as views of it (zero copy).
+        transport: ``"auto"`` moves data through shared memory when every rank is on one host and
+            the targets are on CPU (else through the group's backend), ``"shm"`` insists on shared
+            memory, ``"backend"`` always uses the group's collectives (docs/performance.md).
+        reuse: ``"dropped"``: a target's memory is reused for a later target only once no tensor,
+            view or storage of it is alive; ``"until-next"``: each target is valid only until the
+            next one is requested (its memory is then reused even if still referenced);
+            ``"never"``: fresh memory for each target.
 
     Returns:
         a :class:`ParamStream`: iterate it for ``(name, tensor)``; ``.stats`` and ``.plan`` after.
@@ -268,7 +294,7 @@ def full_params(state: SourceLike, mapping: MappingLike | None = None, *,
         ...     print(name, tuple(tensor.shape), torch.equal(tensor, full.T))
         w_t (2, 17) True
     """
-    return ParamStream(_request(state, mapping, group, mesh, consumers, strategy=strategy,
+    return ParamStream(_request(state, mapping, group, mesh, consumers, transport, reuse, strategy=strategy,
                                 num_splits=num_splits, split_index=split_index, split_by=split_by,
                                 bucket_bytes=bucket_bytes, memory_budget=memory_budget,
                                 mesh_threshold_bytes=mesh_threshold_bytes, copy=copy))

@@ -26,6 +26,7 @@ from typing import Literal
 from .. import __version__
 from ..layout.meta import GlobalLayout
 from ..mapping.explain import describe_targets
+from ..exec.memory import tune_allocator
 from ..sources import open_source
 from .args import commands, parser
 from .common import MappingFlags, command_logging, dtype_flag, parse_sets, size_flag, source_dir
@@ -164,6 +165,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except SystemExit as exc:  # --help, --version, or a usage error already printed as one line
         return exc.code if isinstance(exc.code, int) else 0
     command = args.command
+    tune_allocator()  # this process owns its allocator: keep freed memory warm (docs/performance.md)
     with command_logging(command, quiet=args.quiet, debug=args.debug):
         try:
             return _COMMANDS[command](args)

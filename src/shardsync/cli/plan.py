@@ -9,10 +9,15 @@ reads, writes, sends and receives, its collectives and its estimated peak memory
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
+
+from ..exec.hosts import host_info
+from ..exec.shm import shm_costs, use_shm
 from ..layout.box import Box
 from ..layout.meta import GlobalLayout, LayoutEntry
 from ..planning import Plan, PlanOptions, build_plan
@@ -63,7 +68,12 @@ def dry_run(cfg: PlanConfig) -> Plan:
     options = PlanOptions(consumers=tuple(range(cfg.nproc)) if cfg.nproc > 1 else None, split_by="bytes",
                           memory_budget=cfg.memory_budget, copy=False,
                           backend="gloo" if cfg.nproc > 1 else "none")
-    return build_plan(targets, layout, options)
+    plan = build_plan(targets, layout, options)
+    # the workers start on this host: where they move data through shared memory, so do the costs
+    here = [(host_info(), "auto")] * cfg.nproc
+    if cfg.nproc > 1 and use_shm(plan, here, torch.device("cpu"), cfg.memory_budget):
+        plan = dataclasses.replace(plan, costs=shm_costs(plan))
+    return plan
 
 
 def _box(b: Box) -> dict[str, list[int]]:

@@ -5,6 +5,9 @@ packed and posted) before step k is *finished* (copies of local pieces, wait, co
 pieces, buffers dropped, completed targets yielded). So while this rank copies - or its caller
 consumes a target - the next packets are already on the wire. Memory held is the open targets plus
 the buffers of the steps in flight, as :func:`shardsync.planning.estimate_costs` assumes.
+
+On CPU, targets and buffers come from a :class:`~shardsync.exec.memory.BlockPool` (``reuse``): memory
+of earlier targets the caller dropped is written again instead of faulting in fresh pages.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from ..planning.costs import is_zero_copy
 from ..planning.model import Packet, Plan, Step
 from ..sources import Source
 from .assemble import copy_piece
+from .memory import BlockPool, Reuse, shared_pool
 from .stats import Stats
 from .transport import Pending, Received, Transport, unpack
 
@@ -42,14 +46,20 @@ def _step_tag(k: int) -> int:
     return -(k + 1)  # memory-accounting tag of step k's buffers (targets use their index)
 
 
-def _read_uses(plan: Plan, rank: int) -> Counter[int]:
-    """How many times ``rank`` takes each read from its source: once per packet it sends holding the
-    read, per copy into a target it builds from its own data, per target it yields as a view."""
-    uses: Counter[int] = Counter()
+def _sends(plan: Plan, rank: int) -> Counter[int]:
+    """How many packets ``rank`` sends holding each read."""
+    sends: Counter[int] = Counter()
     for step in plan.steps:
         for pk in step.packets:
             if pk.src == rank:
-                uses.update(pk.reads)
+                sends.update(pk.reads)
+    return sends
+
+
+def _read_uses(plan: Plan, rank: int, sends: Counter[int]) -> Counter[int]:
+    """How many times ``rank`` takes each read from its source: once per packet it sends holding the
+    read, per copy into a target it builds from its own data, per target it yields as a view."""
+    uses = Counter(sends)
     for tp in plan.targets:
         if rank not in tp.consumers:
             continue
@@ -64,9 +74,10 @@ class _Run:
     """One rank's state while executing a plan; also the :class:`PacketIO` its transport uses."""
 
     def __init__(self, plan: Plan, source: Source, rank: int, stats: Stats,
-                 device: torch.device, into: Callable[[int], torch.Tensor] | None = None) -> None:
+                 device: torch.device, into: Callable[[int], torch.Tensor] | None = None,
+                 pool: BlockPool | None = None) -> None:
         self.plan, self.source, self.rank, self.stats, self.device = plan, source, rank, stats, device
-        self.into = into
+        self.into, self.pool = into, pool
         self.open: dict[int, torch.Tensor] = {}
         self.direct: set[int] = set()  # reads received straight into their target
         self.posting = 0  # the step being started: its buffers are held under its tag
@@ -78,7 +89,8 @@ class _Run:
                     if rank not in plan.reads[c.read].holders:
                         self.remote.setdefault(c.read, []).append((t, c.piece))
         # A read is taken from the source once (a file source loads it) and kept until its last use.
-        self.uses = _read_uses(plan, rank)
+        self.sends = _sends(plan, rank)
+        self.uses = _read_uses(plan, rank, self.sends)
         self.cache: dict[int, torch.Tensor] = {}
 
     def read(self, i: int) -> torch.Tensor:
@@ -95,6 +107,18 @@ class _Run:
             self.cache[i] = data
         return data
 
+    def send_once(self, i: int) -> torch.Tensor:
+        data = self.read(i)
+        self.uses[i] -= self.sends[i] - 1  # the other packets holding it are never filled
+        if self.uses[i] <= 0:
+            self.cache.pop(i, None)
+        return data
+
+    def empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        if self.pool is None:
+            return torch.empty(shape, dtype=dtype, device=self.device)
+        return self.pool.empty(shape, dtype)
+
     def mine(self, t: int) -> bool:
         return self.rank in self.plan.targets[t].consumers
 
@@ -106,7 +130,7 @@ class _Run:
             self.open[t] = self.into(t)
             return
         if not is_zero_copy(tp, self.plan.reads, self.rank, self.plan.copy):
-            self.open[t] = torch.empty(tp.shape, dtype=to_torch_dtype(tp.dtype), device=self.device)
+            self.open[t] = self.empty(tp.shape, to_torch_dtype(tp.dtype))
             self.stats.hold(tp.nbytes, tag=t)
 
     @torch.no_grad()
@@ -121,7 +145,7 @@ class _Run:
 
     def buffer(self, nbytes: int) -> torch.Tensor:
         self.stats.hold(nbytes, _step_tag(self.posting))
-        return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        return self.empty((nbytes,), torch.uint8)
 
     @torch.no_grad()
     def fill(self, pk: Packet) -> torch.Tensor:
@@ -198,9 +222,18 @@ class _Run:
                 yield self.take(t)
 
 
+def _pool(plan: Plan, rank: int, device: torch.device, reuse: Reuse) -> BlockPool | None:
+    # Room for what the plan holds at once, the caller's current target and the one before it.
+    if reuse == "never" or device.type != "cpu":
+        return None
+    largest = max((t.nbytes for t in plan.targets if rank in t.consumers), default=0)
+    return shared_pool(plan.costs.peak_bytes[rank] + 2 * largest)
+
+
 def execute(plan: Plan, source: Source, transport: Transport, rank: int, stats: Stats,
             *, group: ProcessGroup | None = None, device: torch.device | None = None,
-            into: Callable[[int], torch.Tensor] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+            into: Callable[[int], torch.Tensor] | None = None, reuse: Reuse = "dropped",
+            ) -> Iterator[tuple[str, torch.Tensor]]:
     """Run ``plan`` on this rank; yield ``(name, tensor)`` for each target this rank consumes.
 
     ``into(t)``, when given, is the memory target ``t`` is written into (a destination shard, written
@@ -209,15 +242,24 @@ def execute(plan: Plan, source: Source, transport: Transport, rank: int, stats: 
     Every rank of the group must call this with the same plan and iterate to the end: the steps are
     collective. A failure on any rank is raised on every rank as a
     :class:`~shardsync.errors.DistributedError` naming the ``stream`` phase; a rank that stops
-    iterating makes the others fail within the group timeout.
+    iterating makes the others fail within the group timeout. ``reuse`` says when the memory of a
+    yielded target may hold a later one (see :data:`~shardsync.exec.memory.Reuse`). A transport with
+    a ``setup(io, stats)`` method has it called before the data phase (it runs its own agreed
+    phases), one with a ``close(stats)`` method has it called after the last step, inside the phase.
 
     Example:
         >>> for name, tensor in execute(plan, LocalSource(state), transport, rank, Stats()):  # doctest: +SKIP
         ...     save(name, tensor)
     """
-    run = _Run(plan, source, rank, stats, device or source.device(), into)
+    device = device or source.device()
+    pool = _pool(plan, rank, device, reuse)  # targets and buffers, or buffers only with ``into``
+    run = _Run(plan, source, rank, stats, device, into, pool)
+    reused = pool.reused if pool is not None else 0
     inflight: deque[tuple[int, Step, Pending]] = deque()
     start = time.perf_counter()
+    setup = getattr(transport, "setup", None)
+    if setup is not None:
+        setup(run, stats)
     with data_phase(STREAM_PHASE, group):
         for k, step in enumerate(plan.steps):
             inflight.append((k, step, run.start(k, step, transport)))
@@ -226,6 +268,12 @@ def execute(plan: Plan, source: Source, transport: Transport, rank: int, stats: 
                     stats.seconds = time.perf_counter() - start
                     yield item
                     start = time.perf_counter() - stats.seconds  # time spent in the caller not counted
+                    if pool is not None and reuse == "until-next" and into is None:
+                        pool.release(item[1])
+        close = getattr(transport, "close", None)
+        if close is not None:
+            close(stats)
     run.cache.clear()
+    stats.reused_blocks = pool.reused - reused if pool is not None else 0
     stats.seconds = time.perf_counter() - start
     log.debug("rank %d stream done: %s", rank, stats.summary())

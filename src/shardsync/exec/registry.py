@@ -2,16 +2,22 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import NamedTuple
+
+import torch
 
 from ..dist import GroupRanks
 from ..errors import PlanError
 from ..planning import STRATEGIES, Plan
 from .mesh import MeshGroups, MeshTransport
+from .hosts import HostInfo
 from .multicast import MulticastTransport
+from .shm import ShmTransport, TransportChoice, shm_costs, use_shm
 from .transport import BroadcastTransport, LocalTransport, P2PTransport, Transport
 
-__all__ = ["TRANSPORTS", "transport_for"]
+__all__ = ["TRANSPORTS", "transport_for", "Chosen", "choose_transport"]
 
 
 def _mesh(ranks: GroupRanks, plan: Plan, groups: MeshGroups | None) -> Transport:
@@ -45,3 +51,34 @@ def transport_for(plan: Plan, ranks: GroupRanks | None, groups: MeshGroups | Non
     if ranks is None:
         return LocalTransport()
     return TRANSPORTS[plan.strategy](ranks, plan, groups)
+
+
+class Chosen(NamedTuple):
+    """The transport a plan runs on, the plan with that transport's costs, and what to call it."""
+
+    transport: Transport
+    plan: Plan
+    kind: str  # "local", "shm", or the backend's name
+
+
+def choose_transport(plan: Plan, ranks: GroupRanks | None, groups: MeshGroups | None,
+                     hosts: Sequence[tuple[HostInfo, TransportChoice]], device: torch.device,
+                     backend: str, budget: int | None = None) -> Chosen:
+    """Shared memory where every rank is on one host and ``transport=`` allows it (see
+    :func:`~shardsync.exec.shm.use_shm`), else the strategy's transport on the group's ``backend``.
+
+    ``hosts`` is every rank's host and choice, gathered with the layout: every rank decides the same.
+    ``budget`` is the stream's ``memory_budget`` (segments count against it).
+
+    Example:
+        >>> import torch, shardsync
+        >>> plan = shardsync.plan({"w": torch.zeros(3)})
+        >>> choose_transport(plan, None, None, [], torch.device("cpu"), "none").kind
+        'local'
+    """
+    if ranks is None:
+        return Chosen(LocalTransport(), plan, "local")
+    if use_shm(plan, hosts, device, budget):
+        shm_plan = dataclasses.replace(plan, costs=shm_costs(plan))
+        return Chosen(ShmTransport(ranks, shm_plan, [h for h, _ in hosts]), shm_plan, "shm")
+    return Chosen(transport_for(plan, ranks, groups), plan, backend)

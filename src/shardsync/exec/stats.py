@@ -36,6 +36,8 @@ class Stats:
     bytes_yielded: int = 0
     seconds: float = 0.0
     plan_seconds: float = 0.0
+    reused_blocks: int = 0
+    transport: str = ""
     _blocks: dict[int, int] = field(default_factory=dict, repr=False)
 
     def hold(self, nbytes: int, tag: int | None = None) -> None:

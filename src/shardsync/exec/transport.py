@@ -52,6 +52,11 @@ class PacketIO(Protocol):
         """A sender's bytes for ``packet`` (flat uint8, contiguous)."""
         ...
 
+    def send_once(self, read: int) -> torch.Tensor:
+        """The data of a read this rank sends, for a transport that publishes each read once instead
+        of filling the plan's packets (those packets are then never filled)."""
+        ...
+
     def sink(self, packet: Packet) -> torch.Tensor | None:
         """Flat uint8 memory a receiver may receive ``packet`` into directly (a region of a target
         it would be copied to unchanged), or None."""

@@ -1,0 +1,80 @@
+"""Which ranks share a machine: what each rank tells the others when the layout is gathered.
+
+The same-host transport (:mod:`shardsync.exec.shm`) applies when every rank of the group reports the
+same hostname, boot id and ``/dev/shm`` device.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import socket
+from collections.abc import Sequence
+from typing import NamedTuple
+
+__all__ = ["HostInfo", "host_info", "same_host", "describe_hosts", "SHM_DIR"]
+
+#: Where shared-memory segments live (a tmpfs on Linux).
+SHM_DIR = "/dev/shm"
+_streams = itertools.count()  # per process; every rank of a group opens its streams in the same order
+
+
+class HostInfo(NamedTuple):
+    """What a rank tells the others about its machine when the layout is gathered.
+
+    Ranks are on one host when hostname, boot id and the device of ``/dev/shm`` all agree (two
+    containers on one machine with separate ``/dev/shm`` mounts are not one host).
+    """
+
+    hostname: str
+    boot_id: str
+    shm_device: int
+    shm_free: int
+    pid: int
+    stream: int  # this process's stream counter: names this stream's segments (rank 0's is used)
+    segments: str  # token of the segments kept for the group ("" if none, see :func:`release`)
+
+    @property
+    def machine(self) -> tuple[str, str, int]:
+        return self.hostname, self.boot_id, self.shm_device
+
+
+def host_info(segments: str = "") -> HostInfo:
+    """This process's :class:`HostInfo` (``shm_device`` -1 and ``shm_free`` 0 without a writable
+    /dev/shm); ``segments`` is what the transport keeps for the stream's group.
+
+    Example:
+        >>> host_info().pid == os.getpid()
+        True
+    """
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as fh:
+            boot = fh.read().strip()
+    except OSError:
+        boot = ""
+    try:
+        st, vfs = os.stat(SHM_DIR), os.statvfs(SHM_DIR)
+        dev, free = st.st_dev, vfs.f_bavail * vfs.f_frsize if os.access(SHM_DIR, os.W_OK) else 0
+    except OSError:
+        dev, free = -1, 0
+    return HostInfo(socket.gethostname(), boot, dev, free, os.getpid(), next(_streams), segments)
+
+
+def describe_hosts(hosts: Sequence[HostInfo]) -> str:
+    """``"rank 0: node1, rank 1: node2"``-style text for errors.
+
+    Example:
+        >>> describe_hosts([HostInfo("a", "x", 1, 0, 7, 0, ""), HostInfo("b", "y", 1, 0, 8, 0, "")])
+        'rank 0: a, rank 1: b'
+    """
+    return ", ".join(f"rank {r}: {h.hostname}" for r, h in enumerate(hosts))
+
+
+def same_host(hosts: Sequence[HostInfo]) -> bool:
+    """Whether every rank runs on one machine and sees the same ``/dev/shm``.
+
+    Example:
+        >>> same_host([HostInfo("a", "x", 1, 0, 7, 0, ""), HostInfo("a", "x", 1, 0, 8, 0, "")])
+        True
+    """
+    return len({h.machine for h in hosts}) == 1 and hosts[0].shm_device >= 0

@@ -1,0 +1,142 @@
+"""Target memory recycling (shardsync.exec.memory): a kept tensor is never overwritten.
+
+A stream of many same-size targets reuses the memory of targets the caller dropped (``reuse="dropped"``,
+the default). Whatever the caller keeps - the tensor, a view, its storage, a numpy array or a DLPack
+capsule of it - keeps its block out of reuse, and every kept target still holds its exact values when
+the stream ends. ``"until-next"`` reuses a target's memory once the next one is requested; ``"never"``
+does not reuse at all.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from multiproc import run_ranks
+from reference import arange_tensor
+
+import shardsync.exec.memory as memory
+from shardsync.exec.memory import BlockPool, release_memory, tune_allocator
+from shardsync.layout import shard_dim
+from shardsync.stream import full_params
+
+N = 9  # targets of one size; odd sizes catch a block handed out for the wrong shape
+FULL = {f"w{i}": arange_tensor((17, 5), start=1000 * i, step=0.5) for i in range(N)}
+MAPPING = [f"w{i}^T -> t{i}" for i in range(N)]  # a transpose: always copied into a fresh target
+REF = {f"t{i}": FULL[f"w{i}"].T for i in range(N)}
+
+
+
+@pytest.fixture(autouse=True)
+def fresh_pool(monkeypatch: pytest.MonkeyPatch) -> None:
+    release_memory()  # each test starts without blocks left by another
+    monkeypatch.setattr(memory, "POOL_MIN_BYTES", 0)  # these targets are tiny: pool them all
+
+
+KEEPERS: dict[str, Callable[[torch.Tensor], Any]] = {
+    "tensor": lambda t: t,
+    "view": lambda t: t[1:, 2:],
+    "storage": lambda t: t.untyped_storage(),
+    "numpy": lambda t: t.numpy(),
+    "dlpack": lambda t: torch.utils.dlpack.to_dlpack(t),
+}
+
+
+def as_tensor(kept: Any, like: torch.Tensor) -> torch.Tensor:
+    """Read a kept reference back as the target it came from."""
+    if isinstance(kept, torch.UntypedStorage):
+        return torch.empty(0, dtype=like.dtype).set_(kept, 0, like.shape)
+    if type(kept).__name__ == "PyCapsule":
+        return torch.utils.dlpack.from_dlpack(kept)
+    if not isinstance(kept, torch.Tensor):
+        return torch.from_numpy(kept)
+    return kept
+
+
+@pytest.mark.parametrize("how", sorted(KEEPERS))
+def test_kept_targets_are_never_overwritten(how: str) -> None:
+    kept: dict[str, Any] = {}
+    ptrs = []
+    stream = full_params(FULL, MAPPING)
+    for i, (name, t) in enumerate(stream):
+        ptrs.append(t.data_ptr())
+        if i % 2 == 0:  # keep every other target, in one form or another; drop the rest
+            kept[name] = KEEPERS[how](t)
+    assert stream.stats.reused_blocks > 0  # the dropped ones were recycled
+    for name, ref in REF.items():
+        if name in kept:
+            got = as_tensor(kept[name], ref)
+            want = ref if how != "view" else ref[1:, 2:]
+            assert torch.equal(got, want), name
+    kept_ptrs = {ptrs[i] for i in range(0, N, 2)}
+    assert len(kept_ptrs) == len(range(0, N, 2))  # no two kept targets share memory
+
+
+def test_dropped_targets_are_recycled_and_correct() -> None:
+    seen, ptrs = {}, set()
+    stream = full_params(FULL, MAPPING)
+    for name, t in stream:
+        seen[name] = t.clone()  # a copy: the target itself is dropped
+        ptrs.add(t.data_ptr())
+    assert all(torch.equal(seen[n], REF[n]) for n in REF)
+    assert len(ptrs) < N and stream.stats.reused_blocks == N - len(ptrs)
+    assert stream.stats.transport == "local"
+
+
+def test_until_next_reuses_a_kept_target_and_never_does_not() -> None:
+    kept = [t for _, t in full_params(FULL, MAPPING, reuse="until-next")]
+    assert len({t.data_ptr() for t in kept}) < N  # valid until the next target only, as documented
+    fresh = [(n, t) for n, t in full_params(FULL, MAPPING, reuse="never")]
+    assert len({t.data_ptr() for _, t in fresh}) == N
+    assert all(torch.equal(t, REF[n]) for n, t in fresh)
+
+
+def test_pool_hands_out_exact_storages() -> None:
+    pool = BlockPool(1 << 20)
+    a = pool.empty((17, 5), torch.float32)
+    assert a._base is None and a.untyped_storage().nbytes() == 17 * 5 * 4 and a.is_contiguous()
+    ptr = a.data_ptr()
+    del a
+    b = pool.empty((5, 17), torch.float32)  # same bytes, other shape: reused
+    c = pool.empty((85,), torch.int32)  # same bytes, b still alive: fresh
+    assert b.data_ptr() == ptr != c.data_ptr() and pool.reused == 1
+    big = BlockPool(1 << 20)
+    memory.POOL_MIN_BYTES = 1000  # under it: plain torch.empty, not pooled
+    assert big.empty((17, 5), torch.float32).untyped_storage().nbytes() == 340 and big.held == 0
+    memory.POOL_MIN_BYTES = 0
+    small = BlockPool(100)  # too small to keep a 340 B block: every allocation is fresh
+    d = small.empty((85,), torch.float32)
+    assert small.held == 0 and d.numel() == 85
+
+
+def test_bad_reuse_is_rejected() -> None:
+    with pytest.raises(ValueError, match="reuse='sometimes': use one of"):
+        full_params(FULL, reuse="sometimes")  # type: ignore[arg-type]
+
+
+def test_allocator_tuning_is_accepted_by_glibc() -> None:
+    assert tune_allocator() is True
+
+
+def _two_ranks(rank: int, world: int) -> dict:
+    memory.POOL_MIN_BYTES = 0  # a spawned process: the fixture's patch does not reach it
+    state = {k: shard_dim(v, 0, rank, world) for k, v in FULL.items()}
+    out = {}
+    for transport in ("backend", "shm"):
+        kept, reused = {}, 0
+        for _ in range(2):  # the second stream runs on kept segments (shm)
+            stream = full_params(state, MAPPING, transport=transport, strategy="broadcast")
+            for i, (name, t) in enumerate(stream):
+                if i % 3 == 0:
+                    kept[name] = t
+            reused += stream.stats.reused_blocks
+        out[transport] = (sorted(n for n, t in kept.items() if not torch.equal(t, REF[n])), reused)
+    return out
+
+
+def test_two_ranks_keep_targets_while_recycling() -> None:
+    for rec in run_ranks(_two_ranks, 2, timeout=120):
+        for transport, (wrong, reused) in rec.items():
+            assert wrong == [] and reused > 0, transport

@@ -1,0 +1,250 @@
+"""The same-host transport (shardsync.exec.shm) on 2 and 4 gloo ranks, against the broadcast path.
+
+Every scenario of the strategy tests runs twice on the same ranks: through shared memory and through
+gloo's broadcasts; the targets must be byte-identical (and equal to the dense reference). A rank that
+dies - during setup or mid-stream - must leave no segment in /dev/shm once the survivors have failed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import subprocess
+import sys
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from multiproc import RankFailure, run_ranks
+from test_stream_dist import case_empty_rank, case_experts, case_fused, case_tp
+from test_stream_dist4 import case_replicas, case_tp_pp
+
+import shardsync.exec.shm as shm
+from shardsync.errors import DistributedError, PlanError
+from shardsync.exec.hosts import HostInfo, host_info, same_host
+from shardsync.stream import full_params
+
+CASES = (case_tp, case_fused, case_experts, case_empty_rank)
+STRATEGIES = (("broadcast", {}), ("bucketed", {"bucket_bytes": 256}), ("p2p", {}), ("auto", {}))
+GROUP_TIMEOUT = 5
+
+
+def digest(t: torch.Tensor) -> tuple[str, tuple[int, ...], str]:
+    data = t.contiguous().view(torch.uint8).numpy().tobytes() if t.numel() else b""
+    return str(t.dtype), tuple(t.shape), hashlib.sha1(data).hexdigest()
+
+
+def stream(state: dict, mapping: Any, ref: dict, **kw: Any) -> dict[str, Any]:
+    """Targets (digests, in yield order), mismatches against ``ref``, and the counters."""
+    s = full_params(state, mapping, **kw)
+    out, bad = {}, []
+    for name, t in s:
+        out[name] = digest(t)
+        want = ref[name]
+        if t.dtype != want.dtype or t.shape != want.shape or not torch.equal(t, want):
+            bad.append(name)
+    rank, c = dist.get_rank(kw.get("group")), s.plan.costs
+    return {"targets": out, "bad": bad, "transport": s.stats.transport, "peak": s.stats.peak_bytes,
+            "stats": (s.stats.bytes_sent, s.stats.bytes_received, s.stats.collectives),
+            "costs": (c.bytes_sent[rank], c.bytes_received[rank], c.collectives[rank]),
+            "plan_peak": c.peak_bytes[rank]}
+
+
+def both(state: dict, mapping: Any, ref: dict, **kw: Any) -> tuple[dict, dict]:
+    return (stream(state, mapping, ref, transport="shm", **kw),
+            stream(state, mapping, ref, transport="backend", **({"strategy": "broadcast"} | kw)))
+
+
+def leftovers(pid0: int) -> list[str]:
+    return sorted(n for n in os.listdir(shm.SHM_DIR) if n.startswith(f"{shm.SHM_PREFIX}{pid0}-"))
+
+
+def _errors(rank: int, world: int) -> dict[str, str]:
+    state, _, _ = case_tp(rank, world)
+    out = {}
+    for label, kw in (("mesh2d", {"strategy": "mesh2d", "mesh": (dist.group.WORLD, None)}),
+                      ("differ", {"transport": "shm" if rank == 0 else "backend"}),
+                      ("budget", {"memory_budget": 1000})):
+        try:
+            list(full_params(state, **({"transport": "shm"} | kw)))
+            out[label] = "no error"
+        except (PlanError, DistributedError) as exc:
+            out[label] = f"{type(exc).__name__}: {exc}"
+    return out
+
+
+def _two_hosts(rank: int, world: int) -> tuple:
+    """Each rank claims a host of its own: auto moves data over gloo, shm says why it cannot."""
+    import shardsync.stream as stream_module
+
+    real = stream_module.host_info
+    stream_module.host_info = lambda segments="": real(segments)._replace(hostname=f"node{rank}")
+    try:
+        state, _, ref = case_tp(rank, world)
+        auto = stream(state, None, ref)
+        try:
+            list(full_params(state, transport="shm"))
+            err = "no error"
+        except PlanError as exc:
+            err = str(exc)
+    finally:
+        stream_module.host_info = real
+    return auto["transport"], auto["bad"], err
+
+
+def worker_w2(rank: int, world: int) -> dict:
+    out: dict = {"pid0": os.getpid() if rank == 0 else None}
+    for case in CASES:
+        state, mapping, ref = case(rank, world)
+        for name, kw in STRATEGIES:
+            out[(case.__name__, name)] = both(state, mapping, ref, strategy=name, **kw)
+    state, _, ref = case_tp(rank, world)
+    out["consumers=1"] = both(state, None, ref, consumers=1, strategy="p2p")
+    out["consumers=[1,0]"] = both(state, None, ref, consumers=[1, 0], strategy="p2p", split_by="bytes")
+    out["copy=False"] = both(state, None, ref, copy=False)
+    # the next stream writes into the segment the last one made; release() drops it
+    shm.release()
+    kept = []
+    for _ in range(2):
+        got = stream(state, None, ref, transport="shm")
+        own = shm._cache[shm.group_name(None)].own
+        kept.append((got["bad"], got["stats"][2], None if own is None else own[2].data_ptr()))
+    shm.release()
+    stream(state, None, ref, transport="shm")
+    out["kept"] = (kept, shm._cache[shm.group_name(None)].own[2].data_ptr())
+    # shards already in shared memory are published in place: no segment, nothing copied to publish
+    shared = {k: (v.share_memory_() if isinstance(v, torch.Tensor) else v) for k, v in state.items()}
+    for v in shared.values():
+        if hasattr(v, "local"):  # column shards are views of the full tensor: contiguous first
+            v.local = v.local.contiguous().share_memory_()
+    shm.release()
+    out["in place"] = (stream(shared, None, ref, transport="shm"), shm._cache[shm.group_name(None)].own)
+    out["errors"] = _errors(rank, world)
+    out["two hosts"] = _two_hosts(rank, world)
+    budget = stream(state, None, ref, memory_budget=1000)  # auto: over budget with shm, so gloo
+    out["budget auto"] = (budget["transport"], budget["bad"], budget["peak"] <= 1000)
+    dist.barrier()
+    out["leftovers"] = leftovers(os.getpid()) if rank == 0 else []
+    return out
+
+
+def check_pair(records: list[dict], key: Any, names: list[str] | None = None) -> None:
+    for rank, rec in enumerate(records):
+        got, via_broadcast = rec[key]
+        assert got["transport"] == "shm" and via_broadcast["transport"] == "gloo", (key, rank)
+        assert got["bad"] == [] == via_broadcast["bad"], (key, rank, got["bad"], via_broadcast["bad"])
+        assert got["targets"] == via_broadcast["targets"], (key, rank)  # same names, dtypes, bytes
+        assert got["stats"] == got["costs"], (key, rank, got["stats"], got["costs"])
+        assert got["peak"] <= got["plan_peak"], (key, rank)
+        if names is not None:
+            assert sorted(got["targets"]) == sorted(names), (key, rank)
+
+
+def test_two_ranks_shm_matches_broadcast() -> None:
+    records = run_ranks(worker_w2, 2, timeout=300)
+    for case in CASES:
+        for name, _ in STRATEGIES:
+            check_pair(records, (case.__name__, name), list(case(0, 2)[2]))
+    tp = sorted(case_tp(0, 2)[2])
+    check_pair(records, "consumers=1")
+    got = [list(rec["consumers=1"][0]["targets"]) for rec in records]
+    assert got[0] == [] and sorted(got[1]) == tp
+    check_pair(records, "consumers=[1,0]")
+    check_pair(records, "copy=False", tp)
+    for rec in records:
+        (first, second), fresh = rec["kept"]
+        assert first[:2] == second[:2] == ([], 3) and first[2] == second[2] is not None  # same segment
+        got, own = rec["in place"]
+        assert got["bad"] == [] and got["stats"] == got["costs"] and own is None  # no segment at all
+    errors = [rec["errors"] for rec in records]
+    assert errors[0]["mesh2d"] == errors[1]["mesh2d"]
+    assert errors[0]["mesh2d"].startswith("PlanError: transport='shm' cannot be used: the strategy is mesh2d")
+    assert errors[0]["differ"] == errors[1]["differ"]
+    assert "ranks passed different transport= values ['backend', 'shm']" in errors[0]["differ"]
+    assert errors[0]["budget"] == errors[1]["budget"]
+    assert "its segments raise the peak to" in errors[0]["budget"]
+    assert "over memory_budget=1000 B" in errors[0]["budget"]
+    assert [rec["budget auto"] for rec in records] == [("gloo", [], True)] * 2
+    for rec in records:
+        transport, bad, err = rec["two hosts"]
+        assert (transport, bad) == ("gloo", [])
+        assert err.startswith("transport='shm' cannot be used: the ranks are on several hosts "
+                              "(rank 0: node0, rank 1: node1)")
+    assert records[0]["leftovers"] == []
+
+
+def worker_w4(rank: int, world: int) -> dict:
+    out: dict = {}
+    for case in (*CASES, case_tp_pp, case_replicas):
+        state, mapping, ref = case(rank, world)
+        for name, kw in STRATEGIES:
+            out[(case.__name__, name)] = both(state, mapping, ref, strategy=name, **kw)
+    state, _, ref = case_tp(rank, world)
+    out["consumers=[1,3]"] = both(state, None, ref, consumers=[1, 3], strategy="p2p")
+    return out
+
+
+def test_four_ranks_shm_matches_broadcast() -> None:
+    records = run_ranks(worker_w4, 4, timeout=300)
+    for case in (*CASES, case_tp_pp, case_replicas):
+        for name, _ in STRATEGIES:
+            check_pair(records, (case.__name__, name), list(case(0, 4)[2]))
+    check_pair(records, "consumers=[1,3]")
+
+
+def _dies(rank: int, world: int, when: str) -> tuple:
+    state, _, _ = case_tp(rank, world)
+    if rank == 1 and when == "setup":  # after creating its segment, before the others map it
+        shm.ShmTransport._open = lambda self, tables: os._exit(3)  # type: ignore[method-assign]
+    names = []
+    try:
+        for name, _ in full_params(state, transport="shm", strategy="broadcast"):
+            names.append(name)
+            if rank == 1 and when == "mid-stream":
+                os._exit(3)
+    except DistributedError as exc:
+        return ("DistributedError", exc.phase, sorted(exc.failures), os.getpid(), names)
+    return ("finished", os.getpid(), names)
+
+
+@pytest.mark.parametrize("when", ["setup", "mid-stream"])
+def test_killed_rank_leaves_no_segment(when: str) -> None:
+    with pytest.raises(RankFailure) as err:
+        run_ranks(_dies, 2, when, timeout=90, group_timeout=GROUP_TIMEOUT)
+    out = err.value.outcomes
+    assert out[1][:2] == ("error", "Died")
+    kind, phase, failed, pid0, names = out[0][1]
+    # dead while the others map its segment: the setup phase names it; later, the data phase
+    assert (kind, phase, failed) == ("DistributedError", "shm open" if when == "setup" else "stream", [1])
+    assert sorted(names) == ([] if when == "setup" else ["a", "b", "h", "ids", "norm"])
+    assert leftovers(pid0) == []
+
+
+def test_segment_of_a_dead_process_is_swept() -> None:
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                          text=True, check=True).stdout.strip()
+    path = os.path.join(shm.SHM_DIR, f"{shm.SHM_PREFIX}{dead}-0-0-{dead}")
+    with open(path, "wb") as fh:
+        fh.write(b"x" * 64)
+    mine = os.path.join(shm.SHM_DIR, f"{shm.SHM_PREFIX}{os.getpid()}-0-0-{os.getpid()}")
+    with open(mine, "wb") as fh:
+        fh.write(b"y")
+    try:
+        shm._sweep()
+        assert not os.path.exists(path) and os.path.exists(mine)  # only the dead creator's
+    finally:
+        for p in (path, mine):
+            if os.path.exists(p):
+                os.unlink(p)
+
+
+def test_same_host_needs_machine_and_shm_mount() -> None:
+    a = HostInfo("n1", "boot", 25, 1 << 30, 10, 0, "")
+    assert same_host([a, a._replace(pid=11, shm_free=5)])
+    assert not same_host([a, a._replace(hostname="n2")])
+    assert not same_host([a, a._replace(boot_id="other")])
+    assert not same_host([a, a._replace(shm_device=26)])  # a container with its own /dev/shm
+    assert not same_host([a._replace(shm_device=-1)] * 2)  # no /dev/shm at all
+    me = host_info()
+    assert me.pid == os.getpid() and me.segments == "" and me.stream + 1 == host_info().stream
