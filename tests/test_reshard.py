@@ -44,7 +44,12 @@ def _trainers_to_inference(rank: int, hf: dict) -> dict:
            "mine": sum(_local(v).numel() * 4 for v in dst.values()) if dst else 0,
            "stats": (first.stats.bytes_sent, first.stats.bytes_received, first.stats.collectives),
            "costs": (c.bytes_sent[rank], c.bytes_received[rank], c.collectives[rank]),
-           "kinds": sorted({s.kind for s in first.plan.steps})}
+           "kinds": sorted({s.kind for s in first.plan.steps}), "transport": first.stats.transport}
+    if dst:
+        _zero(dst)
+    gloo = reshard(src, dst, MAPPING, transport="backend")  # the same boxes through the collectives
+    out["bad gloo"] = _bad(dst, hf_shards(hf, rank - 2, 2)) if dst else []
+    out["stats gloo"] = (gloo.stats.bytes_sent, gloo.stats.bytes_received, gloo.stats.transport)
     if dst:
         _zero(dst)
     second = reshard(src, dst, MAPPING)  # the RL loop: same layouts, the cached plan
@@ -69,11 +74,11 @@ def _replicated_inference(rank: int, hf: dict) -> dict:
     from its trainer to both; with strategy='p2p', by one message to each."""
     src = megatron_shards(hf, rank, 2) if rank < 2 else None
     out = {}
-    for strategy in ("auto", "p2p"):
+    for strategy, transport in (("auto", "backend"), ("p2p", "backend"), ("p2p", "shm")):
         dst = {k: torch.zeros_like(v) for k, v in hf.items()} if rank >= 2 else None
-        r = reshard(src, dst, MAPPING, strategy=strategy)  # type: ignore[arg-type]
-        out[strategy] = {"bad": _bad(dst, hf) if dst else [], "strategy": r.plan.strategy,
-                         "stats": (r.stats.bytes_sent, r.stats.bytes_received)}
+        r = reshard(src, dst, MAPPING, strategy=strategy, transport=transport)  # type: ignore[arg-type]
+        out[strategy, transport] = {"bad": _bad(dst, hf) if dst else [], "strategy": r.plan.strategy,
+                                    "stats": (r.stats.bytes_sent, r.stats.bytes_received)}
     return out
 
 
@@ -117,6 +122,8 @@ def test_reshard_trainers_to_inference_colocated_and_errors() -> None:
         assert a["stats again"] == a["stats"] == a["costs"]
         assert a["budget peak"] <= 600
         assert a["kinds"] == ["multicast", "p2p"]  # the norms, wanted by both workers, are broadcast
+        assert a["transport"] == "shm" and a["bad gloo"] == [], rank  # one host: shared memory
+        assert a["stats gloo"] == (*a["stats"][:2], "gloo"), rank
     # each inference rank received exactly its own shards' bytes, and sent nothing; trainers only send
     assert [a["stats"][1] for a in acc] == [0, 0, acc[2]["mine"], acc[3]["mine"]]
     assert [a["third received"] for a in acc] == [0, 0, acc[2]["mine"], 0]
@@ -125,12 +132,13 @@ def test_reshard_trainers_to_inference_colocated_and_errors() -> None:
     assert sum(a["stats"][0] for a in acc[:2]) == acc[2]["mine"] + acc[3]["mine"] - norms
 
     model = sum(v.numel() * 4 for v in hf_state().values())
-    for strategy, copies in (("auto", 1), ("p2p", 2)):
+    # a box both workers want: one broadcast, two messages, or published once in shared memory
+    for strategy, copies in ((("auto", "backend"), 1), (("p2p", "backend"), 2), (("p2p", "shm"), 1)):
         reps = [rec["replicated"][strategy] for rec in records]
         assert all(r["bad"] == [] for r in reps), strategy
         assert [r["stats"][1] for r in reps] == [0, 0, model, model]
         assert sum(r["stats"][0] for r in reps) == copies * model, strategy
-    assert records[0]["replicated"]["p2p"]["strategy"] == "p2p"
+    assert records[0]["replicated"]["p2p", "backend"]["strategy"] == "p2p"
 
     for rank, rec in enumerate(records):
         assert rec["colocated"]["bad"] == [], rank

@@ -23,7 +23,9 @@ import torch.distributed as dist
 
 from ..dist import GroupRanks, agree, is_distributed
 from ..errors import PlanError
-from ..exec import Stats, execute, transport_for
+from ..exec import Stats, choose_transport, execute
+from ..exec.hosts import HostInfo, host_info
+from ..exec.shm import TRANSPORT_CHOICES, TransportChoice, cached_token
 from ..layout.box import Box
 from ..layout.meta import GlobalLayout, LayoutEntry, check_replicas, without_values
 from ..mapping import Mapping, MappingLike, resolve
@@ -33,11 +35,13 @@ from .check import Mismatch, Report, check_targets, describe, load_error, proven
 from ..sources import Source
 from .state import Destination, DestinationLike, SourceLike, as_source
 
-__all__ = ["load", "reshard", "LoadResult", "DestinationStrategy"]
+__all__ = ["load", "reshard", "LoadResult", "DestinationStrategy", "CHECK_PHASE"]
 
 #: ``"auto"``: a box several ranks want goes by one broadcast among them (when the group is the whole
 #: world), else point to point; ``"p2p"``: always one message per receiving rank.
 DestinationStrategy = Literal["auto", "p2p"]
+#: The phase of every call that checks whether any rank's layout changed since the last call.
+CHECK_PHASE = "check layout"
 #: This rank's (source entries, destination entries), as gathered.
 _Local = tuple[tuple[LayoutEntry, ...], tuple[LayoutEntry, ...]]
 
@@ -133,21 +137,27 @@ def _slot(ranks: GroupRanks) -> tuple[int, tuple[int, ...]]:
     return id(dist.distributed_c10d._get_default_group()), ranks.global_ranks
 
 
-def _unchanged(ranks: GroupRanks, inputs: Any) -> _Prepared | None:
-    """The last call's plan when no rank's inputs changed since (one small all_reduce: the RL loop
-    skips both gathers); None when any rank's did, or failed to be read (``inputs`` None). Every rank
-    of a group makes the same calls, so all hold the same last plan."""
+_Host = tuple[HostInfo, TransportChoice]
+
+
+def _check(ranks: GroupRanks, inputs: Any, transport: TransportChoice) -> tuple[_Prepared | None, list[_Host]]:
+    """One small agreed phase on every call: the last call's plan when no rank's inputs changed since
+    (the RL loop skips both gathers; None when any rank's did, or failed to be read: ``inputs``
+    None), and every rank's host and ``transport=`` choice. Every rank of a group makes the same
+    calls, so all hold the same last plan."""
     last = _last.get(_slot(ranks))
-    on_gpu = str(dist.get_backend(ranks.group)) == "nccl"
-    changed = torch.tensor([int(inputs is None or last is None or last[0] != inputs)],
-                           device=torch.device("cuda", torch.cuda.current_device()) if on_gpu else "cpu")
-    dist.all_reduce(changed, op=dist.ReduceOp.MAX, group=ranks.group)
-    return last[1] if last is not None and not changed.item() else None
+    changed = inputs is None or last is None or last[0] != inputs
+    agreed = agree(CHECK_PHASE, lambda: (changed, (host_info(cached_token(ranks.group)), transport)),
+                   ranks.group)
+    hosts = [host for _, host in agreed.all]
+    if last is None or any(c for c, _ in agreed.all):
+        return None, hosts
+    return last[1], hosts
 
 
 def _transfer(source: SourceLike, dst: DestinationLike, mapping: MappingLike | None, group: Any,
               reverse: bool, strict: bool, plan_args: tuple[DestinationStrategy, int | None, int],
-              ) -> LoadResult:
+              transport: TransportChoice) -> LoadResult:
     start = time.perf_counter()
     ranks = GroupRanks.of(group) if is_distributed(group) else None
     def open_ends() -> _Ends:  # normalised inside the phase: a bad argument fails on every rank
@@ -158,7 +168,7 @@ def _transfer(source: SourceLike, dst: DestinationLike, mapping: MappingLike | N
     with contextlib.suppress(Exception):  # a failure here is raised by the phases below, on every rank
         ends = open_ends()
         inputs = (ends.layout(), _parse(mapping, reverse), ends.options, strict)
-    prepared = _unchanged(ranks, inputs) if ranks is not None else None
+    prepared, hosts = _check(ranks, inputs, transport) if ranks is not None else (None, [])
     if prepared is None or ends is None:
         opened = agree("gather layout", lambda: ends if ends is not None else open_ends(), group,
                        share=_Ends.entries, unanimous=True)
@@ -170,15 +180,19 @@ def _transfer(source: SourceLike, dst: DestinationLike, mapping: MappingLike | N
     if strict and not prepared.report.ok:
         raise load_error(prepared.report, prepared.problems)  # same lists on every rank
     stats = Stats(plan_seconds=time.perf_counter() - start)
-    transport = transport_for(prepared.plan, ranks, None)
     device = (torch.device("cuda", torch.cuda.current_device()) if options.backend == "nccl"
               else src.device())
+    if transport not in TRANSPORT_CHOICES:  # every rank passed the same (agreed with the hosts)
+        raise PlanError(f"transport={transport!r}: use one of {list(TRANSPORT_CHOICES)}")
+    chosen = choose_transport(prepared.plan, ranks, None, hosts, device, options.backend,
+                              options.memory_budget)
+    stats.transport = chosen.kind
     rank = ranks.rank if ranks is not None else 0
     # run every step: the targets are written into the destination's memory as they complete
-    deque(execute(prepared.plan, src, transport, rank, stats, group=group, device=device,
+    deque(execute(chosen.plan, src, chosen.transport, rank, stats, group=group, device=device,
                   into=lambda t: dest.memory(*prepared.boxes[t])), maxlen=0)
     r = prepared.report
-    return LoadResult(r.missing, r.unexpected, r.mismatched, prepared.plan, stats)
+    return LoadResult(r.missing, r.unexpected, r.mismatched, chosen.plan, stats)
 
 
 def _options(group: Any, strategy: DestinationStrategy, memory_budget: int | None,
@@ -196,7 +210,8 @@ def _options(group: Any, strategy: DestinationStrategy, memory_budget: int | Non
 
 def load(dst: DestinationLike, source: SourceLike, mapping: MappingLike | None = None, *,
          group: Any = None, reverse: bool = False, strict: bool = True, memory_budget: int | None = None,
-         bucket_bytes: int = DEFAULT_BUCKET_BYTES, strategy: DestinationStrategy = "auto") -> LoadResult:
+         bucket_bytes: int = DEFAULT_BUCKET_BYTES, strategy: DestinationStrategy = "auto",
+         transport: TransportChoice = "auto") -> LoadResult:
     """Fill ``dst`` in place from ``source``, through ``mapping`` in the load direction; call on every
     rank of the group.
 
@@ -223,6 +238,9 @@ def load(dst: DestinationLike, source: SourceLike, mapping: MappingLike | None =
         strategy: ``"auto"``: a box several ranks want travels by one broadcast among them and its
             sender (when ``group`` is the whole world), else point to point; ``"p2p"``: always one
             message per receiving rank.
+        transport: ``"auto"``: boxes move through shared memory when every rank is on one host and
+            the destinations are on CPU (the colocated case), else through the group's backend;
+            ``"shm"`` insists on shared memory; ``"backend"``: always the group's collectives.
 
     Returns:
         a :class:`LoadResult`: the missing/unexpected/mismatched lists, the plan and this rank's stats.
@@ -241,13 +259,13 @@ def load(dst: DestinationLike, source: SourceLike, mapping: MappingLike | None =
         [[0.0, 2.0, 4.0], [1.0, 3.0, 5.0]]
     """
     return _transfer(source, dst, mapping, group, reverse, strict,
-                     (strategy, memory_budget, bucket_bytes))
+                     (strategy, memory_budget, bucket_bytes), transport)
 
 
 def reshard(src_state: SourceLike, dst_state: DestinationLike, mapping: MappingLike | None = None, *,
             group: Any = None, reverse: bool = False, strict: bool = True,
             memory_budget: int | None = None, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-            strategy: DestinationStrategy = "auto") -> LoadResult:
+            strategy: DestinationStrategy = "auto", transport: TransportChoice = "auto") -> LoadResult:
     """Move live sharded state into another live sharded layout, in place; call on every rank.
 
     Ranks may hold sources only (trainers: ``dst_state=None``), destinations only (inference workers:
@@ -259,7 +277,8 @@ def reshard(src_state: SourceLike, dst_state: DestinationLike, mapping: MappingL
     Args:
         src_state: this rank's source state (state dict, module or Source), or None.
         dst_state: this rank's destination (state dict or module), or None.
-        mapping, group, reverse, strict, memory_budget, bucket_bytes, strategy: as for :func:`load`.
+        mapping, group, reverse, strict, memory_budget, bucket_bytes, strategy, transport: as for
+            :func:`load`.
 
     Returns:
         a :class:`LoadResult`.
@@ -274,4 +293,4 @@ def reshard(src_state: SourceLike, dst_state: DestinationLike, mapping: MappingL
         6.0
     """
     return _transfer(src_state, dst_state, mapping, group, reverse, strict,
-                     (strategy, memory_budget, bucket_bytes))
+                     (strategy, memory_budget, bucket_bytes), transport)

@@ -79,6 +79,21 @@ def choose_transport(plan: Plan, ranks: GroupRanks | None, groups: MeshGroups | 
     if ranks is None:
         return Chosen(LocalTransport(), plan, "local")
     if use_shm(plan, hosts, device, budget):
-        shm_plan = dataclasses.replace(plan, costs=shm_costs(plan))
+        shm_plan = _with_shm_costs(plan)
         return Chosen(ShmTransport(ranks, shm_plan, [h for h, _ in hosts]), shm_plan, "shm")
     return Chosen(transport_for(plan, ranks, groups), plan, backend)
+
+
+_shm_plans: dict[int, tuple[Plan, Plan]] = {}  # id(plan) -> (plan, the plan with shm costs)
+
+
+def _with_shm_costs(plan: Plan) -> Plan:
+    # The same object for the same (cached) plan: a loop that reuses its plan sees one plan.
+    hit = _shm_plans.get(id(plan))
+    if hit is not None and hit[0] is plan:
+        return hit[1]
+    if len(_shm_plans) >= 8:
+        del _shm_plans[next(iter(_shm_plans))]
+    shm_plan = dataclasses.replace(plan, costs=shm_costs(plan))
+    _shm_plans[id(plan)] = (plan, shm_plan)
+    return shm_plan
