@@ -10,14 +10,18 @@ that each inference shard is assembled from pieces of both trainers' shards. Two
 * ``shifted``: the same dims as in training, cut at 3/8 instead of 1/2: pieces are contiguous on
   both sides, sent straight from the trainers' shards and received straight into the destination.
 
-Three variants per cut:
+Variants per cut:
 
-* ``reshard``: :func:`shardsync.reshard` (warm: the plan is cached after the first call; the first
-  call's time, planning included, is reported separately);
+* ``reshard``: :func:`shardsync.reshard` with its defaults - on one host, through shared memory
+  (warm: the plan is cached after the first call; the first call's time, planning included, is
+  reported separately);
+* ``reshard gloo``: the same through gloo's collectives (``transport="backend"``);
 * ``full then slice``: :func:`shardsync.full_params` to every rank, then each inference rank copies
   its cut out of each full tensor (what one does without a sharded destination);
 * ``ceiling``: each trainer sends each inference rank, in one message, exactly the bytes that rank
-  needs from it (all four messages at once) - the wire alone, no packing, mapping or assembly.
+  needs from it (all four messages at once) - the wire alone, no packing, mapping or assembly;
+* ``ceiling memcpy``: each inference rank copies its shards' bytes once, from memory already touched
+  into memory already touched (what a same-host transport cannot beat).
 
 Each variant runs ``--repeats`` times, round-robin; the time of a run is the slowest rank's; the best
 run is kept. The reshard output is checked against the reference once. Results go to
@@ -166,7 +170,7 @@ def _ceiling(plan: shardsync.planning.Plan, rank: int) -> Callable[[], None]:
         for w in r.receivers:
             if r.sender is not None:
                 need[(r.sender, w)] = need.get((r.sender, w), 0) + r.nbytes
-    bufs = {pair: torch.empty(n, dtype=torch.uint8) for pair, n in need.items() if rank in pair}
+    bufs = {pair: torch.ones(n, dtype=torch.uint8) for pair, n in need.items() if rank in pair}
 
     def run() -> None:
         ops = [dist.P2POp(dist.isend if rank == t else dist.irecv, buf, w if rank == t else t)
@@ -175,6 +179,11 @@ def _ceiling(plan: shardsync.planning.Plan, rank: int) -> Callable[[], None]:
             for work in dist.batch_isend_irecv(ops):
                 work.wait()
     return run
+
+
+def _memcpy(nbytes: int) -> Callable[[], None]:
+    src, dst = torch.ones(nbytes, dtype=torch.uint8), torch.ones(nbytes, dtype=torch.uint8)
+    return lambda: dst.copy_(src)
 
 
 def run_cut(rank: int, a: argparse.Namespace, hf: dict[str, torch.Tensor], program: str,
@@ -191,9 +200,12 @@ def run_cut(rank: int, a: argparse.Namespace, hf: dict[str, torch.Tensor], progr
     first, result = _timed(lambda: shardsync.reshard(src, dst, program))
     bad = [] if dst is None else [k for k, v in dst.items() if not torch.equal(
         _local(v), hf[k][v.box.slices()] if isinstance(v, ShardedTensor) else hf[k])]
-    variants: dict[str, Callable[[], Any]] = {"reshard": lambda: shardsync.reshard(src, dst, program),
-                                              "full then slice": full_then_slice,
-                                              "ceiling": _ceiling(result.plan, rank)}
+    mine = 0 if dst is None else sum(_local(v).numel() * 4 for v in dst.values())
+    variants: dict[str, Callable[[], Any]] = {
+        "reshard": lambda: shardsync.reshard(src, dst, program),
+        "reshard gloo": lambda: shardsync.reshard(src, dst, program, transport="backend"),
+        "full then slice": full_then_slice, "ceiling": _ceiling(result.plan, rank),
+        "ceiling memcpy": _memcpy(mine)}
     best: dict[str, float] = {}
     for _ in range(a.repeats):
         for name, fn in variants.items():
@@ -203,7 +215,7 @@ def run_cut(rank: int, a: argparse.Namespace, hf: dict[str, torch.Tensor], progr
             "best": best, "bad": bad, "received": result.stats.bytes_received,
             "sent": result.stats.bytes_sent, "peak_bytes": result.stats.peak_bytes,
             "strategy": result.plan.strategy, "steps": len(result.plan.steps),
-            "shard_bytes": 0 if dst is None else sum(_local(v).numel() * 4 for v in dst.values())}
+            "transport": result.stats.transport, "shard_bytes": mine}
 
 
 def worker(rank: int, world: int, a: argparse.Namespace, store: str, out: str) -> None:
@@ -227,6 +239,9 @@ def report(per_rank: list[dict], cut: str) -> dict[str, Any]:
         "cut": cut, "inference_bytes_needed": needed,
         "reshard_vs_full_then_slice": best["full then slice"] / best["reshard"],
         "reshard_x_ceiling": best["reshard"] / best["ceiling"],
+        "reshard_x_memcpy": best["reshard"] / best["ceiling memcpy"],
+        "reshard_gloo_x_ceiling": best["reshard gloo"] / best["ceiling"],
+        "transport": ranks[0]["transport"],
         "first_reshard_seconds": ranks[0]["first_reshard_seconds"],
         "plan_seconds": max(r["plan_seconds"] for r in ranks),
         "received_bytes": [r["received"] for r in ranks], "sent_bytes": [r["sent"] for r in ranks],
@@ -262,7 +277,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     for c in doc["cuts"]:
         times = ", ".join(f"{name} {row['seconds']:.3f} s" for name, row in c["rows"].items())
         print(f"{c['cut']:>10}: {times}; reshard is {c['reshard_vs_full_then_slice']:.2f}x faster than "
-              f"full-then-slice, {c['reshard_x_ceiling']:.2f}x the ceiling; exact: {c['exact']}")
+              f"full-then-slice ({c['transport']}), {c['reshard_x_ceiling']:.2f}x the wire ceiling and "
+              f"{c['reshard_x_memcpy']:.2f}x the memcpy one; gloo "
+              f"{c['reshard_gloo_x_ceiling']:.2f}x its ceiling; exact: {c['exact']}")
     return doc
 
 
