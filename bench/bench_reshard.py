@@ -54,7 +54,7 @@ from shardsync import ShardedTensor
 __all__ = ["main", "mapping", "hf_model", "megatron_state", "inference_cut", "inference_state", "CUTS"]
 
 RESULTS = Path(__file__).parent / "results"
-SHIPPED = Path(shardsync.__file__).parent / "mappings" / "megatron_llama_to_hf.txt"
+SHIPPED = Path(shardsync.__file__).parent / "mappings" / "megatron-llama.txt"
 TRAINERS, WORKERS = (0, 1), (2, 3)
 CUTS = ("transposed", "shifted")
 
@@ -68,9 +68,15 @@ def _filled(shape: tuple[int, ...], seed: int) -> torch.Tensor:
 
 
 def mapping(a: argparse.Namespace) -> str:
-    """The shipped Megatron -> HF mapping with this model's head counts."""
-    return SHIPPED.read_text().replace("num_heads=8, num_key_value_groups=2",
-                                       f"num_heads={a.heads}, num_key_value_groups={a.groups}")
+    """The shipped Megatron -> HF mapping (``megatron-llama``) with this model's parameters."""
+    values = {"num_heads": a.heads, "num_key_value_groups": a.groups, "vocab_size": a.vocab}
+    text = SHIPPED.read_text()
+    for name, value in values.items():
+        text = text.replace("{" + name + "}", str(value))
+    # the trainers' fc1 shards are hand-made, each [gate_r; up_r] (the shipped file's own note)
+    for what in ("weight", "bias"):
+        text = text.replace(f"mlp.up_proj.{what}, axis=0", f"mlp.up_proj.{what}, fused_ffn, axis=0")
+    return text
 
 
 def hf_model(a: argparse.Namespace) -> dict[str, torch.Tensor]:
