@@ -7,7 +7,9 @@ environment says ``SHARDSYNC_TEST_BACKEND=nccl`` (``make gpu-check``): then each
 state to the rank's GPU. A rank that raises makes
 ``run_ranks`` raise :class:`RankFailure` carrying every rank's outcome, so tests can also assert that
 all ranks raised. Processes still running ``timeout`` seconds after the start (one deadline shared by
-all ranks) are killed: a hang fails the test instead of CI.
+all ranks) are killed: a hang fails the test instead of CI. A rank whose ``init_process_group`` fails
+(gloo failing to connect on loopback, a rare flake of the machine) gets the others killed at once and
+the whole run is started again, once, on a fresh store.
 """
 
 from __future__ import annotations
@@ -69,10 +71,14 @@ def _entry(rank: int, world: int, store_dir: str, group_timeout: float, fn: Call
     torch.set_num_threads(1)
     result: tuple
     try:
-        if BACKEND == "nccl":
-            torch.cuda.set_device(rank)
-        dist.init_process_group(BACKEND, init_method=f"file://{store_dir}/store", rank=rank,
-                                world_size=world, timeout=datetime.timedelta(seconds=group_timeout))
+        try:
+            if BACKEND == "nccl":
+                torch.cuda.set_device(rank)
+            dist.init_process_group(BACKEND, init_method=f"file://{store_dir}/store", rank=rank,
+                                    world_size=world, timeout=datetime.timedelta(seconds=group_timeout))
+        except BaseException:  # the parent stops the others (left waiting to connect) and retries
+            open(os.path.join(out_dir, f"{rank}{INIT_FAILED}"), "w").close()
+            raise
         try:
             result = ("ok", fn(rank, world, *args))
         finally:
@@ -84,6 +90,10 @@ def _entry(rank: int, world: int, store_dir: str, group_timeout: float, fn: Call
     with open(tmp, "wb") as fh:
         pickle.dump(result, fh)
     os.replace(tmp, os.path.join(out_dir, f"{rank}.pkl"))
+
+
+#: Marker file of a rank whose ``init_process_group`` failed.
+INIT_FAILED = ".init-failed"
 
 
 def run_ranks(fn: Callable[..., Any], world: int, *args: Any, timeout: float = 120.0,
@@ -100,21 +110,46 @@ def run_ranks(fn: Callable[..., Any], world: int, *args: Any, timeout: float = 1
         have = torch.cuda.device_count() if torch.cuda.is_available() else 0
         if have < world:
             pytest.skip(f"SHARDSYNC_TEST_BACKEND=nccl: {world} ranks need {world} GPUs, {have} present")
+    deadline = time.monotonic() + timeout
+    outcomes = _spawn(fn, world, args, deadline, group_timeout)
+    if outcomes is None:  # gloo failed to connect the ranks (a loopback flake): once more, fresh store
+        outcomes = _spawn(fn, world, args, deadline, group_timeout)
+    if outcomes is None:
+        raise RankFailure({r: ("error", "InitFailed", "init_process_group failed twice")
+                           for r in range(world)})
+    if any(o[0] != "ok" for o in outcomes.values()):
+        raise RankFailure(outcomes)
+    return [outcomes[r][1] for r in range(world)]
+
+
+def _spawn(fn: Callable[..., Any], world: int, args: tuple, deadline: float,
+           group_timeout: float) -> dict[int, tuple] | None:
+    """Every rank's outcome, or None when a rank failed to join the process group (the others,
+    left waiting to connect, are killed)."""
     ctx = mp.get_context("spawn")
     with tempfile.TemporaryDirectory() as store_dir, tempfile.TemporaryDirectory() as out_dir:
         procs = [ctx.Process(target=_entry, args=(r, world, store_dir, group_timeout, fn, args,
                                                     out_dir), daemon=True) for r in range(world)]
-        deadline = time.monotonic() + timeout
         for p in procs:
             p.start()
-        for p in procs:
-            p.join(max(0.0, deadline - time.monotonic()))
+        init_failed = False
+        while any(p.is_alive() for p in procs) and time.monotonic() < deadline:
+            init_failed = any(n.endswith(INIT_FAILED) for n in os.listdir(out_dir))
+            if init_failed:
+                break
+            time.sleep(0.05)
+        init_failed = init_failed or any(n.endswith(INIT_FAILED) for n in os.listdir(out_dir))
+        if init_failed:
+            for p in procs:
+                p.kill()
+                p.join()
+            return None
         outcomes: dict[int, tuple] = {}
         for r, p in enumerate(procs):
             if p.is_alive():
                 p.kill()
                 p.join()
-                outcomes[r] = ("error", "Hang", f"rank {r} still running after {timeout}s")
+                outcomes[r] = ("error", "Hang", f"rank {r} still running at the deadline")
                 continue
             path = os.path.join(out_dir, f"{r}.pkl")
             if not os.path.exists(path):
@@ -122,9 +157,7 @@ def run_ranks(fn: Callable[..., Any], world: int, *args: Any, timeout: float = 1
                 continue
             with open(path, "rb") as fh:
                 outcomes[r] = pickle.load(fh)
-    if any(o[0] != "ok" for o in outcomes.values()):
-        raise RankFailure(outcomes)
-    return [outcomes[r][1] for r in range(world)]
+    return outcomes
 
 
 def run_ranks_one_dies(fn: Callable[..., Any], world: int, dead: int, *args: Any, timeout: float = 120.0,
