@@ -7,6 +7,7 @@ dies - during setup or mid-stream - must leave no segment in /dev/shm once the s
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import os
 import subprocess
@@ -79,7 +80,7 @@ def _two_hosts(rank: int, world: int) -> tuple:
     import shardsync.stream as stream_module
 
     real = stream_module.host_info
-    stream_module.host_info = lambda segments="": real(segments)._replace(hostname=f"node{rank}")
+    stream_module.host_info = lambda *a, **k: real(*a, **k)._replace(hostname=f"node{rank}")
     try:
         state, _, ref = case_tp(rank, world)
         auto = stream(state, None, ref)
@@ -248,3 +249,30 @@ def test_same_host_needs_machine_and_shm_mount() -> None:
     assert not same_host([a._replace(shm_device=-1)] * 2)  # no /dev/shm at all
     me = host_info()
     assert me.pid == os.getpid() and me.segments == "" and me.stream + 1 == host_info().stream
+
+
+def _receivers_change(rank: int, world: int) -> list:
+    state, mapping, ref = case_tp(rank, world)
+    out = []
+    for consumers in ([1], [2], [1]):  # the senders' kept segments reach a rank that never mapped them
+        s = full_params(state, mapping, consumers=consumers, strategy="p2p", transport="shm")
+        bad = sorted(n for n, t in s if not torch.equal(t, ref[n]))
+        out.append((s.stats.transport, bad))
+    return out
+
+
+def test_streams_whose_receivers_change_reuse_no_segment_a_new_receiver_cannot_open() -> None:
+    for rank, rec in enumerate(run_ranks(_receivers_change, 3, timeout=120)):
+        assert rec == [("shm", [])] * 3, rank
+
+
+def test_ranks_with_targets_off_cpu_make_every_rank_use_the_backend() -> None:
+    import shardsync
+
+    plan = shardsync.plan({"w": torch.zeros(3)})
+    plan = dataclasses.replace(plan, reads=tuple(dataclasses.replace(r, receivers=(1,)) for r in plan.reads))
+    cpu, gpu = host_info(), host_info(data_device="cuda")
+    assert shm.use_shm(plan, [(cpu, "auto")] * 2, None)  # both on cpu: shared memory
+    assert not shm.use_shm(plan, [(cpu, "auto"), (gpu, "auto")], None)  # the same answer on both ranks
+    with pytest.raises(PlanError, match="targets of some ranks are on cuda, not cpu"):
+        shm.use_shm(plan, [(gpu, "shm"), (cpu, "shm")], None)

@@ -167,7 +167,9 @@ def _open_source(request: _Request, ranks: GroupRanks | None) -> Source:
 
 def _rank_layout(source: Source, request: _Request, ranks: GroupRanks | None) -> _RankLayout:
     groups = request.groups
-    host = (host_info(cached_token(request.group)), request.transport) if ranks is not None else None
+    device = "cuda" if request.options.backend == "nccl" else source.device().type
+    host = ((host_info(cached_token(request.group), device), request.transport) if ranks is not None
+            else None)
     if groups is None:
         place = None
     elif ranks is None:  # a single process is a 1 x 1 mesh
@@ -187,7 +189,7 @@ def _prepare(request: _Request) -> _Context:
     device = (torch.device("cuda", torch.cuda.current_device()) if request.options.backend == "nccl"
               else source.device())
     hosts = [r.host for r in layout.all if r.host is not None]
-    chosen = choose_transport(plan, ranks, request.groups, hosts, device, request.options.backend,
+    chosen = choose_transport(plan, ranks, request.groups, hosts, request.options.backend,
                               request.options.memory_budget)
     return _Context(chosen.plan, source, chosen.transport, ranks.rank if ranks else 0, device, chosen.kind)
 

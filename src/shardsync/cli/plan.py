@@ -14,7 +14,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
 
 from ..exec.hosts import host_info
 from ..exec.shm import shm_costs, use_shm
@@ -71,7 +70,7 @@ def dry_run(cfg: PlanConfig) -> Plan:
     plan = build_plan(targets, layout, options)
     # the workers start on this host: where they move data through shared memory, so do the costs
     here = [(host_info(), "auto")] * cfg.nproc
-    if cfg.nproc > 1 and use_shm(plan, here, torch.device("cpu"), cfg.memory_budget):
+    if cfg.nproc > 1 and use_shm(plan, here, cfg.memory_budget):
         plan = dataclasses.replace(plan, costs=shm_costs(plan))
     return plan
 

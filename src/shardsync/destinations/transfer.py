@@ -21,7 +21,7 @@ from typing import Any, Literal, NamedTuple
 import torch
 import torch.distributed as dist
 
-from ..dist import GroupRanks, agree, is_distributed
+from ..dist import GroupRanks, abandon, agree, is_distributed
 from ..errors import PlanError
 from ..exec import Stats, choose_transport, execute
 from ..exec.hosts import HostInfo, host_info
@@ -140,14 +140,16 @@ def _slot(ranks: GroupRanks) -> tuple[int, tuple[int, ...]]:
 _Host = tuple[HostInfo, TransportChoice]
 
 
-def _check(ranks: GroupRanks, inputs: Any, transport: TransportChoice) -> tuple[_Prepared | None, list[_Host]]:
+def _check(ranks: GroupRanks, inputs: Any, transport: TransportChoice,
+           device: str) -> tuple[_Prepared | None, list[_Host]]:
     """One small agreed phase on every call: the last call's plan when no rank's inputs changed since
     (the RL loop skips both gathers; None when any rank's did, or failed to be read: ``inputs``
-    None), and every rank's host and ``transport=`` choice. Every rank of a group makes the same
+    None), and every rank's host (with ``device``, the type of its destinations' device) and
+    ``transport=`` choice. Every rank of a group makes the same
     calls, so all hold the same last plan."""
     last = _last.get(_slot(ranks))
     changed = inputs is None or last is None or last[0] != inputs
-    agreed = agree(CHECK_PHASE, lambda: (changed, (host_info(cached_token(ranks.group)), transport)),
+    agreed = agree(CHECK_PHASE, lambda: (changed, (host_info(cached_token(ranks.group), device), transport)),
                    ranks.group)
     hosts = [host for _, host in agreed.all]
     if last is None or any(c for c, _ in agreed.all):
@@ -160,6 +162,10 @@ def _transfer(source: SourceLike, dst: DestinationLike, mapping: MappingLike | N
               transport: TransportChoice) -> LoadResult:
     start = time.perf_counter()
     ranks = GroupRanks.of(group) if is_distributed(group) else None
+    if transport not in TRANSPORT_CHOICES:  # before any phase; peers waiting in the first learn why
+        exc = PlanError(f"transport={transport!r}: use one of {list(TRANSPORT_CHOICES)}")
+        abandon(CHECK_PHASE, group, exc)
+        raise exc
     def open_ends() -> _Ends:  # normalised inside the phase: a bad argument fails on every rank
         return _Ends(as_source(source), Destination(dst), _options(group, *plan_args))
 
@@ -168,7 +174,13 @@ def _transfer(source: SourceLike, dst: DestinationLike, mapping: MappingLike | N
     with contextlib.suppress(Exception):  # a failure here is raised by the phases below, on every rank
         ends = open_ends()
         inputs = (ends.layout(), _parse(mapping, reverse), ends.options, strict)
-    prepared, hosts = _check(ranks, inputs, transport) if ranks is not None else (None, [])
+    hosts: list[_Host] = []
+    if ranks is None:
+        prepared = None
+    else:
+        on = "cuda" if str(dist.get_backend(ranks.group)) == "nccl" else (
+            ends.source.device().type if ends is not None else "cpu")
+        prepared, hosts = _check(ranks, inputs, transport, on)
     if prepared is None or ends is None:
         opened = agree("gather layout", lambda: ends if ends is not None else open_ends(), group,
                        share=_Ends.entries, unanimous=True)
@@ -182,10 +194,7 @@ def _transfer(source: SourceLike, dst: DestinationLike, mapping: MappingLike | N
     stats = Stats(plan_seconds=time.perf_counter() - start)
     device = (torch.device("cuda", torch.cuda.current_device()) if options.backend == "nccl"
               else src.device())
-    if transport not in TRANSPORT_CHOICES:  # every rank passed the same (agreed with the hosts)
-        raise PlanError(f"transport={transport!r}: use one of {list(TRANSPORT_CHOICES)}")
-    chosen = choose_transport(prepared.plan, ranks, None, hosts, device, options.backend,
-                              options.memory_budget)
+    chosen = choose_transport(prepared.plan, ranks, None, hosts, options.backend, options.memory_budget)
     stats.transport = chosen.kind
     rank = ranks.rank if ranks is not None else 0
     # run every step: the targets are written into the destination's memory as they complete

@@ -33,15 +33,17 @@ class HostInfo(NamedTuple):
     pid: int
     stream: int  # this process's stream counter: names this stream's segments (rank 0's is used)
     segments: str  # token of the segments kept for the group ("" if none, see :func:`release`)
+    data_device: str = "cpu"  # where this rank's targets live ("cpu", "cuda")
 
     @property
     def machine(self) -> tuple[str, str, int]:
         return self.hostname, self.boot_id, self.shm_device
 
 
-def host_info(segments: str = "") -> HostInfo:
+def host_info(segments: str = "", data_device: str = "cpu") -> HostInfo:
     """This process's :class:`HostInfo` (``shm_device`` -1 and ``shm_free`` 0 without a writable
-    /dev/shm); ``segments`` is what the transport keeps for the stream's group.
+    /dev/shm); ``segments`` is what the transport keeps for the stream's group, ``data_device`` the
+    device type this rank's targets are on.
 
     Example:
         >>> host_info().pid == os.getpid()
@@ -57,7 +59,8 @@ def host_info(segments: str = "") -> HostInfo:
         dev, free = st.st_dev, vfs.f_bavail * vfs.f_frsize if os.access(SHM_DIR, os.W_OK) else 0
     except OSError:
         dev, free = -1, 0
-    return HostInfo(socket.gethostname(), boot, dev, free, os.getpid(), next(_streams), segments)
+    return HostInfo(socket.gethostname(), boot, dev, free, os.getpid(), next(_streams), segments,
+                    data_device)
 
 
 def describe_hosts(hosts: Sequence[HostInfo]) -> str:

@@ -6,7 +6,6 @@ import dataclasses
 from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
-import torch
 
 from ..dist import GroupRanks
 from ..errors import PlanError
@@ -62,23 +61,24 @@ class Chosen(NamedTuple):
 
 
 def choose_transport(plan: Plan, ranks: GroupRanks | None, groups: MeshGroups | None,
-                     hosts: Sequence[tuple[HostInfo, TransportChoice]], device: torch.device,
-                     backend: str, budget: int | None = None) -> Chosen:
+                     hosts: Sequence[tuple[HostInfo, TransportChoice]], backend: str,
+                     budget: int | None = None) -> Chosen:
     """Shared memory where every rank is on one host and ``transport=`` allows it (see
     :func:`~shardsync.exec.shm.use_shm`), else the strategy's transport on the group's ``backend``.
 
-    ``hosts`` is every rank's host and choice, gathered with the layout: every rank decides the same.
+    ``hosts`` is every rank's host (with the device type of its targets) and choice, gathered with the
+    layout: every rank decides the same.
     ``budget`` is the stream's ``memory_budget`` (segments count against it).
 
     Example:
         >>> import torch, shardsync
         >>> plan = shardsync.plan({"w": torch.zeros(3)})
-        >>> choose_transport(plan, None, None, [], torch.device("cpu"), "none").kind
+        >>> choose_transport(plan, None, None, [], "none").kind
         'local'
     """
     if ranks is None:
         return Chosen(LocalTransport(), plan, "local")
-    if use_shm(plan, hosts, device, budget):
+    if use_shm(plan, hosts, budget):
         shm_plan = _with_shm_costs(plan)
         return Chosen(ShmTransport(ranks, shm_plan, [h for h, _ in hosts]), shm_plan, "shm")
     return Chosen(transport_for(plan, ranks, groups), plan, backend)

@@ -104,8 +104,7 @@ def group_name(group: Any) -> str:
     return str(getattr(g, "group_name", None) or "world")
 
 
-def use_shm(plan: Plan, hosts: Sequence[tuple[HostInfo, str]], device: torch.device,
-            budget: int | None) -> bool:
+def use_shm(plan: Plan, hosts: Sequence[tuple[HostInfo, str]], budget: int | None) -> bool:
     """Whether ``plan``'s reads move through shared memory, from every rank's host and ``transport=``
     choice (gathered with the layout): the same answer, or the same error, on every rank.
 
@@ -117,12 +116,12 @@ def use_shm(plan: Plan, hosts: Sequence[tuple[HostInfo, str]], device: torch.dev
         >>> import shardsync
         >>> from shardsync.exec.hosts import host_info
         >>> plan = shardsync.plan({"w": torch.zeros(3)})
-        >>> use_shm(plan, [(host_info(), "auto")], torch.device("cpu"), None)   # nothing to move
+        >>> use_shm(plan, [(host_info(), "auto")], None)   # nothing to move
         False
-        >>> use_shm(plan, [(host_info(), "shm")], torch.device("cuda"), None)
+        >>> use_shm(plan, [(host_info(), "shm"), (host_info(data_device="cuda"), "shm")], None)
         Traceback (most recent call last):
         ...
-        shardsync.errors.PlanError: transport='shm' cannot be used: targets are on cuda, not cpu; pass transport='backend' or 'auto'
+        shardsync.errors.PlanError: transport='shm' cannot be used: targets of some ranks are on cuda, not cpu; pass transport='backend' or 'auto'
     """
     choices = {choice for _, choice in hosts}
     if len(choices) > 1:
@@ -131,8 +130,9 @@ def use_shm(plan: Plan, hosts: Sequence[tuple[HostInfo, str]], device: torch.dev
     infos, choice = [h for h, _ in hosts], choices.pop()
     need = sum(r.nbytes for r in plan.reads if r.receivers)
     peak = max(shm_costs(plan).peak_bytes, default=0)
+    off_cpu = ", ".join(sorted({h.data_device for h in infos} - {"cpu"}))  # every rank's, gathered
     why = ("the strategy is mesh2d (its transport is the mesh's groups)" if plan.strategy == "mesh2d"
-           else f"targets are on {device.type}, not cpu" if device.type != "cpu"
+           else f"targets of some ranks are on {off_cpu}, not cpu" if off_cpu
            else f"the ranks are on several hosts ({describe_hosts(infos)})" if not same_host(infos)
            else f"{infos[0].shm_free} B free in /dev/shm, {need} B needed" if need > infos[0].shm_free
            else f"its segments raise the peak to {peak} B, over memory_budget={budget} B"
@@ -346,7 +346,8 @@ class ShmTransport:
         for i, _ in copied:
             offsets.append(size)
             size = -(-(size + self.plan.reads[i].nbytes) // ALIGN) * ALIGN
-        layout = tuple((i, self.plan.reads[i].nbytes) for i, _ in copied)
+        # written again only for the same receivers: they mapped it last time (its name is gone)
+        layout = tuple((i, self.plan.reads[i].nbytes, self.plan.reads[i].receivers) for i, _ in copied)
         own = self.kept.own
         if own is None or own[0] != layout or not self.reuse_own:
             path = self.paths[self.ranks.rank]
