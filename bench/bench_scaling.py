@@ -37,7 +37,7 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).parent))
 import workload as W  # noqa: E402
-from bench_peers import _map_full  # noqa: E402
+from bench_peers import _naive  # noqa: E402  (the same naive all_gather as the peers table)
 
 __all__ = ["main", "CONFIGS"]
 
@@ -55,15 +55,6 @@ def _state(layers: int, rank: int, world: int) -> tuple[dict, dict, dict]:
     parts = {k: W.local_shard(w, k, rank, world) for k, w in weights.items()}
     state = {k: ShardedTensor(torch.from_numpy(loc), weights[k].shape, off) for k, (loc, off) in parts.items()}
     return state, {k: torch.from_numpy(loc) for k, (loc, _) in parts.items()}, W.reference(weights)
-
-
-def _naive(local: dict[str, torch.Tensor], world: int) -> Iterator[tuple[str, torch.Tensor]]:
-    full = {}
-    for key in sorted(local):
-        parts = [torch.empty_like(local[key]) for _ in range(world)]
-        dist.all_gather(parts, local[key])
-        full[key] = torch.cat(parts, W.shard_spec(key))
-    return _map_full(full)
 
 
 def _variants(state: dict, local: dict, world: int) -> dict[str, Callable[[], Iterator]]:

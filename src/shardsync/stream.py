@@ -24,10 +24,10 @@ import torch.distributed as dist
 from .dist import GroupRanks, abandon, agree, group_size, is_distributed
 from .errors import LayoutError, PlanError, ShardsyncError
 from .exec import (MeshGroups, MeshLike, MeshPlace, Stats, Transport, choose_transport, execute,
-                   local_mesh_info, mesh_groups)
-from .exec.hosts import HostInfo, host_info
+                   local_mesh_info, mesh_groups, run_device)
+from .exec.hosts import host_info
 from .exec.memory import REUSE_MODES, Reuse
-from .exec.shm import TRANSPORT_CHOICES, TransportChoice, cached_token
+from .exec.shm import HostChoice, TransportChoice, cached_token, check_transport
 from .layout import GlobalLayout
 from .layout.meta import LayoutEntry, check_replicas, without_values
 from .mapping import Mapping as ParsedMapping
@@ -56,7 +56,7 @@ class _RankLayout(NamedTuple):
 
     entries: tuple[LayoutEntry, ...]
     mesh: MeshPlace | None
-    host: tuple[HostInfo, TransportChoice] | None = None
+    host: HostChoice | None = None
 
 
 @dataclass(frozen=True)
@@ -96,8 +96,7 @@ def _request(state: Any, mapping: MappingLike | None, group: ProcessGroup | None
         if not isinstance(state, (Mapping, Source, str, os.PathLike)):
             raise LayoutError(f"state must be a mapping of names to tensors, a Source or a checkpoint "
                               f"path, got {type(state).__name__}; pass model.state_dict() or a dict")
-        if transport not in TRANSPORT_CHOICES:
-            raise PlanError(f"transport={transport!r}: use one of {list(TRANSPORT_CHOICES)}")
+        check_transport(transport)
         if reuse not in REUSE_MODES:
             raise PlanError(f"reuse={reuse!r}: use one of {list(REUSE_MODES)}")
         groups = mesh_groups(mesh) if mesh is not None else None
@@ -167,7 +166,7 @@ def _open_source(request: _Request, ranks: GroupRanks | None) -> Source:
 
 def _rank_layout(source: Source, request: _Request, ranks: GroupRanks | None) -> _RankLayout:
     groups = request.groups
-    device = "cuda" if request.options.backend == "nccl" else source.device().type
+    device = run_device(request.options.backend, source).type
     host = ((host_info(cached_token(request.group), device), request.transport) if ranks is not None
             else None)
     if groups is None:
@@ -186,8 +185,7 @@ def _prepare(request: _Request) -> _Context:
                    share=lambda source: _rank_layout(source, request, ranks), unanimous=True)
     plan = _agree_on_plan(layout.all, request)
     source = layout.mine
-    device = (torch.device("cuda", torch.cuda.current_device()) if request.options.backend == "nccl"
-              else source.device())
+    device = run_device(request.options.backend, source)
     hosts = [r.host for r in layout.all if r.host is not None]
     chosen = choose_transport(plan, ranks, request.groups, hosts, request.options.backend,
                               request.options.memory_budget)

@@ -23,9 +23,9 @@ import torch.distributed as dist
 
 from ..dist import GroupRanks, abandon, agree, is_distributed
 from ..errors import PlanError
-from ..exec import Stats, choose_transport, execute
-from ..exec.hosts import HostInfo, host_info
-from ..exec.shm import TRANSPORT_CHOICES, TransportChoice, cached_token
+from ..exec import Stats, choose_transport, execute, run_device
+from ..exec.hosts import host_info
+from ..exec.shm import HostChoice, TransportChoice, cached_token, check_transport
 from ..layout.box import Box
 from ..layout.meta import GlobalLayout, LayoutEntry, check_replicas, without_values
 from ..mapping import Mapping, MappingLike, resolve
@@ -137,11 +137,8 @@ def _slot(ranks: GroupRanks) -> tuple[int, tuple[int, ...]]:
     return id(dist.distributed_c10d._get_default_group()), ranks.global_ranks
 
 
-_Host = tuple[HostInfo, TransportChoice]
-
-
 def _check(ranks: GroupRanks, inputs: Any, transport: TransportChoice,
-           device: str) -> tuple[_Prepared | None, list[_Host]]:
+           device: str) -> tuple[_Prepared | None, list[HostChoice]]:
     """One small agreed phase on every call: the last call's plan when no rank's inputs changed since
     (the RL loop skips both gathers; None when any rank's did, or failed to be read: ``inputs``
     None), and every rank's host (with ``device``, the type of its destinations' device) and
@@ -162,10 +159,11 @@ def _transfer(source: SourceLike, dst: DestinationLike, mapping: MappingLike | N
               transport: TransportChoice) -> LoadResult:
     start = time.perf_counter()
     ranks = GroupRanks.of(group) if is_distributed(group) else None
-    if transport not in TRANSPORT_CHOICES:  # before any phase; peers waiting in the first learn why
-        exc = PlanError(f"transport={transport!r}: use one of {list(TRANSPORT_CHOICES)}")
+    try:
+        check_transport(transport)
+    except PlanError as exc:  # before any phase; peers waiting in the first learn why
         abandon(CHECK_PHASE, group, exc)
-        raise exc
+        raise
     def open_ends() -> _Ends:  # normalised inside the phase: a bad argument fails on every rank
         return _Ends(as_source(source), Destination(dst), _options(group, *plan_args))
 
@@ -174,13 +172,11 @@ def _transfer(source: SourceLike, dst: DestinationLike, mapping: MappingLike | N
     with contextlib.suppress(Exception):  # a failure here is raised by the phases below, on every rank
         ends = open_ends()
         inputs = (ends.layout(), _parse(mapping, reverse), ends.options, strict)
-    hosts: list[_Host] = []
-    if ranks is None:
-        prepared = None
-    else:
-        on = "cuda" if str(dist.get_backend(ranks.group)) == "nccl" else (
-            ends.source.device().type if ends is not None else "cpu")
-        prepared, hosts = _check(ranks, inputs, transport, on)
+    hosts: list[HostChoice] = []
+    prepared = None
+    if ranks is not None:
+        on = run_device(str(dist.get_backend(ranks.group)), ends.source if ends is not None else None)
+        prepared, hosts = _check(ranks, inputs, transport, on.type)
     if prepared is None or ends is None:
         opened = agree("gather layout", lambda: ends if ends is not None else open_ends(), group,
                        share=_Ends.entries, unanimous=True)
@@ -192,8 +188,7 @@ def _transfer(source: SourceLike, dst: DestinationLike, mapping: MappingLike | N
     if strict and not prepared.report.ok:
         raise load_error(prepared.report, prepared.problems)  # same lists on every rank
     stats = Stats(plan_seconds=time.perf_counter() - start)
-    device = (torch.device("cuda", torch.cuda.current_device()) if options.backend == "nccl"
-              else src.device())
+    device = run_device(options.backend, src)
     chosen = choose_transport(prepared.plan, ranks, None, hosts, options.backend, options.memory_budget)
     stats.transport = chosen.kind
     rank = ranks.rank if ranks is not None else 0

@@ -6,17 +6,19 @@ import dataclasses
 from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
+import torch
+
 
 from ..dist import GroupRanks
 from ..errors import PlanError
 from ..planning import STRATEGIES, Plan
+from ..sources import Source
 from .mesh import MeshGroups, MeshTransport
-from .hosts import HostInfo
 from .multicast import MulticastTransport
-from .shm import ShmTransport, TransportChoice, shm_costs, use_shm
+from .shm import HostChoice, ShmTransport, shm_costs, use_shm
 from .transport import BroadcastTransport, LocalTransport, P2PTransport, Transport
 
-__all__ = ["TRANSPORTS", "transport_for", "Chosen", "choose_transport"]
+__all__ = ["TRANSPORTS", "transport_for", "Chosen", "choose_transport", "run_device"]
 
 
 def _mesh(ranks: GroupRanks, plan: Plan, groups: MeshGroups | None) -> Transport:
@@ -52,6 +54,18 @@ def transport_for(plan: Plan, ranks: GroupRanks | None, groups: MeshGroups | Non
     return TRANSPORTS[plan.strategy](ranks, plan, groups)
 
 
+def run_device(backend: str, source: Source | None) -> torch.device:
+    """Where a rank's targets and buffers live: its GPU under NCCL, else where its source is.
+
+    Example:
+        >>> run_device("gloo", None)
+        device(type='cpu')
+    """
+    if backend == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return source.device() if source is not None else torch.device("cpu")
+
+
 class Chosen(NamedTuple):
     """The transport a plan runs on, the plan with that transport's costs, and what to call it."""
 
@@ -61,7 +75,7 @@ class Chosen(NamedTuple):
 
 
 def choose_transport(plan: Plan, ranks: GroupRanks | None, groups: MeshGroups | None,
-                     hosts: Sequence[tuple[HostInfo, TransportChoice]], backend: str,
+                     hosts: Sequence[HostChoice], backend: str,
                      budget: int | None = None) -> Chosen:
     """Shared memory where every rank is on one host and ``transport=`` allows it (see
     :func:`~shardsync.exec.shm.use_shm`), else the strategy's transport on the group's ``backend``.

@@ -52,7 +52,7 @@ from .hosts import SHM_DIR, HostInfo, describe_hosts, same_host
 from .stats import Stats
 from .transport import PacketIO, Posted, Received
 
-__all__ = ["ShmTransport", "TransportChoice", "TRANSPORT_CHOICES", "use_shm", "shm_costs", "cached_token", "release", "group_name", "SHM_DIR",
+__all__ = ["ShmTransport", "TransportChoice", "TRANSPORT_CHOICES", "HostChoice", "check_transport", "use_shm", "shm_costs", "cached_token", "release", "group_name", "SHM_DIR",
            "SHM_PREFIX"]
 
 log = logging.getLogger(__name__)
@@ -63,6 +63,8 @@ SHM_PREFIX = "shardsync-"
 #: ``"backend"`` through the process group's collectives, ``"auto"``: shm where it applies.
 TransportChoice = Literal["auto", "shm", "backend"]
 TRANSPORT_CHOICES: tuple[str, ...] = ("auto", "shm", "backend")
+#: What each rank reports when the layout is gathered: its host and its ``transport=`` choice.
+HostChoice = tuple[HostInfo, TransportChoice]
 #: Collectives of the setup (publish, open); :meth:`ShmTransport.close` adds one barrier.
 SETUP_COLLECTIVES = 2
 
@@ -102,6 +104,19 @@ def group_name(group: Any) -> str:
     """
     g = group if group is not None else dist.group.WORLD
     return str(getattr(g, "group_name", None) or "world")
+
+
+def check_transport(value: object) -> None:
+    """Raise :class:`PlanError` for a ``transport=`` value that is not one of :data:`TRANSPORT_CHOICES`.
+
+    Example:
+        >>> check_transport("tcp")
+        Traceback (most recent call last):
+        ...
+        shardsync.errors.PlanError: transport='tcp': use one of ['auto', 'shm', 'backend']
+    """
+    if value not in TRANSPORT_CHOICES:
+        raise PlanError(f"transport={value!r}: use one of {list(TRANSPORT_CHOICES)}")
 
 
 def use_shm(plan: Plan, hosts: Sequence[tuple[HostInfo, str]], budget: int | None) -> bool:
