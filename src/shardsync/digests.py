@@ -20,8 +20,8 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
-from .dist import GroupRanks, abandon, agree, is_distributed
-from .errors import LayoutError, PlanError, ShardsyncError
+from .dist import GroupRanks, agree, is_distributed
+from .errors import LayoutError, PlanError
 from .exec.box_hash import finish
 from .exec.digests import Part, combine, local_sums, owners
 from .layout import GlobalLayout
@@ -120,13 +120,9 @@ def digest(state: SourceLike, mapping: MappingLike | None = None, *,
         True
     """
     ranks = GroupRanks.of(group) if is_distributed(group) else None
-    try:
-        _check_state(state)
-    except ShardsyncError as exc:
-        abandon(DIGEST_GATHER_PHASE, group, exc)
-        raise
 
-    def open_() -> _Opened:
+    def open_() -> _Opened:  # inside the phase: a bad argument on any rank fails on every rank at once
+        _check_state(state)
         source = open_source(state)
         parsed = None if mapping is None else ParsedMapping.parse(mapping)
         return _Opened(spread(source, ranks.rank, ranks.world) if ranks is not None else source, parsed)
