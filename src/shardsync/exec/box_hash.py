@@ -116,8 +116,9 @@ def box_sum(values: torch.Tensor, shape: Sequence[int], offsets: Sequence[int],
     shifted = width < 64 and numel <= 1 << (64 - width)
     inv = list(range(values.dim())) if perm is None else [perm.index(d) for d in range(values.dim())]
     target = _strides(shape)
-    base = sum(o * s for o, s in zip(offsets, target)) * words
-    stride = [target[inv[d]] * words for d in range(values.dim())]
+    scale = 1 << width if shifted else words  # idx << w is idx * 2^w: folded into the strides
+    base = sum(o * s for o, s in zip(offsets, target)) * scale
+    stride = [(target[inv[d]] * scale) & MASK for d in range(values.dim())]
     if values.numel() == 0:
         return 0
     total = 0
@@ -126,15 +127,14 @@ def box_sum(values: torch.Tensor, shape: Sequence[int], offsets: Sequence[int],
         run = values[where] if dim >= 0 else values
         for c in casts:
             run = run.to(to_torch_dtype(c))
-        at = base + sum(i * s for i, s in zip(lead, stride))
+        at = (base + sum(i * s for i, s in zip(lead, stride))) & MASK
         if dim >= 0:
             rows = np.arange(start, stop, dtype=np.uint64) * np.uint64(stride[dim]) + np.uint64(at)
         else:
             rows = np.array([at], dtype=np.uint64)
-        index = _run_index(rows, values.shape[dim + 1:], stride[dim + 1:], words)
+        index = _run_index(rows, values.shape[dim + 1:], stride[dim + 1:], 1 if shifted else words)
         key = _bits(run.contiguous(), words)
         if shifted:
-            np.left_shift(index, np.uint64(width), out=index)
             np.bitwise_or(key, index, out=key)
         else:
             np.bitwise_xor(key, mix(index), out=key)
@@ -143,8 +143,8 @@ def box_sum(values: torch.Tensor, shape: Sequence[int], offsets: Sequence[int],
 
 
 def _run_index(rows: np.ndarray, inner: Sequence[int], strides: Sequence[int], words: int) -> np.ndarray:
-    """Flat target indices (uint64, in the run's element order, ``words`` per element) of a run:
-    ``rows`` (the indices of its first elements along the split dim) plus the inner dims'."""
+    """The keys' index part of a run (uint64, in the run's element order, ``words`` per element):
+    ``rows`` (that of its first elements along the split dim) plus the inner dims' (scaled strides)."""
     index = rows
     for size, s in zip(inner, strides):
         index = np.add.outer(index, np.arange(size, dtype=np.uint64) * np.uint64(s)).reshape(-1)
