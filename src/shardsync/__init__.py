@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from .destinations import LoadResult, load, reshard
 from .digests import VerifyReport, digest, verify
+from .exec.box_hash import tensor_digest
 from .errors import (DistributedError, DriftError, FormatError, LayoutError, LoadError, MappingError,
                      PlanError, ReplicaError, ShardsyncError, VerifyError)
 from .io import read_layout, read_tensors, save_safetensors
@@ -30,5 +31,5 @@ __all__ = ["Box", "GlobalLayout", "ShardedTensor", "from_dtensor", "shard_dim", 
            "add_extra_synchronization", "DriftReport", "ShardsyncError", "MappingError", "LayoutError",
            "PlanError", "FormatError", "DistributedError", "ReplicaError", "DriftError", "save_hf", "save",
            "load", "reshard", "LoadResult", "LoadError", "digest", "verify", "VerifyReport",
-           "VerifyError"]
+           "VerifyError", "tensor_digest"]
 __version__ = "0.1.0"
