@@ -80,13 +80,13 @@ def _chunks(sizes: Sequence[int]) -> Iterator[tuple[tuple[int, ...], int, int, i
 
 
 def _bits(values: torch.Tensor, words: int) -> np.ndarray:
-    """The bit patterns of contiguous ``values`` as uint64, one per word (``words`` per element)."""
+    """The bit patterns of contiguous ``values`` as unsigned integers of their width, one per word
+    (``words`` per element); the ufuncs that combine them with the uint64 index widen them."""
     flat = values.reshape(-1)
     size = flat.element_size() // words
     if flat.dtype == torch.bool:
         flat = flat.view(torch.uint8)
-    raw = flat.view(_INT[size]).cpu().numpy().view(_UINT[size])
-    return raw.astype(np.uint64)
+    return flat.view(_INT[size]).cpu().numpy().view(_UINT[size])
 
 
 def box_sum(values: torch.Tensor, shape: Sequence[int], offsets: Sequence[int],
@@ -133,12 +133,12 @@ def box_sum(values: torch.Tensor, shape: Sequence[int], offsets: Sequence[int],
         else:
             rows = np.array([at], dtype=np.uint64)
         index = _run_index(rows, values.shape[dim + 1:], stride[dim + 1:], 1 if shifted else words)
-        key = _bits(run.contiguous(), words)
+        bits = _bits(run.contiguous(), words)
         if shifted:
-            np.bitwise_or(key, index, out=key)
+            np.bitwise_or(index, bits, out=index)
         else:
-            np.bitwise_xor(key, mix(index), out=key)
-        total += int(mix(key).sum(dtype=np.uint64))
+            np.bitwise_xor(mix(index), bits, out=index)
+        total += int(mix(index).sum(dtype=np.uint64))
     return total & MASK
 
 
