@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from dest_helpers import MAPPING, hf_shards, hf_state, megatron_shards
 from multiproc import run_ranks
 
@@ -49,9 +50,32 @@ def _corrupt_on_this_rank(key_part: str) -> None:
     executor.copy_piece = copy_piece  # type: ignore[assignment]  # this spawned process only
 
 
+def _collectives(fn: Any) -> tuple[Any, dict[str, int]]:
+    """``fn()`` and the torch.distributed calls it made, by name."""
+    names = ("all_gather_object", "broadcast_object_list", "broadcast", "all_reduce", "all_gather",
+             "all_gather_into_tensor", "reduce_scatter", "send", "recv", "isend", "irecv", "batch_isend_irecv")
+    counts: dict[str, int] = {}
+    real = {n: getattr(dist, n) for n in names}
+
+    def counted(name: str) -> Any:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            counts[name] = counts.get(name, 0) + 1
+            return real[name](*args, **kwargs)
+        return call
+
+    for n in names:
+        setattr(dist, n, counted(n))
+    try:
+        return fn(), counts
+    finally:
+        for n in names:
+            setattr(dist, n, real[n])
+
+
 def _two(rank: int, world: int, tmp: str) -> dict[str, Any]:
     want, mine = _want(), megatron_shards(hf_state(), rank, 2)
-    out: dict[str, Any] = {"live": digest(mine, MAPPING) == want}
+    got, calls = _collectives(lambda: digest(mine, MAPPING))
+    out: dict[str, Any] = {"live": got == want, "collectives": calls}
     save_hf(mine, Path(tmp) / "hf", MAPPING)
     out["hf"] = digest(Path(tmp) / "hf") == want
     out["verify"] = verify(mine, Path(tmp) / "hf", MAPPING).ok
@@ -90,6 +114,7 @@ def test_digests_agree_across_layouts_formats_and_rank_counts(tmp_path: Path) ->
     for r in two:
         assert {k: r[k] for k in ("live", "hf", "verify", "stream", "load")} == dict.fromkeys(
             ("live", "hf", "verify", "stream", "load"), True)
+        assert r["collectives"] == {"all_gather_object": 2}  # the layout, then one integer per tensor
         assert r["mappings"].startswith("PlanError: ranks passed different mappings to digest")
         assert r["module"].startswith("DistributedError: phase 'digest: gather layout' failed on rank(s) [1]")
         assert "got a module (Linear)" in r["module"]

@@ -75,6 +75,18 @@ def _job(gathered: tuple[tuple[LayoutEntry, ...], ...], mapping: ParsedMapping |
                 tuple(t.dtype for t in targets), parts, tuple(reads), owners(reads, layout.world_size))
 
 
+def _agreed_job(gathered: list[tuple[tuple[LayoutEntry, ...], str | None]],
+                mapping: ParsedMapping | None) -> _Job:
+    """The job of the gathered layout, after checking that every rank passed the same mapping and
+    that replicas agree."""
+    if len({key for _, key in gathered}) > 1:
+        raise PlanError("ranks passed different mappings to digest; pass the same mapping on every rank "
+                        "of the group")
+    per_rank = [entries for entries, _ in gathered]
+    check_replicas(per_rank)
+    return _job(tuple(without_values(e) for e in per_rank), mapping)
+
+
 def _check_state(state: object) -> None:
     if isinstance(state, torch.nn.Module):
         raise LayoutError(f"got a module ({type(state).__name__}), not its state; pass model.state_dict()")
@@ -128,21 +140,14 @@ def digest(state: SourceLike, mapping: MappingLike | None = None, *,
         return _Opened(spread(source, ranks.rank, ranks.world) if ranks is not None else source, parsed)
 
     opened = agree(DIGEST_GATHER_PHASE, open_, group, share=_Opened.shared, unanimous=True)
-    jobs: list[_Job] = []
+    rank = ranks.rank if ranks is not None else 0
 
-    def mine() -> list[int]:
-        if len({key for _, key in opened.all}) > 1:
-            raise PlanError("ranks passed different mappings to digest; pass the same mapping on every "
-                            "rank of the group")
-        per_rank = [entries for entries, _ in opened.all]
-        check_replicas(per_rank)
-        jobs.append(_job(tuple(without_values(e) for e in per_rank), opened.mine.mapping))
-        job = jobs[0]
-        return local_sums(job.parts, job.reads, job.owners, opened.mine.source,
-                          ranks.rank if ranks is not None else 0, len(job.names))
+    def mine() -> list[int]:  # inside the phase: a bad mapping or layout fails on every rank together
+        job = _agreed_job(opened.all, opened.mine.mapping)
+        return local_sums(job.parts, job.reads, job.owners, opened.mine.source, rank, len(job.names))
 
     sums = combine(mine, group)
-    job = jobs[0]
+    job = _agreed_job(opened.all, opened.mine.mapping)  # cached: the job ``mine`` used
     return {n: finish(s, shape, dtype) for n, s, shape, dtype in zip(job.names, sums, job.shapes, job.dtypes)}
 
 
