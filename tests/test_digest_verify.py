@@ -134,3 +134,12 @@ def test_cli_verify_json(ckpts: Path, capsys: pytest.CaptureFixture[str]) -> Non
     assert doc["tensors"]["b"] == {"status": "equal", "a": want_b, "b": want_b}
     assert doc["tensors"]["a"]["status"] == "different"
     assert doc["tensors"]["a"]["a"] == tensor_digest(_state()["a"].T.contiguous())
+
+
+def test_cli_verify_mistakes_are_one_line(ckpts: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    a = str(ckpts / "a")
+    assert main(["verify", a, str(ckpts / "t_dcp"), "--mapping", "nope -> x"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("shardsync verify: ") and "nope" in err and "\n" not in err
+    assert main(["verify", a]) == 2
+    assert "the following arguments are required: B" in capsys.readouterr().err
