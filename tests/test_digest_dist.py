@@ -1,6 +1,7 @@
 """Digests on 2 and 4 gloo processes (tier 2): TP=2 live Megatron shards under the mapping == the HF
 files written from them == a DCP copy written by 4 ranks in another layout, read by 4, 2 and 1
-processes; replicas counted once; errors on every rank; ``verify=True`` naming a bad rank's boxes.
+processes; replicas counted once; two all_gather_object calls and no data; errors on every rank;
+``verify=True`` of reshard and full_params naming what a bad rank wrote or received.
 
 The reference is the dense HF state the shards were cut from, hashed whole in this process.
 """
@@ -90,6 +91,7 @@ def _two(rank: int, world: int, tmp: str) -> dict[str, Any]:
     if rank == 1:
         _corrupt_on_this_rank("linear_proj")
     out["corrupt"] = _catch(lambda: reshard(mine, _zeros(rank, 2), MAPPING, verify=True))
+    out["stream corrupt"] = _catch(lambda: [n for n, _ in full_params(mine, MAPPING, verify=True)])
     return out
 
 
@@ -121,7 +123,9 @@ def test_digests_agree_across_layouts_formats_and_rank_counts(tmp_path: Path) ->
         o_proj = ["model.layers.0.self_attn.o_proj.weight", "model.layers.1.self_attn.o_proj.weight"]
         assert r["corrupt"].startswith(f"VerifyError: verify: 2 tensor(s) written differ from the source: {o_proj}")
         assert "on rank 0" not in r["corrupt"] and "on rank 1" in r["corrupt"]
-    assert two[0]["corrupt"] == two[1]["corrupt"]
+        assert r["stream corrupt"].startswith("VerifyError: verify: 2 target(s) received differ from the "
+                                              f"senders' digest (rank 1: {o_proj})")
+    assert two[0]["corrupt"] == two[1]["corrupt"] and two[0]["stream corrupt"] == two[1]["stream corrupt"]
     assert run_ranks(_four, 4, str(tmp_path), timeout=300) == [{"live": True, "dcp": True, "replicas": True}] * 4
     assert run_ranks(_again, 2, str(tmp_path), timeout=300) == [dict.fromkeys(("dcp4 on 2", "hf on 2", "verify"),
                                                                               True)] * 2
