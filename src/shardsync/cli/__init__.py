@@ -1,4 +1,4 @@
-"""The ``shardsync`` command: convert, inspect, plan, diff and explain checkpoints.
+"""The ``shardsync`` command: convert, inspect, plan, diff, verify and explain checkpoints.
 
 Examples::
 
