@@ -8,8 +8,10 @@ replicas in sync (:mod:`shardsync.replicas`).
 from __future__ import annotations
 
 from .destinations import LoadResult, load, reshard
+from .digests import VerifyReport, digest, verify
+from .exec.box_hash import tensor_digest
 from .errors import (DistributedError, DriftError, FormatError, LayoutError, LoadError, MappingError,
-                     PlanError, ReplicaError, ShardsyncError)
+                     PlanError, ReplicaError, ShardsyncError, VerifyError)
 from .io import read_layout, read_tensors, save_safetensors
 from .io.dcp_writer import save
 from .io.save_hf import save_hf
@@ -28,5 +30,6 @@ __all__ = ["Box", "GlobalLayout", "ShardedTensor", "from_dtensor", "shard_dim", 
            "read_tensors", "select_replicated", "ReplicaSync", "detect_drift", "watch_drift",
            "add_extra_synchronization", "DriftReport", "ShardsyncError", "MappingError", "LayoutError",
            "PlanError", "FormatError", "DistributedError", "ReplicaError", "DriftError", "save_hf", "save",
-           "load", "reshard", "LoadResult", "LoadError"]
+           "load", "reshard", "LoadResult", "LoadError", "digest", "verify", "VerifyReport",
+           "VerifyError", "tensor_digest"]
 __version__ = "0.1.0"

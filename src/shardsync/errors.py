@@ -20,6 +20,7 @@ __all__ = [
     "DistributedError",
     "ReplicaError",
     "DriftError",
+    "VerifyError",
 ]
 
 
@@ -119,4 +120,17 @@ class DriftError(ShardsyncError, RuntimeError):
 
     def __init__(self, message: str, report: object = None) -> None:
         self.report = report
+        super().__init__(message)
+
+
+class VerifyError(ShardsyncError, RuntimeError):
+    """What was written or received does not have the digest of what was sent (``verify=True``);
+    raised on every rank together.
+
+    Attributes:
+        tensors: the names whose digests differ, sorted.
+    """
+
+    def __init__(self, message: str, tensors: Sequence[str] = ()) -> None:
+        self.tensors = tuple(sorted(tensors))
         super().__init__(message)

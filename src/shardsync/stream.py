@@ -25,6 +25,7 @@ from .dist import GroupRanks, abandon, agree, group_size, is_distributed
 from .errors import LayoutError, PlanError, ShardsyncError
 from .exec import (MeshGroups, MeshLike, MeshPlace, Stats, Transport, choose_transport, execute,
                    local_mesh_info, mesh_groups, run_device)
+from .exec.digests import checked, plan_digests
 from .exec.hosts import host_info
 from .exec.memory import REUSE_MODES, Reuse
 from .exec.shm import HostChoice, TransportChoice, cached_token, check_transport
@@ -70,6 +71,7 @@ class _Request:
     options: PlanOptions
     transport: TransportChoice = "auto"
     reuse: Reuse = "dropped"
+    verify: bool = False
 
 
 @dataclass(frozen=True)
@@ -83,7 +85,7 @@ class _Context:
 
 
 def _request(state: Any, mapping: MappingLike | None, group: ProcessGroup | None, mesh: MeshLike | None,
-             consumers: Consumers, transport: Any = "auto", reuse: Any = "dropped",
+             consumers: Consumers, transport: Any = "auto", reuse: Any = "dropped", verify: bool = False,
              **options: Any) -> _Request:
     """Check the arguments on this rank, before anything runs (a caller mistake raises here)."""
     if group is not None and dist.is_initialized() and dist.get_rank(group) < 0:
@@ -105,7 +107,7 @@ def _request(state: Any, mapping: MappingLike | None, group: ProcessGroup | None
     except ShardsyncError as exc:
         abandon(GATHER_PHASE, group, exc)  # peers already waiting in the phase learn why
         raise
-    return _Request(state, mapping, group, groups, opts, transport, reuse)
+    return _Request(state, mapping, group, groups, opts, transport, reuse, bool(verify))
 
 
 def _consumer_ranks(consumers: object) -> tuple[int, ...] | None:
@@ -201,6 +203,8 @@ class ParamStream:
     Attributes:
         plan: the plan, once iteration has started (None before).
         stats: this rank's counters (bytes, collectives, peak memory, seconds), filled while iterating.
+        digests: with ``verify=True``, ``{target name: digest}`` of every target of the plan, taken on
+            the senders' side before anything moves (None before iteration, or without ``verify``).
 
     Example:
         >>> import torch
@@ -214,6 +218,7 @@ class ParamStream:
         self._started = False
         self.plan: Plan | None = None
         self.stats = Stats()
+        self.digests: dict[str, str] | None = None
 
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
         if self._started:
@@ -227,8 +232,12 @@ class ParamStream:
         self.plan = ctx.plan
         self.stats.plan_seconds = time.perf_counter() - start
         self.stats.transport = ctx.kind
-        yield from execute(ctx.plan, ctx.source, ctx.transport, ctx.rank, self.stats,
-                           group=self._request.group, device=ctx.device, reuse=self._request.reuse)
+        targets = execute(ctx.plan, ctx.source, ctx.transport, ctx.rank, self.stats,
+                          group=self._request.group, device=ctx.device, reuse=self._request.reuse)
+        if self._request.verify:
+            self.digests = plan_digests(ctx.plan, ctx.source, ctx.rank, self._request.group)
+            targets = checked(targets, self.digests, ctx.rank, self._request.group)
+        yield from targets
         log.debug("full_params done: %s", self.stats.summary())
 
 
@@ -238,7 +247,8 @@ def full_params(state: SourceLike, mapping: MappingLike | None = None, *,
                 split_by: SplitBy = "count", consumers: Consumers = "all",
                 bucket_bytes: int = DEFAULT_BUCKET_BYTES, memory_budget: int | None = None,
                 mesh_threshold_bytes: int = DEFAULT_MESH_THRESHOLD_BYTES, copy: bool = True,
-                transport: TransportChoice = "auto", reuse: Reuse = "dropped") -> ParamStream:
+                transport: TransportChoice = "auto", reuse: Reuse = "dropped",
+                verify: bool = False) -> ParamStream:
     """Stream full (mapped) tensors out of sharded state; call on every rank of the group.
 
     Args:
@@ -271,6 +281,10 @@ def full_params(state: SourceLike, mapping: MappingLike | None = None, *,
             view or storage of it is alive; ``"until-next"``: each target is valid only until the
             next one is requested (its memory is then reused even if still referenced);
             ``"never"``: fresh memory for each target.
+        verify: take every target's digest on the senders' side first (``stream.digests``; one small
+            collective, no data moves), hash each target a consumer receives before yielding it, and
+            after the last one raise :class:`~shardsync.errors.VerifyError` on every rank if any
+            differs (docs/digests.md).
 
     Returns:
         a :class:`ParamStream`: iterate it for ``(name, tensor)``; ``.stats`` and ``.plan`` after.
@@ -284,6 +298,8 @@ def full_params(state: SourceLike, mapping: MappingLike | None = None, *,
         MappingError: the mapping is wrong (while iterating).
         DistributedError: a rank failed, died, or never came during a phase (raised on every rank,
             naming the phase and the ranks).
+        VerifyError: (after the last target, ``verify``) a consumer received a target whose digest
+            is not the senders'.
 
     Example:
         >>> import torch
@@ -297,7 +313,7 @@ def full_params(state: SourceLike, mapping: MappingLike | None = None, *,
     return ParamStream(_request(state, mapping, group, mesh, consumers, transport, reuse, strategy=strategy,
                                 num_splits=num_splits, split_index=split_index, split_by=split_by,
                                 bucket_bytes=bucket_bytes, memory_budget=memory_budget,
-                                mesh_threshold_bytes=mesh_threshold_bytes, copy=copy))
+                                mesh_threshold_bytes=mesh_threshold_bytes, copy=copy, verify=verify))
 
 
 def plan(state: SourceLike, mapping: MappingLike | None = None, *,

@@ -1,4 +1,4 @@
-"""The ``shardsync`` command: convert, inspect, plan, diff and explain checkpoints.
+"""The ``shardsync`` command: convert, inspect, plan, diff, verify and explain checkpoints.
 
 Examples::
 
@@ -6,10 +6,11 @@ Examples::
     shardsync convert dcp_step_1000/ hf_out/ --mapping megatron_llama_to_hf.txt --dtype bf16 --nproc 4
     shardsync plan dcp_step_1000/ --mapping megatron_llama_to_hf.txt --nproc 4
     shardsync diff dcp_step_1000/ hf_out/ --mapping megatron_llama_to_hf.txt --atol 1e-2
+    shardsync verify dcp_step_1000/ hf_out/ --mapping megatron_llama_to_hf.txt
 
 A checkpoint is a safetensors file or directory, or a torch DCP directory (format detected). Each
 command parses its flags into a config dataclass and calls the same functions as the API. Exit
-status: 0 success; 1 ``diff`` found differences; 2 a user error (one line on stderr,
+status: 0 success; 1 ``diff`` or ``verify`` found differences; 2 a user error (one line on stderr,
 ``shardsync <cmd>: <what is wrong> (<how to fix>)``); 3 a bug (``--debug`` shows the traceback).
 """
 
@@ -36,6 +37,7 @@ from .inspect import InspectConfig, run_inspect
 from .launch import WorkerFailed, launched_world, run_launched
 from .messages import BROKEN_PIPE, UsageError, one_line
 from .plan import PlanConfig, run_plan
+from .verify import VerifyConfig, run_verify
 
 __all__ = ["main", "convert_config", "run_explain"]
 
@@ -137,6 +139,13 @@ def _diff(args: argparse.Namespace) -> int:
     return status
 
 
+def _verify(args: argparse.Namespace) -> int:
+    out, status = run_verify(VerifyConfig(args.a, args.b, _mapping_flags(args), as_json=args.json))
+    if not args.quiet:
+        print(out)
+    return status
+
+
 def _silence_stdout() -> None:
     # what is still buffered for the closed pipe would fail again at exit
     devnull = os.open(os.devnull, os.O_WRONLY)
@@ -146,7 +155,7 @@ def _silence_stdout() -> None:
 
 _COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
     "convert": _convert, "export": lambda args: _convert(args, "hf"), "inspect": _inspect,
-    "plan": _plan, "diff": _diff, "explain": _explain}
+    "plan": _plan, "diff": _diff, "explain": _explain, "verify": _verify}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -91,6 +91,12 @@ def parser(version: str) -> argparse.ArgumentParser:
                    help="compare values only, not dtypes (to check a conversion with --dtype)")
     s.add_argument("--memory-budget", metavar="SIZE", help="most bytes held while reading A")
     s.add_argument("--json", action="store_true", help="JSON instead of text")
+    s = sub.add_parser("verify", help="compare two checkpoints of any layouts by digest (exit 1 if they "
+                       "differ)")
+    s.add_argument("a", type=Path, metavar="A", help=_CHECKPOINT + " (the mapping applies to it)")
+    s.add_argument("b", type=Path, metavar="B", help=_CHECKPOINT)
+    _mapping(s, "A")
+    s.add_argument("--json", action="store_true", help="JSON instead of text")
     s = sub.add_parser("explain", help="how each target of a mapping is built (reads headers only)")
     s.add_argument("source", type=Path, metavar="SRC", help=_CHECKPOINT + ", or a layout .json")
     _mapping(s)

@@ -34,6 +34,7 @@ from ..planning.destinations import box_targets
 from .check import Mismatch, Report, check_targets, describe, load_error, provenance
 from ..sources import Source
 from .state import Destination, DestinationLike, SourceLike, as_source
+from .verify import check_written
 
 __all__ = ["load", "reshard", "LoadResult", "DestinationStrategy", "CHECK_PHASE"]
 
@@ -156,7 +157,7 @@ def _check(ranks: GroupRanks, inputs: Any, transport: TransportChoice,
 
 def _transfer(source: SourceLike, dst: DestinationLike, mapping: MappingLike | None, group: Any,
               reverse: bool, strict: bool, plan_args: tuple[DestinationStrategy, int | None, int],
-              transport: TransportChoice) -> LoadResult:
+              transport: TransportChoice, verify: bool = False) -> LoadResult:
     start = time.perf_counter()
     ranks = GroupRanks.of(group) if is_distributed(group) else None
     try:
@@ -195,6 +196,8 @@ def _transfer(source: SourceLike, dst: DestinationLike, mapping: MappingLike | N
     # run every step: the targets are written into the destination's memory as they complete
     deque(execute(chosen.plan, src, chosen.transport, rank, stats, group=group, device=device,
                   into=lambda t: dest.memory(*prepared.boxes[t])), maxlen=0)
+    if verify:
+        check_written(prepared.plan, prepared.boxes, src, dest, rank, group)
     r = prepared.report
     return LoadResult(r.missing, r.unexpected, r.mismatched, chosen.plan, stats)
 
@@ -215,7 +218,7 @@ def _options(group: Any, strategy: DestinationStrategy, memory_budget: int | Non
 def load(dst: DestinationLike, source: SourceLike, mapping: MappingLike | None = None, *,
          group: Any = None, reverse: bool = False, strict: bool = True, memory_budget: int | None = None,
          bucket_bytes: int = DEFAULT_BUCKET_BYTES, strategy: DestinationStrategy = "auto",
-         transport: TransportChoice = "auto") -> LoadResult:
+         transport: TransportChoice = "auto", verify: bool = False) -> LoadResult:
     """Fill ``dst`` in place from ``source``, through ``mapping`` in the load direction; call on every
     rank of the group.
 
@@ -245,6 +248,9 @@ def load(dst: DestinationLike, source: SourceLike, mapping: MappingLike | None =
         transport: ``"auto"``: boxes move through shared memory when every rank is on one host and
             the destinations are on CPU (the colocated case), else through the group's backend;
             ``"shm"`` insists on shared memory; ``"backend"``: always the group's collectives.
+        verify: after writing, compare the digest of every destination box (each replica on its
+            own rank) with the source's values for it (docs/digests.md); one extra small collective
+            and one hashing pass over the bytes on each side.
 
     Returns:
         a :class:`LoadResult`: the missing/unexpected/mismatched lists, the plan and this rank's stats.
@@ -254,6 +260,8 @@ def load(dst: DestinationLike, source: SourceLike, mapping: MappingLike | None =
         MappingError: the mapping is wrong.
         LayoutError: the source cannot serve the destination (holes), or a bad argument.
         DistributedError: a rank failed during a phase (raised on every rank, naming phase and ranks).
+        VerifyError: ``verify`` and a written box differs from the source (on every rank, naming
+            each tensor).
 
     Example:
         >>> model = torch.nn.Linear(3, 2)
@@ -263,13 +271,14 @@ def load(dst: DestinationLike, source: SourceLike, mapping: MappingLike | None =
         [[0.0, 2.0, 4.0], [1.0, 3.0, 5.0]]
     """
     return _transfer(source, dst, mapping, group, reverse, strict,
-                     (strategy, memory_budget, bucket_bytes), transport)
+                     (strategy, memory_budget, bucket_bytes), transport, verify)
 
 
 def reshard(src_state: SourceLike, dst_state: DestinationLike, mapping: MappingLike | None = None, *,
             group: Any = None, reverse: bool = False, strict: bool = True,
             memory_budget: int | None = None, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-            strategy: DestinationStrategy = "auto", transport: TransportChoice = "auto") -> LoadResult:
+            strategy: DestinationStrategy = "auto", transport: TransportChoice = "auto",
+            verify: bool = False) -> LoadResult:
     """Move live sharded state into another live sharded layout, in place; call on every rank.
 
     Ranks may hold sources only (trainers: ``dst_state=None``), destinations only (inference workers:
@@ -281,14 +290,14 @@ def reshard(src_state: SourceLike, dst_state: DestinationLike, mapping: MappingL
     Args:
         src_state: this rank's source state (state dict, module or Source), or None.
         dst_state: this rank's destination (state dict or module), or None.
-        mapping, group, reverse, strict, memory_budget, bucket_bytes, strategy, transport: as for
-            :func:`load`.
+        mapping, group, reverse, strict, memory_budget, bucket_bytes, strategy, transport, verify: as
+            for :func:`load`.
 
     Returns:
         a :class:`LoadResult`.
 
     Raises:
-        LoadError, MappingError, LayoutError, DistributedError: as for :func:`load`.
+        LoadError, MappingError, LayoutError, DistributedError, VerifyError: as for :func:`load`.
 
     Example:
         >>> dst = {"w": torch.zeros(2, 3)}
@@ -297,4 +306,4 @@ def reshard(src_state: SourceLike, dst_state: DestinationLike, mapping: MappingL
         6.0
     """
     return _transfer(src_state, dst_state, mapping, group, reverse, strict,
-                     (strategy, memory_budget, bucket_bytes), transport)
+                     (strategy, memory_budget, bucket_bytes), transport, verify)

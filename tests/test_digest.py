@@ -1,0 +1,206 @@
+"""Digests in one process: the element hash against a pure-Python reference, layout independence,
+the mapping's transforms, collision properties, files, and ``verify`` (tier 1)."""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+import pytest
+import torch
+from dest_helpers import MAPPING, hf_state, megatron_shards
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from reference import arange_tensor
+
+import shardsync
+from shardsync import VerifyReport, digest, verify
+from shardsync.errors import LayoutError, MappingError
+from shardsync.exec import box_hash
+from shardsync.exec.box_hash import box_sum, finish, tensor_digest
+from shardsync.layout import ShardedTensor, shard_dim
+from shardsync.layout.dtypes import dtype_name
+
+M64 = (1 << 64) - 1
+
+
+def _mix(z: int) -> int:
+    # splitmix64's finaliser, on Python ints (the reference the numpy code is checked against)
+    z ^= z >> 30
+    z = (z * 0xBF58476D1CE4E5B9) & M64
+    z ^= z >> 27
+    z = (z * 0x94D049BB133111EB) & M64
+    return z ^ (z >> 31)
+
+
+def ref_sum(t: torch.Tensor, numel: int | None = None, base: int = 0) -> int:
+    """Sum of the element hashes of ``t`` (row-major), read from its raw little-endian bytes; the
+    target holds ``numel`` elements and ``t`` starts at flat index ``base`` of it."""
+    t = t.contiguous().reshape(-1)
+    size = t.element_size()
+    width, words = 8 * min(size, 8), max(1, size // 8)
+    raw = t.view(torch.uint8).numpy().tobytes() if t.numel() else b""
+    step = width // 8
+    values = [int.from_bytes(raw[i:i + step], "little") for i in range(0, len(raw), step)]
+    total_words = (t.numel() if numel is None else numel) * words
+    shifted = width < 64 and total_words <= 1 << (64 - width)
+    total = 0
+    for i, b in enumerate(values):
+        index = base * words + i
+        total += _mix(((index << width) | b) if shifted else (_mix(index) ^ b))
+    return total & M64
+
+
+def _bumped(t: torch.Tensor, index: tuple[int, ...]) -> torch.Tensor:
+    """``t`` with the element at ``index`` one ulp up (its bit pattern plus one: values are >= 0)."""
+    out = t.clone()
+    out.view({2: torch.int16, 4: torch.int32}[t.element_size()])[index] += 1
+    assert (out != t).sum() == 1 and out[index] > t[index]
+    return out
+
+
+@pytest.mark.parametrize("tensor", [
+    arange_tensor((17, 5), step=0.37), arange_tensor((127,), step=0.1).to(torch.bfloat16),
+    arange_tensor((3, 7, 2), step=-1.5).double(), (torch.arange(17) - 8).to(torch.int8),
+    torch.arange(13) % 3 == 0, arange_tensor((11,), step=0.5).to(torch.float8_e4m3fn),
+    torch.complex(arange_tensor((5, 3)).double(), arange_tensor((5, 3), start=7).double()),
+    torch.tensor(3.25), torch.zeros(0, 4)], ids=lambda t: f"{dtype_name(t.dtype)}{list(t.shape)}")
+def test_box_sum_matches_the_reference(tensor: torch.Tensor) -> None:
+    assert box_sum(tensor, tuple(tensor.shape), (0,) * tensor.dim()) == ref_sum(tensor)
+
+
+def test_a_target_too_large_for_the_shifted_key_uses_the_mixed_one() -> None:
+    # 2^33 float32 elements do not fit idx << 32; a box of such a target is hashed with mix(idx) ^ bits
+    values = arange_tensor((6,), step=0.3)
+    assert box_sum(values, (1 << 33,), (1 << 32,)) == ref_sum(values, numel=1 << 33, base=1 << 32)
+    assert box_sum(values, (6,), (0,)) == ref_sum(values)
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(1, 16), st.integers(1, 12), st.integers(1, 9))
+def test_disjoint_boxes_add_up_to_the_whole(cut0: int, cut1: int, chunk: int) -> None:
+    full = arange_tensor((17, 13), step=0.77)
+    whole = box_sum(full, (17, 13), (0, 0))
+    old = box_hash.CHUNK_ELEMENTS
+    box_hash.CHUNK_ELEMENTS = chunk  # runs of a few elements: every cut of the chunking is exercised
+    try:
+        parts = [box_sum(full[r0:r1, c0:c1], (17, 13), (r0, c0))
+                 for r0, r1 in ((0, cut0), (cut0, 17)) for c0, c1 in ((0, cut1), (cut1, 13))]
+    finally:
+        box_hash.CHUNK_ELEMENTS = old
+    assert sum(parts) & M64 == whole
+
+
+def test_a_permuted_box_hashes_its_target_values() -> None:
+    src = arange_tensor((4, 6, 5), step=0.5)
+    target = src.permute(2, 0, 1)
+    assert box_sum(src, tuple(target.shape), (0, 0, 0), perm=(2, 0, 1)) == ref_sum(target)
+    part = src[1:3, 2:6, :]  # lands at [0:5, 1:3, 2:6] of the target
+    inner = target[:, 1:3, 2:6]
+    mine = box_sum(part, tuple(target.shape), (0, 1, 2), perm=(2, 0, 1))
+    rest = (box_sum(target, tuple(target.shape), (0, 0, 0)) - box_sum(inner.contiguous(), tuple(target.shape),
+                                                                        (0, 1, 2))) & M64
+    assert (mine + rest) & M64 == ref_sum(target)
+
+
+def test_finish_adds_a_hash_of_shape_and_dtype() -> None:
+    head = hashlib.blake2b(b"float32[2, 3]", digest_size=8).digest()
+    assert finish(5, (2, 3), torch.float32) == f"{(5 + int.from_bytes(head, 'little')) & M64:016x}"
+
+
+def test_digest_is_the_same_for_every_layout() -> None:
+    full = arange_tensor((17, 6), step=0.37)
+    want = {"w": tensor_digest(full)}
+    layouts = {
+        "whole": {"w": full},
+        "rows 5 + 12": {"w": [ShardedTensor(full[:5], (17, 6), (0, 0)), ShardedTensor(full[5:], (17, 6), (5, 0))]},
+        "columns": {"w": [shard_dim(full, 1, r, 3) for r in range(3)]},
+        "grid": {"w": [ShardedTensor(full[r0:r1, c0:c1], (17, 6), (r0, c0))
+                       for r0, r1 in ((0, 9), (9, 17)) for c0, c1 in ((0, 1), (1, 6))]},
+    }
+    assert {name: digest(state) for name, state in layouts.items()} == {name: want for name in layouts}
+
+
+def test_digest_under_a_mapping_is_the_digest_of_the_dense_targets() -> None:
+    # Megatron TP=2 shards (fused QKV, blocked gate/up, transposes) -> HF names; reference: the HF state
+    hf = hf_state()
+    per_rank = [megatron_shards(hf, r, 2) for r in range(2)]
+    state = {k: [per_rank[0][k], per_rank[1][k]] if isinstance(per_rank[0][k], ShardedTensor) else per_rank[0][k]
+             for k in per_rank[0]}
+    assert digest(state, MAPPING) == {k: tensor_digest(v) for k, v in sorted(hf.items())}
+
+
+def test_concat_split_transpose_and_cast_digest_the_targets() -> None:
+    a, b = arange_tensor((5, 3), step=0.3), arange_tensor((5, 4), start=100, step=0.3)
+    state = {"a": a, "b": [shard_dim(b, 0, r, 2) for r in range(2)]}
+    mapping = ["a, b -> ab, axis=1", "ab -> x, y, axis=0, sizes='[2, 3]'", "x^T -> x_t", "y -> y16, dtype='bfloat16'"]
+    ab = torch.cat([a, b], 1)
+    want = {"x_t": tensor_digest(ab[:2].T), "y16": tensor_digest(ab[2:].to(torch.bfloat16))}
+    assert digest(state, mapping) == want
+    assert want == {n: tensor_digest(t) for n, t in shardsync.full_params(state, mapping)}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("index", [(0, 0), (8, 2), (16, 4)])
+def test_one_ulp_in_one_element_changes_exactly_that_digest(dtype: torch.dtype, index: tuple[int, int]) -> None:
+    state = {"a": arange_tensor((17, 5), step=0.37).to(dtype), "b": arange_tensor((7,), start=3).to(dtype),
+             "c": arange_tensor((3, 3), start=-4).to(dtype)}
+    before = digest(state)
+    after = digest({**state, "a": _bumped(state["a"], index)})
+    assert [n for n in before if before[n] != after[n]] == ["a"]
+
+
+def test_swapping_two_elements_changes_the_digest() -> None:
+    w = arange_tensor((17, 3), step=0.5)
+    swapped = w.clone()
+    swapped[[2, 11]] = w[[11, 2]]
+    column = w.clone()
+    column[:, [0, 2]] = w[:, [2, 0]]
+    assert len({tensor_digest(w), tensor_digest(swapped), tensor_digest(column), tensor_digest(w.T.contiguous())}) == 4
+
+
+def test_all_zero_tensors_have_digests_that_depend_on_shape_and_dtype() -> None:
+    zeros = [torch.zeros(2, 3), torch.zeros(3, 2), torch.zeros(6), torch.zeros(2, 3, dtype=torch.bfloat16),
+             torch.zeros(2, 3, dtype=torch.int32), torch.zeros(7)]
+    found = [tensor_digest(z) for z in zeros]
+    assert len(set(found)) == len(zeros)
+    assert "0" * 16 not in found and all(box_sum(z, tuple(z.shape), (0,) * z.dim()) != 0 for z in zeros)
+
+
+def test_bit_patterns_not_values_are_hashed() -> None:
+    assert tensor_digest(torch.tensor([0.0])) != tensor_digest(torch.tensor([-0.0]))
+    nan = torch.tensor([float("nan")])
+    other = nan.view(torch.int32).add(1).view(torch.float32)  # another NaN payload
+    assert other.isnan().all() and tensor_digest(nan) != tensor_digest(other)
+
+
+def test_files_of_any_split_and_dcp_have_the_live_digests(tmp_path: Path) -> None:
+    state = {"a": arange_tensor((17, 5), step=0.37), "b": arange_tensor((127,), start=9).to(torch.bfloat16),
+             "c": torch.arange(11, dtype=torch.int64) * 7}
+    shardsync.save_safetensors(state.items(), tmp_path / "one")
+    shardsync.save_safetensors(state.items(), tmp_path / "many", max_shard_bytes=300)
+    shardsync.save(state, tmp_path / "dcp")
+    assert len(list((tmp_path / "many").glob("*.safetensors"))) > 1
+    want = digest(state)
+    assert [digest(tmp_path / d) for d in ("one", "many", "dcp")] == [want] * 3
+
+
+def test_verify_reports_equal_different_and_missing() -> None:
+    w = arange_tensor((17, 3), step=0.25)
+    report = verify({"w": w, "b": torch.ones(3), "gone": torch.zeros(2)},
+                    {"w_t": w.T.contiguous(), "b": torch.ones(4), "new": torch.zeros(2)}, ["w^T -> w_t"])
+    assert (report.equal, report.different, report.only_a, report.only_b) == (("w_t",), ("b",), ("gone",), ("new",))
+    assert not report.ok and [report.status(n) for n in ("w_t", "b", "gone", "new")] == [
+        "equal", "different", "missing in b", "missing in a"]
+    assert verify({"w": w}, {"w_t": w.T.contiguous()}, ["w^T -> w_t"]).ok
+    assert VerifyReport({"x": "1"}, {"x": "1"}).to_json() == (
+        '{\n "ok": true,\n "tensors": {\n  "x": {\n   "status": "equal",\n   "a": "1",\n   "b": "1"\n  }\n }\n}')
+
+
+def test_bad_arguments_are_named() -> None:
+    with pytest.raises(LayoutError, match="got a module .*pass model.state_dict"):
+        digest(torch.nn.Linear(2, 2))  # type: ignore[arg-type]
+    with pytest.raises(LayoutError, match="got int"):
+        digest(3)  # type: ignore[arg-type]
+    with pytest.raises(MappingError, match="nope"):
+        digest({"w": torch.zeros(2)}, ["nope -> x"])
