@@ -88,6 +88,8 @@ class _Run:
                                  ("or give the block count: tp=<tensor-parallel size>",))
         f = whole[0]
         sdim = f.perm[dim]
+        if sdim < 0:
+            return 1  # a unit dim the source lacks: one block
         what = repr(name.text) if f.source == name.text else f"{name.text!r} (source {f.source!r})"
         return _equal_bands(name, self.layout[f.source], sdim, f.source_box.offsets[sdim],
                             f.source_box.stops[sdim], what)
@@ -179,12 +181,17 @@ def resolve_program(statements: Sequence[Statement], layout: GlobalLayout, *,
     """
     names = _strip(layout.keys() if keys is None else list(keys), "" if reverse else prefix)
     dest_keys = None if dest is None else list(_strip(dest.keys(), prefix if reverse else ""))
-    expanded, diags = expand_macros(statements, list(names), dest_keys, reverse=reverse)
+    expanded, diags = expand_macros(statements, list(names), dest_keys, reverse=reverse,
+                                    shapes={n: layout[k].shape for n, k in names.items()})
     if reverse:
         diags += [Diagnostic("dtype= is one-way and cannot run in reverse", st.index, st.text,
                              next(a.col for a in st.attrs if a.key == "dtype"), "dtype",
                              ("write src_dtype='<checkpoint dtype>', dst_dtype='<model dtype>'",))
                   for st in expanded if st.has("dtype")]
+        diags += [Diagnostic("shape= is one-way and cannot run in reverse", st.index, st.text,
+                             next(a.col for a in st.attrs if a.key == "shape"), "shape",
+                             ("write src_shape='<checkpoint shape>', dst_shape='<model shape>'",))
+                  for st in expanded if st.has("shape")]
         expanded = reverse_program(expanded)
     sources = {n: source_tensor(k, layout[k].shape, layout[k].dtype) for n, k in names.items()}
     run = _Run(layout, dest, prefix if reverse else "", sources, {}, dict.fromkeys(names), diags, set(),
