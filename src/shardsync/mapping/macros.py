@@ -14,7 +14,8 @@ otherwise a slot is a run of ASCII digits, so it must end the name or be followe
 
 Names bound by earlier statements (intermediates) are matched like source keys, so a statement can read
 ``gate.$LAYER_ID`` that an earlier one assigned. A ``*`` among the outputs of an ``unstack`` numbers
-them ``0, 1, ...`` along the unstacked dim (its input must be a source tensor, whose size is known).
+them ``0, 1, ...`` along the unstacked dim, whose size ``shapes`` gives (the resolver expands each
+statement just before it runs, knowing the shapes of the sources and of the names bound so far).
 """
 
 from __future__ import annotations
@@ -188,12 +189,8 @@ def _numbered(src: Sequence[Name], dst: Sequence[Name], st: Statement,
                          "name holding one '*'", out)
     shape = shapes.get(src[0].text)
     axis = st.attr("axis", 0)
-    if shape is None:
-        raise _MacroFail(f"{out.text!r}: '*' numbers the outputs of an unstack by the size of the "
-                         f"unstacked dim of {src[0].text!r}, which is not a source tensor (its size is "
-                         "not known before resolving)", out,
-                         ("unstack the source tensor itself, or write the names out (name[0:N] is "
-                          "name_0, ..., name_{N-1})",))
+    if shape is None:  # an unknown input: the statement reports it when it runs
+        return list(dst)
     if not isinstance(axis, int) or not -len(shape) <= axis < len(shape):
         raise _MacroFail(f"axis={axis!r} is out of range for {src[0].text!r} of shape {list(shape)}",
                          st.attr_name("axis"))
