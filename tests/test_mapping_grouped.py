@@ -5,6 +5,7 @@ sources cut into shards along any dim; and the errors of each."""
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -222,19 +223,17 @@ def test_a_leading_unit_dim_removed(statement: str) -> None:
 def test_megatron_grouped_weight1_viewed_per_expert_per_tp_block() -> None:
     """GroupedMLP's ``weight1`` is ``[h, E * 2f / tp]`` on each TP rank, whose memory is viewed as
     ``[E, h, 2f / tp]``: each TP block is reshaped on its own, the blocks joined, then unstacked and
-    split with fused_ffn (``[gate_r | up_r]`` per block)."""
+    split with fused_ffn (``[gate_r | up_r]`` per block). The program is the one
+    docs/mapping-language.md shows."""
     tp, ffn = 2, 6  # 3 gate and 3 up rows per expert and TP rank
     local = [arange_tensor((H, E * 2 * ffn // tp), start=10_000 * r) for r in range(tp)]
     src = {"weight1": torch.cat(local, dim=1)}
-    program = ["weight1 -> b0, b1, axis=1",
-               f"b0 -> v0, shape='[{E}, {H}, -1]'",
-               f"b1 -> v1, shape='[{E}, {H}, -1]'",
-               "v0, v1 -> w1, axis=2",
-               "w1 -> w1t, permute='[0, 2, 1]'",
-               "w1t -> fc1.*, unstack",
-               "fc1.$EXPERT_ID -> experts.$EXPERT_ID.gate_proj.weight, experts.$EXPERT_ID.up_proj.weight, "
-               "fused_ffn, axis=0, tp=2"]
-    got = _run(program, src, {"weight1": (1, tp)})
+    page = (Path(__file__).parent.parent / "docs" / "mapping-language.md").read_text()
+    text = page.split("decoder.layers.0.mlp.experts.weight1 -> b0", 1)[1].split("```", 1)[0]
+    program = Mapping.parse("decoder.layers.0.mlp.experts.weight1 -> b0" + text,
+                            params={"hidden_size": H, "num_experts": E})
+    src = {"decoder.layers.0.mlp.experts.weight1": src["weight1"]}
+    got = _run(program, src, {"decoder.layers.0.mlp.experts.weight1": (1, tp)})
     views = [x.view(E, H, -1) for x in local]  # what GroupedMLP computes with, per rank
     for e in range(E):
         blocks = [v[e].t() for v in views]  # [2f/tp, h] each: [gate_r | up_r]
@@ -242,7 +241,7 @@ def test_megatron_grouped_weight1_viewed_per_expert_per_tp_block() -> None:
         up = torch.cat([b[ffn // tp:] for b in blocks])
         assert torch.equal(got[f"experts.{e}.gate_proj.weight"], gate), e
         assert torch.equal(got[f"experts.{e}.up_proj.weight"], up), e
-    _check_pieces_inside_shards(program, src, {"weight1": (1, tp)})
+    _check_pieces_inside_shards(program, src, {"decoder.layers.0.mlp.experts.weight1": (1, tp)})
 
 
 def test_parameters_fill_a_shape_list() -> None:
