@@ -2,7 +2,8 @@
 
 ``dense_run`` applies already-expanded statements literally to full tensors (torch.cat, torch.split,
 permute, .to, torch.stack, torch.unbind, .reshape), with the fused macros written as reshapes - a
-different route from the resolver's box arithmetic. ``assemble`` builds targets from resolved pieces by plain slicing.
+different route from the resolver's box arithmetic. ``assemble`` builds targets from resolved pieces
+by plain slicing.
 """
 
 from __future__ import annotations
