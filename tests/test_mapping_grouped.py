@@ -209,6 +209,28 @@ def test_stacked_layers_to_per_layer_targets_sharded_along_the_layer_dim() -> No
         assert torch.equal(assemble(s, src), src["decoder.layers.mlp.linear_fc2.weight"][i])
 
 
+def test_stacked_layers_through_fused_qkv() -> None:
+    """A stacked ``linear_qkv [L, (H + 2G) d, h]`` (GQA-interleaved per group) to per-layer q/k/v:
+    unstack, then fused_qkv on each layer's intermediate; reversed, back to the stacked tensor."""
+    heads, groups, d = 4, 2, 3
+    stacked = {"decoder.layers.self_attention.linear_qkv.weight": arange_tensor((3, (heads + 2 * groups) * d, 5))}
+    program = ["decoder.layers.self_attention.linear_qkv.weight -> qkv.*, unstack",
+               "qkv.$LAYER_ID -> layers.$LAYER_ID.q_proj.weight, layers.$LAYER_ID.k_proj.weight, "
+               f"layers.$LAYER_ID.v_proj.weight, fused_qkv, num_heads={heads}, num_key_value_groups={groups}, axis=0"]
+    got = _run(program, stacked)
+    w = stacked["decoder.layers.self_attention.linear_qkv.weight"]
+    for layer in range(3):
+        per_group = w[layer].reshape(groups, (heads // groups + 2) * d, 5)
+        q = per_group[:, :heads // groups * d].reshape(-1, 5)
+        k = per_group[:, heads // groups * d:(heads // groups + 1) * d].reshape(-1, 5)
+        v = per_group[:, (heads // groups + 1) * d:].reshape(-1, 5)
+        assert torch.equal(got[f"layers.{layer}.q_proj.weight"], q)
+        assert torch.equal(got[f"layers.{layer}.k_proj.weight"], k)
+        assert torch.equal(got[f"layers.{layer}.v_proj.weight"], v)
+    back = _run(program, got, reverse=True)
+    assert list(back) == list(stacked) and torch.equal(back["decoder.layers.self_attention.linear_qkv.weight"], w)
+
+
 @pytest.mark.parametrize("statement", ["w -> v, unstack", "w -> v, unstack, axis=0", "w -> v, shape='[127, 17]'",
                                        "w -> v, shape='[-1, 17]'"])
 def test_a_leading_unit_dim_removed(statement: str) -> None:
@@ -278,7 +300,9 @@ def test_a_star_inside_a_segment_still_matches_digits_only() -> None:
 
 ERRORS = [
     (["w -> a, b, unstack"], {"w": (3, 2)}, r"3 names are needed, 2 are given"),
-    (["w -> a, b, unstack, axis=2"], {"w": (2, 2)}, r"axis=2 is out of range"),
+    (["w -> a, b, unstack, axis=2"], {"w": (2, 2)}, r"axis=2 is out of range: 'w' has 2 dims"),
+    (["a, b -> s, stack, axis=-4"], {"a": (2, 2), "b": (2, 2)},
+     r"axis=-4 is out of range: the stacked tensor has 3 dims \(axis -3 to 2\)"),
     (["a, b -> s, stack"], {"a": (2, 3), "b": (3, 2)}, r"'b' has shape \[3, 2\].*must have one shape"),
     (["a, b -> c, d, stack"], {"a": (2,), "b": (2,)}, r"more than one name on both sides"),
     (["w -> a, b, stack"], {"w": (2,)}, r"stack has the forms"),

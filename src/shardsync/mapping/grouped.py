@@ -33,22 +33,22 @@ class OneToAny:
         return isinstance(arity, tuple) and len(arity) == 2 and arity[0] == 1 and arity[1] >= 1
 
 
-def _axis(st: Statement, ndim: int) -> int:
+def _axis(st: Statement, ndim: int, what: str) -> int:
     raw = st.attr("axis", 0)
     if not isinstance(raw, int) or not -ndim <= raw < ndim:
-        raise StatementError(f"axis={raw!r} is out of range: the {'stacked' if ndim else ''} tensor has "
-                             f"{ndim} dims", st.attr_name("axis"))
+        raise StatementError(f"axis={raw!r} is out of range: {what} has {ndim} dims (axis {-ndim} to "
+                             f"{ndim - 1})", st.attr_name("axis"))
     return raw % ndim
 
 
 def stack_dim(st: Statement, ins: Sequence[VTensor]) -> int:
     """The new dim of a stack: ``axis=`` (default 0) among the ``ndim + 1`` dims of the result."""
-    return _axis(st, ins[0].ndim + 1)
+    return _axis(st, ins[0].ndim + 1, "the stacked tensor")
 
 
 def unstack_dim(st: Statement, ins: Sequence[VTensor]) -> int:
     """The dim an unstack removes: ``axis=`` (default 0) of its input."""
-    return _axis(st, ins[0].ndim)
+    return _axis(st, ins[0].ndim, repr(st.left[0].text))
 
 
 def apply_stack(st: Statement, ins: Sequence[VTensor], dim: int, count: ShardCount) -> list[VTensor]:
