@@ -331,3 +331,13 @@ def test_a_one_way_shape_refuses_reverse_mode_and_says_what_to_write() -> None:
 def test_a_shape_parameter_that_is_not_an_integer_is_refused() -> None:
     with pytest.raises(MappingError, match=r"in a \[\.\.\.\] list it must be an integer"):
         Mapping.parse(["w -> v, shape=[{n}, -1]"], params={"n": "four"})
+
+
+@pytest.mark.parametrize("copy", [False, True])
+def test_a_dropped_unit_dim_is_never_yielded_as_the_source_itself(copy: bool) -> None:
+    """With copy=False a target that is a whole local source is returned as a view of it; a target
+    that drops a trailing unit dim reads the same bytes but must have its own shape."""
+    state = {"x": arange_tensor((17, 1)), "w": arange_tensor((1, 3, 4))}
+    got = dict(shardsync.full_params(state, ["x -> y, unstack, axis=1", "w -> v, unstack"], copy=copy))
+    assert got["y"].shape == (17,) and torch.equal(got["y"], state["x"][:, 0])
+    assert got["v"].shape == (3, 4) and torch.equal(got["v"], state["w"][0])
