@@ -341,3 +341,25 @@ def test_a_dropped_unit_dim_is_never_yielded_as_the_source_itself(copy: bool) ->
     got = dict(shardsync.full_params(state, ["x -> y, unstack, axis=1", "w -> v, unstack"], copy=copy))
     assert got["y"].shape == (17,) and torch.equal(got["y"], state["x"][:, 0])
     assert got["v"].shape == (3, 4) and torch.equal(got["v"], state["w"][0])
+
+
+@pytest.mark.parametrize("program", [["w -> e.*, unstack, axis=1"], ["w -> v, shape='[5, 3, 1, 4]'"],
+                                     ["w -> s, stack, axis=2"]])
+def test_pieces_cut_to_a_destination_box_read_what_lands_there(program: list[str]) -> None:
+    """A destination shard (``load``/``reshard``) takes each piece cut to its box: with dropped and new
+    unit dims the cut still reads the source box that lands there."""
+    from shardsync.planning.destinations import restrict_target
+
+    src = {"w": arange_tensor((5, 3, 4), start=1)}
+    for spec in resolve(program, _layout(src)):
+        full = assemble(spec, src)
+        for dim in range(len(spec.shape)):
+            n = spec.shape[dim]
+            for lo, hi in ((0, (n + 1) // 2), ((n + 1) // 2, n)):
+                if hi <= lo:
+                    continue
+                off, size = [0] * len(spec.shape), list(spec.shape)
+                off[dim], size[dim] = lo, hi - lo
+                box = Box(tuple(off), tuple(size))
+                cut = restrict_target(spec, box, spec.name)
+                assert torch.equal(assemble(cut, src), full[box.slices()]), (spec.name, box)
