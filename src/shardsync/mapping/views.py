@@ -132,7 +132,7 @@ def reshape(v: VTensor, shape: Sequence[int]) -> VTensor:
     """``v`` reshaped (row-major, as ``torch.reshape``) to ``shape``, which holds as many entries.
 
     Example:
-        >>> from .vtensor import source_tensor
+        >>> from shardsync.mapping.vtensor import source_tensor
         >>> w = reshape(source_tensor("w", (1, 6, 4), "float32"), (6, 4))
         >>> w.shape, w.frags[0].perm
         ((6, 4), (1, 2))
