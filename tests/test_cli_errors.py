@@ -146,7 +146,9 @@ def test_warning_for_unconsumed_sources(ck: Checkpoints, tmp_path: Path,
     assert main(["convert", str(ck.single), str(tmp_path / "o"), "-m", str(ck.root / "export_map.txt")]) == 0
     assert capsys.readouterr().err == (
         "shardsync convert: warning: no statement consumes 3 sources (embed, layers.0.norm, layers.1.norm): "
-        "they pass through under their own names (--strict makes this an error)\n")
+        "they pass through under their own names (--strict makes this an error)\n"
+        f"shardsync convert: warning: save_hf: {tmp_path / 'o'} has no config.json, so from_pretrained will "
+        "not load it; pass config_from=<the model's directory> (command line: --config-from DIR)\n")
     assert main(["convert", str(ck.single), str(tmp_path / "q"), "-q", "-m",
                  str(ck.root / "export_map.txt")]) == 0
     assert capsys.readouterr() == ("", "")

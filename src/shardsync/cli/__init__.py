@@ -85,7 +85,8 @@ def convert_config(args: argparse.Namespace, to: Literal["hf", "dcp"] | None = N
                          max_shard_size=size_flag(args.max_shard_size, "--max-shard-size"),
                          memory_budget=size_flag(args.memory_budget, "--memory-budget"),
                          nproc=nproc, config_from=args.config_from,
-                         overwrite=args.overwrite, progress=_progress(args))
+                         overwrite=args.overwrite, progress=_progress(args), prefix=args.prefix,
+                         keys=tuple(args.keys))
 
 
 def _convert(args: argparse.Namespace, to: Literal["hf", "dcp"] | None = None) -> int:

@@ -55,6 +55,12 @@ def _convert(p: argparse.ArgumentParser, with_to: bool) -> None:
                    help="copy config.json and tokenizer files from DIR (hf; default: SRC's own, when "
                         "converting without a mapping)")
     p.add_argument("--overwrite", action="store_true", help="replace a checkpoint already in DST")
+    p.add_argument("--prefix", default="", metavar="PREFIX",
+                   help="read only SRC's keys that start with PREFIX, named without it (--prefix model. for "
+                        "a DCP app state {'model': ..., 'optim': ...})")
+    p.add_argument("--keys", action="append", default=[], metavar="GLOB",
+                   help="read only SRC's keys that match GLOB (repeatable: any of them; matched on the "
+                        "key as stored, prefix included), e.g. --keys 'model.layers.*'")
 
 
 def parser(version: str) -> argparse.ArgumentParser:

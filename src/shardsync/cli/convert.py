@@ -29,6 +29,7 @@ from ..mapping import Mapping, TargetSpec
 from ..planning import split_ranges
 from ..sources import Source, open_source
 from ..sources.dcp import METADATA_FILE
+from ..sources.select import select_keys
 from ..stream import full_params
 from .common import MappingFlags, layout_of, progress_bar, source_dir
 from .messages import UsageError
@@ -52,6 +53,8 @@ class ConvertConfig:
     config_from: Path | None = None
     overwrite: bool = False
     progress: bool = True
+    prefix: str = ""
+    keys: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -96,7 +99,7 @@ def prepare(cfg: ConvertConfig) -> _Prepared:
     if cfg.to == "dcp" and (cfg.max_shard_size is not None or cfg.config_from is not None):
         flag = "--max-shard-size" if cfg.max_shard_size is not None else "--config-from"
         raise UsageError(f"{flag} applies to --to hf only", f"drop {flag}, or write --to hf")
-    source = open_source(cfg.source)
+    source = select_keys(open_source(cfg.source), cfg.prefix, cfg.keys)
     mapping, targets = cfg.flags.resolve(layout_of(source), cfg.config_from or source_dir(cfg.source))
     config_from = cfg.config_from
     if cfg.to == "hf" and config_from is None and mapping is None:

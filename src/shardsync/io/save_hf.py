@@ -244,7 +244,8 @@ def save_hf(source: Any, out_dir: str | os.PathLike, mapping: MappingLike | None
         dtype: cast floating targets to this dtype (``torch.bfloat16``, ``"bf16"``).
         extra_files: paths copied into ``out_dir`` as they are (``config.json``, tokenizer files).
         config_from: a model directory whose ``config.json``, ``generation_config.json`` and tokenizer
-            files are copied, so that ``from_pretrained(out_dir)`` works as it is.
+            files are copied, so that ``from_pretrained(out_dir)`` works as it is. Without it (and
+            without a ``config.json`` among ``extra_files``) a warning says that it will not.
         overwrite: replace a checkpoint already in ``out_dir`` (other files there are never touched).
         progress: a progress bar (bytes, rate, ETA) on rank 0; needs tqdm.
         memory_budget: most bytes the streamer holds at once on any rank (int or ``"2GB"``).
@@ -282,6 +283,9 @@ def save_hf(source: Any, out_dir: str | os.PathLike, mapping: MappingLike | None
     assert plan is not None
     result = agree("save_hf: commit", lambda: _commit(job, plan) if rank == 0 else None, group).all[0]
     assert result is not None  # rank 0's result, sent to every rank
+    if rank == 0 and not any(f.name == "config.json" for f in job.extras):
+        log.warning("save_hf: %s has no config.json, so from_pretrained will not load it; pass "
+                    "config_from=<the model's directory> (command line: --config-from DIR)", job.dir)
     return result
 
 

@@ -34,7 +34,8 @@ def is_zero_copy(target: TargetPlan, reads: Sequence[Read], rank: int, copy: boo
         return False
     c = target.copies[0]
     p = c.piece
-    identity = p.perm is None or tuple(p.perm) == tuple(range(len(p.perm)))
+    # a perm that only drops or adds unit dims reads the same bytes, but the target has its own shape
+    identity = p.perm is None or tuple(p.perm) == tuple(range(p.source_box.ndim))
     return (identity and not p.casts and p.target_box == Box.full(target.shape)
             and rank in reads[c.read].holders)
 
