@@ -7,11 +7,12 @@ replicas in sync (:mod:`shardsync.replicas`).
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any
+
 from .destinations import LoadResult, load, reshard
 from .errors import (DistributedError, DriftError, FormatError, LayoutError, LoadError, MappingError,
                      PlanError, ReplicaError, ShardsyncError)
 from .io import read_layout, read_tensors, save_safetensors
-from .io.dcp_writer import save
 from .io.save_hf import save_hf
 from .layout import Box, GlobalLayout, ShardedTensor, from_dtensor, shard_dim
 from .mapping import Mapping, TargetSpec, resolve
@@ -30,3 +31,15 @@ __all__ = ["Box", "GlobalLayout", "ShardedTensor", "from_dtensor", "shard_dim", 
            "PlanError", "FormatError", "DistributedError", "ReplicaError", "DriftError", "save_hf", "save",
            "load", "reshard", "LoadResult", "LoadError"]
 __version__ = "0.1.0"
+
+if TYPE_CHECKING:
+    from .io.dcp_writer import save
+
+
+def __getattr__(name: str) -> Any:
+    # torch.distributed.checkpoint (with DTensor) costs about a third of the import: load it on first use
+    if name == "save":
+        from .io.dcp_writer import save
+
+        return save
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
