@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from .caches import release
 from .destinations import LoadResult, load, reshard
 from .errors import (DistributedError, DriftError, FormatError, LayoutError, LoadError, MappingError,
                      PlanError, ReplicaError, ShardsyncError)
@@ -29,7 +30,7 @@ __all__ = ["Box", "GlobalLayout", "ShardedTensor", "from_dtensor", "shard_dim", 
            "read_tensors", "select_replicated", "ReplicaSync", "detect_drift", "watch_drift",
            "add_extra_synchronization", "DriftReport", "ShardsyncError", "MappingError", "LayoutError",
            "PlanError", "FormatError", "DistributedError", "ReplicaError", "DriftError", "save_hf", "save",
-           "load", "reshard", "LoadResult", "LoadError"]
+           "load", "reshard", "LoadResult", "LoadError", "release"]
 __version__ = "0.1.0"
 
 if TYPE_CHECKING:

@@ -41,7 +41,8 @@ from .sources import Source, SourceLike, open_source, spread
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
 
-__all__ = ["full_params", "plan", "ParamStream", "Consumers", "TransportChoice", "GATHER_PHASE", "PLAN_PHASE"]
+__all__ = ["full_params", "plan", "ParamStream", "Consumers", "TransportChoice", "GATHER_PHASE", "PLAN_PHASE",
+           "release_plans"]
 
 log = logging.getLogger(__name__)
 
@@ -100,6 +101,7 @@ def _request(state: Any, mapping: MappingLike | None, group: ProcessGroup | None
         check_transport(transport)
         if reuse not in REUSE_MODES:
             raise PlanError(f"reuse={reuse!r}: use one of {list(REUSE_MODES)}")
+        _check_multicast(options.get("strategy"), group)
         groups = mesh_groups(mesh) if mesh is not None else None
         opts = PlanOptions(consumers=_consumer_ranks(consumers), backend=_backend(group), **options)
         check_options(opts, group_size(group), meshed=mesh is not None)
@@ -107,6 +109,14 @@ def _request(state: Any, mapping: MappingLike | None, group: ProcessGroup | None
         abandon(GATHER_PHASE, group, exc)  # peers already waiting in the phase learn why
         raise
     return _Request(state, mapping, group, groups, opts, transport, reuse)
+
+
+def _check_multicast(strategy: object, group: ProcessGroup | None) -> None:
+    # its subgroups are made by new_group, which every rank of the world must call
+    if strategy == "multicast" and is_distributed(group) and group_size(group) != dist.get_world_size():
+        raise PlanError(f"strategy='multicast' broadcasts on subgroups, which every rank of the whole world "
+                        f"must create, and this group has {group_size(group)} of the "
+                        f"{dist.get_world_size()} ranks; use strategy='p2p' (or 'auto') on a subgroup")
 
 
 def _consumer_ranks(consumers: object) -> tuple[int, ...] | None:
@@ -138,6 +148,11 @@ def _planned(gathered: tuple[_RankLayout, ...], mapping: ParsedMapping | None, o
     topology = build_topology(*zip(*[r.mesh for r in gathered])) if meshed else None
     plan = build_plan(resolve(mapping, layout), layout, options, topology)
     return _Built(plan, plan.fingerprint())
+
+
+def release_plans() -> None:
+    """Forget the plans :func:`full_params` cached (see :func:`shardsync.release`)."""
+    _planned.cache_clear()
 
 
 def _agree_on_plan(gathered: list[_RankLayout], request: _Request) -> Plan:
