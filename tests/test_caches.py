@@ -109,3 +109,40 @@ def _p2p_on_a_subgroup(rank: int, world: int, strategy: str) -> object:
     got = dict(full_params({"w": shard_dim(torch.arange(7.0), 0, rank, 2)}, group=sub, strategy=strategy,
                            consumers=0))
     return torch.equal(got["w"], torch.arange(7.0)) if rank == 0 else got == {}
+
+
+class _FailingSource:
+    """A live source whose reads fail on one rank, after the layout was gathered and planned."""
+
+    def __init__(self, state: dict, fail: bool) -> None:
+        from shardsync.sources import LocalSource
+
+        self.inner, self.fail = LocalSource(state), fail
+
+    def entries(self):  # type: ignore[no-untyped-def]
+        return self.inner.entries()
+
+    def read(self, key, box):  # type: ignore[no-untyped-def]
+        if self.fail:
+            raise OSError(f"disk gone while reading {key!r}")
+        return self.inner.read(key, box)
+
+    def device(self):  # type: ignore[no-untyped-def]
+        return self.inner.device()
+
+
+def _data_failure(rank: int, world: int, verb: str) -> tuple:
+    src = _FailingSource(_source(rank), fail=rank == 1)
+    try:
+        if verb == "load":
+            shardsync.load(_dest(), src, transport="backend")
+        else:
+            reshard(src, _dest(), transport="backend")
+    except shardsync.DistributedError as exc:
+        return exc.phase, sorted(exc.failures)
+    return ("no error",)
+
+
+def test_a_data_failure_names_the_verb_as_its_phase() -> None:
+    for verb in ("load", "reshard"):
+        assert run_ranks(_data_failure, 2, verb, timeout=240) == [(verb, [1]), (verb, [1])], verb

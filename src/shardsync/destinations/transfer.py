@@ -36,13 +36,16 @@ from .check import Mismatch, Report, check_targets, describe, load_error, proven
 from ..sources import Source
 from .state import Destination, DestinationLike, SourceLike, as_source
 
-__all__ = ["load", "reshard", "LoadResult", "DestinationStrategy", "CHECK_PHASE", "release_plans"]
+__all__ = ["load", "reshard", "LoadResult", "DestinationStrategy", "CHECK_PHASE", "LOAD_PHASE",
+           "RESHARD_PHASE", "release_plans"]
 
 #: ``"auto"``: a box several ranks want goes by one broadcast among them (when the group is the whole
 #: world), else point to point; ``"p2p"``: always one message per receiving rank.
 DestinationStrategy = Literal["auto", "p2p"]
 #: The phase of every call that checks whether any rank's layout changed since the last call.
 CHECK_PHASE = "check layout"
+#: The data phases of :func:`load` and :func:`reshard`, as errors name them.
+LOAD_PHASE, RESHARD_PHASE = "load", "reshard"
 #: This rank's (source entries, destination entries), as gathered.
 _Local = tuple[tuple[LayoutEntry, ...], tuple[LayoutEntry, ...]]
 
@@ -179,7 +182,7 @@ def _check(ranks: GroupRanks, inputs: Any, sources: tuple[LayoutEntry, ...], tra
 
 def _transfer(source: SourceLike, dst: DestinationLike, mapping: MappingLike | None, group: Any,
               reverse: bool, strict: bool, plan_args: tuple[DestinationStrategy, int | None, int],
-              transport: TransportChoice) -> LoadResult:
+              transport: TransportChoice, phase: str) -> LoadResult:
     start = time.perf_counter()
     ranks = GroupRanks.of(group) if is_distributed(group) else None
     try:
@@ -220,7 +223,7 @@ def _transfer(source: SourceLike, dst: DestinationLike, mapping: MappingLike | N
     rank = ranks.rank if ranks is not None else 0
     # run every step: the targets are written into the destination's memory as they complete
     deque(execute(chosen.plan, src, chosen.transport, rank, stats, group=group, device=device,
-                  into=lambda t: dest.memory(*prepared.boxes[t])), maxlen=0)
+                  into=lambda t: dest.memory(*prepared.boxes[t]), phase=phase), maxlen=0)
     r = prepared.report
     return LoadResult(r.missing, r.unexpected, r.mismatched, chosen.plan, stats)
 
@@ -289,7 +292,7 @@ def load(dst: DestinationLike, source: SourceLike, mapping: MappingLike | None =
         [[0.0, 2.0, 4.0], [1.0, 3.0, 5.0]]
     """
     return _transfer(source, dst, mapping, group, reverse, strict,
-                     (strategy, memory_budget, bucket_bytes), transport)
+                     (strategy, memory_budget, bucket_bytes), transport, LOAD_PHASE)
 
 
 def reshard(src_state: SourceLike, dst_state: DestinationLike, mapping: MappingLike | None = None, *,
@@ -323,4 +326,4 @@ def reshard(src_state: SourceLike, dst_state: DestinationLike, mapping: MappingL
         6.0
     """
     return _transfer(src_state, dst_state, mapping, group, reverse, strict,
-                     (strategy, memory_budget, bucket_bytes), transport)
+                     (strategy, memory_budget, bucket_bytes), transport, RESHARD_PHASE)
