@@ -100,3 +100,9 @@ def test_from_dtensor_on_two_ranks() -> None:
     r0, r1 = run_ranks(_dtensor_worker, 2)
     assert r0 == [((7, 4), (0, 0), True), ((7, 4), (0, 0), True), ((7, 4), (0, 0), True)]
     assert r1 == [((7, 4), (4, 0), True), ((7, 4), (0, 2), True), ((7, 4), (0, 0), True)]
+
+
+def test_shard_dim_refuses_a_rank_outside_the_world() -> None:
+    from shardsync.errors import LayoutError
+    with pytest.raises(LayoutError, match=r"shard_dim: rank 2 is outside a world of size 2; give 0 <= rank < world"):
+        shard_dim(torch.zeros(4), 0, 2, 2)

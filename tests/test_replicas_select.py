@@ -71,7 +71,7 @@ def test_unmatched_and_sharded_only_patterns_are_errors() -> None:
         select_replicated(TinyTP(), include=["re:(unclosed"])
     with pytest.raises(ReplicaError, match="is not a non-empty string"):
         select_replicated(TinyTP(), include=[""])
-    with pytest.raises(TypeError, match="torch.nn.Module"):
+    with pytest.raises(ReplicaError, match="torch.nn.Module"):
         select_replicated({"a": torch.zeros(1)})  # type: ignore[arg-type]
 
 

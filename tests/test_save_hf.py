@@ -115,7 +115,7 @@ def test_dtype_casts_floating_targets_only(tmp_path: Path) -> None:
     back = load_file(tmp_path / "model.safetensors")
     assert back["w"].dtype == torch.float16 and torch.equal(back["w"], state["w"].half())
     assert torch.equal(back["i"], state["i"]) and back["i"].dtype == torch.int64
-    with pytest.raises(ValueError, match="not a floating dtype"):
+    with pytest.raises(shardsync.PlanError, match="not a floating dtype"):
         shardsync.save_hf(state, tmp_path / "x", dtype="int32")
     with pytest.raises(FormatError, match="cannot read size 'big'"):
         shardsync.save_hf(state, tmp_path / "x", max_shard_size="big")

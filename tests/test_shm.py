@@ -109,18 +109,18 @@ def worker_w2(rank: int, world: int) -> dict:
     kept = []
     for _ in range(2):
         got = stream(state, None, ref, transport="shm")
-        own = shm._cache[shm.group_name(None)].own
+        own = shm._kept_by_name()[shm.group_name(None)].own
         kept.append((got["bad"], got["stats"][2], None if own is None else own[2].data_ptr()))
     shm.release()
     stream(state, None, ref, transport="shm")
-    out["kept"] = (kept, shm._cache[shm.group_name(None)].own[2].data_ptr())
+    out["kept"] = (kept, shm._kept_by_name()[shm.group_name(None)].own[2].data_ptr())
     # shards already in shared memory are published in place: no segment, nothing copied to publish
     shared = {k: (v.share_memory_() if isinstance(v, torch.Tensor) else v) for k, v in state.items()}
     for v in shared.values():
         if hasattr(v, "local"):  # column shards are views of the full tensor: contiguous first
             v.local = v.local.contiguous().share_memory_()
     shm.release()
-    out["in place"] = (stream(shared, None, ref, transport="shm"), shm._cache[shm.group_name(None)].own)
+    out["in place"] = (stream(shared, None, ref, transport="shm"), shm._kept_by_name()[shm.group_name(None)].own)
     out["errors"] = _errors(rank, world)
     out["two hosts"] = _two_hosts(rank, world)
     budget = stream(state, None, ref, memory_budget=1000)  # auto: over budget with shm, so gloo

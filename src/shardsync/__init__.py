@@ -7,13 +7,15 @@ replicas in sync (:mod:`shardsync.replicas`).
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any
+
+from .caches import release
 from .destinations import LoadResult, load, reshard
 from .digests import VerifyReport, digest, verify
 from .exec.box_hash import tensor_digest
 from .errors import (DistributedError, DriftError, FormatError, LayoutError, LoadError, MappingError,
                      PlanError, ReplicaError, ShardsyncError, VerifyError)
 from .io import read_layout, read_tensors, save_safetensors
-from .io.dcp_writer import save
 from .io.save_hf import save_hf
 from .layout import Box, GlobalLayout, ShardedTensor, from_dtensor, shard_dim
 from .mapping import Mapping, TargetSpec, resolve
@@ -31,5 +33,17 @@ __all__ = ["Box", "GlobalLayout", "ShardedTensor", "from_dtensor", "shard_dim", 
            "add_extra_synchronization", "DriftReport", "ShardsyncError", "MappingError", "LayoutError",
            "PlanError", "FormatError", "DistributedError", "ReplicaError", "DriftError", "save_hf", "save",
            "load", "reshard", "LoadResult", "LoadError", "digest", "verify", "VerifyReport",
-           "VerifyError", "tensor_digest"]
+           "VerifyError", "tensor_digest", "release"]
 __version__ = "0.1.0"
+
+if TYPE_CHECKING:
+    from .io.dcp_writer import save
+
+
+def __getattr__(name: str) -> Any:
+    # torch.distributed.checkpoint (with DTensor) costs about a third of the import: load it on first use
+    if name == "save":
+        from .io.dcp_writer import save
+
+        return save
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -7,9 +7,13 @@ Every rank of a group enters the same phases in the same order, so phases are nu
 
 When a collective fails this rank cannot tell from the exception which peer is at fault (a timeout
 only says that someone did not come). The roll call can: a peer that recorded a failure of its own is
-the cause; a peer that never entered the phase, or entered it and then neither finished nor reported
+the cause; a peer whose process is gone (:mod:`shardsync.liveness`: each rank publishes where its
+process runs, once, as ``shardsync/proc/<global rank>`` in the default group's store) is the culprit at
+once; a peer that never entered the phase, or entered it and then neither finished nor reported
 anything within a grace period, is the culprit; peers that recorded a transport failure are victims
-like this rank. Transport failures are classified by where they come from: ``torch.distributed``'s
+like this rank. A live peer on another machine is waited for (up to the group timeout), unless the
+failure says a connection closed: then silent peers whose process cannot be checked are named after
+the grace period. Transport failures are classified by where they come from: ``torch.distributed``'s
 own error classes, or any ``RuntimeError`` raised inside :func:`transport_errors` (gloo raises plain
 ``RuntimeError`` for timeouts and closed connections, as a failed local copy would).
 """
@@ -29,6 +33,7 @@ import torch
 import torch.distributed as dist
 
 from .errors import ShardsyncError
+from .liveness import ProcessRecord, is_gone, peer_left, this_process
 
 if TYPE_CHECKING:
     from .dist import GroupRanks
@@ -47,6 +52,7 @@ POLL_SECONDS = 0.1
 _PREFIX = "shardsync"
 log = logging.getLogger(__name__)
 _entered: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()  # phases per group
+_published: weakref.WeakKeyDictionary[Any, bool] = weakref.WeakKeyDictionary()  # stores with our record
 
 
 class TransportFailure(RuntimeError):
@@ -117,6 +123,25 @@ def _timeout_seconds(pg: Any, store: Any) -> float:
     return 1800.0
 
 
+def _default_store() -> Any:
+    """The default group's store, where each process's record lives (one for every group)."""
+    with contextlib.suppress(Exception):
+        return dist.distributed_c10d._get_default_store()
+    return None
+
+
+def _publish_process() -> None:
+    """Note where this process runs in the default store, once per default group (cheap: one set)."""
+    world = dist.group.WORLD
+    if world is None or _published.get(world):
+        return
+    store = _default_store()
+    if store is not None:
+        with contextlib.suppress(Exception):
+            store.set(f"{_PREFIX}/proc/{dist.get_rank()}", this_process().dump())
+            _published[world] = True
+
+
 class _Report(NamedTuple):
     kind: str  # FAILED, STOPPED or TRANSPORT
     message: str
@@ -142,6 +167,7 @@ class RollCall:
     pg: Any
     store: Any
     started: float
+    store_down: bool = False
 
     @classmethod
     def enter(cls, phase: str, ranks: GroupRanks) -> RollCall:
@@ -152,6 +178,7 @@ class RollCall:
         store = None
         with contextlib.suppress(Exception):  # no store behind this group: peers just time out
             store = pg.get_group_store()  # type: ignore[union-attr]
+        _publish_process()
         roll = cls(phase, ranks, seq, pg, store, time.monotonic())
         roll._set(f"at/{ranks.rank}", f"{seq}|{phase}")
         return roll
@@ -161,13 +188,22 @@ class RollCall:
             with contextlib.suppress(Exception):
                 self.store.set(f"{_PREFIX}/{key}", value)
 
-    def _get(self, key: str) -> str | None:
-        if self.store is None:
+    def _get(self, key: str, store: Any = None) -> str | None:
+        store = self.store if store is None else store
+        if store is None:
             return None
-        with contextlib.suppress(Exception):
-            if self.store.check([f"{_PREFIX}/{key}"]):
-                return self.store.get(f"{_PREFIX}/{key}").decode()
+        try:
+            if store.check([f"{_PREFIX}/{key}"]):
+                return str(store.get(f"{_PREFIX}/{key}").decode())
+        except Exception:  # the store's host is gone (or it never answers): nobody can report
+            self.store_down = True
         return None
+
+    def _gone(self, rank: int) -> bool | None:
+        """Whether group rank ``rank``'s process has ended (None: this process cannot tell)."""
+        text = self._get(f"proc/{self.ranks.to_global(rank)}", _default_store() or self.store)
+        record = ProcessRecord.parse(text) if text is not None else None
+        return is_gone(record) if record is not None else None
 
     def record(self, kind: str, message: str) -> None:
         """Publish that this rank failed in this phase (``kind``: FAILED, STOPPED or TRANSPORT)."""
@@ -202,38 +238,74 @@ class RollCall:
         """After a transport failure here: ``{group rank: why}`` for the ranks at fault.
 
         Publishes this rank's own transport failure, then reads the roll call until a peer's own
-        failure shows up, or every silent peer is accounted for, or the wait ends. Blames, in that
-        order of preference: peers that reported a failure; peers that never entered the phase or fell
-        silent in it; else every rank, each with the transport failure it saw.
+        failure shows up, a silent peer's process is found gone, every silent peer is accounted for, or
+        the wait ends. Blames, in that order of preference: peers that reported a failure; silent peers
+        whose process has ended; peers that never entered the phase or fell silent in it; else every
+        rank, each with the transport failure it saw.
 
         The wait: a peer may be stuck in a collective with a rank that has already left it, until the
-        group timeout. So a rank whose call failed early (a peer closed its connection) waits out the
-        rest of a timeout, and every rank then a grace period for peers that fail a little later.
+        group timeout. So a rank whose call failed early waits out the rest of a timeout, and every
+        rank then a grace period for peers that fail a little later - unless the wait can end sooner:
+        a silent peer whose process is gone is named at once, and when the failure says a connection
+        closed (a process went away), silent peers that cannot be checked are named after the grace
+        period. A live, silent peer on this machine is a victim, stuck in a collective like this rank.
         """
         mine = describe(exc)
         self.record(TRANSPORT, mine)
         timeout = _timeout_seconds(self.pg, self.store)
         waited = getattr(exc, "waited", 0.0)
-        deadline = time.monotonic() + max(0.0, timeout - waited) + min(timeout, MAX_GRACE_SECONDS)
+        now = time.monotonic()
+        grace = min(timeout, MAX_GRACE_SECONDS)
+        closed = peer_left(exc)
+        short, long = now + grace, now + max(0.0, timeout - waited) + grace
         if waited < timeout:
             log.warning("phase %r: a collective failed on %s (%s); waiting up to %.0f s for the other "
                         "ranks to report, to name the one at fault", self.phase,
-                        self.ranks.label(self.ranks.rank), exc, deadline - time.monotonic())
+                        self.ranks.label(self.ranks.rank), exc, (short if closed else long) - now)
         while True:
             reports = self._reports()
             causes = {r: rep.message for r, rep in reports.items() if rep.kind != TRANSPORT}
             if causes:
                 return causes
             silent = self._silent(reports)
+            gone = {r: pos for r, pos in silent.items() if self._gone(r)}
+            if gone:
+                return self._departed(gone)
+            # a peer that timed out closes its connections too: then a closed one proves nobody left
+            timed_out = any(rep.kind == TRANSPORT and not peer_left(rep.message) for rep in reports.values())
+            left = closed and not timed_out
+            deadline = short if left else long
             overdue = time.monotonic() - self.started >= timeout  # the absent are not coming
             waiting = [r for r, pos in silent.items() if pos.seq == self.seq or not overdue]
-            if not waiting or time.monotonic() >= deadline:
+            if not waiting or self.store_down or time.monotonic() >= deadline:
                 break
             time.sleep(POLL_SECONDS)
+        if self.store_down:
+            return {self.ranks.rank: f"transport failure: {mine}; the group's store stopped answering, "
+                                     "so the other ranks cannot be asked (the process that hosts it, "
+                                     "rank 0 or the launcher, has probably died)"}
         if silent:
-            return {r: self._silence(pos) for r, pos in silent.items()}
+            if left:  # live peers on this machine are victims; name the ones that may be gone
+                suspects = {r: pos for r, pos in silent.items() if self._gone(r) is None}
+                silent = suspects or silent
+            return {r: self._silence(pos, left) for r, pos in silent.items()}
         return {self.ranks.rank: f"transport failure: {mine}",
                 **{r: f"transport failure: {rep.message}" for r, rep in reports.items()}}
+
+    def _departed(self, gone: dict[int, _Position]) -> dict[int, str]:
+        """``{rank: why}`` for silent peers whose process has ended (a failure one of them recorded
+        just before it ended wins: it says why)."""
+        causes = {r: rep.message for r, rep in self._reports().items() if rep.kind != TRANSPORT and r in gone}
+        if causes:
+            return causes
+        out = {}
+        for r, pos in gone.items():
+            if pos.seq == self.seq:
+                out[r] = f"entered phase {self.phase!r} and then its process ended (it died or exited)"
+            else:
+                out[r] = (f"its process ended (it died or exited) before it entered phase {self.phase!r} "
+                          f"({self._last(pos)})")
+        return out
 
     def _silent(self, reports: dict[int, _Report]) -> dict[int, _Position]:
         """Peers that reported nothing here and have not moved on to a later phase."""
@@ -241,10 +313,16 @@ class RollCall:
                      if r != self.ranks.rank and r not in reports}
         return {r: pos for r, pos in positions.items() if pos.seq <= self.seq}
 
-    def _silence(self, position: _Position) -> str:
+    @staticmethod
+    def _last(position: _Position) -> str:
+        if position.seq >= 0:
+            return f"the last phase it entered was {position.phase!r}"
+        return "it entered no phase of this group yet"
+
+    def _silence(self, position: _Position, left: bool = False) -> str:
+        closed = "; a connection to it closed, so it probably exited or died" if left else ""
         if position.seq == self.seq:
             return (f"entered phase {self.phase!r} and then stopped answering (it died, or hangs "
-                    "outside shardsync)")
-        last = f"the last phase it entered was {position.phase!r}" if position.seq >= 0 else \
-            "it entered no phase of this group yet"
-        return f"never entered phase {self.phase!r} ({last}; did it call this on every rank?)"
+                    f"outside shardsync){closed}")
+        return (f"never entered phase {self.phase!r} ({self._last(position)}; did it call this on every "
+                f"rank?){closed}")

@@ -14,7 +14,8 @@ import functools
 import logging
 import os
 import time
-from collections.abc import Iterator, Mapping, Sequence
+import weakref
+from collections.abc import Generator, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal, NamedTuple, Union
 
@@ -41,7 +42,8 @@ from .sources import Source, SourceLike, open_source, spread
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
 
-__all__ = ["full_params", "plan", "ParamStream", "Consumers", "TransportChoice", "GATHER_PHASE", "PLAN_PHASE"]
+__all__ = ["full_params", "plan", "ParamStream", "Consumers", "TransportChoice", "GATHER_PHASE", "PLAN_PHASE",
+           "release_plans"]
 
 log = logging.getLogger(__name__)
 
@@ -101,6 +103,7 @@ def _request(state: Any, mapping: MappingLike | None, group: ProcessGroup | None
         check_transport(transport)
         if reuse not in REUSE_MODES:
             raise PlanError(f"reuse={reuse!r}: use one of {list(REUSE_MODES)}")
+        _check_multicast(options.get("strategy"), group)
         groups = mesh_groups(mesh) if mesh is not None else None
         opts = PlanOptions(consumers=_consumer_ranks(consumers), backend=_backend(group), **options)
         check_options(opts, group_size(group), meshed=mesh is not None)
@@ -108,6 +111,14 @@ def _request(state: Any, mapping: MappingLike | None, group: ProcessGroup | None
         abandon(GATHER_PHASE, group, exc)  # peers already waiting in the phase learn why
         raise
     return _Request(state, mapping, group, groups, opts, transport, reuse, bool(verify))
+
+
+def _check_multicast(strategy: object, group: ProcessGroup | None) -> None:
+    # its subgroups are made by new_group, which every rank of the world must call
+    if strategy == "multicast" and is_distributed(group) and group_size(group) != dist.get_world_size():
+        raise PlanError(f"strategy='multicast' broadcasts on subgroups, which every rank of the whole world "
+                        f"must create, and this group has {group_size(group)} of the "
+                        f"{dist.get_world_size()} ranks; use strategy='p2p' (or 'auto') on a subgroup")
 
 
 def _consumer_ranks(consumers: object) -> tuple[int, ...] | None:
@@ -139,6 +150,11 @@ def _planned(gathered: tuple[_RankLayout, ...], mapping: ParsedMapping | None, o
     topology = build_topology(*zip(*[r.mesh for r in gathered])) if meshed else None
     plan = build_plan(resolve(mapping, layout), layout, options, topology)
     return _Built(plan, plan.fingerprint())
+
+
+def release_plans() -> None:
+    """Forget the plans :func:`full_params` cached (see :func:`shardsync.release`)."""
+    _planned.cache_clear()
 
 
 def _agree_on_plan(gathered: list[_RankLayout], request: _Request) -> Plan:
@@ -200,6 +216,12 @@ class ParamStream:
     The arguments were checked when it was made; the first ``next()`` gathers the layout and plans
     (collective), and each later ``next()`` runs the steps up to the next target.
 
+    Leaving early is safe: when the iterator is closed before the end (``break`` out of a ``for``
+    loop drops it; :meth:`close`; the end of a ``with`` block), this rank finishes its part of the
+    stream's collectives, discarding what it would have received, so the other ranks get all their
+    targets and the group stays usable. An iterator kept alive after ``break`` stays open: close it
+    before this rank's next collective of its own.
+
     Attributes:
         plan: the plan, once iteration has started (None before).
         stats: this rank's counters (bytes, collectives, peak memory, seconds), filled while iterating.
@@ -215,18 +237,33 @@ class ParamStream:
 
     def __init__(self, request: _Request) -> None:
         self._request = request
-        self._started = False
+        # weak: dropping the caller's iterator (``break`` out of a for loop) must close it
+        self._iterator: weakref.ref[Generator[tuple[str, torch.Tensor], None, None]] | None = None
         self.plan: Plan | None = None
         self.stats = Stats()
         self.digests: dict[str, str] | None = None
 
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
-        if self._started:
+        if self._iterator is not None:
             raise RuntimeError("a ParamStream is iterated once; call full_params again for a new pass")
-        self._started = True
-        return self._run()
+        iterator = self._run()
+        self._iterator = weakref.ref(iterator)
+        return iterator
 
-    def _run(self) -> Iterator[tuple[str, torch.Tensor]]:
+    def __enter__(self) -> ParamStream:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Stop iterating: finish this rank's part of the collectives (the other ranks get all their
+        targets), discarding the rest. A no-op for a stream never iterated or already finished."""
+        iterator = self._iterator() if self._iterator is not None else None
+        if iterator is not None:
+            iterator.close()
+
+    def _run(self) -> Generator[tuple[str, torch.Tensor], None, None]:
         start = time.perf_counter()
         ctx = _prepare(self._request)
         self.plan = ctx.plan
@@ -237,8 +274,27 @@ class ParamStream:
         if self._request.verify:
             self.digests = plan_digests(ctx.plan, ctx.source, ctx.rank, self._request.group)
             targets = checked(targets, self.digests, ctx.rank, self._request.group)
-        yield from targets
+        taken = 0
+        try:
+            for item in targets:
+                yield item
+                taken += 1
+        except GeneratorExit:
+            self._finish(targets, taken, ctx.rank)
+            raise
         log.debug("full_params done: %s", self.stats.summary())
+
+    def _finish(self, targets: Iterator[tuple[str, torch.Tensor]], taken: int, rank: int) -> None:
+        """The caller left before the end: run the remaining steps (collectives) anyway, so no peer is
+        left waiting in one this rank never enters."""
+        if not is_distributed(self._request.group):
+            return
+        mine = sum(1 for t in self.plan.targets if rank in t.consumers) if self.plan else 0
+        log.warning("full_params: the caller stopped iterating after %d of %d targets; finishing this "
+                    "rank's part of the stream so the other ranks are not left waiting", taken, mine)
+        self.stats.abandoned = True
+        for _ in targets:
+            pass
 
 
 def full_params(state: SourceLike, mapping: MappingLike | None = None, *,

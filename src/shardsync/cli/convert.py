@@ -22,7 +22,6 @@ import torch
 
 from ..dist import group_rank, group_size
 from ..io.commit import CheckpointNames, scan
-from ..io.dcp_writer import save
 from ..io.save_hf import save_hf
 from ..layout.dtypes import itemsize, to_torch_dtype
 from ..mapping import Mapping, TargetSpec
@@ -209,6 +208,8 @@ def _write_dcp(cfg: ConvertConfig, prepared: _Prepared, group: Any, progress: bo
     finally:
         if bar is not None:
             bar.close()
+    from ..io.dcp_writer import save  # local: torch.distributed.checkpoint is slow to import
+
     metadata = save(state, cfg.out, group=group, overwrite=cfg.overwrite)
     files = {info.relative_path for info in (metadata.storage_data or {}).values()}
     nbytes = sum(_out_bytes(t, cfg.dtype) for t in prepared.targets)

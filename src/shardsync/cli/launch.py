@@ -8,6 +8,7 @@ ranks, so every worker has the same one) and the command prints rank 0's. A work
 
 from __future__ import annotations
 
+import logging
 import os
 import uuid
 from dataclasses import dataclass
@@ -22,6 +23,7 @@ __all__ = ["launch", "launched_world", "run_launched", "WorkerFailed"]
 
 #: Seconds between the launcher's checks on its workers.
 MONITOR_SECONDS = 0.1
+log = logging.getLogger(__name__)
 
 
 class WorkerFailed(ShardsyncError, RuntimeError):
@@ -89,6 +91,11 @@ def launch(cfg: ConvertConfig, nproc: int) -> list[Converted]:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    if nproc > cores:
+        log.warning("--nproc %d starts more workers than this machine gives the process cores (%d): "
+                    "they share the cores and each starts slower; --nproc %d is usually faster",
+                    nproc, cores, cores)
     config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=uuid.uuid4().hex,
                           rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=0,
                           monitor_interval=MONITOR_SECONDS, start_method="spawn")

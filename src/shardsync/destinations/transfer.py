@@ -15,6 +15,7 @@ import contextlib
 from collections import deque
 import functools
 import time
+import weakref
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal, NamedTuple
 
@@ -36,13 +37,16 @@ from ..sources import Source
 from .state import Destination, DestinationLike, SourceLike, as_source
 from .verify import check_written
 
-__all__ = ["load", "reshard", "LoadResult", "DestinationStrategy", "CHECK_PHASE"]
+__all__ = ["load", "reshard", "LoadResult", "DestinationStrategy", "CHECK_PHASE", "LOAD_PHASE",
+           "RESHARD_PHASE", "release_plans"]
 
 #: ``"auto"``: a box several ranks want goes by one broadcast among them (when the group is the whole
 #: world), else point to point; ``"p2p"``: always one message per receiving rank.
 DestinationStrategy = Literal["auto", "p2p"]
 #: The phase of every call that checks whether any rank's layout changed since the last call.
 CHECK_PHASE = "check layout"
+#: The data phases of :func:`load` and :func:`reshard`, as errors name them.
+LOAD_PHASE, RESHARD_PHASE = "load", "reshard"
 #: This rank's (source entries, destination entries), as gathered.
 _Local = tuple[tuple[LayoutEntry, ...], tuple[LayoutEntry, ...]]
 
@@ -56,11 +60,6 @@ class _Ends(NamedTuple):
 
     def entries(self) -> _Local:
         return tuple(self.source.entries()), tuple(self.dest.entries())
-
-    def layout(self) -> _Local:
-        """The entries without values: what the plan depends on, compared between calls."""
-        src, dst = self.entries()
-        return without_values(src), without_values(dst)
 
 
 @dataclass
@@ -130,34 +129,61 @@ def _agree_on_plan(gathered: list[_Local], mapping: MappingLike | None, reverse:
     return agreed.mine
 
 
-#: Per group: this rank's inputs at its last call, and the plan they agreed on (the fast path).
-_last: dict[tuple[int, tuple[int, ...]], tuple[Any, _Prepared]] = {}
+class _Last(NamedTuple):
+    """A group's last call on this rank: its inputs, the plan they agreed on, and the source boxes
+    several ranks hold (replicas, whose values are compared again on every call)."""
+
+    inputs: Any
+    prepared: _Prepared
+    replicated: frozenset[tuple[str, Box]]
 
 
-def _slot(ranks: GroupRanks) -> tuple[int, tuple[int, ...]]:
-    return id(dist.distributed_c10d._get_default_group()), ranks.global_ranks
+#: Per default group (weakly: one made after ``destroy_process_group`` starts afresh) and group (by
+#: its global ranks): the last call (the fast path).
+_last: weakref.WeakKeyDictionary[Any, dict[tuple[int, ...], _Last]] = weakref.WeakKeyDictionary()
 
 
-def _check(ranks: GroupRanks, inputs: Any, transport: TransportChoice,
+def _slot(ranks: GroupRanks) -> dict[tuple[int, ...], _Last]:
+    return _last.setdefault(dist.distributed_c10d._get_default_group(), {})
+
+
+def _replicated(gathered: list[_Local]) -> frozenset[tuple[str, Box]]:
+    seen: dict[tuple[str, Box], int] = {}
+    for src, _ in gathered:
+        for e in src:
+            seen[(e.key, e.box)] = seen.get((e.key, e.box), 0) + 1
+    return frozenset(k for k, n in seen.items() if n > 1)
+
+
+def release_plans() -> None:
+    """Forget the plans ``load``/``reshard`` keep for their fast path, and the planning cache."""
+    _last.clear()
+    _prepare.cache_clear()
+
+
+def _check(ranks: GroupRanks, inputs: Any, sources: tuple[LayoutEntry, ...], transport: TransportChoice,
            device: str) -> tuple[_Prepared | None, list[HostChoice]]:
     """One small agreed phase on every call: the last call's plan when no rank's inputs changed since
     (the RL loop skips both gathers; None when any rank's did, or failed to be read: ``inputs``
     None), and every rank's host (with ``device``, the type of its destinations' device) and
     ``transport=`` choice. Every rank of a group makes the same
-    calls, so all hold the same last plan."""
-    last = _last.get(_slot(ranks))
-    changed = inputs is None or last is None or last[0] != inputs
-    agreed = agree(CHECK_PHASE, lambda: (changed, (host_info(cached_token(ranks.group), device), transport)),
-                   ranks.group)
-    hosts = [host for _, host in agreed.all]
-    if last is None or any(c for c, _ in agreed.all):
+    calls, so all hold the same last plan. The values of replicas (``sources``, this rank's entries
+    with their fingerprints) are compared on every call, as on a gather."""
+    last = _slot(ranks).get(ranks.global_ranks)
+    changed = inputs is None or last is None or last.inputs != inputs
+    replicas = tuple(e for e in sources if (e.key, e.box) in last.replicated) if last is not None else ()
+    agreed = agree(CHECK_PHASE, lambda: (changed, (host_info(cached_token(ranks.group), device), transport),
+                                         replicas), ranks.group)
+    hosts = [host for _, host, _ in agreed.all]
+    if last is None or any(c for c, _, _ in agreed.all):
         return None, hosts
-    return last[1], hosts
+    check_replicas([r for _, _, r in agreed.all])  # the same lists on every rank: raised on all
+    return last.prepared, hosts
 
 
 def _transfer(source: SourceLike, dst: DestinationLike, mapping: MappingLike | None, group: Any,
               reverse: bool, strict: bool, plan_args: tuple[DestinationStrategy, int | None, int],
-              transport: TransportChoice, verify: bool = False) -> LoadResult:
+              transport: TransportChoice, phase: str, verify: bool = False) -> LoadResult:
     start = time.perf_counter()
     ranks = GroupRanks.of(group) if is_distributed(group) else None
     try:
@@ -170,21 +196,24 @@ def _transfer(source: SourceLike, dst: DestinationLike, mapping: MappingLike | N
 
     ends: _Ends | None = None
     inputs = None
+    sources: tuple[LayoutEntry, ...] = ()
     with contextlib.suppress(Exception):  # a failure here is raised by the phases below, on every rank
         ends = open_ends()
-        inputs = (ends.layout(), _parse(mapping, reverse), ends.options, strict)
+        sources, dests = ends.entries()
+        inputs = ((without_values(sources), without_values(dests)), _parse(mapping, reverse), ends.options,
+                  strict)
     hosts: list[HostChoice] = []
     prepared = None
     if ranks is not None:
         on = run_device(str(dist.get_backend(ranks.group)), ends.source if ends is not None else None)
-        prepared, hosts = _check(ranks, inputs, transport, on.type)
+        prepared, hosts = _check(ranks, inputs, sources, transport, on.type)
     if prepared is None or ends is None:
         opened = agree("gather layout", lambda: ends if ends is not None else open_ends(), group,
                        share=_Ends.entries, unanimous=True)
         ends = opened.mine
         prepared = _agree_on_plan(opened.all, mapping, reverse, strict, ends.options, group)
         if ranks is not None and inputs is not None:
-            _last[_slot(ranks)] = (inputs, prepared)
+            _slot(ranks)[ranks.global_ranks] = _Last(inputs, prepared, _replicated(opened.all))
     src, dest, options = ends
     if strict and not prepared.report.ok:
         raise load_error(prepared.report, prepared.problems)  # same lists on every rank
@@ -195,7 +224,7 @@ def _transfer(source: SourceLike, dst: DestinationLike, mapping: MappingLike | N
     rank = ranks.rank if ranks is not None else 0
     # run every step: the targets are written into the destination's memory as they complete
     deque(execute(chosen.plan, src, chosen.transport, rank, stats, group=group, device=device,
-                  into=lambda t: dest.memory(*prepared.boxes[t])), maxlen=0)
+                  into=lambda t: dest.memory(*prepared.boxes[t]), phase=phase), maxlen=0)
     if verify:
         check_written(prepared.plan, prepared.boxes, src, dest, rank, group)
     r = prepared.report
@@ -271,7 +300,7 @@ def load(dst: DestinationLike, source: SourceLike, mapping: MappingLike | None =
         [[0.0, 2.0, 4.0], [1.0, 3.0, 5.0]]
     """
     return _transfer(source, dst, mapping, group, reverse, strict,
-                     (strategy, memory_budget, bucket_bytes), transport, verify)
+                     (strategy, memory_budget, bucket_bytes), transport, LOAD_PHASE, verify)
 
 
 def reshard(src_state: SourceLike, dst_state: DestinationLike, mapping: MappingLike | None = None, *,
@@ -306,4 +335,4 @@ def reshard(src_state: SourceLike, dst_state: DestinationLike, mapping: MappingL
         6.0
     """
     return _transfer(src_state, dst_state, mapping, group, reverse, strict,
-                     (strategy, memory_budget, bucket_bytes), transport, verify)
+                     (strategy, memory_budget, bucket_bytes), transport, RESHARD_PHASE, verify)

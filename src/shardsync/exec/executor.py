@@ -233,7 +233,7 @@ def _pool(plan: Plan, rank: int, device: torch.device, reuse: Reuse) -> BlockPoo
 def execute(plan: Plan, source: Source, transport: Transport, rank: int, stats: Stats,
             *, group: ProcessGroup | None = None, device: torch.device | None = None,
             into: Callable[[int], torch.Tensor] | None = None, reuse: Reuse = "dropped",
-            ) -> Iterator[tuple[str, torch.Tensor]]:
+            phase: str = STREAM_PHASE) -> Iterator[tuple[str, torch.Tensor]]:
     """Run ``plan`` on this rank; yield ``(name, tensor)`` for each target this rank consumes.
 
     ``into(t)``, when given, is the memory target ``t`` is written into (a destination shard, written
@@ -241,7 +241,8 @@ def execute(plan: Plan, source: Source, transport: Transport, rank: int, stats: 
 
     Every rank of the group must call this with the same plan and iterate to the end: the steps are
     collective. A failure on any rank is raised on every rank as a
-    :class:`~shardsync.errors.DistributedError` naming the ``stream`` phase; a rank that stops
+    :class:`~shardsync.errors.DistributedError` naming ``phase`` (``stream``; ``load`` and ``reshard``
+    name their own); a rank that stops
     iterating makes the others fail within the group timeout. ``reuse`` says when the memory of a
     yielded target may hold a later one (see :data:`~shardsync.exec.memory.Reuse`). A transport with
     a ``setup(io, stats)`` method has it called before the data phase (it runs its own agreed
@@ -260,7 +261,7 @@ def execute(plan: Plan, source: Source, transport: Transport, rank: int, stats: 
     setup = getattr(transport, "setup", None)
     if setup is not None:
         setup(run, stats)
-    with data_phase(STREAM_PHASE, group):
+    with data_phase(phase, group):
         for k, step in enumerate(plan.steps):
             inflight.append((k, step, run.start(k, step, transport)))
             while len(inflight) >= plan.depth or (inflight and k == len(plan.steps) - 1):

@@ -11,6 +11,7 @@ per set of ranks: a loop that reshards the same layouts every step creates them 
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import torch.distributed as dist
@@ -20,9 +21,11 @@ from ..planning.model import Packet, Plan, Step
 from .stats import Stats
 from .transport import P2PTransport, PacketIO, Pending, Posted, broadcast_packet
 
-__all__ = ["MulticastTransport", "multicast_members"]
+__all__ = ["MulticastTransport", "multicast_members", "release_subgroups"]
 
-_subgroups: dict[tuple[int, tuple[int, ...]], Any] = {}
+#: Per default group (weakly: a group made after ``destroy_process_group`` starts afresh): subgroups
+#: by their global ranks.
+_subgroups: weakref.WeakKeyDictionary[Any, dict[tuple[int, ...], Any]] = weakref.WeakKeyDictionary()
 
 
 def multicast_members(plan: Plan, packet: Packet) -> tuple[int, ...]:
@@ -38,10 +41,19 @@ def _subgroup(ranks: GroupRanks, members: tuple[int, ...]) -> Any:
     if len(members) == ranks.world:
         return ranks.group
     global_ranks = tuple(ranks.to_global(r) for r in members)
-    key = (id(dist.distributed_c10d._get_default_group()), global_ranks)
-    if key not in _subgroups:  # every rank of the world calls new_group, members or not
-        _subgroups[key] = dist.new_group(list(global_ranks))
-    return _subgroups[key]
+    made = _subgroups.setdefault(dist.distributed_c10d._get_default_group(), {})
+    if global_ranks not in made:  # every rank of the world calls new_group, members or not
+        made[global_ranks] = dist.new_group(list(global_ranks))
+    return made[global_ranks]
+
+
+def release_subgroups() -> None:
+    """Forget the subgroups made for multicast plans (a later plan makes them again).
+
+    Example:
+        >>> release_subgroups()
+    """
+    _subgroups.clear()
 
 
 class MulticastTransport:

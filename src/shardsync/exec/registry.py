@@ -101,6 +101,11 @@ def choose_transport(plan: Plan, ranks: GroupRanks | None, groups: MeshGroups | 
 _shm_plans: dict[int, tuple[Plan, Plan]] = {}  # id(plan) -> (plan, the plan with shm costs)
 
 
+def release_shm_plans() -> None:
+    """Forget the plans with shared-memory costs kept for cached plans."""
+    _shm_plans.clear()
+
+
 def _with_shm_costs(plan: Plan) -> Plan:
     # The same object for the same (cached) plan: a loop that reuses its plan sees one plan.
     hit = _shm_plans.get(id(plan))

@@ -52,7 +52,7 @@ from .hosts import SHM_DIR, HostInfo, describe_hosts, same_host
 from .stats import Stats
 from .transport import PacketIO, Posted, Received
 
-__all__ = ["ShmTransport", "TransportChoice", "TRANSPORT_CHOICES", "HostChoice", "check_transport", "use_shm", "shm_costs", "cached_token", "release", "group_name", "SHM_DIR",
+__all__ = ["ShmTransport", "TransportChoice", "TRANSPORT_CHOICES", "HostChoice", "check_transport", "use_shm", "shm_costs", "cached_token", "release", "release_all", "group_name", "SHM_DIR",
            "SHM_PREFIX"]
 
 log = logging.getLogger(__name__)
@@ -206,8 +206,21 @@ class _Kept:
         self.busy = False  # a stream is using them: another one works on its own
 
 
-#: Group name -> what its ranks keep between streams.
-_cache: dict[str, _Kept] = {}
+#: Per default group (weakly: a group made after ``destroy_process_group``, whose groups take the same
+#: names again, starts afresh), group name -> what its ranks keep between streams.
+_caches: weakref.WeakKeyDictionary[Any, dict[str, _Kept]] = weakref.WeakKeyDictionary()
+
+
+def _kept_by_name() -> dict[str, _Kept]:
+    world = dist.distributed_c10d._get_default_group() if dist.is_initialized() else _NO_GROUP
+    return _caches.setdefault(world, {})
+
+
+class _NoGroup:
+    """The key of what a process without a process group keeps (never any segment)."""
+
+
+_NO_GROUP = _NoGroup()
 
 
 def cached_token(group: Any) -> str:
@@ -217,7 +230,7 @@ def cached_token(group: Any) -> str:
         >>> cached_token(None)
         ''
     """
-    kept = _cache.get(group_name(group))
+    kept = _kept_by_name().get(group_name(group))
     return kept.token if kept is not None and not kept.busy else ""
 
 
@@ -231,7 +244,16 @@ def release(group: Any = None) -> None:
     Example:
         >>> release()
     """
-    _cache.pop(group_name(group), None)
+    _kept_by_name().pop(group_name(group), None)
+
+
+def release_all() -> None:
+    """Drop the shared memory kept for every group (see :func:`release`).
+
+    Example:
+        >>> release_all()
+    """
+    _caches.clear()
 
 
 def _storage_handle(view: torch.Tensor) -> tuple[tuple, int] | None:
@@ -317,7 +339,7 @@ class ShmTransport:
     def setup(self, io: PacketIO, stats: Stats) -> None:
         """Before the first step, on every rank, in two agreed phases of their own (before the data
         phase): publish the reads this rank sends, map the ones it receives."""
-        kept = _cache.setdefault(group_name(self.ranks.group), _Kept())
+        kept = _kept_by_name().setdefault(group_name(self.ranks.group), _Kept())
         if kept.busy:  # another stream of this group is live: work on fresh memory of its own
             kept = _Kept()
         # every rank still has what the last stream left (their tokens were gathered with the layout)

@@ -38,6 +38,8 @@ class Stats:
     plan_seconds: float = 0.0
     reused_blocks: int = 0
     transport: str = ""
+    #: the caller stopped iterating early; the rest of the stream ran and was discarded
+    abandoned: bool = False
     _blocks: dict[int, int] = field(default_factory=dict, repr=False)
 
     def hold(self, nbytes: int, tag: int | None = None) -> None:

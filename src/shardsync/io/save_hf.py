@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from ..dist import GroupRanks, agree, data_phase, group_rank, group_size
+from ..errors import PlanError
 from ..layout.dtypes import dtype_name, itemsize, to_torch_dtype
 from ..mapping import MappingLike
 from ..stream import full_params
@@ -69,7 +70,7 @@ def _check(out_dir: str | os.PathLike, max_shard_size: int | str, dtype: Any,
     budget = None if memory_budget is None else parse_size(memory_budget)
     cast = None if dtype is None else to_torch_dtype(dtype)
     if cast is not None and not cast.is_floating_point:
-        raise ValueError(f"dtype={dtype!r} is not a floating dtype; give e.g. torch.bfloat16 or 'bf16'")
+        raise PlanError(f"dtype={dtype!r} is not a floating dtype; give e.g. torch.bfloat16 or 'bf16'")
     files = extra_files(extras, config_from, names)
     old = prepare_directory(Path(out_dir), names, overwrite)
     if clean:

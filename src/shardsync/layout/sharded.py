@@ -80,7 +80,7 @@ def shard_dim(tensor: torch.Tensor, dim: int, rank: int, world: int) -> ShardedT
         torch.Size([8, 1])
     """
     if not 0 <= rank < world:
-        raise ValueError(f"rank {rank} outside world of size {world}")
+        raise LayoutError(f"shard_dim: rank {rank} is outside a world of size {world}; give 0 <= rank < world")
     dim = dim % tensor.dim()
     n = tensor.shape[dim]
     step = -(-n // world)

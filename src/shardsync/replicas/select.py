@@ -255,7 +255,8 @@ def select_replicated(model: nn.Module, *, include: Sequence[str] | str | None =
         ('0.bias', '1.bias', '1.weight')
     """
     if not isinstance(model, nn.Module):
-        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+        raise ReplicaError(f"model must be a torch.nn.Module, got {type(model).__name__}; pass the model "
+                           "whose replicated parameters to select")
     if predicate is not None and not callable(predicate):
         raise ReplicaError(f"predicate must be callable(name, param) -> bool, got {predicate!r}")
     if unsharded not in (None, True, False):

@@ -1,0 +1,148 @@
+"""What shardsync keeps between calls: replicas are checked on the fast path of reshard, caches do
+not outlive their process group, ``shardsync.release()`` drops them all, and the multicast strategy
+is refused on a subgroup (its subgroups need the whole world)."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import tempfile
+
+import torch
+import torch.distributed as dist
+from multiproc import run_ranks
+
+import shardsync
+from shardsync import LayoutError, PlanError, full_params, reshard, shard_dim
+from shardsync.destinations import transfer
+from shardsync.exec import multicast, registry, shm
+from shardsync import stream as stream_module
+
+
+def _source(rank: int) -> dict:
+    return {"w": shard_dim(torch.arange(17 * 3.0).reshape(17, 3), 0, rank, 2),
+            "norm": torch.arange(5.0) + 0.5}  # a replica on both ranks
+
+
+def _dest() -> dict:
+    return {"w": torch.zeros(17, 3), "norm": torch.zeros(5)}
+
+
+def _exact(dst: dict) -> bool:
+    return torch.equal(dst["w"], torch.arange(17 * 3.0).reshape(17, 3)) and \
+        torch.equal(dst["norm"], torch.arange(5.0) + 0.5)
+
+
+def _fast_path_and_caches(rank: int, world: int, store: str) -> dict:
+    src, dst = _source(rank), _dest()
+    first = reshard(src, dst, transport="backend")
+    second = reshard(src, dst, transport="backend")
+    out = {"fast": second.plan is first.plan, "exact": _exact(dst)}
+    if rank == 1:
+        src["norm"][0] += 1.0  # this replica drifts after the plan was cached
+    try:
+        reshard(src, dst, transport="backend")
+        out["drift"] = "no error"
+    except LayoutError as exc:
+        out["drift"] = str(exc)
+    src["norm"] = torch.arange(5.0) + 0.5
+    # a group made after destroy_process_group finds nothing the old one left
+    dist.destroy_process_group()
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=60))
+    out["fresh slot"] = transfer._last.get(dist.distributed_c10d._get_default_group()) is None
+    dst = _dest()
+    out["exact after re-init"] = _exact(dst) if reshard(src, dst) and _exact(dst) else False
+    _ = [t for _, t in full_params(src, strategy="broadcast")]
+    shardsync.release()
+    out["released"] = (len(transfer._last), len(multicast._subgroups), len(shm._caches),
+                       len(registry._shm_plans), stream_module._planned.cache_info().currsize,
+                       transfer._prepare.cache_info().currsize)
+    return out
+
+
+def test_fast_path_checks_replicas_and_caches_follow_the_group() -> None:
+    with tempfile.TemporaryDirectory() as d:
+        out = run_ranks(_fast_path_and_caches, 2, os.path.join(d, "store2"), timeout=240)
+    for rank in (0, 1):
+        o = out[rank]
+        assert o["fast"] and o["exact"] and o["fresh slot"] and o["exact after re-init"], (rank, o)
+        assert o["drift"].startswith("replicas differ:\n  'norm': ranks [0] vs ranks [1] hold box [0:5] with "
+                                    "different values"), (rank, o["drift"])
+        assert o["released"] == (0, 0, 0, 0, 0, 0), rank
+
+
+def test_release_in_a_single_process() -> None:
+    _ = [t for _, t in full_params({"w": torch.zeros(3)}, "w -> v")]
+    assert stream_module._planned.cache_info().currsize > 0
+    shardsync.release()
+    assert stream_module._planned.cache_info().currsize == 0
+
+
+def _multicast_on_a_subgroup(rank: int, world: int) -> str:
+    sub = dist.new_group([0, 1])  # every rank of the world calls new_group
+    if rank == 2:
+        return "not a member"
+    try:
+        full_params({"w": torch.zeros(3)}, group=sub, strategy="multicast", consumers=0)
+    except PlanError as exc:
+        return str(exc)
+    return "no error"
+
+
+def test_multicast_is_refused_on_a_subgroup() -> None:
+    out = run_ranks(_multicast_on_a_subgroup, 3, timeout=240)
+    want = ("strategy='multicast' broadcasts on subgroups, which every rank of the whole world must create, "
+            "and this group has 2 of the 3 ranks; use strategy='p2p' (or 'auto') on a subgroup")
+    assert out == [want, want, "not a member"]
+
+
+def test_the_strategy_the_error_names_works_on_a_subgroup() -> None:
+    out = run_ranks(_p2p_on_a_subgroup, 3, "p2p", timeout=240)
+    assert out == [True, True, "not a member"]
+
+
+def _p2p_on_a_subgroup(rank: int, world: int, strategy: str) -> object:
+    sub = dist.new_group([0, 1])
+    if rank == 2:
+        return "not a member"
+    got = dict(full_params({"w": shard_dim(torch.arange(7.0), 0, rank, 2)}, group=sub, strategy=strategy,
+                           consumers=0))
+    return torch.equal(got["w"], torch.arange(7.0)) if rank == 0 else got == {}
+
+
+class _FailingSource:
+    """A live source whose reads fail on one rank, after the layout was gathered and planned."""
+
+    def __init__(self, state: dict, fail: bool) -> None:
+        from shardsync.sources import LocalSource
+
+        self.inner, self.fail = LocalSource(state), fail
+
+    def entries(self):  # type: ignore[no-untyped-def]
+        return self.inner.entries()
+
+    def read(self, key, box):  # type: ignore[no-untyped-def]
+        if self.fail:
+            raise OSError(f"disk gone while reading {key!r}")
+        return self.inner.read(key, box)
+
+    def device(self):  # type: ignore[no-untyped-def]
+        return self.inner.device()
+
+
+def _data_failure(rank: int, world: int, verb: str) -> tuple:
+    src = _FailingSource(_source(rank), fail=rank == 1)
+    try:
+        if verb == "load":
+            shardsync.load(_dest(), src, transport="backend")
+        else:
+            reshard(src, _dest(), transport="backend")
+    except shardsync.DistributedError as exc:
+        return exc.phase, sorted(exc.failures)
+    return ("no error",)
+
+
+def test_a_data_failure_names_the_verb_as_its_phase() -> None:
+    for verb in ("load", "reshard"):
+        assert run_ranks(_data_failure, 2, verb, timeout=240) == [(verb, [1]), (verb, [1])], verb

@@ -1,0 +1,116 @@
+"""A dead rank is named within seconds, with the default group timeout; a live one is waited for.
+
+The process groups here use torch's default timeout (30 minutes) and each run has a deadline of a
+few minutes: a survivor that waited for the group timeout would be killed at the deadline and the
+test would fail with "Hang". No test measures a time: the deadline is the assertion.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from multiproc import RankFailure, run_ranks
+
+from shardsync.errors import DistributedError
+from shardsync.layout import shard_dim
+from shardsync.liveness import ProcessRecord, is_gone, peer_left, this_process
+from shardsync.stream import full_params
+
+DEFAULT_TIMEOUT = 1800.0  # torch's default process group timeout
+DEADLINE = 240.0  # the whole run: spawning, imports on a busy machine, and the naming itself
+
+
+# -- the process records (tier 1) --------------------------------------------------------------------
+
+def test_this_process_is_alive() -> None:
+    assert is_gone(this_process()) is False
+
+
+def test_a_process_that_exited_is_gone() -> None:
+    code = "from shardsync.liveness import this_process; print(this_process().dump())"
+    out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True)
+    record = ProcessRecord.parse(out.stdout.strip())
+    assert record is not None and record.pid != os.getpid()
+    assert is_gone(record) is True
+
+
+def test_a_reused_pid_is_not_the_same_process() -> None:
+    me = this_process()
+    assert is_gone(me._replace(start=me.start + 1)) is True
+
+
+def test_another_machine_cannot_be_checked() -> None:
+    assert is_gone(this_process()._replace(machine="elsewhere|boot|1")) is None
+    assert is_gone(this_process()._replace(start=0)) is None  # no /proc where it ran
+
+
+def test_records_round_trip_and_junk_is_refused() -> None:
+    me = this_process()
+    assert ProcessRecord.parse(me.dump()) == me
+    assert [ProcessRecord.parse(t) for t in ("", "x|1|m", "1|2|")] == [None, None, None]
+
+
+def test_peer_left_tells_closed_connections_from_timeouts() -> None:
+    assert peer_left(RuntimeError("[pair.cc:537] Read error [127.0.0.1]:7571: Connection reset by peer"))
+    assert not peer_left(RuntimeError("[pair.cc:598] Timed out waiting 1800000ms for recv operation"))
+
+
+# -- ranks that die (tier 2, default group timeout) ---------------------------------------------------
+
+def _state(rank: int) -> dict[str, object]:
+    # every target needs both ranks' shards: a survivor cannot finish without the dead rank
+    return {"w": shard_dim(torch.arange(17 * 3.0).reshape(17, 3), 0, rank, 2),
+            "b": shard_dim(torch.arange(5.0), 0, rank, 2)}
+
+
+def _dies(rank: int, world: int, when: str, transport: str) -> tuple:
+    state = _state(rank)
+    if when == "after a call":
+        _ = [n for n, _ in full_params(state, transport=transport)]
+    if rank == 1 and when != "mid-stream":
+        os._exit(0)  # exits cleanly, without calling full_params again
+    names = []
+    try:
+        for name, _ in full_params(state, strategy="broadcast", transport=transport):
+            names.append(name)
+            if rank == 1:
+                os._exit(3)
+    except DistributedError as exc:
+        return (exc.phase, exc.failures, names)
+    return ("finished", names)
+
+
+def _survivor(when: str, transport: str = "auto") -> tuple:
+    with pytest.raises(RankFailure) as err:
+        run_ranks(_dies, 2, when, transport, timeout=DEADLINE, group_timeout=DEFAULT_TIMEOUT)
+    out = err.value.outcomes
+    assert out[1][:2] == ("error", "Died"), out[1]
+    assert out[0][0] == "ok", out[0]
+    return out[0][1]
+
+
+def test_a_rank_that_exits_before_its_first_call_is_named() -> None:
+    phase, failures, names = _survivor("first")
+    assert (phase, list(failures), names) == ("gather layout", [1], [])
+    assert failures[1] == ("never entered phase 'gather layout' (it entered no phase of this group yet; "
+                           "did it call this on every rank?); a connection to it closed, so it probably "
+                           "exited or died")
+
+
+def test_a_rank_that_exits_after_a_call_is_named_as_gone() -> None:
+    phase, failures, _ = _survivor("after a call")
+    assert (phase, failures) == ("gather layout", {
+        1: "its process ended (it died or exited) before it entered phase 'gather layout' (the last phase "
+           "it entered was 'stream')"})
+
+
+@pytest.mark.parametrize("transport", ["backend", "shm"])
+def test_a_rank_that_dies_mid_stream_is_named(transport: str) -> None:
+    phase, failures, names = _survivor("mid-stream", transport)
+    assert (phase, failures) == ("stream", {1: "entered phase 'stream' and then its process ended (it died "
+                                               "or exited)"})
+    assert names[:1] == ["b"]
