@@ -9,20 +9,23 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from ..layout.dtypes import dtype_name
+import torch
+
+from ..layout.dtypes import dtype_name, to_torch_dtype
 from .syntax import Name, Statement
 from .lexer import parse_int
 from .vtensor import VTensor, cast, concat, permute, split, take
 
-__all__ = ["StatementError", "apply_statement", "ShardCount", "axis_of", "concat_checked",
+__all__ = ["StatementError", "apply_statement", "ShardCount", "axis_of", "concat_checked", "cast_loss",
            "STATEMENT_ATTRIBUTES"]
 
 #: How many blocks a fused tensor has along a dim: ``(name, tensor, dim) -> T``; ``tensor`` is None for a
 #: tensor being built (its destination layout decides).
 ShardCount = Callable[[Name, "VTensor | None", int], int]
 #: The attributes of statements without a macro keyword (the fused forms add their own).
-STATEMENT_ATTRIBUTES = frozenset({"axis", "permute", "dtype", "src_dtype", "dst_dtype", "sizes", "keep"})
-_ONE_TO_ONE = frozenset({"permute", "dtype", "axis", "src_dtype", "dst_dtype", "keep"})
+STATEMENT_ATTRIBUTES = frozenset({"axis", "permute", "dtype", "src_dtype", "dst_dtype", "sizes", "keep",
+                                  "lossy"})
+_ONE_TO_ONE = frozenset({"permute", "dtype", "axis", "src_dtype", "dst_dtype", "keep", "lossy"})
 
 
 class StatementError(Exception):
@@ -46,9 +49,14 @@ def axis_of(st: Statement, v: VTensor, default: int | None = None) -> int:
 
 
 def _int_list(st: Statement, key: str) -> list[int]:
-    raw = st.attr(key)
+    """A flat list of integers, ``'[2, 0, 1]'`` (brackets optional, ``'[]'`` empty); nested lists
+    are refused, not flattened."""
+    raw = str(st.attr(key)).strip()
+    inner = raw[1:-1] if raw.startswith("[") and raw.endswith("]") else raw
     try:
-        return [parse_int(x) for x in str(raw).strip().strip("[]").split(",") if x.strip()]
+        if "[" in inner or "]" in inner:
+            raise ValueError(f"{raw!r} is nested or unbalanced, not one flat list")
+        return [parse_int(x) for x in inner.split(",") if x.strip()]
     except ValueError as exc:
         raise StatementError(f"{key}= must be a list of integers like '[2, 0, 1]': {exc}",
                              st.attr_name(key)) from None
@@ -60,6 +68,43 @@ def _dtype(st: Statement, key: str) -> str:
         return dtype_name(str(raw))
     except ValueError as exc:
         raise StatementError(f"{key}={raw!r}: {exc}", st.attr_name(key)) from None
+
+
+def cast_loss(src: str, dst: str) -> str | None:
+    """What casting ``src`` to ``dst`` does beyond rounding, or None: dropping an imaginary part,
+    turning a float into an integer (fractions cut, NaN and inf to arbitrary integers), or wrapping
+    integers outside the target's range (any nonzero to True, for ``bool``).
+
+    Example:
+        >>> cast_loss("float32", "bfloat16") is None, cast_loss("int64", "int32")
+        (True, 'wraps int64 values outside the range of int32')
+    """
+    a, b = to_torch_dtype(src), to_torch_dtype(dst)
+    if a.is_complex and not b.is_complex:
+        return "drops the imaginary part"
+    if a == torch.bool or b.is_floating_point or b.is_complex or a == b:
+        return None
+    if b == torch.bool:
+        return f"turns every nonzero {src} value into True"
+    if a.is_floating_point:
+        return "cuts fractions and turns NaN and inf into arbitrary integers"
+    if torch.iinfo(b).min <= torch.iinfo(a).min and torch.iinfo(a).max <= torch.iinfo(b).max:
+        return None
+    return f"wraps {src} values outside the range of {dst}"
+
+
+def _cast(st: Statement, v: VTensor, key: str) -> VTensor:
+    """``v`` cast to the dtype of attribute ``key``; a lossy cast needs ``lossy=1``."""
+    dtype = _dtype(st, key)
+    flag = st.attr("lossy")
+    if st.has("lossy") and flag != 1:
+        raise StatementError(f"lossy={flag!r}: write lossy=1 to accept a cast that loses values",
+                             st.attr_name("lossy"))
+    loss = cast_loss(v.dtype, dtype)
+    if loss is not None and flag is None:
+        raise StatementError(f"casting {st.left[0].text!r} from {v.dtype} to {dtype} {loss}",
+                             st.attr_name(key), ("add lossy=1 to the statement to cast anyway",))
+    return cast(v, dtype)
 
 
 def _permute(st: Statement, v: VTensor) -> VTensor:
@@ -103,15 +148,23 @@ def _one_to_one(st: Statement, v: VTensor) -> VTensor:
                              ("write one statement per transform",))
     if st.has("src_dtype") != st.has("dst_dtype"):
         raise StatementError("src_dtype and dst_dtype go together")
+    if st.has("lossy") and not (st.has("dtype") or st.has("dst_dtype")):
+        raise StatementError("lossy=1 goes with a cast (dtype= or src_dtype=/dst_dtype=)",
+                             st.attr_name("lossy"))
     if st.has("src_dtype"):
-        _dtype(st, "src_dtype")  # checked for spelling; it documents the other side (as Paddle)
-        v = cast(v, _dtype(st, "dst_dtype"))
+        src = _dtype(st, "src_dtype")
+        _dtype(st, "dst_dtype")  # every spelling checked before what it says
+        if src != v.dtype:
+            raise StatementError(f"src_dtype={src!r} but {st.left[0].text!r} is {v.dtype}: src_dtype names "
+                                 "the dtype the tensor has", st.attr_name("src_dtype"),
+                                 (f"write src_dtype='{v.dtype}'",))
+        v = _cast(st, v, "dst_dtype")
     if st.has("keep"):
         return _keep(st, v)
     if "permute" in kinds:
         return _permute(st, v)
     if "dtype" in kinds:
-        return cast(v, _dtype(st, "dtype"))
+        return _cast(st, v, "dtype")
     if "axis" in kinds:
         axis_of(st, v)  # checked, then a rename (Paddle drops the binding here: a defect)
     return v
