@@ -4,6 +4,7 @@ naming the statement, before anything is read; what stays allowed gives exact va
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -88,6 +89,15 @@ def test_nested_or_unbalanced_permutation_is_refused(spec: str) -> None:
     err = _error([f"a -> x, permute='{spec}'"])
     assert f"permute= must be a list of integers like '[2, 0, 1]': '{spec}' is nested" in str(err)
     assert err.diagnostics[0].col == 8
+
+
+@pytest.mark.parametrize("spec", ["[[1, 0]]", "[[[0, 1]]]"])
+def test_nested_permutation_is_refused_in_reverse_too(spec: str) -> None:
+    lay = GlobalLayout.merge([[("x", (3, 17), "float32", Box.full((3, 17)))]])
+    with pytest.raises(MappingError, match=f"'{re.escape(spec)}' is nested or unbalanced"):
+        resolve([f"a -> x, permute='{spec}'"], lay, reverse=True)
+    (t,) = resolve(["a -> x, permute='[1, 0]'"], lay, reverse=True)
+    assert (t.name, t.shape, t.pieces[0].perm) == ("a", (17, 3), (1, 0))
 
 
 def test_flat_permutations_and_the_empty_one() -> None:

@@ -13,7 +13,7 @@ import torch
 
 from ..layout.dtypes import dtype_name, to_torch_dtype
 from .syntax import Name, Statement
-from .lexer import parse_int
+from .lexer import parse_int_list
 from .vtensor import VTensor, cast, concat, permute, split, take
 
 __all__ = ["StatementError", "apply_statement", "ShardCount", "axis_of", "concat_checked", "cast_loss",
@@ -49,14 +49,8 @@ def axis_of(st: Statement, v: VTensor, default: int | None = None) -> int:
 
 
 def _int_list(st: Statement, key: str) -> list[int]:
-    """A flat list of integers, ``'[2, 0, 1]'`` (brackets optional, ``'[]'`` empty); nested lists
-    are refused, not flattened."""
-    raw = str(st.attr(key)).strip()
-    inner = raw[1:-1] if raw.startswith("[") and raw.endswith("]") else raw
     try:
-        if "[" in inner or "]" in inner:
-            raise ValueError(f"{raw!r} is nested or unbalanced, not one flat list")
-        return [parse_int(x) for x in inner.split(",") if x.strip()]
+        return parse_int_list(str(st.attr(key)))
     except ValueError as exc:
         raise StatementError(f"{key}= must be a list of integers like '[2, 0, 1]': {exc}",
                              st.attr_name(key)) from None
