@@ -5,7 +5,10 @@ Cases:
 
 * ``rows``: a ``[4n, 64]`` fp32 tensor in ``n`` row shards (FSDP-style), streamed whole;
 * ``fused``: the same, split by ``fused_ffn`` into gate and up (two pieces per shard);
-* ``grid``: a ``[n, 64]`` tensor in a grid of ``n / 8`` row bands by 8 columns (TP x FSDP), transposed.
+* ``grid``: a ``[n, 64]`` tensor in a grid of ``n / 8`` row bands by 8 columns (TP x FSDP), transposed;
+* ``tensors`` (issue 19, MoE-sized state dicts): ``shardsync.plan`` of 6,250 to 100,000 tiny ``[3]``
+  tensors in one process through a ``$LAYER_ID`` mapping: the whole orchestrator (layout, replica
+  fingerprints, macro expansion, resolve, plan, validate) against the number of tensors.
 
 Baseline measured in the same run: the same planner with every box lookup scanning every shard of the
 key instead of using the index, at the small shard counts where that finishes in seconds; both must
@@ -28,6 +31,9 @@ from collections.abc import Callable
 from pathlib import Path
 from unittest import mock
 
+import torch
+
+import shardsync
 from shardsync.layout import Box, GlobalLayout
 from shardsync.mapping import resolve
 from shardsync.planning import Plan, PlanOptions, build_plan, reads, validate
@@ -36,6 +42,8 @@ RANKS = 8
 COLS = 64
 SHARDS = (256, 512, 1024, 2048, 4096)
 SCAN_UP_TO = 512  # the scanning baseline is quadratic: 4096 shards would take minutes
+TENSORS = (6250, 12500, 25000, 50000, 100000)
+TENSORS_MAPPING = ["layers.$LAYER_ID.w -> model.layers.$LAYER_ID.weight"]
 RESULTS = Path(__file__).parent / "results"
 
 
@@ -104,8 +112,26 @@ def exponent(points: list[tuple[float, float]]) -> float:
     return fit.slope
 
 
+def measure_tensors() -> dict:
+    """``shardsync.plan`` over many tiny tensors, best of 3 (GC on, as users run it)."""
+    rows_out = []
+    for n in TENSORS:
+        state = {f"layers.{i}.w": torch.zeros(3) for i in range(n)}
+        times = []
+        for _ in range(3):
+            gc.collect()
+            t0 = time.perf_counter()
+            shardsync.plan(state, TENSORS_MAPPING)
+            times.append(time.perf_counter() - t0)
+        row = {"tensors": n, "seconds": round(min(times), 3), "us_per_tensor": round(min(times) / n * 1e6, 1)}
+        rows_out.append(row)
+        print("tensors", row, flush=True)
+    return {"exponent": round(exponent([(r["tensors"], r["seconds"]) for r in rows_out]), 2), "rows": rows_out}
+
+
 def measure() -> dict:
     out: dict = {"ranks": RANKS, "repeats": 3, "cases": {}}
+    out["tensors"] = measure_tensors()
     for case, (make, mapping) in CASES.items():
         rows_out = []
         for n in SHARDS:
@@ -141,6 +167,10 @@ def markdown(res: dict) -> str:
                for r in c["rows"]]
     md += ["", "| case | k | k, GC off |", "|---|---|---|"]
     md += [f"| {case} | {c['exponent']} | {c['exponent_gc_off']} |" for case, c in res["cases"].items()]
+    tiny = res["tensors"]
+    md += ["", f"`shardsync.plan` of n tiny tensors in one process, mapping `{TENSORS_MAPPING[0]}`; best of "
+           f"3; k = {tiny['exponent']}.", "", "| tensors | seconds | us/tensor |", "|---|---|---|"]
+    md += [f"| {r['tensors']} | {r['seconds']} | {r['us_per_tensor']} |" for r in tiny["rows"]]
     return "\n".join(md) + "\n"
 
 

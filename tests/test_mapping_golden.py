@@ -25,6 +25,11 @@ INTENDED_ERRORS = {
     "layer_id_no_match_expands_to_nothing", "star_on_right_without_destination",
     "permute_longer_than_rank", "permute_shorter_than_rank", "concat_mismatched_other_dims",
     "concat_cast_and_uncast",
+    # Paddle never checks src_dtype against the tensor: here the model's `a` is float32 while the
+    # statement says float16. shardsync refuses that (issue 19: src_dtype not checked).
+    "reverse_chain_order",
+    # float -> int without lossy=1 (Paddle refuses any cast to an integer type)
+    "cast_to_int_unsupported",
 }
 # Paddle's full_param exports model keys only; shardsync maps optimizer states too (spec).
 STATE_EXTRAS = {"optimizer_state_keys": ["v.beta1_pow_acc_0", "v.beta2_pow_acc_0", "v.moment1_0",
@@ -57,7 +62,7 @@ def _ours(case: dict) -> dict[str, torch.Tensor]:
 # first (in numeric order), then the others by text.
 DIVERGES = {"star_numeric_sort"}
 AGREE = sorted(n for n, c in CASES.items() if not c["paddle_defect"] and not c["paddle_error"]
-               and n not in DIVERGES)
+               and n not in DIVERGES and n not in INTENDED_ERRORS)
 PADDLE_ERRORS = sorted(n for n, c in CASES.items() if not c["paddle_defect"] and c["paddle_error"])
 DEFECTS = sorted(n for n, c in CASES.items() if c["paddle_defect"])
 

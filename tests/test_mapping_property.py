@@ -47,8 +47,8 @@ def programs(draw: st.DrawFn) -> tuple[dict[str, torch.Tensor], list[str]]:
             dt = draw(st.sampled_from(DTYPE_NAMES))
             if op == "rebind":
                 out = name
-            stmts.append(f"{out if op == 'cast' else name} -> {out}, dtype='{dt}'"
-                         if op == "rebind" else f"{name} -> {out}, dtype='{dt}'")
+            stmts.append(f"{out if op == 'cast' else name} -> {out}, dtype='{dt}', lossy=1"
+                         if op == "rebind" else f"{name} -> {out}, dtype='{dt}', lossy=1")
         elif op == "split":
             dim = draw(st.integers(0, len(shape) - 1))
             n = shape[dim]

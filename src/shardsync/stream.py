@@ -38,6 +38,7 @@ from .planning import (DEFAULT_BUCKET_BYTES, DEFAULT_MESH_THRESHOLD_BYTES, Plan,
                        StrategyChoice, build_plan, check_options)
 from .planning.mesh import build_topology
 from .sources import Source, SourceLike, open_source, spread
+from .sources.fingerprint import ReplicaCheck, check_replica_mode
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -73,6 +74,7 @@ class _Request:
     options: PlanOptions
     transport: TransportChoice = "auto"
     reuse: Reuse = "dropped"
+    replica_check: ReplicaCheck = "sampled"
     verify: bool = False
 
 
@@ -87,8 +89,8 @@ class _Context:
 
 
 def _request(state: Any, mapping: MappingLike | None, group: ProcessGroup | None, mesh: MeshLike | None,
-             consumers: Consumers, transport: Any = "auto", reuse: Any = "dropped", verify: bool = False,
-             **options: Any) -> _Request:
+             consumers: Consumers, transport: Any = "auto", reuse: Any = "dropped",
+             replica_check: Any = "sampled", verify: bool = False, **options: Any) -> _Request:
     """Check the arguments on this rank, before anything runs (a caller mistake raises here)."""
     if group is not None and dist.is_initialized() and dist.get_rank(group) < 0:
         raise PlanError(f"global rank {dist.get_rank()} is not in the group it passed; call this on the "
@@ -103,6 +105,7 @@ def _request(state: Any, mapping: MappingLike | None, group: ProcessGroup | None
         check_transport(transport)
         if reuse not in REUSE_MODES:
             raise PlanError(f"reuse={reuse!r}: use one of {list(REUSE_MODES)}")
+        check_replica_mode(replica_check)
         _check_multicast(options.get("strategy"), group)
         groups = mesh_groups(mesh) if mesh is not None else None
         opts = PlanOptions(consumers=_consumer_ranks(consumers), backend=_backend(group), **options)
@@ -110,7 +113,7 @@ def _request(state: Any, mapping: MappingLike | None, group: ProcessGroup | None
     except ShardsyncError as exc:
         abandon(GATHER_PHASE, group, exc)  # peers already waiting in the phase learn why
         raise
-    return _Request(state, mapping, group, groups, opts, transport, reuse, bool(verify))
+    return _Request(state, mapping, group, groups, opts, transport, reuse, replica_check, bool(verify))
 
 
 def _check_multicast(strategy: object, group: ProcessGroup | None) -> None:
@@ -178,7 +181,7 @@ def _agree_on_plan(gathered: list[_RankLayout], request: _Request) -> Plan:
 def _open_source(request: _Request, ranks: GroupRanks | None) -> Source:
     """This rank's source, opened once inside the agreed phase. Files every rank sees are spread:
     each rank reads its own share of the boxes."""
-    source = open_source(request.state)
+    source = open_source(request.state, request.replica_check)
     return spread(source, ranks.rank, ranks.world) if ranks is not None else source
 
 
@@ -304,7 +307,7 @@ def full_params(state: SourceLike, mapping: MappingLike | None = None, *,
                 bucket_bytes: int = DEFAULT_BUCKET_BYTES, memory_budget: int | None = None,
                 mesh_threshold_bytes: int = DEFAULT_MESH_THRESHOLD_BYTES, copy: bool = True,
                 transport: TransportChoice = "auto", reuse: Reuse = "dropped",
-                verify: bool = False) -> ParamStream:
+                replica_check: ReplicaCheck = "sampled", verify: bool = False) -> ParamStream:
     """Stream full (mapped) tensors out of sharded state; call on every rank of the group.
 
     Args:
@@ -341,6 +344,10 @@ def full_params(state: SourceLike, mapping: MappingLike | None = None, *,
             collective, no data moves), hash each target a consumer receives before yielding it, and
             after the last one raise :class:`~shardsync.errors.VerifyError` on every rank if any
             differs (docs/digests.md).
+        replica_check: how ranks holding the same box of a state dict's tensor are checked to hold
+            the same values before anything moves: ``"sampled"`` (16 elements per tensor: cheap,
+            blind to a difference elsewhere), ``"exact"`` (every byte hashed on each rank; only
+            digests travel) or ``"off"`` (docs/megatron.md, "Replica check").
 
     Returns:
         a :class:`ParamStream`: iterate it for ``(name, tensor)``; ``.stats`` and ``.plan`` after.
@@ -366,7 +373,8 @@ def full_params(state: SourceLike, mapping: MappingLike | None = None, *,
         ...     print(name, tuple(tensor.shape), torch.equal(tensor, full.T))
         w_t (2, 17) True
     """
-    return ParamStream(_request(state, mapping, group, mesh, consumers, transport, reuse, strategy=strategy,
+    return ParamStream(_request(state, mapping, group, mesh, consumers, transport, reuse, replica_check,
+                                strategy=strategy,
                                 num_splits=num_splits, split_index=split_index, split_by=split_by,
                                 bucket_bytes=bucket_bytes, memory_budget=memory_budget,
                                 mesh_threshold_bytes=mesh_threshold_bytes, copy=copy, verify=verify))

@@ -14,6 +14,7 @@ from ..layout.dtypes import dtype_name
 from ..layout.meta import LayoutEntry
 from ..layout.sharded import ShardedTensor, StateValue, local_shards
 from ..sources import LocalSource, Source, open_source
+from ..sources.fingerprint import ReplicaCheck
 
 __all__ = ["Destination", "DestinationLike", "SourceLike", "as_source", "module_state"]
 
@@ -63,8 +64,9 @@ def _state(value: Any, what: str) -> Mapping[str, StateValue]:
                       "DTensor), an nn.Module, a Source, or None for nothing on this rank")
 
 
-def as_source(value: SourceLike) -> Source:
-    """``value`` as a :class:`~shardsync.sources.Source` (a live state is read in place).
+def as_source(value: SourceLike, replica_check: ReplicaCheck = "sampled") -> Source:
+    """``value`` as a :class:`~shardsync.sources.Source` (a live state is read in place, its
+    replicas checked per ``replica_check``).
 
     Raises:
         LayoutError: ``value`` is none of the accepted kinds.
@@ -74,8 +76,8 @@ def as_source(value: SourceLike) -> Source:
         (2,)
     """
     if value is None or isinstance(value, torch.nn.Module):
-        return LocalSource(_state(value, "the source"))
-    return open_source(value)  # a path is not spread: every rank reads its own boxes of the files
+        return LocalSource(_state(value, "the source"), replica_check)
+    return open_source(value, replica_check)  # a path is not spread: every rank reads its own boxes of the files
 
 
 class Destination:

@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from ..dist import GroupRanks, abandon, agree, is_distributed
-from ..errors import PlanError
+from ..errors import LayoutError, PlanError
 from ..exec import Stats, choose_transport, execute, run_device
 from ..exec.hosts import host_info
 from ..exec.shm import HostChoice, TransportChoice, cached_token, check_transport
@@ -34,6 +34,7 @@ from ..planning import DEFAULT_BUCKET_BYTES, Plan, PlanOptions, build_plan
 from ..planning.destinations import box_targets
 from .check import Mismatch, Report, check_targets, describe, load_error, provenance
 from ..sources import Source
+from ..sources.fingerprint import ReplicaCheck, check_replica_mode
 from .state import Destination, DestinationLike, SourceLike, as_source
 from .verify import check_written
 
@@ -183,16 +184,18 @@ def _check(ranks: GroupRanks, inputs: Any, sources: tuple[LayoutEntry, ...], tra
 
 def _transfer(source: SourceLike, dst: DestinationLike, mapping: MappingLike | None, group: Any,
               reverse: bool, strict: bool, plan_args: tuple[DestinationStrategy, int | None, int],
-              transport: TransportChoice, phase: str, verify: bool = False) -> LoadResult:
+              transport: TransportChoice, phase: str, replica_check: ReplicaCheck,
+              verify: bool = False) -> LoadResult:
     start = time.perf_counter()
     ranks = GroupRanks.of(group) if is_distributed(group) else None
     try:
         check_transport(transport)
-    except PlanError as exc:  # before any phase; peers waiting in the first learn why
+        check_replica_mode(replica_check)
+    except (PlanError, LayoutError) as exc:  # before any phase; peers waiting in the first learn why
         abandon(CHECK_PHASE, group, exc)
         raise
     def open_ends() -> _Ends:  # normalised inside the phase: a bad argument fails on every rank
-        return _Ends(as_source(source), Destination(dst), _options(group, *plan_args))
+        return _Ends(as_source(source, replica_check), Destination(dst), _options(group, *plan_args))
 
     ends: _Ends | None = None
     inputs = None
@@ -247,7 +250,8 @@ def _options(group: Any, strategy: DestinationStrategy, memory_budget: int | Non
 def load(dst: DestinationLike, source: SourceLike, mapping: MappingLike | None = None, *,
          group: Any = None, reverse: bool = False, strict: bool = True, memory_budget: int | None = None,
          bucket_bytes: int = DEFAULT_BUCKET_BYTES, strategy: DestinationStrategy = "auto",
-         transport: TransportChoice = "auto", verify: bool = False) -> LoadResult:
+         transport: TransportChoice = "auto", replica_check: ReplicaCheck = "sampled",
+         verify: bool = False) -> LoadResult:
     """Fill ``dst`` in place from ``source``, through ``mapping`` in the load direction; call on every
     rank of the group.
 
@@ -280,6 +284,9 @@ def load(dst: DestinationLike, source: SourceLike, mapping: MappingLike | None =
         verify: after writing, compare the digest of every destination box (each replica on its
             own rank) with the source's values for it (docs/digests.md); one extra small collective
             and one hashing pass over the bytes on each side.
+        replica_check: how ranks holding the same box of a live source are checked to hold the same
+            values: ``"sampled"`` (16 elements per tensor), ``"exact"`` (every byte hashed; only
+            digests travel) or ``"off"``, as for :func:`~shardsync.full_params`.
 
     Returns:
         a :class:`LoadResult`: the missing/unexpected/mismatched lists, the plan and this rank's stats.
@@ -300,14 +307,14 @@ def load(dst: DestinationLike, source: SourceLike, mapping: MappingLike | None =
         [[0.0, 2.0, 4.0], [1.0, 3.0, 5.0]]
     """
     return _transfer(source, dst, mapping, group, reverse, strict,
-                     (strategy, memory_budget, bucket_bytes), transport, LOAD_PHASE, verify)
+                     (strategy, memory_budget, bucket_bytes), transport, LOAD_PHASE, replica_check, verify)
 
 
 def reshard(src_state: SourceLike, dst_state: DestinationLike, mapping: MappingLike | None = None, *,
             group: Any = None, reverse: bool = False, strict: bool = True,
             memory_budget: int | None = None, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
             strategy: DestinationStrategy = "auto", transport: TransportChoice = "auto",
-            verify: bool = False) -> LoadResult:
+            replica_check: ReplicaCheck = "sampled", verify: bool = False) -> LoadResult:
     """Move live sharded state into another live sharded layout, in place; call on every rank.
 
     Ranks may hold sources only (trainers: ``dst_state=None``), destinations only (inference workers:
@@ -319,8 +326,8 @@ def reshard(src_state: SourceLike, dst_state: DestinationLike, mapping: MappingL
     Args:
         src_state: this rank's source state (state dict, module or Source), or None.
         dst_state: this rank's destination (state dict or module), or None.
-        mapping, group, reverse, strict, memory_budget, bucket_bytes, strategy, transport, verify: as
-            for :func:`load`.
+        mapping, group, reverse, strict, memory_budget, bucket_bytes, strategy, transport,
+            replica_check, verify: as for :func:`load`.
 
     Returns:
         a :class:`LoadResult`.
@@ -335,4 +342,5 @@ def reshard(src_state: SourceLike, dst_state: DestinationLike, mapping: MappingL
         6.0
     """
     return _transfer(src_state, dst_state, mapping, group, reverse, strict,
-                     (strategy, memory_budget, bucket_bytes), transport, RESHARD_PHASE, verify)
+                     (strategy, memory_budget, bucket_bytes), transport, RESHARD_PHASE, replica_check,
+                     verify)

@@ -14,7 +14,8 @@ from typing import Any, NamedTuple
 from ..errors import LayoutError
 from .box import Box
 
-__all__ = ["LayoutEntry", "ShardSpec", "TensorMeta", "GlobalLayout", "check_replicas", "without_values"]
+__all__ = ["LayoutEntry", "ShardSpec", "TensorMeta", "GlobalLayout", "check_replicas", "without_values",
+           "EXACT_PREFIX"]
 
 
 class LayoutEntry(NamedTuple):
@@ -32,6 +33,8 @@ class LayoutEntry(NamedTuple):
     fingerprint: str | None = None
 
 
+#: What an exact fingerprint (every byte hashed, ``replica_check="exact"``) starts with.
+EXACT_PREFIX = "exact:"
 #: What :meth:`GlobalLayout.merge` takes per entry: a LayoutEntry or a plain 4- or 5-tuple.
 EntryLike = tuple[Any, ...]
 
@@ -56,9 +59,9 @@ def _replica_problems(per_rank: Sequence[Iterable[EntryLike]]) -> list[str]:
                "ShardedTensor, or use shardsync.from_megatron(model)" if whole else
                "ranks holding the same box of a key are taken as replicas: check the global offsets "
                "(do pipeline stages or expert-parallel ranks reuse the same names?)")
-        problems.append(f"{key!r}: {groups} hold box {box} with different values (sampled "
-                        f"fingerprints differ); {fix}; if these are replicas that drifted apart, sync "
-                        "them first (shardsync.detect_drift)")
+        kind = "exact digests" if any(p.startswith(EXACT_PREFIX) for p in prints) else "sampled fingerprints"
+        problems.append(f"{key!r}: {groups} hold box {box} with different values ({kind} differ); {fix}; "
+                        "if these are replicas that drifted apart, sync them first (shardsync.detect_drift)")
     return problems
 
 

@@ -14,7 +14,7 @@ import re
 from dataclasses import dataclass
 from typing import Literal
 
-__all__ = ["Token", "TokenKind", "tokenize", "parameter_names", "parse_int", "INT_LIMIT"]
+__all__ = ["Token", "TokenKind", "tokenize", "parameter_names", "parse_int", "parse_int_list", "INT_LIMIT"]
 
 #: ``ERROR`` tokens carry a message (a bad character, an unterminated string) for the parser to report
 #: in the statement where it occurs.
@@ -54,6 +54,23 @@ def parse_int(text: str) -> int:
     if len(s.lstrip("+-").lstrip("0")) > 19 or abs(int(s)) > INT_LIMIT:
         raise ValueError(f"integer {shown} is too large (at most 2**63 - 1)")
     return int(s)
+
+
+def parse_int_list(text: str) -> list[int]:
+    """``text`` as one flat list of integers: ``'[2, 0, 1]'``, brackets optional, ``'[]'`` empty.
+
+    Raises:
+        ValueError: a nested or unbalanced list (never flattened), or an item that is no integer.
+
+    Example:
+        >>> parse_int_list("[2, 0, 1]"), parse_int_list("1, 0"), parse_int_list("[]")
+        ([2, 0, 1], [1, 0], [])
+    """
+    raw = text.strip()
+    inner = raw[1:-1] if raw.startswith("[") and raw.endswith("]") else raw
+    if "[" in inner or "]" in inner:
+        raise ValueError(f"{raw!r} is nested or unbalanced, not one flat list")
+    return [parse_int(x) for x in inner.split(",") if x.strip()]
 
 
 def _name_end(text: str, i: int) -> int:

@@ -24,7 +24,7 @@ import re
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
 
-from .lexer import parse_int
+from .lexer import parse_int_list
 from .syntax import Attr, Diagnostic, Name, Statement, suggest
 
 __all__ = ["expand_macros", "reverse_program", "invert_permutation"]
@@ -281,7 +281,7 @@ def invert_permutation(spec: str) -> str:
         >>> invert_permutation("[1, 2, 0]")
         '[2, 0, 1]'
     """
-    perm = [parse_int(x) for x in spec.strip("[] ").split(",") if x.strip()]
+    perm = parse_int_list(spec)
     n = len(perm)
     norm = [p % n for p in perm if -n <= p < n]
     if sorted(norm) != list(range(n)):

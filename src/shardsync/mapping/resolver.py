@@ -53,6 +53,7 @@ class _Run:
     sources: dict[str, VTensor]
     bound: dict[str, VTensor]
     live: dict[str, None]  # ordered set of output candidates
+    producers: dict[str, Statement]  # the statement that bound each live name
     diags: list[Diagnostic]
     failed: set[str]  # names bound by a failed statement: their readers report nothing more
     tolerate: Callable[[str], bool]  # unknown names that skip their statement silently
@@ -153,10 +154,31 @@ def _run_statement(run: _Run, st: Statement) -> None:
                                     "would be outputs of that name", n,
                                     (f"drop the source first (`{n.text} -> _`) or choose another name",)))
         return
+    if _produced_twice(run, st):
+        return
     for n, v in zip(st.right, outputs):
         if n.text != "_":
             run.bound[n.text] = v
             run.live[n.text] = None
+            run.producers[n.text] = st
+
+
+def _produced_twice(run: _Run, st: Statement) -> bool:
+    """Report a name of ``st``'s right side that an earlier statement bound and nothing has read
+    since: both would produce that target, and the later one would silently win."""
+    reads = {m.text for m in st.left}
+    n = next((n for n in st.right if n.text in run.producers and n.text in run.live
+              and n.text not in reads), None)
+    if n is None:
+        return False
+    first = run.producers[n.text]
+    where = "an earlier expansion of this statement" if first.index == st.index else \
+        f"statement {first.index} `{first.text}`"
+    run.fail(st, StatementError(f"{n.text!r} is already produced by {where}: two statements would produce "
+                                "the same target", n,
+                                ("give one of them another name, or read the first one before binding "
+                                 f"{n.text!r} again",)))
+    return True
 
 
 def _strip(keys: Sequence[str], prefix: str) -> dict[str, str]:
@@ -191,7 +213,7 @@ def resolve_program(statements: Sequence[Statement], layout: GlobalLayout, *,
     names = _strip(layout.keys() if keys is None else list(keys), "" if reverse else prefix)
     dest_keys = None if dest is None else list(_strip(dest.keys(), prefix if reverse else ""))
     sources = {n: source_tensor(k, layout[k].shape, layout[k].dtype) for n, k in names.items()}
-    run = _Run(layout, dest, prefix if reverse else "", sources, {}, dict.fromkeys(names), [], set(),
+    run = _Run(layout, dest, prefix if reverse else "", sources, {}, dict.fromkeys(names), {}, [], set(),
                tolerate)
     # Each statement is expanded just before it runs, against the sources and the names bound so far
     # (with their shapes: an unstack's '*' outputs are numbered by them).

@@ -10,13 +10,15 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 
-from ..layout.dtypes import dtype_name
+import torch
+
+from ..layout.dtypes import dtype_name, to_torch_dtype
 from .syntax import Name, Statement
-from .lexer import parse_int
+from .lexer import parse_int_list
 from .views import infer_shape, reshape
 from .vtensor import VTensor, cast, concat, permute, split, take
 
-__all__ = ["StatementError", "apply_statement", "ShardCount", "axis_of", "concat_checked",
+__all__ = ["StatementError", "apply_statement", "ShardCount", "axis_of", "concat_checked", "cast_loss",
            "STATEMENT_ATTRIBUTES"]
 
 #: How many blocks a fused tensor has along a dim: ``(name, tensor, dim) -> T``; ``tensor`` is None for a
@@ -24,9 +26,9 @@ __all__ = ["StatementError", "apply_statement", "ShardCount", "axis_of", "concat
 ShardCount = Callable[[Name, "VTensor | None", int], int]
 #: The attributes of statements without a macro keyword (the fused forms add their own).
 STATEMENT_ATTRIBUTES = frozenset({"axis", "permute", "dtype", "src_dtype", "dst_dtype", "sizes", "keep",
-                                  "shape", "src_shape", "dst_shape"})
+                                  "shape", "src_shape", "dst_shape", "lossy"})
 _ONE_TO_ONE = frozenset({"permute", "dtype", "axis", "src_dtype", "dst_dtype", "keep", "shape",
-                         "src_shape", "dst_shape"})
+                         "src_shape", "dst_shape", "lossy"})
 _EXCLUSIVE = ("permute", "dtype", "axis", "shape", "dst_shape")
 
 
@@ -51,9 +53,8 @@ def axis_of(st: Statement, v: VTensor, default: int | None = None) -> int:
 
 
 def _int_list(st: Statement, key: str) -> list[int]:
-    raw = st.attr(key)
     try:
-        return [parse_int(x) for x in str(raw).strip().strip("[]").split(",") if x.strip()]
+        return parse_int_list(str(st.attr(key)))
     except ValueError as exc:
         raise StatementError(f"{key}= must be a list of integers like '[2, 0, 1]': {exc}",
                              st.attr_name(key)) from None
@@ -65,6 +66,43 @@ def _dtype(st: Statement, key: str) -> str:
         return dtype_name(str(raw))
     except ValueError as exc:
         raise StatementError(f"{key}={raw!r}: {exc}", st.attr_name(key)) from None
+
+
+def cast_loss(src: str, dst: str) -> str | None:
+    """What casting ``src`` to ``dst`` does beyond rounding, or None: dropping an imaginary part,
+    turning a float into an integer (fractions cut, NaN and inf to arbitrary integers), or wrapping
+    integers outside the target's range (any nonzero to True, for ``bool``).
+
+    Example:
+        >>> cast_loss("float32", "bfloat16") is None, cast_loss("int64", "int32")
+        (True, 'wraps int64 values outside the range of int32')
+    """
+    a, b = to_torch_dtype(src), to_torch_dtype(dst)
+    if a.is_complex and not b.is_complex:
+        return "drops the imaginary part"
+    if a == torch.bool or b.is_floating_point or b.is_complex or a == b:
+        return None
+    if b == torch.bool:
+        return f"turns every nonzero {src} value into True"
+    if a.is_floating_point:
+        return "cuts fractions and turns NaN and inf into arbitrary integers"
+    if torch.iinfo(b).min <= torch.iinfo(a).min and torch.iinfo(a).max <= torch.iinfo(b).max:
+        return None
+    return f"wraps {src} values outside the range of {dst}"
+
+
+def _cast(st: Statement, v: VTensor, key: str) -> VTensor:
+    """``v`` cast to the dtype of attribute ``key``; a lossy cast needs ``lossy=1``."""
+    dtype = _dtype(st, key)
+    flag = st.attr("lossy")
+    if st.has("lossy") and flag != 1:
+        raise StatementError(f"lossy={flag!r}: write lossy=1 to accept a cast that loses values",
+                             st.attr_name("lossy"))
+    loss = cast_loss(v.dtype, dtype)
+    if loss is not None and flag is None:
+        raise StatementError(f"casting {st.left[0].text!r} from {v.dtype} to {dtype} {loss}",
+                             st.attr_name(key), ("add lossy=1 to the statement to cast anyway",))
+    return cast(v, dtype)
 
 
 def _permute(st: Statement, v: VTensor) -> VTensor:
@@ -129,9 +167,17 @@ def _one_to_one(st: Statement, v: VTensor) -> VTensor:
                              ("write one statement per transform",))
     if st.has("src_dtype") != st.has("dst_dtype"):
         raise StatementError("src_dtype and dst_dtype go together")
+    if st.has("lossy") and not (st.has("dtype") or st.has("dst_dtype")):
+        raise StatementError("lossy=1 goes with a cast (dtype= or src_dtype=/dst_dtype=)",
+                             st.attr_name("lossy"))
     if st.has("src_dtype"):
-        _dtype(st, "src_dtype")  # checked for spelling; it documents the other side (as Paddle)
-        v = cast(v, _dtype(st, "dst_dtype"))
+        src = _dtype(st, "src_dtype")
+        _dtype(st, "dst_dtype")  # every spelling checked before what it says
+        if src != v.dtype:
+            raise StatementError(f"src_dtype={src!r} but {st.left[0].text!r} is {v.dtype}: src_dtype names "
+                                 "the dtype the tensor has", st.attr_name("src_dtype"),
+                                 (f"write src_dtype='{v.dtype}'",))
+        v = _cast(st, v, "dst_dtype")
     if st.has("src_shape") or "shape" in kinds or "dst_shape" in kinds:
         return _reshape(st, v)
     if st.has("keep"):
@@ -139,7 +185,7 @@ def _one_to_one(st: Statement, v: VTensor) -> VTensor:
     if "permute" in kinds:
         return _permute(st, v)
     if "dtype" in kinds:
-        return cast(v, _dtype(st, "dtype"))
+        return _cast(st, v, "dtype")
     if "axis" in kinds:
         axis_of(st, v)  # checked, then a rename (Paddle drops the binding here: a defect)
     return v

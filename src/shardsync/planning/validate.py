@@ -6,6 +6,7 @@ All inputs are identical on every rank, so every rank raises the same error at t
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Iterable, Sequence
 
 from ..errors import LayoutError, PlanError
@@ -157,8 +158,8 @@ def target_problems(targets: Sequence[TargetSpec], layout: GlobalLayout) -> list
         'yields float32 but the target is bfloat16; add a cast'
     """
     problems = []
-    names = [t.name for t in targets]
-    problems += [f"target {n!r} is produced twice" for n in sorted({n for n in names if names.count(n) > 1})]
+    counts = Counter(t.name for t in targets)
+    problems += [f"target {n!r} is produced twice" for n in sorted(n for n, c in counts.items() if c > 1)]
     for t in targets:
         if t.dtype not in DTYPES:
             problems.append(f"target {t.name!r}: unknown dtype {t.dtype!r}")

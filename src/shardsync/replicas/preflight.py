@@ -1,26 +1,34 @@
 """Checks that run before anything moves: the group (a process group or a device mesh), the
 arguments of :class:`~shardsync.replicas.ReplicaSync`, and what the optimizer holds.
 
-Everything here is local; the cross-rank comparison of what each rank selected is in
-:mod:`~shardsync.replicas.replicated` (``check_same``, ``check_requires_grad``).
+Everything here is local but :func:`check_signatures` (one small collective at every sync: do the
+ranks' optimizers step the same parameter groups); the cross-rank comparison of what each rank
+selected is in :mod:`~shardsync.replicas.replicated` (``check_same``, ``check_requires_grad``).
 """
 
 from __future__ import annotations
 
+import zlib
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, Literal, Union
 
+import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh  # imported by torch.distributed anyway
 
+from ..dist import agree, data_phase, is_distributed
 from ..errors import ReplicaError
+from ..exec import run_device
+from ..roll_call import transport_errors
 
 if TYPE_CHECKING:
-    import torch
     from torch.distributed import ProcessGroup
 
 __all__ = ["GroupLike", "SyncMode", "GradMode", "DEFAULT_STATES", "resolve_group", "validate_sync_args",
-           "optimizer_signature"]
+           "optimizer_signature", "check_signatures", "SIGNATURE_PHASE"]
+
+#: The phase of :func:`check_signatures`, as errors name it.
+SIGNATURE_PHASE = "replica sync: optimizer check"
 
 #: What replica APIs take as ``group=``: a process group, a device mesh (1-D, or multi-dim with the
 #: TP dim given by ``mesh_dim``), or None for the default group.
@@ -127,3 +135,41 @@ def optimizer_signature(optimizer: torch.optim.Optimizer | None) -> tuple[Any, .
     masters = getattr(optimizer, "_master_weights", None)
     return (tuple(len(g["params"]) for g in optimizer.param_groups),
             len(masters) if isinstance(masters, Mapping) else None)
+
+
+def check_signatures(signature: tuple[Any, ...], group: ProcessGroup | None) -> None:
+    """Check that every rank's optimizer has ``signature`` (see :func:`optimizer_signature`): one
+    ``all_reduce`` of two integers (max of a digest and of its negation); on a mismatch the ranks
+    gather their signatures and every rank raises the same error. A no-op in one process.
+
+    Without it, a rank that added a parameter group alone would agree again on what is synced
+    while the others ran their bucket collectives: both would wait out the timeout.
+
+    Raises:
+        ReplicaError: the ranks' optimizers step different parameter groups (on every rank).
+        DistributedError: a peer failed or died during the check.
+
+    Example:
+        >>> check_signatures(((2, 1), None), None)   # a plain process: nothing to compare
+    """
+    if not is_distributed(group):
+        return
+    code = zlib.crc32(repr(signature).encode())
+    both = torch.tensor([code, -code], dtype=torch.int64, device=run_device(dist.get_backend(group), None))
+    with data_phase(SIGNATURE_PHASE, group), transport_errors():
+        dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)
+    if (int(both[0]), -int(both[1])) == (code, code):
+        return
+    per_rank = agree(SIGNATURE_PHASE, lambda: signature, group).all
+    shown = "; ".join(f"rank {r}: {_signature_text(s)}" for r, s in enumerate(per_rank))
+    raise ReplicaError(f"the ranks' optimizers step different parameters ({shown}): a parameter group "
+                       "(or a master) was added on some ranks only; every rank must call "
+                       "add_param_group with the same parameters at the same step")
+
+
+def _signature_text(signature: tuple[Any, ...]) -> str:
+    if not signature:
+        return "no optimizer"
+    sizes, masters = signature
+    text = f"{len(sizes)} param group(s) of {list(sizes)} params"
+    return text if masters is None else f"{text}, {masters} master(s)"

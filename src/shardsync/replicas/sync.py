@@ -10,9 +10,10 @@ Call sequence (every rank of ``group`` makes the same calls, in the same order):
     sync.sync_grads()                              # optional, before grad clipping
     handle.remove()
 
-Each sync first checks (locally, no tensor touched) whether the optimizer's parameter groups or
-``_master_weights`` changed since the ranks agreed; if so the ranks agree again (one more
-all_gather_object), so masters added after ``attach()`` have their grads and states synced.
+Each sync first checks whether the optimizer's parameter groups or ``_master_weights`` changed since
+the ranks agreed, and that every rank's did the same (one ``all_reduce`` of two integers); if they
+changed the ranks agree again (one more all_gather_object), so masters added after ``attach()`` have
+their grads and states synced. A group added on some ranks only is an error on every rank.
 
 Three operations are kept apart (see the design notes): summing partial grads (correctness, every
 step), averaging grads of redundant replicas (a safety net), and repairing params, masters and moments
@@ -23,6 +24,7 @@ both; mean averages the master in fp32 and re-derives the parameter (``param.cop
 from __future__ import annotations
 
 import logging
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -33,8 +35,8 @@ from ..errors import ReplicaError
 from ..dist import agree, group_rank, group_size, is_distributed
 from .buckets import Bucket, Item, Op, PhasePlan, SyncPlan
 from .engine import SyncStats, build_buckets, items_for, run_buckets
-from .preflight import (DEFAULT_STATES, GradMode, GroupLike, SyncMode, optimizer_signature,
-                        resolve_group, validate_sync_args)
+from .preflight import (DEFAULT_STATES, GradMode, GroupLike, SyncMode, check_signatures,
+                        optimizer_signature, resolve_group, validate_sync_args)
 from .replicated import (MasterParams, ReplicatedParam, check_requires_grad, check_same,
                          describe, kind_order, layout_entries, local, resolve_replicated)
 from .select import SelectorLike, Selection, resolve_selector
@@ -48,6 +50,10 @@ log = logging.getLogger(__name__)
 #: Most bytes per bucket of a replica-sync collective (not the streaming bucket cap,
 #: :data:`shardsync.planning.SYNC_BUCKET_BYTES`).
 SYNC_BUCKET_BYTES = 64 << 20
+#: The attached ReplicaSync of each model and optimizer: a second one would sync everything twice
+#: (``grads="sum"`` would sum the sums).
+#: Weak both ways: the optimizer's hooks keep an attached ReplicaSync alive, and nothing else.
+_ATTACHED: weakref.WeakKeyDictionary[Any, weakref.ref[ReplicaSync]] = weakref.WeakKeyDictionary()
 
 
 class HookHandle:
@@ -167,8 +173,10 @@ class ReplicaSync:
 
     def _refresh(self) -> None:
         """Agree again on what is synced when the optimizer's parameters changed since the ranks
-        last agreed (masters added, Paddle's masters created at the first step)."""
+        last agreed (masters added, Paddle's masters created at the first step). Every rank must
+        have made the same change: checked first, with one small collective."""
         signature = optimizer_signature(self.optimizer)
+        check_signatures(signature, self.group)
         if signature == self._signature:
             return
         def rescan() -> list[ReplicatedParam]:
@@ -307,15 +315,25 @@ class ReplicaSync:
         """Install the optimizer step hooks; return a handle whose ``remove()`` uninstalls them.
 
         Raises:
-            ReplicaError: no optimizer was given, or the hooks are already attached.
+            ReplicaError: no optimizer was given, the hooks are already attached, or another
+                ReplicaSync is attached to the same model or optimizer (it would sync everything
+                twice: summed grads summed again).
         """
         if self.optimizer is None:
             raise ReplicaError("attach() needs the optimizer: ReplicaSync(model, optimizer, ...)")
         if self._handle is not None:
             raise ReplicaError("already attached; call remove() on the handle first")
+        for what, obj in (("optimizer", self.optimizer), ("model", self.model)):
+            ref = _ATTACHED.get(obj)
+            other = ref() if ref is not None else None
+            if other is not None:
+                raise ReplicaError(f"another ReplicaSync ({other!r}) is attached to this {what}; two would "
+                                   "sync it twice (grads='sum' would double the grads): call detach() on "
+                                   "the other one first, or keep one ReplicaSync per model and optimizer")
         pre = self.optimizer.register_step_pre_hook(self._pre_step)
         post = self.optimizer.register_step_post_hook(self._post_step)
         self._handle = HookHandle((pre, post), self._detached)
+        _ATTACHED[self.optimizer] = _ATTACHED[self.model] = weakref.ref(self)
         return self._handle
 
     def detach(self) -> None:
@@ -325,6 +343,10 @@ class ReplicaSync:
 
     def _detached(self) -> None:
         self._handle = None
+        for obj in (self.optimizer, self.model):
+            ref = _ATTACHED.get(obj)
+            if ref is not None and ref() is self:
+                del _ATTACHED[obj]
 
     def _pre_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         self.stats.steps += 1

@@ -9,20 +9,33 @@ deterministic positions. :meth:`shardsync.layout.GlobalLayout.merge` compares th
 that hold the same box of the same key.
 
 The sample is gathered by indexing (no copy of the tensor, whatever its strides) and moved to the CPU
-in one transfer per device, so the cost is a few kernels and one synchronisation per stream.
+in one transfer per device, so the cost is a few kernels and one synchronisation per stream. A sample
+cannot see replicas that differ elsewhere (one element in a million): ``replica_check="exact"``
+hashes every byte of every tensor instead (blake2b, in chunks; a GPU tensor is copied to the host
+chunk by chunk), and ``"off"`` reports no fingerprint at all. Only digests travel to other ranks.
 """
 
 from __future__ import annotations
 
 import hashlib
 from collections.abc import Sequence
+from typing import Literal
 
 import torch
 
-__all__ = ["SAMPLE_SIZE", "sample_positions", "fingerprints"]
+from ..errors import LayoutError
+from ..layout.meta import EXACT_PREFIX
+
+__all__ = ["SAMPLE_SIZE", "ReplicaCheck", "REPLICA_CHECKS", "EXACT_PREFIX", "check_replica_mode",
+           "sample_positions", "fingerprints", "exact_digest"]
 
 #: Elements sampled per tensor (all of them for smaller tensors).
 SAMPLE_SIZE = 16
+#: How replicas are compared: a fixed sample of elements, every byte, or not at all.
+ReplicaCheck = Literal["sampled", "exact", "off"]
+REPLICA_CHECKS: tuple[str, ...] = ("sampled", "exact", "off")
+#: Bytes hashed per host copy in exact mode: bounds the extra memory a GPU tensor needs.
+_CHUNK_BYTES = 64 << 20
 
 _GOLDEN = 0x9E3779B97F4A7C15  # 2**64 / golden ratio: consecutive multiples spread evenly (Weyl)
 
@@ -68,14 +81,50 @@ def _sample(t: torch.Tensor) -> torch.Tensor:
     return picked.view(torch.uint8).reshape(-1)
 
 
-def fingerprints(tensors: Sequence[torch.Tensor]) -> list[str | None]:
-    """One fingerprint per tensor: equal for tensors with the same shape, dtype and sampled bytes.
+def check_replica_mode(mode: object) -> None:
+    """Raise a LayoutError unless ``mode`` is one of :data:`REPLICA_CHECKS`.
+
+    Example:
+        >>> check_replica_mode("exact")
+    """
+    if mode not in REPLICA_CHECKS:
+        raise LayoutError(f"replica_check={mode!r}: use 'sampled' (16 elements per tensor, the default), "
+                          "'exact' (every byte hashed) or 'off' (replicas taken on trust)")
+
+
+def exact_digest(t: torch.Tensor) -> str:
+    """A digest of ``t``'s shape, dtype and every byte of its values, in row-major order (so equal
+    values give equal digests whatever the strides). Chunks of dim 0 are made contiguous and
+    hashed one by one, so no second copy of a large tensor is held.
+
+    Example:
+        >>> a = torch.arange(12.).reshape(3, 4)
+        >>> exact_digest(a) == exact_digest(a.T.contiguous().T), exact_digest(a) == exact_digest(a + 1)
+        (True, False)
+    """
+    h = hashlib.blake2b(f"{tuple(t.shape)}|{t.dtype}|".encode(), digest_size=16)
+    rows = t.detach().reshape(1, *t.shape) if t.dim() == 0 else t.detach()
+    per_row = max(1, rows[0].numel() * rows.element_size()) if len(rows) else 1
+    step = max(1, _CHUNK_BYTES // per_row)
+    for start in range(0, len(rows), step):
+        chunk = rows[start:start + step].contiguous()
+        if chunk.dtype == torch.bool:
+            chunk = chunk.to(torch.uint8)
+        h.update(chunk.reshape(-1).view(torch.uint8).cpu().numpy().data)
+    return EXACT_PREFIX + h.hexdigest()
+
+
+def fingerprints(tensors: Sequence[torch.Tensor], mode: ReplicaCheck = "sampled") -> list[str | None]:
+    """One fingerprint per tensor: equal for tensors with the same shape, dtype and sampled bytes
+    (``mode="exact"``: all bytes; ``"off"``: None for every tensor).
 
     Args:
         tensors: local tensors, on any devices, of any dtype and strides (meta tensors get None).
+        mode: one of :data:`REPLICA_CHECKS`.
 
     Returns:
-        16 hex digits per tensor, or None for a tensor with no data (device ``meta``).
+        16 hex digits per tensor (exact: :data:`EXACT_PREFIX` and 32), or None for a tensor with no
+        data (device ``meta``).
 
     Example:
         >>> a = torch.arange(40.).reshape(8, 5)
@@ -83,6 +132,10 @@ def fingerprints(tensors: Sequence[torch.Tensor]) -> list[str | None]:
         >>> one == same, one == other
         (True, False)
     """
+    if mode == "off":
+        return [None] * len(tensors)
+    if mode == "exact":
+        return [None if t.is_meta else exact_digest(t) for t in tensors]
     samples: list[torch.Tensor | None] = [None if t.is_meta else _sample(t) for t in tensors]
     on_cpu: dict[int, bytes] = {}
     by_device: dict[torch.device, list[int]] = {}

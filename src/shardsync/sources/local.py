@@ -11,7 +11,7 @@ from ..layout.box import Box
 from ..layout.dtypes import dtype_name
 from ..layout.meta import LayoutEntry
 from ..layout.sharded import ShardedTensor, StateValue, local_shards
-from .fingerprint import fingerprints
+from .fingerprint import ReplicaCheck, check_replica_mode, fingerprints
 
 __all__ = ["LocalSource"]
 
@@ -21,6 +21,8 @@ class LocalSource:
 
     Args:
         state: the state dict (values: tensor, ShardedTensor, DTensor or list of ShardedTensor).
+        replica_check: how :meth:`entries` fingerprints each shard for the replica check:
+            ``"sampled"`` (16 elements), ``"exact"`` (every byte) or ``"off"``.
 
     Example:
         >>> src = LocalSource({"w": torch.arange(6.).reshape(2, 3)})
@@ -28,7 +30,9 @@ class LocalSource:
         tensor([[3., 4.]])
     """
 
-    def __init__(self, state: Mapping[str, StateValue]) -> None:
+    def __init__(self, state: Mapping[str, StateValue], replica_check: ReplicaCheck = "sampled") -> None:
+        check_replica_mode(replica_check)
+        self.replica_check: ReplicaCheck = replica_check
         #: key -> this rank's shards, normalised once (also what the layout is gathered from)
         self.shards: dict[str, list[ShardedTensor]] = {k: local_shards(k, v) for k, v in state.items()}
 
@@ -36,7 +40,7 @@ class LocalSource:
         """This rank's layout entries, sorted by key, each with the fingerprint of its shard (checked
         across the ranks that hold the same box, see :mod:`shardsync.sources.fingerprint`)."""
         shards = [(key, s) for key in sorted(self.shards) for s in self.shards[key]]
-        prints = fingerprints([s.local for _, s in shards])
+        prints = fingerprints([s.local for _, s in shards], self.replica_check)
         return [LayoutEntry(key, s.global_shape, dtype_name(s.dtype), s.box, fp)
                 for (key, s), fp in zip(shards, prints)]
 

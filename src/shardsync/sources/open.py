@@ -22,6 +22,7 @@ from ..layout.meta import LayoutEntry
 from ..layout.sharded import StateValue
 from .base import Source
 from .dcp import METADATA_FILE, DcpSource
+from .fingerprint import ReplicaCheck
 from .local import LocalSource
 from .safetensors import SafetensorsSource
 
@@ -34,9 +35,10 @@ _WHAT = ("a .safetensors file, a *.safetensors.index.json, a directory of safete
          "torch DCP checkpoint directory (one holding .metadata)")
 
 
-def open_source(x: SourceLike) -> Source:
-    """The Source for ``x``: a state dict becomes a :class:`LocalSource`, a Source is kept, a path
-    is opened by its format (a DCP directory has ``.metadata``; else safetensors).
+def open_source(x: SourceLike, replica_check: ReplicaCheck = "sampled") -> Source:
+    """The Source for ``x``: a state dict becomes a :class:`LocalSource` (fingerprinting its shards
+    per ``replica_check``), a Source is kept, a path is opened by its format (a DCP directory has
+    ``.metadata``; else safetensors).
 
     Raises:
         FormatError: a path that does not exist or is not a checkpoint (the message says what is).
@@ -49,7 +51,7 @@ def open_source(x: SourceLike) -> Source:
     if isinstance(x, (str, os.PathLike)):
         return _open_path(Path(x))
     if isinstance(x, Mapping):
-        return LocalSource(x)
+        return LocalSource(x, replica_check)
     if isinstance(x, Source):
         return x
     raise LayoutError(f"cannot read weights from a {type(x).__name__}; pass a state dict, a Source "
