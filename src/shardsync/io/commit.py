@@ -155,6 +155,12 @@ def prepare_directory(directory: Path, names: CheckpointNames, overwrite: bool) 
     if directory.exists() and not directory.is_dir():
         raise FormatError(f"{directory} is a file, not a directory; choose a directory for the checkpoint")
     state = scan(directory, names)
+    odd = sorted(f for f in state.committed + state.leftovers
+                 if os.path.lexists(directory / f) and not (directory / f).is_file())
+    if odd:
+        raise FormatError(f"{directory} holds {', '.join(odd)}, which the checkpoint's files would "
+                          "replace, but as something other than a regular file (a directory?); "
+                          "remove it, or choose another directory")
     if state.committed and not overwrite:
         raise FormatError(f"{directory} already holds a checkpoint ({state.committed[0]}); pass "
                           "overwrite=True to replace it, or choose another directory")
@@ -221,8 +227,9 @@ def _rename(tmp: Path, final: Path) -> None:
     try:
         os.replace(tmp, final)
     except FileNotFoundError as exc:
-        raise FormatError(f"{tmp} is missing: a rank wrote it where this rank cannot see it; write "
-                          "to a directory on a file system every rank shares") from exc
+        raise FormatError(f"{tmp} is missing: another save into {tmp.parent} at the same time removed "
+                          "it (run one save per directory at a time), or a rank wrote it where this "
+                          "rank cannot see it (write to a file system every rank shares)") from exc
 
 
 def commit(directory: Path, names: CheckpointNames, temps: Sequence[Path], weight_map: Mapping[str, int],
