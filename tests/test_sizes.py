@@ -8,12 +8,14 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
+from torch import nn
 
 import shardsync.io as io
 from shardsync import full_params, load, reshard, save_hf
 from shardsync.cli.common import size_flag
 from shardsync.cli.messages import UsageError
-from shardsync.errors import FormatError, PlanError
+from shardsync.errors import FormatError, PlanError, ReplicaError
+from shardsync.replicas import ReplicaSync
 from shardsync.sizes import parse_size, sizes_in
 
 
@@ -91,3 +93,10 @@ def test_cli_size_flags_use_the_parser() -> None:
     assert size_flag("64MiB", "--memory-budget") == 64 << 20
     with pytest.raises(UsageError, match=r"--memory-budget '64 apples' is not a size \(write e.g. 5GB"):
         size_flag("64 apples", "--memory-budget")
+
+
+def test_replica_sync_takes_size_strings() -> None:
+    model = nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4))
+    assert ReplicaSync(model, grads="mean", bucket_bytes="1KiB").bucket_bytes == 1024
+    with pytest.raises(ReplicaError, match="cannot read size '1 KiBi' for bucket_bytes"):
+        ReplicaSync(model, bucket_bytes="1 KiBi")

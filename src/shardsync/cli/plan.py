@@ -22,7 +22,6 @@ from ..layout.meta import GlobalLayout, LayoutEntry
 from ..planning import Plan, PlanOptions, build_plan
 from ..sources import assign_boxes, open_source
 from .common import MappingFlags, source_dir, workers_flag
-from .messages import UsageError
 from .table import Row, fold, json_text, render, render_ints
 from .units import human_bytes
 
