@@ -85,9 +85,9 @@ def test_output_model_safetensors_that_is_a_directory(tmp_path: Path) -> None:
     (tmp_path / "model.safetensors").mkdir()
     with pytest.raises(FormatError) as err:
         save_hf({"w": torch.arange(17.)}, tmp_path, overwrite=True)
-    assert str(err.value) == (f"{tmp_path} holds model.safetensors, which the checkpoint's files would "
-                              "replace, but as something other than a regular file (a directory?); "
-                              "remove it, or choose another directory")
+    assert str(err.value) == (f"{tmp_path} holds model.safetensors (a directory), where the checkpoint's "
+                              "files go, and not as a regular file; remove it, or choose another "
+                              "directory")
     assert [p.name for p in tmp_path.iterdir()] == ["model.safetensors"]  # nothing written
 
 

@@ -20,6 +20,7 @@ import torch
 from safetensors.torch import save_file
 
 import shardsync.mapping.program as program
+from shardsync import save_hf
 from shardsync.cli import main
 from shardsync.errors import FormatError, MappingError
 from shardsync.files import FileStamp, check_unchanged, file_kind, open_regular, read_bounded
@@ -176,3 +177,13 @@ def test_open_regular_and_read_bounded(tmp_path: Path) -> None:
         open_regular(tmp_path)
     assert file_kind(os.stat("/dev/null")) == "a character device"
     check_unchanged(f, stamp)
+
+
+def test_output_index_that_is_a_fifo_is_refused_before_writing(tmp_path: Path) -> None:
+    os.mkfifo(tmp_path / "model.safetensors.index.json")
+    with pytest.raises(FormatError) as err:
+        save_hf({"w": torch.arange(17.)}, tmp_path, overwrite=True)
+    assert str(err.value) == (f"{tmp_path} holds model.safetensors.index.json (a FIFO (named pipe)), "
+                              "where the checkpoint's files go, and not as a regular file; remove it, "
+                              "or choose another directory")
+    assert [p.name for p in tmp_path.iterdir()] == ["model.safetensors.index.json"]
