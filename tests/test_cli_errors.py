@@ -95,7 +95,14 @@ CASES = {
     "inspect {root}/nothing": "{root}/nothing does not exist (check the checkpoint path)",
     "convert {root}/single {root}/o --dtype int8":
         "--dtype 'int8' is not a floating dtype (use bf16, fp16, fp32 or a torch name such as bfloat16)",
-    "convert {root}/single {root}/o --nproc 0": "--nproc 0 is not a number of workers (give 1 or more)",
+    "convert {root}/single {root}/o --nproc 0":
+        "--nproc 0 is not a number of local workers (give 1 to 256; for more ranks, start them with torchrun)",
+    "convert {root}/single {root}/o --nproc 99999999999999999999":
+        "--nproc 99999999999999999999 is not a number of local workers (give 1 to 256; for more ranks, "
+        "start them with torchrun)",
+    "plan {root}/single --nproc 257":
+        "--nproc 257 is not a number of local workers (give 1 to 256; for more ranks, start them with "
+        "torchrun)",
     "convert {root}/single {root}/o --to dcp --config-from {root}":
         "--config-from applies to --to hf only (drop --config-from, or write --to hf)",
     "convert {root}/single {root}/o --config-from {root}/dcp":
@@ -170,7 +177,7 @@ def test_disk_errors(ck: Checkpoints, tmp_path: Path, monkeypatch: pytest.Monkey
     err = capsys.readouterr().err
     (temp,) = [p for p in err.split() if p.startswith(str(out))][:1]
     assert err == f"shardsync convert: {line.format(file=temp)}\n"
-    assert list(out.iterdir()) == []  # nothing left behind
+    assert not out.exists()  # nothing left behind: not even the directory it created
 
 
 def test_read_only_output_directory(ck: Checkpoints, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,

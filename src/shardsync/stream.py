@@ -37,6 +37,7 @@ from .mapping import MappingLike, resolve
 from .planning import (DEFAULT_BUCKET_BYTES, DEFAULT_MESH_THRESHOLD_BYTES, Plan, PlanOptions, SplitBy,
                        StrategyChoice, build_plan, check_options)
 from .planning.mesh import build_topology
+from .sizes import sizes_in
 from .sources import Source, SourceLike, open_source, spread
 from .sources.fingerprint import ReplicaCheck, check_replica_mode
 
@@ -108,7 +109,8 @@ def _request(state: Any, mapping: MappingLike | None, group: ProcessGroup | None
         check_replica_mode(replica_check)
         _check_multicast(options.get("strategy"), group)
         groups = mesh_groups(mesh) if mesh is not None else None
-        opts = PlanOptions(consumers=_consumer_ranks(consumers), backend=_backend(group), **options)
+        opts = PlanOptions(consumers=_consumer_ranks(consumers), backend=_backend(group),
+                           **sizes_in(options))
         check_options(opts, group_size(group), meshed=mesh is not None)
     except ShardsyncError as exc:
         abandon(GATHER_PHASE, group, exc)  # peers already waiting in the phase learn why
@@ -304,8 +306,8 @@ def full_params(state: SourceLike, mapping: MappingLike | None = None, *,
                 group: ProcessGroup | None = None, strategy: StrategyChoice = "auto",
                 mesh: MeshLike | None = None, num_splits: int = 1, split_index: int = 0,
                 split_by: SplitBy = "count", consumers: Consumers = "all",
-                bucket_bytes: int = DEFAULT_BUCKET_BYTES, memory_budget: int | None = None,
-                mesh_threshold_bytes: int = DEFAULT_MESH_THRESHOLD_BYTES, copy: bool = True,
+                bucket_bytes: int | str = DEFAULT_BUCKET_BYTES, memory_budget: int | str | None = None,
+                mesh_threshold_bytes: int | str = DEFAULT_MESH_THRESHOLD_BYTES, copy: bool = True,
                 transport: TransportChoice = "auto", reuse: Reuse = "dropped",
                 replica_check: ReplicaCheck = "sampled", verify: bool = False) -> ParamStream:
     """Stream full (mapped) tensors out of sharded state; call on every rank of the group.
@@ -327,7 +329,8 @@ def full_params(state: SourceLike, mapping: MappingLike | None = None, *,
         split_by: balance parts (and consumers' shares) by target ``"count"`` or ``"bytes"``.
         consumers: ``"all"``, or a rank or ranks (of ``group``) that receive targets, each its own
             contiguous part; the other ranks only send.
-        bucket_bytes: most bytes per packed buffer (bucketed, p2p).
+        bucket_bytes: most bytes per packed buffer (bucketed, p2p). This and the other sizes are
+            bytes or a string (``"64MiB"``, ``"2GB"``; see :func:`shardsync.sizes.parse_size`).
         memory_budget: most bytes the streamer may hold at once on any rank; buckets shrink and large
             reads are cut to fit, or planning fails naming the shortfall.
         mesh_threshold_bytes: mesh2d moves a read alone by two-stage broadcast when batching it would
@@ -353,7 +356,8 @@ def full_params(state: SourceLike, mapping: MappingLike | None = None, *,
         a :class:`ParamStream`: iterate it for ``(name, tensor)``; ``.stats`` and ``.plan`` after.
 
     Raises:
-        PlanError: bad arguments (raised here, by this call); while iterating, a memory budget that
+        PlanError: bad arguments (raised here, by this call; a size string that cannot be read is a
+            FormatError); while iterating, a memory budget that
             cannot be met, or ranks that built different plans.
         LayoutError: a module instead of its state (raised here); while iterating, holes, conflicting
             overlaps, shape/dtype disagreements, meta tensors, keys that are not strings.

@@ -30,7 +30,8 @@ from ..mapping.explain import describe_targets
 from ..exec.memory import tune_allocator
 from ..sources import open_source
 from .args import commands, parser
-from .common import MappingFlags, command_logging, dtype_flag, parse_sets, size_flag, source_dir
+from .common import (MappingFlags, command_logging, dtype_flag, parse_sets, size_flag, source_dir,
+                     workers_flag)
 from .convert import ConvertConfig, run_convert
 from .diff import DiffConfig, run_diff
 from .inspect import InspectConfig, run_inspect
@@ -54,9 +55,11 @@ def run_explain(cfg: PlanConfig) -> str:
 
 def _layout_json(path: Path) -> GlobalLayout:
     from ..errors import FormatError
+    from ..files import read_bounded
 
+    text = read_bounded(path, 1 << 30)  # a FIFO or device is refused, not read without end
     try:
-        return GlobalLayout.from_json(path.read_text())
+        return GlobalLayout.from_json(text.decode("utf-8"))
     except (ValueError, KeyError, TypeError, AttributeError) as exc:
         raise FormatError(f"{path} is not a layout JSON (as GlobalLayout.to_json writes) nor a checkpoint: "
                           f"{type(exc).__name__}: {exc}; pass a checkpoint or a layout JSON") from exc
@@ -77,9 +80,7 @@ def convert_config(args: argparse.Namespace, to: Literal["hf", "dcp"] | None = N
     Raises:
         UsageError: a flag value that is wrong (size, dtype, number of workers).
     """
-    nproc = args.nproc
-    if nproc < 1:
-        raise UsageError(f"--nproc {nproc} is not a number of workers", "give 1 or more")
+    nproc = workers_flag(args.nproc)
     return ConvertConfig(args.source, args.out, _mapping_flags(args),
                          to=to or args.to, dtype=dtype_flag(args.dtype),
                          max_shard_size=size_flag(args.max_shard_size, "--max-shard-size"),

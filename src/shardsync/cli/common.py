@@ -15,15 +15,16 @@ from typing import Any
 import torch
 
 from ..errors import FormatError, MappingError
-from ..io import parse_size
 from ..layout.dtypes import to_torch_dtype
 from ..layout.meta import GlobalLayout
 from ..mapping import OPTIMIZER_SUFFIXES, SCALAR_SUFFIXES, Mapping, TargetSpec, resolve
 from ..mapping.macros import expand_macros, reverse_program
+from ..sizes import parse_size
 from ..sources import Source
 from .messages import UsageError
 
 __all__ = ["MappingFlags", "source_dir", "command_logging", "layout_of", "resolve_targets", "unconsumed_sources", "size_flag",
+           "workers_flag", "MAX_WORKERS",
            "dtype_flag", "parse_sets", "progress_bar"]
 
 log = logging.getLogger(__name__)
@@ -173,6 +174,26 @@ def size_flag(value: str | None, flag: str) -> int | None:
         return parse_size(value)
     except FormatError:
         raise UsageError(f"{flag} {value!r} is not a size", "write e.g. 5GB, 500MB or 512MiB") from None
+
+
+#: Most local workers ``--nproc`` starts (each is a Python process with torch loaded, about 300 MB).
+MAX_WORKERS = 256
+
+
+def workers_flag(value: int) -> int:
+    """The number of workers ``--nproc`` gives, checked before anything is read or started.
+
+    Raises:
+        UsageError: fewer than 1 or more than :data:`MAX_WORKERS`.
+
+    Example:
+        >>> workers_flag(4)
+        4
+    """
+    if not 1 <= value <= MAX_WORKERS:
+        raise UsageError(f"--nproc {value} is not a number of local workers",
+                         f"give 1 to {MAX_WORKERS}; for more ranks, start them with torchrun")
+    return value
 
 
 def dtype_flag(value: str | None) -> torch.dtype | None:

@@ -12,7 +12,9 @@ targets until torch's DCP writer has written them (about the total divided by ``
 
 from __future__ import annotations
 
+import contextlib
 import math
+import os
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -127,16 +129,36 @@ def _check_output(cfg: ConvertConfig) -> None:
 
 
 def run_convert(cfg: ConvertConfig) -> Converted:
-    """Convert in this process, or with ``cfg.nproc`` workers started through torch's launcher."""
+    """Convert in this process, or with ``cfg.nproc`` workers started through torch's launcher.
+
+    A conversion that fails leaves no directory it created behind (the writers remove their files).
+    """
     start = time.perf_counter()
     prepared = prepare(cfg)
-    if cfg.nproc > 1:
-        from .launch import launch
+    created = _missing_dirs(cfg.out)
+    try:
+        if cfg.nproc > 1:
+            from .launch import launch
 
-        results = launch(cfg, cfg.nproc)
-        return replace(results[0], seconds=time.perf_counter() - start, workers=cfg.nproc)
-    done = write(cfg, prepared, group=None)
+            results = launch(cfg, cfg.nproc)
+            return replace(results[0], seconds=time.perf_counter() - start, workers=cfg.nproc)
+        done = write(cfg, prepared, group=None)
+    except BaseException:
+        for d in created:  # deepest first; a directory something else wrote into stays
+            with contextlib.suppress(OSError):
+                d.rmdir()
+        raise
     return replace(done, seconds=time.perf_counter() - start)
+
+
+def _missing_dirs(out: Path) -> list[Path]:
+    """``out`` and each of its parents that does not exist yet, deepest first."""
+    missing, here = [], out.absolute()
+    for d in (here, *here.parents):
+        if os.path.lexists(d):
+            break
+        missing.append(d)
+    return missing
 
 
 def write(cfg: ConvertConfig, prepared: _Prepared, group: Any) -> Converted:

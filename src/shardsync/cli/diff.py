@@ -92,7 +92,7 @@ def max_abs_diff(a: torch.Tensor, b: torch.Tensor) -> float:
             cx, cy = cx.to(torch.float64), cy.to(torch.float64)
             d = (cx - cy).abs()
             d[(cx == cy) | (cx.isnan() & cy.isnan())] = 0.0
-            d = d.nan_to_num(nan=math.inf)
+            d = d.nan_to_num(nan=math.inf, posinf=math.inf)  # the default posinf is the largest float
         if d.numel():
             worst = max(worst, float(d.max()))
     return worst

@@ -27,12 +27,14 @@ class InspectConfig:
     as_json: bool = False
 
 
-def _shards(source: Source) -> dict[str, list[dict[str, Any]]]:
-    """Each tensor's stored boxes with the file holding each."""
+def _shards(source: Source, root: Path) -> dict[str, list[dict[str, Any]]]:
+    """Each tensor's stored boxes with the file holding each (its path under ``root``: an index may
+    name files in subdirectories)."""
     out: dict[str, list[dict[str, Any]]] = {}
     if isinstance(source, SafetensorsSource):
         for key, info in source.tensors.items():
-            out[key] = [{"offsets": [0] * len(info.shape), "sizes": list(info.shape), "file": info.file.name}]
+            out[key] = [{"offsets": [0] * len(info.shape), "sizes": list(info.shape),
+                         "file": info.file.relative_to(root).as_posix()}]
         return out
     assert isinstance(source, DcpSource)  # open_source makes one of the two from a path
     from torch.distributed.checkpoint.metadata import MetadataIndex
@@ -60,9 +62,9 @@ def describe_checkpoint(path: Path) -> dict[str, Any]:
         ('safetensors', 24, [{'offsets': [0, 0], 'sizes': [2, 3], 'file': 'model.safetensors'}])
     """
     source = open_source(path)
-    shards = _shards(source)
-    layout = {e.key: e for e in source.entries()}
     root = path if path.is_dir() else path.parent
+    shards = _shards(source, root)
+    layout = {e.key: e for e in source.entries()}
     names = sorted({s["file"] for boxes in shards.values() for s in boxes if s["file"] is not None})
     tensors = {key: {"shape": list(layout[key].shape), "dtype": layout[key].dtype,
                      "bytes": math.prod(layout[key].shape) * itemsize(layout[key].dtype),

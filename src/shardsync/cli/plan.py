@@ -21,8 +21,7 @@ from ..layout.box import Box
 from ..layout.meta import GlobalLayout, LayoutEntry
 from ..planning import Plan, PlanOptions, build_plan
 from ..sources import assign_boxes, open_source
-from .common import MappingFlags, source_dir
-from .messages import UsageError
+from .common import MappingFlags, source_dir, workers_flag
 from .table import Row, fold, json_text, render, render_ints
 from .units import human_bytes
 
@@ -59,8 +58,7 @@ def dry_run(cfg: PlanConfig) -> Plan:
     Raises:
         UsageError: a bad ``--nproc``; MappingError, FormatError, PlanError as ``convert``.
     """
-    if cfg.nproc < 1:
-        raise UsageError(f"--nproc {cfg.nproc} is not a number of workers", "give 1 or more")
+    workers_flag(cfg.nproc)
     source = open_source(cfg.source)
     layout = spread_layout(source.entries(), cfg.nproc)
     _, targets = cfg.flags.resolve(layout, source_dir(cfg.source))

@@ -16,7 +16,7 @@ from ..layout.sharded import ShardedTensor, StateValue, local_shards
 from ..sources import LocalSource, Source, open_source
 from ..sources.fingerprint import ReplicaCheck
 
-__all__ = ["Destination", "DestinationLike", "SourceLike", "as_source", "module_state"]
+__all__ = ["Destination", "DestinationLike", "SourceLike", "as_source", "module_state", "self_overlapping"]
 
 #: What ``load``/``reshard`` write into: a state dict, a module (its state dict), or None (nothing).
 DestinationLike = Union[Mapping[str, StateValue], torch.nn.Module, None]
@@ -31,6 +31,26 @@ def _identity(t: torch.Tensor) -> tuple[int, int, tuple[int, ...], tuple[int, ..
         return None
     return (local.untyped_storage().data_ptr(), int(local.storage_offset()), tuple(t.shape),
             tuple(local.stride()))
+
+
+def self_overlapping(t: torch.Tensor) -> bool:
+    """Whether two elements of ``t`` may be one memory location: taken dim by dim from the smallest
+    stride, each stride must step past everything the smaller ones reach (true of every view made by
+    slicing, transposing or reshaping a tensor that owns its memory; false of ``expand``).
+
+    Example:
+        >>> a = torch.zeros(3, 4)
+        >>> self_overlapping(a.T[::2]), self_overlapping(torch.zeros(1, 4).expand(3, 4))
+        (False, True)
+    """
+    if t.numel() == 0:
+        return False
+    reach = 0
+    for stride, size in sorted((abs(st), n) for n, st in zip(t.shape, t.stride()) if n > 1):
+        if stride <= reach:
+            return True
+        reach += (size - 1) * stride
+    return False
 
 
 def module_state(module: torch.nn.Module) -> dict[str, Any]:
@@ -92,11 +112,20 @@ class Destination:
         >>> d = Destination({"w": ShardedTensor(w, (4,), (2,))})
         >>> d.entries()[0].box, d.memory("w", Box((2,), (2,))).data_ptr() == w.data_ptr()
         (Box(offsets=(2,), sizes=(2,)), True)
+
+    Raises:
+        LayoutError: ``dst`` is not a destination, or a tensor of it shares memory between its own
+            elements (an ``expand``-ed, stride-0 tensor), which no write can fill element by element.
     """
 
     def __init__(self, dst: DestinationLike) -> None:
         state = _state(dst, "the destination")
         self.shards: dict[str, list[ShardedTensor]] = {k: local_shards(k, v) for k, v in state.items()}
+        aliased = sorted({k for k, shards in self.shards.items() for s in shards if self_overlapping(s.local)})
+        if aliased:
+            raise LayoutError(f"destination tensors {aliased} have elements that share memory (made by "
+                              "expand() or a stride-0 view), so they cannot be written in place; pass "
+                              "tensors that own their memory, e.g. t.expand(...).clone()")
 
     def entries(self) -> list[LayoutEntry]:
         """This rank's destination entries ``(key, global shape, dtype, box)``, sorted by key."""

@@ -32,6 +32,7 @@ from ..layout.meta import GlobalLayout, LayoutEntry, check_replicas, without_val
 from ..mapping import Mapping, MappingLike, resolve
 from ..planning import DEFAULT_BUCKET_BYTES, Plan, PlanOptions, build_plan
 from ..planning.destinations import box_targets
+from ..sizes import sizes_in
 from .check import Mismatch, Report, check_targets, describe, load_error, provenance
 from ..sources import Source
 from ..sources.fingerprint import ReplicaCheck, check_replica_mode
@@ -183,7 +184,7 @@ def _check(ranks: GroupRanks, inputs: Any, sources: tuple[LayoutEntry, ...], tra
 
 
 def _transfer(source: SourceLike, dst: DestinationLike, mapping: MappingLike | None, group: Any,
-              reverse: bool, strict: bool, plan_args: tuple[DestinationStrategy, int | None, int],
+              reverse: bool, strict: bool, plan_args: tuple[DestinationStrategy, int | str | None, int | str],
               transport: TransportChoice, phase: str, replica_check: ReplicaCheck,
               verify: bool = False) -> LoadResult:
     start = time.perf_counter()
@@ -234,8 +235,8 @@ def _transfer(source: SourceLike, dst: DestinationLike, mapping: MappingLike | N
     return LoadResult(r.missing, r.unexpected, r.mismatched, chosen.plan, stats)
 
 
-def _options(group: Any, strategy: DestinationStrategy, memory_budget: int | None,
-             bucket_bytes: int) -> PlanOptions:
+def _options(group: Any, strategy: DestinationStrategy, memory_budget: int | str | None,
+             bucket_bytes: int | str) -> PlanOptions:
     if strategy not in ("auto", "p2p"):
         raise PlanError(f"strategy {strategy!r} is unknown for load/reshard; use 'auto' or 'p2p'")
     backend = "none"
@@ -243,15 +244,15 @@ def _options(group: Any, strategy: DestinationStrategy, memory_budget: int | Non
         backend = str(dist.get_backend(group))
         if dist.get_world_size(group) != dist.get_world_size():
             strategy = "p2p"  # subgroups for broadcasts must be created by the whole world
-    return PlanOptions(strategy=strategy, bucket_bytes=bucket_bytes, memory_budget=memory_budget,
-                       backend=backend, in_place=True)
+    sizes = sizes_in({"memory_budget": memory_budget, "bucket_bytes": bucket_bytes})
+    return PlanOptions(strategy=strategy, backend=backend, in_place=True, **sizes)
 
 
 def load(dst: DestinationLike, source: SourceLike, mapping: MappingLike | None = None, *,
-         group: Any = None, reverse: bool = False, strict: bool = True, memory_budget: int | None = None,
-         bucket_bytes: int = DEFAULT_BUCKET_BYTES, strategy: DestinationStrategy = "auto",
-         transport: TransportChoice = "auto", replica_check: ReplicaCheck = "sampled",
-         verify: bool = False) -> LoadResult:
+         group: Any = None, reverse: bool = False, strict: bool = True,
+         memory_budget: int | str | None = None, bucket_bytes: int | str = DEFAULT_BUCKET_BYTES,
+         strategy: DestinationStrategy = "auto", transport: TransportChoice = "auto",
+         replica_check: ReplicaCheck = "sampled", verify: bool = False) -> LoadResult:
     """Fill ``dst`` in place from ``source``, through ``mapping`` in the load direction; call on every
     rank of the group.
 
@@ -274,7 +275,8 @@ def load(dst: DestinationLike, source: SourceLike, mapping: MappingLike | None =
             False loads what fits and returns the rest in the result.
         memory_budget: most bytes of buffers any rank may hold at once (destinations are not counted:
             they are written in place); reads are cut to fit, or planning fails naming the shortfall.
-        bucket_bytes: largest packed message.
+            Bytes or a string (``"64MiB"``; see :func:`shardsync.sizes.parse_size`).
+        bucket_bytes: largest packed message (bytes or a string, as ``memory_budget``).
         strategy: ``"auto"``: a box several ranks want travels by one broadcast among them and its
             sender (when ``group`` is the whole world), else point to point; ``"p2p"``: always one
             message per receiving rank.
@@ -312,7 +314,7 @@ def load(dst: DestinationLike, source: SourceLike, mapping: MappingLike | None =
 
 def reshard(src_state: SourceLike, dst_state: DestinationLike, mapping: MappingLike | None = None, *,
             group: Any = None, reverse: bool = False, strict: bool = True,
-            memory_budget: int | None = None, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+            memory_budget: int | str | None = None, bucket_bytes: int | str = DEFAULT_BUCKET_BYTES,
             strategy: DestinationStrategy = "auto", transport: TransportChoice = "auto",
             replica_check: ReplicaCheck = "sampled", verify: bool = False) -> LoadResult:
     """Move live sharded state into another live sharded layout, in place; call on every rank.

@@ -39,6 +39,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import FormatError
+from ..files import file_kind, read_bounded
 
 __all__ = ["CheckpointNames", "DirectoryState", "scan", "prepare_directory", "new_tag", "fsync_path",
            "durable_write", "index_text", "commit", "remove_files", "remove_uncommitted",
@@ -138,7 +139,7 @@ def scan(directory: Path, names: CheckpointNames) -> DirectoryState:
         committed = (names.single,)
     elif names.index in present:
         try:
-            weight_map = json.loads((directory / names.index).read_text())["weight_map"]
+            weight_map = json.loads(read_bounded(directory / names.index, 256 << 20))["weight_map"]
             committed = (names.index, *sorted(set(weight_map.values())))
         except (ValueError, KeyError, TypeError):  # not ours, and not readable: protect it as it is
             committed = (names.index,)
@@ -155,6 +156,12 @@ def prepare_directory(directory: Path, names: CheckpointNames, overwrite: bool) 
     if directory.exists() and not directory.is_dir():
         raise FormatError(f"{directory} is a file, not a directory; choose a directory for the checkpoint")
     state = scan(directory, names)
+    odd = sorted(f for f in state.committed + state.leftovers
+                 if os.path.lexists(directory / f) and not (directory / f).is_file())
+    if odd:
+        what = ", ".join(f"{f} ({_kind(directory / f)})" for f in odd)
+        raise FormatError(f"{directory} holds {what}, where the checkpoint's files go, and not as a "
+                          "regular file; remove it, or choose another directory")
     if state.committed and not overwrite:
         raise FormatError(f"{directory} already holds a checkpoint ({state.committed[0]}); pass "
                           "overwrite=True to replace it, or choose another directory")
@@ -163,6 +170,13 @@ def prepare_directory(directory: Path, names: CheckpointNames, overwrite: bool) 
     except OSError as exc:
         raise FormatError(f"cannot create {directory}: {exc.strerror}; choose a writable directory") from exc
     return state
+
+
+def _kind(path: Path) -> str:
+    try:
+        return file_kind(os.stat(path))
+    except OSError:
+        return "a link to a missing file"
 
 
 def fsync_path(path: Path) -> None:
@@ -221,8 +235,9 @@ def _rename(tmp: Path, final: Path) -> None:
     try:
         os.replace(tmp, final)
     except FileNotFoundError as exc:
-        raise FormatError(f"{tmp} is missing: a rank wrote it where this rank cannot see it; write "
-                          "to a directory on a file system every rank shares") from exc
+        raise FormatError(f"{tmp} is missing: another save into {tmp.parent} at the same time removed "
+                          "it (run one save per directory at a time), or a rank wrote it where this "
+                          "rank cannot see it (write to a file system every rank shares)") from exc
 
 
 def commit(directory: Path, names: CheckpointNames, temps: Sequence[Path], weight_map: Mapping[str, int],

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import logging
 import os
-import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,6 +15,7 @@ import torch
 from safetensors.torch import save_file
 
 from ..errors import FormatError
+from ..sizes import parse_size  # exported here too: shardsync.io.parse_size
 from .commit import (CheckpointNames, commit, fsync_path, mark_stage, new_tag, prepare_directory,
                      remove_files, remove_uncommitted)
 
@@ -23,31 +23,6 @@ __all__ = ["SafetensorsWriter", "WriteResult", "save_safetensors", "parse_size",
            "file_ready", "write_shard"]
 
 log = logging.getLogger(__name__)
-_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
-          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
-
-
-def parse_size(size: int | str) -> int:
-    """Bytes in ``size``: a positive int or a string like ``"5GB"`` (decimal units, as HuggingFace
-    uses) or ``"512MiB"`` (binary units).
-
-    Raises:
-        FormatError: not a positive size.
-
-    Example:
-        >>> parse_size("5GB"), parse_size("1.5KiB"), parse_size(7)
-        (5000000000, 1536, 7)
-    """
-    if isinstance(size, int) and not isinstance(size, bool):
-        value = size
-    else:
-        m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]I?B|B)?\s*", str(size).upper())
-        if not m:
-            raise FormatError(f"cannot read size {size!r}; write e.g. '5GB', '500MB' or '512MiB'")
-        value = int(float(m.group(1)) * _UNITS[m.group(2) or ""])
-    if value < 1:
-        raise FormatError(f"size {size!r} is not positive; write e.g. '5GB', '500MB' or '512MiB'")
-    return value
 
 
 @dataclass(frozen=True)

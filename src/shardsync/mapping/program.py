@@ -10,7 +10,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Union
 
-from ..errors import MappingError
+from ..errors import FormatError, MappingError
+from ..files import read_bounded
 from .lexer import parameter_names
 from .parser import parse_text
 from .shipped import ConfigLike, ParamValue, fill_parameters, shipped_path, unknown_mapping
@@ -22,6 +23,8 @@ __all__ = ["Mapping", "MappingLike"]
 MappingLike = Union["Mapping", str, os.PathLike, Sequence[str], dict]
 # A one-line string without '->' that ends in one of these is a path, not a program.
 _SUFFIXES = (".txt", ".json", ".yaml", ".yml")
+#: Largest mapping file read (the shipped ones are a few KB); a bigger one is not a mapping.
+MAX_MAPPING_BYTES = 16 << 20
 
 
 @dataclass(frozen=True, slots=True)
@@ -176,8 +179,11 @@ def _read_file(path: Path) -> tuple[list[str], bool]:
     if path.is_dir():
         raise MappingError(f"mapping path {str(path)!r} is a directory; give a .txt, .json or .yaml file")
     try:
-        text = path.read_text(encoding="utf-8")
-    except (OSError, UnicodeError) as exc:
+        text = read_bounded(path, MAX_MAPPING_BYTES).decode("utf-8")
+    except FormatError as exc:
+        raise MappingError(f"cannot read mapping file {str(path)!r}: {exc} (a mapping file is a regular "
+                           f"file of at most {MAX_MAPPING_BYTES >> 20} MiB)") from None
+    except UnicodeError as exc:
         raise MappingError(f"cannot read mapping file {str(path)!r}: {exc}") from None
     if path.suffix == ".json":
         try:

@@ -17,9 +17,10 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh  # imported by torch.distributed anyway
 
 from ..dist import agree, data_phase, is_distributed
-from ..errors import ReplicaError
+from ..errors import FormatError, ReplicaError
 from ..exec import run_device
 from ..roll_call import transport_errors
+from ..sizes import parse_size
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -111,8 +112,13 @@ def validate_sync_args(params: Any, grads: Any, states_mode: Any, states: Any, s
     elif grads == "sum" and interval != 1:
         problems.append(f"grads='sum' with interval={interval}: partial grads must be summed on "
                         "every step; use interval=1 (or grads='mean' for a periodic safety net)")
-    if not isinstance(bucket_bytes, int) or bucket_bytes < 1:
-        problems.append(f"bucket_bytes={bucket_bytes!r}: must be an int >= 1")
+    if isinstance(bucket_bytes, str):  # a size such as "4MiB", read as every size argument is
+        try:
+            parse_size(bucket_bytes, "bucket_bytes")
+        except FormatError as exc:
+            problems.append(str(exc))
+    elif not isinstance(bucket_bytes, int) or bucket_bytes < 1:
+        problems.append(f"bucket_bytes={bucket_bytes!r}: must be an int >= 1 or a size such as '4MiB'")
     if problems:
         raise ReplicaError("invalid ReplicaSync arguments:\n  " + "\n  ".join(problems))
 

@@ -115,15 +115,19 @@ def resolve_replicated(model: nn.Module, names: Sequence[str], optimizer: Any,
     """The selected ``names`` with their masters and owners, sorted by name.
 
     Raises:
-        ReplicaError: a master does not fit its parameter (every offender listed).
+        ReplicaError: a parameter or master is on the meta device (it has no data to sync or
+            compare), or a master does not fit its parameter (every offender listed).
     """
     params = dict(model.named_parameters())
     lookup = _master_lookup(master_params, optimizer)
     held = {id(p) for g in optimizer.param_groups for p in g["params"]} if optimizer is not None else set()
-    replicated, errors = [], []
+    replicated, errors, meta = [], [], []
     for name in sorted(names):
         param = params[name]
         master = lookup(name, param)
+        if any(t is not None and local(t).is_meta for t in (param, master)):
+            meta.append(name)
+            continue
         if master is not None:
             problem = _check_master(name, param, master)
             if problem:
@@ -131,6 +135,12 @@ def resolve_replicated(model: nn.Module, names: Sequence[str], optimizer: Any,
                 continue
         owner = master if master is not None and id(master) in held else param
         replicated.append(ReplicatedParam(name, param, master, owner))
+    if meta:
+        raise ReplicaError(f"{len(meta)} selected parameter(s) or their masters are on the meta device, "
+                           f"with no data to sync or compare: {', '.join(meta[:8])}"
+                           f"{' ...' if len(meta) > 8 else ''}; materialise the model first "
+                           "(model.to_empty(device=...), then initialise or load it), or leave them "
+                           "out with the selector")
     if errors:
         raise ReplicaError("master_params do not fit their parameters:\n  " + "\n  ".join(errors))
     return replicated

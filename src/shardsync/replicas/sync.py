@@ -33,6 +33,7 @@ from torch import nn
 
 from ..errors import ReplicaError
 from ..dist import agree, group_rank, group_size, is_distributed
+from ..sizes import parse_size
 from .buckets import Bucket, Item, Op, PhasePlan, SyncPlan
 from .engine import SyncStats, build_buckets, items_for, run_buckets
 from .preflight import (DEFAULT_STATES, GradMode, GroupLike, SyncMode, check_signatures,
@@ -103,7 +104,7 @@ class ReplicaSync:
             the master); ``()`` for none.
         states_mode: how states are synced; None follows ``params``.
         interval: sync every this many optimizer steps.
-        bucket_bytes: bucket size limit (in communication bytes).
+        bucket_bytes: bucket size limit (in communication bytes): bytes or a size such as ``"4MiB"``.
         mesh_dim: TP dim (name or index) of multi-dim device meshes: of ``group``, and of the
             DTensors' meshes for the default selection; by default the dim named ``"tp"``.
 
@@ -129,7 +130,7 @@ class ReplicaSync:
                  params: SyncMode | None = "broadcast",
                  src: int = 0, master_params: MasterParams = "auto", grads: GradMode | None = None,
                  optimizer_states: Sequence[str] = DEFAULT_STATES, states_mode: SyncMode | None = None,
-                 interval: int = 1, bucket_bytes: int = SYNC_BUCKET_BYTES,
+                 interval: int = 1, bucket_bytes: int | str = SYNC_BUCKET_BYTES,
                  mesh_dim: int | str | None = None) -> None:
         group = resolve_group(group, mesh_dim)
         self.model, self.optimizer, self.group = model, optimizer, group
@@ -137,7 +138,7 @@ class ReplicaSync:
         self.params, self.grads, self.src, self.interval = params, grads, src, interval
         self.states = tuple(optimizer_states) if not isinstance(optimizer_states, str) else ()
         self.states_op: SyncMode | None = states_mode if states_mode is not None else params
-        self.bucket_bytes = bucket_bytes
+        self.bucket_bytes = 0  # set once the ranks agreed that it is a size
         self.stats = SyncStats()
         self._master_params = master_params
         self._signature = optimizer_signature(optimizer)
@@ -151,6 +152,7 @@ class ReplicaSync:
                        share=lambda found: layout_entries(found[1], optimizer), unanimous=True)
         check_same("replica sync preflight", agreed.all)
         check_requires_grad("replica sync preflight", agreed.all)
+        self.bucket_bytes = parse_size(bucket_bytes)
         self.selection: Selection = agreed.mine[0]
         self._use(agreed.mine[1])
         self._stepped = self._due = self._grads_done = False

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from ..errors import FormatError, LayoutError
+from ..files import file_kind
 from ..layout.box import Box
 from ..layout.dtypes import dtype_name
 from ..layout.meta import LayoutEntry
@@ -85,7 +86,9 @@ class DcpSource:
         self.path = Path(path)
         meta_file = self.path / METADATA_FILE
         if not meta_file.is_file():
-            raise FormatError(f"{self.path} is not a torch DCP checkpoint: it has no {METADATA_FILE} file")
+            kind = f"its {METADATA_FILE} is not a regular file" if meta_file.exists() else \
+                f"it has no {METADATA_FILE} file"
+            raise FormatError(f"{self.path} is not a torch DCP checkpoint: {kind}")
         self.reader = FileSystemReader(self.path)
         try:
             metadata = self.reader.read_metadata()
@@ -94,6 +97,7 @@ class DcpSource:
                               f"torch.distributed.checkpoint.save?): {type(exc).__name__}: {exc}") from exc
         if not isinstance(metadata, Metadata):
             raise FormatError(f"{meta_file}: holds a {type(metadata).__name__}, not DCP Metadata")
+        _check_storage(self.path, metadata)
         self.reader.set_up_storage_reader(metadata, is_coordinator=True)
         self.tensors: dict[str, Any] = {}  # key (prefix removed) -> TensorStorageMetadata
         self._dtypes: dict[str, str] = {}
@@ -105,6 +109,7 @@ class DcpSource:
             if not fqn.startswith(prefix):
                 continue
             key = fqn[len(prefix):]
+            _check_boxes(meta_file, fqn, md)
             try:
                 self._dtypes[key] = dtype_name(md.properties.dtype)
             except ValueError as exc:
@@ -149,3 +154,28 @@ class DcpSource:
 
     def __repr__(self) -> str:
         return f"DcpSource({str(self.path)!r}, {len(self.tensors)} tensors)"
+
+
+def _check_storage(path: Path, metadata: Any) -> None:
+    """Every file the metadata says holds data is a regular file (torch would block on a FIFO)."""
+    names = sorted({info.relative_path for info in (metadata.storage_data or {}).values()})
+    bad = [f"{n} ({file_kind(os.stat(path / n))})" for n in names
+           if os.path.exists(path / n) and not (path / n).is_file()]
+    if bad:
+        raise FormatError(f"{path}: the DCP metadata names data files that are not regular files: "
+                          f"{', '.join(bad)}; only regular files are read")
+
+
+def _check_boxes(meta_file: Path, fqn: str, md: Any) -> None:
+    """The tensor's size and every chunk's box are non-negative and inside the tensor."""
+    shape = tuple(int(n) for n in md.size)
+    if any(n < 0 for n in shape):
+        raise FormatError(f"{meta_file}: tensor {fqn!r} has size {list(shape)}, with a negative dim; "
+                          "the metadata is corrupt")
+    for c in md.chunks:
+        offsets, sizes = tuple(int(o) for o in c.offsets), tuple(int(n) for n in c.sizes)
+        if (len(offsets) != len(shape) or len(sizes) != len(shape) or min(offsets + sizes, default=0) < 0
+                or not Box(offsets, sizes).within(shape)):
+            raise FormatError(f"{meta_file}: tensor {fqn!r}: a chunk at offsets {list(offsets)} with "
+                              f"sizes {list(sizes)} is not inside its size {list(shape)}; the metadata "
+                              "is corrupt")

@@ -16,6 +16,7 @@ from typing import Union
 import torch
 
 from ..errors import FormatError, LayoutError
+from ..files import file_kind
 from ..layout.box import Box
 from ..layout.dtypes import itemsize
 from ..layout.meta import LayoutEntry
@@ -73,6 +74,12 @@ def _open_path(p: Path) -> Source:
             raise FormatError(f"{p} is the metadata file of a DCP checkpoint; pass its directory "
                               f"{p.parent}")
         raise FormatError(f"{p} is not a checkpoint file; pass {_WHAT}")
+    if os.path.lexists(p):
+        try:
+            kind = file_kind(p.stat())
+        except OSError:
+            kind = "a link to a missing file"
+        raise FormatError(f"{p} is {kind}, not a checkpoint; pass {_WHAT}")
     raise FormatError(f"{p} does not exist")
 
 

@@ -11,6 +11,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from ..errors import FormatError, LayoutError
+from ..files import check_unchanged
 from ..layout.box import Box
 from ..layout.dtypes import itemsize
 from ..layout.meta import LayoutEntry
@@ -66,6 +67,9 @@ class SafetensorsSource:
     def read(self, key: str, box: Box) -> torch.Tensor:
         """The data of ``box`` of ``key``, read from its file (a fresh CPU tensor).
 
+        The file is checked before and after each read: one replaced or rewritten since its header
+        was read raises instead of mixing old and new tensors (see :func:`~shardsync.files.check_unchanged`).
+
         Raises:
             LayoutError: no such key, or the box is outside the tensor.
             FormatError: the file changed or is damaged since the headers were read.
@@ -73,13 +77,17 @@ class SafetensorsSource:
         info = self.tensors.get(key)
         if info is None or not box.within(info.shape):
             raise LayoutError(f"{key!r}{box}: not in {self.path} (keys come from its headers)")
-        handle = self._handle(info.file, box.numel * itemsize(info.dtype))
+        check_unchanged(info.file, info.stamp)  # before: a file cut short would fault the mapping
+        handle = self._handle(info, box.numel * itemsize(info.dtype))
         try:
             if box == Box.full(info.shape):
-                return handle.get_tensor(key)
-            return handle.get_slice(key)[box.slices()]
+                out = handle.get_tensor(key)
+            else:
+                out = handle.get_slice(key)[box.slices()]
         except SafetensorError as exc:
             raise FormatError(f"{info.file}: cannot read {key!r}{box}: {exc}") from exc
+        check_unchanged(info.file, info.stamp)  # after: a write during the copy changed the stamp
+        return out
 
     def device(self) -> torch.device:
         """Reads land in CPU memory."""
@@ -91,8 +99,9 @@ class SafetensorsSource:
             self._open[1].__exit__(None, None, None)
             self._open = None
 
-    def _handle(self, file: Path, nbytes: int) -> Any:
+    def _handle(self, info: TensorInfo, nbytes: int) -> Any:
         # One file open at a time, reopened after REMAP_BYTES so that mapped pages never pile up.
+        file = info.file
         if self._open is not None and (self._open[0] != file or self._served >= REMAP_BYTES):
             self.close()
         if self._open is None:
@@ -101,6 +110,7 @@ class SafetensorsSource:
             except (SafetensorError, OSError) as exc:
                 raise FormatError(f"{file}: cannot open: {exc}") from exc
             self._served = 0
+            check_unchanged(file, info.stamp)  # safetensors opens by name: the file mapped is the one read
         self._served += nbytes
         return self._open[1]
 

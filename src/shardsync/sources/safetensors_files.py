@@ -18,6 +18,7 @@ from typing import NamedTuple
 from safetensors import SafetensorError, safe_open
 
 from ..errors import FormatError
+from ..files import FileStamp, check_unchanged, file_kind, open_regular, read_bounded
 from ..layout.dtypes import SAFETENSORS_DTYPES
 
 __all__ = ["TensorInfo", "checkpoint_files", "scan_checkpoint", "read_header"]
@@ -26,15 +27,20 @@ log = logging.getLogger(__name__)
 
 #: Largest header the safetensors library accepts (its own limit); larger lengths are corruption.
 MAX_HEADER_BYTES = 100_000_000
+#: Largest index file read (a 100k-tensor index is about 10 MB); larger is not an index.
+MAX_INDEX_BYTES = 256 << 20
 _SET_MEMBER = re.compile(r"(?P<stem>.+)-(?P<i>\d+)-of-(?P<n>\d+)\.safetensors")
 
 
 class TensorInfo(NamedTuple):
-    """Where a tensor of a checkpoint lives, and its global shape and dtype name."""
+    """Where a tensor of a checkpoint lives, its global shape and dtype name, and which version of
+    its file the header was read from."""
 
     file: Path
     shape: tuple[int, ...]
     dtype: str
+    #: the version of ``file`` the header was read from; reads check that it is still the one
+    stamp: FileStamp
 
 
 def read_header(path: Path) -> dict[str, tuple[tuple[int, ...], str]]:
@@ -44,7 +50,8 @@ def read_header(path: Path) -> dict[str, tuple[tuple[int, ...], str]]:
     the header itself is parsed and validated (offsets, shapes, dtypes) by the safetensors library.
 
     Raises:
-        FormatError: the file is short, truncated, corrupt, or holds a dtype torch cannot cut.
+        FormatError: the file is not a regular file, is short, truncated, corrupt, changed while
+            its header was read, or holds a dtype torch cannot cut.
 
     Example:
         >>> import tempfile, torch; from safetensors.torch import save_file
@@ -53,12 +60,18 @@ def read_header(path: Path) -> dict[str, tuple[tuple[int, ...], str]]:
         ...     read_header(Path(d) / "m.safetensors")
         {'w': ((2, 3), 'uint16')}
     """
+    return _stamped_header(path)[0]
+
+
+def _stamped_header(path: Path) -> tuple[dict[str, tuple[tuple[int, ...], str]], FileStamp]:
+    """The header of ``path`` and the stamp of the file it was read from."""
+    fh, stamp = open_regular(path)
     try:
-        size = path.stat().st_size
-        with open(path, "rb") as fh:
+        with fh:
             raw = fh.read(8)
     except OSError as exc:
         raise FormatError(f"{path}: cannot read: {exc}") from exc
+    size = stamp.size
     if size < 8:
         raise FormatError(f"{path}: {size} bytes is too short for a safetensors file (it starts with an "
                           "8-byte header length); the file is truncated or not safetensors")
@@ -74,7 +87,8 @@ def read_header(path: Path) -> dict[str, tuple[tuple[int, ...], str]]:
                 out[key] = (tuple(int(s) for s in piece.get_shape()), _dtype(path, key, piece.get_dtype()))
     except SafetensorError as exc:
         raise FormatError(f"{path}: corrupt safetensors header: {exc}") from exc
-    return out
+    check_unchanged(path, stamp)  # safetensors reopened it by name: the header is of the same file
+    return out, stamp
 
 
 def _dtype(path: Path, key: str, code: str) -> str:
@@ -129,11 +143,12 @@ def scan_checkpoint(path: str | os.PathLike) -> dict[str, TensorInfo]:
     _check_sets(files)
     found: dict[str, TensorInfo] = {}
     for f in files:
-        for key, (shape, dtype) in read_header(f).items():
+        header, stamp = _stamped_header(f)
+        for key, (shape, dtype) in header.items():
             if key in found:
                 raise FormatError(f"tensor {key!r} is in both {found[key].file} and {f}; a checkpoint "
                                   "holds each tensor once")
-            found[key] = TensorInfo(f, shape, dtype)
+            found[key] = TensorInfo(f, shape, dtype, stamp)
     if index is not None:
         _check_index(index[0], index[1], found)
     log.debug("%s: %d tensors in %d files", path, len(found), len(files))
@@ -148,7 +163,8 @@ def _files(p: Path) -> tuple[list[Path], tuple[Path, dict[str, Path]] | None]:
             return sorted(set(weight_map.values())), (p, weight_map)
         return [p], None
     if not p.is_dir():
-        raise FormatError(f"{p} does not exist")
+        problem = _not_regular(p)
+        raise FormatError(f"{problem}; pass a .safetensors file, an index or a checkpoint directory")
     if (p / "model.safetensors").is_file():
         # the HF rule, which the writer's commit relies on: a single-file checkpoint wins (an index
         # beside it belongs to a save that had not committed yet)
@@ -162,12 +178,27 @@ def _files(p: Path) -> tuple[list[Path], tuple[Path, dict[str, Path]] | None]:
     files = sorted(p.glob("*.safetensors"))
     if not files:
         raise FormatError(f"{p} holds no *.safetensors file")
+    odd = [_not_regular(f) for f in files if not f.is_file()]
+    if odd:
+        raise FormatError(f"{p} holds *.safetensors names that are not regular files: {'; '.join(odd)} "
+                          "(remove them, or pass the checkpoint's files by an index)")
     return files, None
 
 
-def _weight_map(index: Path) -> dict[str, Path]:
+def _not_regular(p: Path) -> str:
+    """Why ``p``, which is not a regular file, cannot be read, in words."""
     try:
-        doc = json.loads(index.read_text())
+        return f"{p} is {file_kind(os.stat(p))}, not a regular file"
+    except FileNotFoundError:
+        return f"{p} does not exist" if not p.is_symlink() else f"{p} is a link to a missing file"
+    except OSError as exc:
+        return f"{p}: cannot stat: {exc.strerror or exc}"
+
+
+def _weight_map(index: Path) -> dict[str, Path]:
+    text = read_bounded(index, MAX_INDEX_BYTES)
+    try:
+        doc = json.loads(text)
         weight_map = doc["weight_map"]
         if not isinstance(weight_map, dict) or not all(
                 isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()):
@@ -180,9 +211,13 @@ def _weight_map(index: Path) -> dict[str, Path]:
         raise FormatError(f"{index} names files outside its directory: {', '.join(outside)}; an index "
                           "may name only files next to it")
     out = {k: index.parent / v for k, v in weight_map.items()}
-    missing = sorted({f.name for f in out.values() if not f.is_file()})
+    absent = sorted({f for f in out.values() if not f.is_file()})
+    missing = [f.name for f in absent if not os.path.lexists(f)]
     if missing:
         raise FormatError(f"{index} names missing files: {', '.join(missing)}")
+    if absent:
+        raise FormatError(f"{index} names files that cannot be read: "
+                          f"{'; '.join(_not_regular(f) for f in absent)}")
     return out
 
 
