@@ -35,6 +35,7 @@ from .mapping import MappingLike, resolve
 from .planning import (DEFAULT_BUCKET_BYTES, DEFAULT_MESH_THRESHOLD_BYTES, Plan, PlanOptions, SplitBy,
                        StrategyChoice, build_plan, check_options)
 from .planning.mesh import build_topology
+from .quant.fp8 import DEFAULT_BLOCK, Fp8Quantize, check_fp8_casts
 from .sources import Source, SourceLike, open_source, spread
 
 if TYPE_CHECKING:
@@ -70,6 +71,7 @@ class _Request:
     options: PlanOptions
     transport: TransportChoice = "auto"
     reuse: Reuse = "dropped"
+    quantize: Fp8Quantize | None = None
 
 
 @dataclass(frozen=True)
@@ -84,7 +86,7 @@ class _Context:
 
 def _request(state: Any, mapping: MappingLike | None, group: ProcessGroup | None, mesh: MeshLike | None,
              consumers: Consumers, transport: Any = "auto", reuse: Any = "dropped",
-             **options: Any) -> _Request:
+             quantize: tuple[Any, Any, Any] = (None, DEFAULT_BLOCK, None), **options: Any) -> _Request:
     """Check the arguments on this rank, before anything runs (a caller mistake raises here)."""
     if group is not None and dist.is_initialized() and dist.get_rank(group) < 0:
         raise PlanError(f"global rank {dist.get_rank()} is not in the group it passed; call this on the "
@@ -102,10 +104,11 @@ def _request(state: Any, mapping: MappingLike | None, group: ProcessGroup | None
         groups = mesh_groups(mesh) if mesh is not None else None
         opts = PlanOptions(consumers=_consumer_ranks(consumers), backend=_backend(group), **options)
         check_options(opts, group_size(group), meshed=mesh is not None)
+        fp8 = Fp8Quantize.of(*quantize)
     except ShardsyncError as exc:
         abandon(GATHER_PHASE, group, exc)  # peers already waiting in the phase learn why
         raise
-    return _Request(state, mapping, group, groups, opts, transport, reuse)
+    return _Request(state, mapping, group, groups, opts, transport, reuse, fp8)
 
 
 def _consumer_ranks(consumers: object) -> tuple[int, ...] | None:
@@ -135,7 +138,9 @@ def _planned(gathered: tuple[_RankLayout, ...], mapping: ParsedMapping | None, o
     same layout every step plans once (a plan is immutable, and equal inputs give equal plans)."""
     layout = GlobalLayout.merge([r.entries for r in gathered])
     topology = build_topology(*zip(*[r.mesh for r in gathered])) if meshed else None
-    plan = build_plan(resolve(mapping, layout), layout, options, topology)
+    targets = resolve(mapping, layout)
+    check_fp8_casts(targets, {k: layout[k].dtype for k in layout.keys()})
+    plan = build_plan(targets, layout, options, topology)
     return _Built(plan, plan.fingerprint())
 
 
@@ -227,8 +232,14 @@ class ParamStream:
         self.plan = ctx.plan
         self.stats.plan_seconds = time.perf_counter() - start
         self.stats.transport = ctx.kind
-        yield from execute(ctx.plan, ctx.source, ctx.transport, ctx.rank, self.stats,
-                           group=self._request.group, device=ctx.device, reuse=self._request.reuse)
+        targets = execute(ctx.plan, ctx.source, ctx.transport, ctx.rank, self.stats,
+                          group=self._request.group, device=ctx.device, reuse=self._request.reuse)
+        fp8 = self._request.quantize
+        for name, tensor in targets:
+            if fp8 is None:
+                yield name, tensor
+            else:  # each quantised weight, then its scales
+                yield from fp8.split(name, tensor)
         log.debug("full_params done: %s", self.stats.summary())
 
 
@@ -238,7 +249,9 @@ def full_params(state: SourceLike, mapping: MappingLike | None = None, *,
                 split_by: SplitBy = "count", consumers: Consumers = "all",
                 bucket_bytes: int = DEFAULT_BUCKET_BYTES, memory_budget: int | None = None,
                 mesh_threshold_bytes: int = DEFAULT_MESH_THRESHOLD_BYTES, copy: bool = True,
-                transport: TransportChoice = "auto", reuse: Reuse = "dropped") -> ParamStream:
+                transport: TransportChoice = "auto", reuse: Reuse = "dropped",
+                quantize: Literal["fp8"] | None = None, quantize_block: tuple[int, int] = DEFAULT_BLOCK,
+                quantize_patterns: Sequence[str] | None = None) -> ParamStream:
     """Stream full (mapped) tensors out of sharded state; call on every rank of the group.
 
     Args:
@@ -271,6 +284,12 @@ def full_params(state: SourceLike, mapping: MappingLike | None = None, *,
             view or storage of it is alive; ``"until-next"``: each target is valid only until the
             next one is requested (its memory is then reused even if still referenced);
             ``"never"``: fresh memory for each target.
+        quantize: ``"fp8"``: each selected target is yielded as block-FP8 codes (``float8_e4m3fn``)
+            followed by its scales, ``<name>_scale_inv`` (fp32, ``amax / 448`` per block), for FP8
+            rollout engines (docs/fp8.md).
+        quantize_block: rows x columns of a block (with ``quantize``).
+        quantize_patterns: regular expressions of the targets to quantise; None: the Linear weights
+            (every ``*.weight`` of 2 or more dims but embeddings, norms, ``lm_head`` and routers).
 
     Returns:
         a :class:`ParamStream`: iterate it for ``(name, tensor)``; ``.stats`` and ``.plan`` after.
@@ -279,7 +298,8 @@ def full_params(state: SourceLike, mapping: MappingLike | None = None, *,
         PlanError: bad arguments (raised here, by this call); while iterating, a memory budget that
             cannot be met, or ranks that built different plans.
         LayoutError: a module instead of its state (raised here); while iterating, holes, conflicting
-            overlaps, shape/dtype disagreements, meta tensors, keys that are not strings.
+            overlaps, shape/dtype disagreements, meta tensors, keys that are not strings, FP8 codes
+            cast to another dtype without their scales (read them through ``Fp8Source``).
         FormatError: (while iterating) a checkpoint path that is missing, incomplete or corrupt.
         MappingError: the mapping is wrong (while iterating).
         DistributedError: a rank failed, died, or never came during a phase (raised on every rank,
@@ -297,7 +317,8 @@ def full_params(state: SourceLike, mapping: MappingLike | None = None, *,
     return ParamStream(_request(state, mapping, group, mesh, consumers, transport, reuse, strategy=strategy,
                                 num_splits=num_splits, split_index=split_index, split_by=split_by,
                                 bucket_bytes=bucket_bytes, memory_budget=memory_budget,
-                                mesh_threshold_bytes=mesh_threshold_bytes, copy=copy))
+                                mesh_threshold_bytes=mesh_threshold_bytes, copy=copy,
+                                quantize=(quantize, quantize_block, quantize_patterns)))
 
 
 def plan(state: SourceLike, mapping: MappingLike | None = None, *,
