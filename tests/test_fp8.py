@@ -155,6 +155,9 @@ def test_fp8_without_scales_cast_to_another_dtype_is_an_error(tmp_path: Path) ->
         list(full_params(tmp_path, "w -> w, dtype='bf16'\nb -> b"))
     with pytest.raises(LayoutError, match=r"'w' \(float8_e4m3fn -> float32\)"):
         load({"w": torch.zeros(5, 3), "b": torch.zeros(3)}, tmp_path)
+    dest = {"w": torch.zeros(5, 3, dtype=E4M3), "b": torch.zeros(3)}
+    load(dest, tmp_path)  # into FP8: as it is
+    assert torch.equal(dest["w"].view(torch.uint8), codes((5, 3)).view(torch.uint8))
     save_hf(tmp_path, tmp_path / "out", dtype="bf16", cast_unscaled_fp8=True)  # cast anyway, asked for
     assert torch.equal(load_file(str(tmp_path / "out" / "model.safetensors"))["w"],
                        codes((5, 3)).to(torch.bfloat16))
@@ -189,6 +192,17 @@ def test_convert_dtype_bf16_is_the_fp32_dequantisation_bit_for_bit(tmp_path: Pat
     assert torch.equal(got["layers.0.norm.weight"], held["layers.0.norm.weight"].to(torch.bfloat16))
     config = json.loads((out / "config.json").read_text())
     assert config == {"torch_dtype": "bfloat16"}  # the weights are values now: no quantization_config
+
+
+def test_load_into_a_model_of_values_dequantises(tmp_path: Path) -> None:
+    held = fp8_checkpoint(tmp_path)
+    dest = {name: torch.zeros(shape, dtype=torch.bfloat16) for name, shape in SHAPES.items()}
+    dest |= {"layers.0.norm.weight": torch.zeros(17), "embed_tokens.weight": torch.zeros(7, 17, dtype=torch.bfloat16)}
+    result = load(dest, tmp_path)
+    assert result.missing == () and result.unexpected == ()  # the scales are part of their weights
+    for name in SHAPES:
+        want = reference(held[name], held[name + "_scale_inv"], (128, 128)).to(torch.bfloat16)
+        assert torch.equal(dest[name], want), name
 
 
 def test_convert_to_dcp_dequantises_too(tmp_path: Path) -> None:

@@ -102,7 +102,7 @@ def prepare(cfg: ConvertConfig) -> _Prepared:
         raise UsageError(f"{flag} applies to --to hf only", f"drop {flag}, or write --to hf")
     source = open_source(cfg.source)
     if cfg.dtype is not None:  # a dtype asks for values: block-FP8 weights are dequantised
-        source = dequantized(source, cast_unscaled=cfg.cast_unscaled_fp8)
+        source = dequantized(source, unscaled="cast" if cfg.cast_unscaled_fp8 else "error")
     mapping, targets = cfg.flags.resolve(layout_of(source), cfg.config_from or source_dir(cfg.source))
     config_from = cfg.config_from
     if cfg.to == "hf" and config_from is None and mapping is None:

@@ -34,6 +34,7 @@ from ..planning.destinations import box_targets
 from ..quant.fp8 import check_fp8_casts
 from .check import Mismatch, Report, check_targets, describe, load_error, provenance
 from ..sources import Source
+from ..sources.fp8 import for_destination
 from .state import Destination, DestinationLike, SourceLike, as_source
 
 __all__ = ["load", "reshard", "LoadResult", "DestinationStrategy", "CHECK_PHASE"]
@@ -167,7 +168,9 @@ def _transfer(source: SourceLike, dst: DestinationLike, mapping: MappingLike | N
         abandon(CHECK_PHASE, group, exc)
         raise
     def open_ends() -> _Ends:  # normalised inside the phase: a bad argument fails on every rank
-        return _Ends(as_source(source), Destination(dst), _options(group, *plan_args))
+        dest = Destination(dst)
+        keys = [e.key for e in dest.entries()]
+        return _Ends(for_destination(as_source(source), keys), dest, _options(group, *plan_args))
 
     ends: _Ends | None = None
     inputs = None

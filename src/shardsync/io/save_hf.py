@@ -192,7 +192,7 @@ def _exchange(part: _PartWriter, group: Any) -> None:
 def _write_part(part: _PartWriter, source: Any, mapping: MappingLike | None, group: Any) -> None:
     world = group_size(group)
     if part.job.dtype is not None:  # a dtype asks for values: block-FP8 weights are dequantised
-        source = dequantized(source, cast_unscaled=part.job.cast_unscaled_fp8)
+        source = dequantized(source, unscaled="cast" if part.job.cast_unscaled_fp8 else "error")
     stream = full_params(source, mapping, group=group, copy=False, split_by="bytes",
                          consumers=tuple(range(world)) if world > 1 else "all",
                          memory_budget=part.job.memory_budget)

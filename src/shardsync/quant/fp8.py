@@ -264,7 +264,7 @@ def check_fp8_casts(targets: Sequence[TargetSpec], source_dtypes: Mapping[str, s
         >>> check_fp8_casts([t], {"w": "float8_e4m3fn"})
         Traceback (most recent call last):
         ...
-        shardsync.errors.LayoutError: FP8 codes cast to another dtype without their scales: 'w' (float8_e4m3fn -> bfloat16); read the checkpoint through shardsync.sources.Fp8Source (save_hf/convert do when given a dtype), or pass Fp8Source(..., cast_unscaled=True) to cast the codes as values
+        shardsync.errors.LayoutError: FP8 codes cast to another dtype without their scales: 'w' (float8_e4m3fn -> bfloat16); read the checkpoint through shardsync.sources.Fp8Source (save_hf/convert do when given a dtype), or pass Fp8Source(..., unscaled='cast') to cast the codes as values
     """
     bad = sorted({f"{p.source!r} ({source_dtypes[p.source]} -> {p.casts[-1] if p.casts else t.dtype})"
                   for t in targets for p in t.pieces
@@ -273,5 +273,5 @@ def check_fp8_casts(targets: Sequence[TargetSpec], source_dtypes: Mapping[str, s
     if bad:
         raise LayoutError("FP8 codes cast to another dtype without their scales: " + ", ".join(bad)
                           + "; read the checkpoint through shardsync.sources.Fp8Source (save_hf/convert do "
-                          "when given a dtype), or pass Fp8Source(..., cast_unscaled=True) to cast the "
+                          "when given a dtype), or pass Fp8Source(..., unscaled='cast') to cast the "
                           "codes as values")

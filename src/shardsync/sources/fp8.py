@@ -10,7 +10,9 @@ tensor-parallel shard that cuts through a block reads that block's scale too.
 from __future__ import annotations
 
 import os
+from collections.abc import Iterable
 from pathlib import Path
+from typing import Literal
 
 import torch
 
@@ -24,7 +26,11 @@ from .dcp import DcpSource
 from .open import SourceLike, open_source
 from .safetensors import SafetensorsSource
 
-__all__ = ["Fp8Source", "dequantized"]
+__all__ = ["Fp8Source", "Unscaled", "dequantized", "for_destination"]
+
+#: What to do with an FP8 tensor that has no scales: refuse it, cast its codes as values, or keep it as
+#: FP8 (a cast of it is then refused when planned, see :func:`shardsync.quant.check_fp8_casts`).
+Unscaled = Literal["error", "cast", "keep"]
 
 
 class Fp8Source:
@@ -37,11 +43,12 @@ class Fp8Source:
         source: a checkpoint path, a state dict or a Source.
         block: rows x columns of a block; None: ``quantization_config.weight_block_size`` of the
             checkpoint's ``config.json`` (for a path), else 128 x 128.
-        cast_unscaled: FP8 tensors without scales are cast as if their codes were values (otherwise
-            they are an error).
+        unscaled: an FP8 tensor without scales is an error (``"error"``), is cast as if its codes were
+            values (``"cast"``), or stays FP8 (``"keep"``: what load and reshard use, so that an FP8
+            destination gets it as it is and any other is refused when planned).
 
     Raises:
-        LayoutError: (on first use) an FP8 tensor without scales, scales of the wrong shape or dtype
+        LayoutError: (on first use) an FP8 tensor without scales (``unscaled="error"``), scales of the wrong shape or dtype
             for their weight's blocks, scales without their weight, or a rank whose shard of a weight
             lacks the scales of the blocks it touches. Each message names the tensor.
 
@@ -56,10 +63,12 @@ class Fp8Source:
     """
 
     def __init__(self, source: SourceLike, *, block: tuple[int, int] | None = None,
-                 cast_unscaled: bool = False) -> None:
+                 unscaled: Unscaled = "error") -> None:
         self._given = source
         self._block = None if block is None else check_block(block)
-        self.cast_unscaled = cast_unscaled
+        if unscaled not in ("error", "cast", "keep"):
+            raise LayoutError(f"unscaled={unscaled!r}: use 'error', 'cast' or 'keep'")
+        self.unscaled = unscaled
         self._inner: Source | None = None
         self._pairs: set[str] | None = None  # the paired weights, known once entries() ran
 
@@ -99,12 +108,13 @@ class Fp8Source:
         pairs = {k for k, es in by_key.items() if es[0].dtype in CODE_DTYPES and scale_key(k) in by_key}
         for key in sorted(pairs):
             problems += _pair_problems(key, by_key[key], by_key[scale_key(key)], self.block)
-        problems += _stray_problems(by_key, pairs, self.cast_unscaled)
+        problems += _stray_problems(by_key, pairs, self.unscaled)
         if problems:
             raise LayoutError("block-FP8 weights cannot be read as values:\n  " + "\n  ".join(problems))
         self._pairs = pairs
         scales = {scale_key(k) for k in pairs}
-        return [e._replace(dtype="float32") if e.key in pairs or e.dtype in CODE_DTYPES else e
+        cast = self.unscaled == "cast"
+        return [e._replace(dtype="float32") if e.key in pairs or (cast and e.dtype in CODE_DTYPES) else e
                 for e in raw if e.key not in scales]
 
     def read(self, key: str, box: Box) -> torch.Tensor:
@@ -119,7 +129,7 @@ class Fp8Source:
             scales = inner.read(scale_key(key), scale_box(box, self.block))
             return dequantize(codes, scales, self.block, box.offsets)
         data = inner.read(key, box)
-        return data.to(torch.float32) if self.cast_unscaled and _is_code(data.dtype) else data
+        return data.to(torch.float32) if self.unscaled == "cast" and _is_code(data.dtype) else data
 
     def device(self) -> torch.device:
         """The inner source's device."""
@@ -129,7 +139,7 @@ class Fp8Source:
         return f"Fp8Source({self._given!r}, block={self._block})"
 
 
-def dequantized(source: SourceLike, *, cast_unscaled: bool = False) -> Source:
+def dequantized(source: SourceLike, *, unscaled: Unscaled = "error") -> Source:
     """``source`` read through :class:`Fp8Source` (kept as it is when it already is one).
 
     Example:
@@ -138,7 +148,22 @@ def dequantized(source: SourceLike, *, cast_unscaled: bool = False) -> Source:
     """
     if isinstance(source, Fp8Source):
         return source
-    return Fp8Source(source, cast_unscaled=cast_unscaled)
+    return Fp8Source(source, unscaled=unscaled)
+
+
+def for_destination(source: Source, dest_keys: Iterable[str]) -> Source:
+    """What load and reshard read: ``source`` itself when the destination holds scales (FP8 shards and
+    scale shards are filled as they are), else its block-FP8 weights dequantised, to be cast to the
+    destination's dtype (FP8 tensors without scales stay FP8: only an FP8 destination takes them).
+
+    Example:
+        >>> from shardsync.sources import LocalSource
+        >>> type(for_destination(LocalSource({"w": torch.zeros(2)}), ["w"])).__name__
+        'Fp8Source'
+    """
+    if any(k.endswith(SCALE_SUFFIX) for k in dest_keys):
+        return source
+    return dequantized(source, unscaled="keep")
 
 
 def _directory(given: SourceLike, inner: Source) -> Path | None:
@@ -174,14 +199,14 @@ def _pair_problems(key: str, weight: list[LayoutEntry], scales: list[LayoutEntry
             "its shard's blocks" for w in weight if not any(h.contains(scale_box(w.box, block)) for h in held)]
 
 
-def _stray_problems(by_key: dict[str, list[LayoutEntry]], pairs: set[str], cast_unscaled: bool) -> list[str]:
-    """FP8 tensors without scales (unless cast anyway), and scales without an FP8 weight."""
+def _stray_problems(by_key: dict[str, list[LayoutEntry]], pairs: set[str], unscaled: Unscaled) -> list[str]:
+    """FP8 tensors without scales (when they are an error), and scales without an FP8 weight."""
     problems = []
     for key, es in sorted(by_key.items()):
-        if es[0].dtype in CODE_DTYPES and key not in pairs and not cast_unscaled:
+        if es[0].dtype in CODE_DTYPES and key not in pairs and unscaled == "error":
             problems.append(f"{key!r}: {es[0].dtype} without scales ({scale_key(key)!r}), so its codes are "
-                            "not values; add the scales, or pass cast_unscaled=True (CLI: "
-                            "--cast-unscaled-fp8) to cast the codes as they are")
+                            "not values; add the scales, or cast the codes as they are with "
+                            "cast_unscaled_fp8=True (CLI: --cast-unscaled-fp8; Fp8Source(unscaled='cast'))")
         if key.endswith(SCALE_SUFFIX) and key.removesuffix(SCALE_SUFFIX) not in pairs:
             weight = key.removesuffix(SCALE_SUFFIX)
             what = (f"its weight {weight!r} is {by_key[weight][0].dtype}, not FP8" if weight in by_key
