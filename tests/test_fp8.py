@@ -16,7 +16,7 @@ import torch
 from reference import arange_tensor
 from safetensors.torch import load_file, save_file
 
-from shardsync import full_params, load, save_hf
+from shardsync import full_params, load, plan, save_hf
 from shardsync.cli import main
 from shardsync.errors import LayoutError, PlanError
 from shardsync.layout import Box
@@ -135,6 +135,13 @@ def test_full_params_yields_each_weight_then_its_scales() -> None:
         assert torch.equal(out[name], state[name])
     only = [n for n, _ in full_params(state, quantize="fp8", quantize_patterns=[r"gate\.weight$"])]
     assert only.count("model.layers.0.mlp.gate.weight_scale_inv") == 1 and len(only) == 6
+
+
+def test_plan_takes_the_quantize_options_of_full_params() -> None:
+    state = {"a.weight": torch.zeros(3, 4)}
+    assert plan(state, quantize="fp8", quantize_block=(2, 2)).order == ("a.weight",)
+    with pytest.raises(PlanError, match="quantize_block"):
+        plan(state, quantize="fp8", quantize_block=(2,))
 
 
 @pytest.mark.parametrize("kwargs, says", [({"quantize": "int4"}, "'fp8'"),

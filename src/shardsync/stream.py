@@ -334,4 +334,6 @@ def plan(state: SourceLike, mapping: MappingLike | None = None, *,
         >>> p.strategy, p.order
         ('bucketed', ('b', 'w'))
     """
-    return _prepare(_request(state, mapping, group, mesh, consumers, **options)).plan
+    quantize = (options.pop("quantize", None), options.pop("quantize_block", DEFAULT_BLOCK),
+                options.pop("quantize_patterns", None))  # checked; the plan is the same either way
+    return _prepare(_request(state, mapping, group, mesh, consumers, quantize=quantize, **options)).plan
