@@ -1,4 +1,5 @@
-"""Block FP8 on 2 gloo ranks (tier 2): tensor-parallel shards that cut through blocks.
+"""Block FP8 on 2 gloo ranks (tier 2): tensor-parallel shards that cut through blocks, and
+``convert --nproc 2``.
 
 Each rank holds a shard of the codes and the scales of the blocks its shard touches (the block rows
 or columns on a shard boundary are held by both ranks). Values are checked against the block-by-block
@@ -14,9 +15,10 @@ import torch
 from multiproc import run_ranks
 from reference import arange_tensor
 from safetensors.torch import load_file
-from test_fp8 import codes, reference, scales
+from test_fp8 import SHAPES, codes, fp8_checkpoint, reference, scales
 
 from shardsync import full_params, load, save_hf
+from shardsync.cli import main
 from shardsync.errors import ShardsyncError
 from shardsync.layout import Box, ShardedTensor, shard_dim
 from shardsync.quant import quantize, scale_box
@@ -117,3 +119,15 @@ def test_tp2_fp8_shards_and_quantised_writes(tmp_path: Path) -> None:
         q, s = quantize(arange_tensor(shape, step=0.0137, start=-30), BLOCK)
         assert torch.equal(written[name].view(torch.uint8), q.view(torch.uint8)), name
         assert torch.equal(written[name + "_scale_inv"], s), name
+
+
+def test_convert_nproc2_dtype_dequantises_exactly(tmp_path: Path) -> None:
+    held = fp8_checkpoint(tmp_path / "src", block=(64, 32))
+    assert main(["convert", str(tmp_path / "src"), str(tmp_path / "out"), "--dtype", "bf16", "--nproc", "2",
+                 "--max-shard-size", "8000", "--quiet"]) == 0
+    files = list((tmp_path / "out").glob("*.safetensors"))
+    got = {k: v for f in files for k, v in load_file(str(f)).items()}
+    assert len(files) > 1 and not [k for k in got if k.endswith("_scale_inv")]
+    for name in SHAPES:
+        want = reference(held[name], held[name + "_scale_inv"], (64, 32)).to(torch.bfloat16)
+        assert torch.equal(got[name], want), name
