@@ -19,9 +19,10 @@ from safetensors.torch import load_file, save_file
 from shardsync import full_params, load, plan, save_hf
 from shardsync.cli import main
 from shardsync.errors import LayoutError, PlanError
-from shardsync.layout import Box
+from shardsync.layout import Box, ShardedTensor
 from shardsync.quant import dequantize, quantize, scale_shape
-from shardsync.sources import Fp8Source
+from shardsync.sources import Fp8Source, LocalSource
+from shardsync.sources.fp8_quantized import QuantizedSource
 
 E4M3 = torch.float8_e4m3fn
 SHAPES = {"layers.0.mlp.up_proj.weight": (300, 17), "layers.0.self_attn.o_proj.weight": (129, 257)}
@@ -182,6 +183,21 @@ def test_scales_that_do_not_fit_their_weight_name_it(tmp_path: Path) -> None:
 def test_scales_without_their_weight_are_an_error() -> None:
     with pytest.raises(LayoutError, match=r"'v_scale_inv': scales, but there is no weight 'v'"):
         Fp8Source({"v_scale_inv": torch.ones(1, 1)}).entries()
+
+
+def test_quantising_a_shard_that_cuts_blocks_names_it() -> None:
+    shard = ShardedTensor(torch.ones(64, 17), (300, 17), (64, 0))
+    with pytest.raises(LayoutError, match=r"'w'.*cuts blocks of \[128, 128\]"):
+        QuantizedSource(LocalSource({"w": shard}), {"w"}).entries()
+
+
+def test_load_values_into_fp8_and_scales(tmp_path: Path) -> None:
+    w = arange_tensor((300, 17), step=0.0137, start=-30)
+    save_file({"w": w, "b": torch.ones(3)}, str(tmp_path / "model.safetensors"))
+    dest = {"w": torch.zeros(300, 17, dtype=E4M3), "w_scale_inv": torch.zeros(3, 1), "b": torch.zeros(3)}
+    load(dest, tmp_path)
+    q, s = quantize(w, (128, 128))
+    assert torch.equal(dest["w"].view(torch.uint8), q.view(torch.uint8)) and torch.equal(dest["w_scale_inv"], s)
 
 
 # -- convert and save_hf: acceptance ------------------------------------------------------------------

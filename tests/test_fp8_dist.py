@@ -21,7 +21,7 @@ from shardsync import full_params, load, save_hf
 from shardsync.cli import main
 from shardsync.errors import ShardsyncError
 from shardsync.layout import Box, ShardedTensor, shard_dim
-from shardsync.quant import quantize, scale_box
+from shardsync.quant import quantize, scale_box, scale_shape
 from shardsync.sources import Fp8Source
 
 BLOCK = (128, 128)
@@ -131,3 +131,30 @@ def test_convert_nproc2_dtype_dequantises_exactly(tmp_path: Path) -> None:
     for name in SHAPES:
         want = reference(held[name], held[name + "_scale_inv"], (64, 32)).to(torch.bfloat16)
         assert torch.equal(got[name], want), name
+
+
+def _quantise_into_fp8_shards(rank: int, world: int, ckpt: str) -> dict[str, bool]:
+    """Load a checkpoint of values into TP shards of codes and scales that cut blocks."""
+    dest: dict[str, Any] = {"norm": torch.zeros(17)}
+    for name, (shape, dim) in WEIGHTS.items():
+        shard = shard_dim(torch.zeros(shape, dtype=torch.float8_e4m3fn), dim, rank, world)
+        dest[name] = shard
+        s = torch.zeros(scale_shape(shape, BLOCK))
+        dest[name + "_scale_inv"] = scale_shard({name + "_scale_inv": s}, name, shard.box)
+    load(dest, ckpt)
+    same = {}
+    for name, (shape, _) in WEIGHTS.items():
+        q, s = quantize(arange_tensor(shape, step=0.0137, start=-30), BLOCK)
+        codes_shard, scale_shard_ = dest[name], dest[name + "_scale_inv"]
+        same[name] = torch.equal(codes_shard.local.view(torch.uint8), q[codes_shard.box.slices()].view(torch.uint8))
+        same[name + "_scale_inv"] = torch.equal(scale_shard_.local, s[scale_shard_.box.slices()])
+    return same
+
+
+def test_tp2_values_quantised_into_fp8_and_scale_shards(tmp_path: Path) -> None:
+    values = {name: arange_tensor(shape, step=0.0137, start=-30) for name, (shape, _) in WEIGHTS.items()}
+    save_hf(values | {"norm": arange_tensor((17,), step=0.5)}, tmp_path / "values")
+    results = run_ranks(_quantise_into_fp8_shards, 2, str(tmp_path / "values"), timeout=600)
+    # the block rows (columns) on the shard boundary are held by both ranks, with the same scales
+    assert results == [{k: True for k in ("rows.weight", "rows.weight_scale_inv", "cols.weight",
+                                          "cols.weight_scale_inv")}] * 2

@@ -34,7 +34,7 @@ from ..planning.destinations import box_targets
 from ..quant.fp8 import check_fp8_casts
 from .check import Mismatch, Report, check_targets, describe, load_error, provenance
 from ..sources import Source
-from ..sources.fp8 import for_destination
+from ..sources.fp8_quantized import for_destination
 from .state import Destination, DestinationLike, SourceLike, as_source
 
 __all__ = ["load", "reshard", "LoadResult", "DestinationStrategy", "CHECK_PHASE"]
@@ -169,8 +169,7 @@ def _transfer(source: SourceLike, dst: DestinationLike, mapping: MappingLike | N
         raise
     def open_ends() -> _Ends:  # normalised inside the phase: a bad argument fails on every rank
         dest = Destination(dst)
-        keys = [e.key for e in dest.entries()]
-        return _Ends(for_destination(as_source(source), keys), dest, _options(group, *plan_args))
+        return _Ends(for_destination(as_source(source), dest.entries()), dest, _options(group, *plan_args))
 
     ends: _Ends | None = None
     inputs = None

@@ -11,10 +11,11 @@ from __future__ import annotations
 from .base import Source
 from .dcp import DcpSource
 from .fp8 import Fp8Source, dequantized
+from .fp8_quantized import QuantizedSource
 from .local import LocalSource
 from .megatron import from_megatron
 from .open import SourceLike, assign_boxes, open_source, spread
 from .safetensors import SafetensorsSource
 
 __all__ = ["Source", "LocalSource", "SafetensorsSource", "DcpSource", "SourceLike", "open_source",
-           "assign_boxes", "spread", "from_megatron", "Fp8Source", "dequantized"]
+           "assign_boxes", "spread", "from_megatron", "Fp8Source", "dequantized", "QuantizedSource"]

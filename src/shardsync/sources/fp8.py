@@ -10,7 +10,6 @@ tensor-parallel shard that cuts through a block reads that block's scale too.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable
 from pathlib import Path
 from typing import Literal
 
@@ -26,7 +25,7 @@ from .dcp import DcpSource
 from .open import SourceLike, open_source
 from .safetensors import SafetensorsSource
 
-__all__ = ["Fp8Source", "Unscaled", "dequantized", "for_destination"]
+__all__ = ["Fp8Source", "Unscaled", "dequantized"]
 
 #: What to do with an FP8 tensor that has no scales: refuse it, cast its codes as values, or keep it as
 #: FP8 (a cast of it is then refused when planned, see :func:`shardsync.quant.check_fp8_casts`).
@@ -149,21 +148,6 @@ def dequantized(source: SourceLike, *, unscaled: Unscaled = "error") -> Source:
     if isinstance(source, Fp8Source):
         return source
     return Fp8Source(source, unscaled=unscaled)
-
-
-def for_destination(source: Source, dest_keys: Iterable[str]) -> Source:
-    """What load and reshard read: ``source`` itself when the destination holds scales (FP8 shards and
-    scale shards are filled as they are), else its block-FP8 weights dequantised, to be cast to the
-    destination's dtype (FP8 tensors without scales stay FP8: only an FP8 destination takes them).
-
-    Example:
-        >>> from shardsync.sources import LocalSource
-        >>> type(for_destination(LocalSource({"w": torch.zeros(2)}), ["w"])).__name__
-        'Fp8Source'
-    """
-    if any(k.endswith(SCALE_SUFFIX) for k in dest_keys):
-        return source
-    return dequantized(source, unscaled="keep")
 
 
 def _directory(given: SourceLike, inner: Source) -> Path | None:
