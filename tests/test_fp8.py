@@ -316,3 +316,15 @@ def test_from_pretrained_loads_the_written_quantization_config(tmp_path: Path) -
         want, got = model(ids).logits, loaded(ids).logits
     assert (got - want).abs().max() < 0.05 * want.abs().max()
     assert math.isfinite(float(got.abs().max()))
+
+
+def test_convert_fp8_flags_say_what_is_wrong(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    save_file({"w": codes((5, 3))}, str(tmp_path / "model.safetensors"))
+    assert main(["convert", str(tmp_path), str(tmp_path / "a"), "--quantize", "fp8", "--quantize-block", "0,5"]) == 2
+    assert "--quantize-block '0,5' is not a block" in capsys.readouterr().err
+    assert main(["convert", str(tmp_path), str(tmp_path / "b"), "--dtype", "bf16"]) == 2
+    assert "'w': float8_e4m3fn without scales" in capsys.readouterr().err
+    assert not (tmp_path / "b" / "model.safetensors").exists()
+    assert main(["convert", str(tmp_path), str(tmp_path / "c"), "--dtype", "bf16", "--cast-unscaled-fp8",
+                 "--quiet"]) == 0
+    assert torch.equal(load_file(str(tmp_path / "c" / "model.safetensors"))["w"], codes((5, 3)).to(torch.bfloat16))
