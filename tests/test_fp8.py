@@ -198,6 +198,10 @@ def test_load_values_into_fp8_and_scales(tmp_path: Path) -> None:
     load(dest, tmp_path)
     q, s = quantize(w, (128, 128))
     assert torch.equal(dest["w"].view(torch.uint8), q.view(torch.uint8)) and torch.equal(dest["w_scale_inv"], s)
+    renamed = {"v": torch.zeros(300, 17, dtype=E4M3), "v_scale_inv": torch.zeros(3, 1), "b": torch.zeros(3)}
+    with pytest.raises(LayoutError, match=r"without quantising: 'v' from 'w' \(float32\)"):
+        load(renamed, tmp_path, ["w -> v", "_ -> v_scale_inv", "b -> b"])
+    assert not renamed["v"].float().any()  # refused before anything was written
 
 
 # -- convert and save_hf: acceptance ------------------------------------------------------------------

@@ -31,7 +31,7 @@ from ..layout.meta import GlobalLayout, LayoutEntry, check_replicas, without_val
 from ..mapping import Mapping, MappingLike, resolve
 from ..planning import DEFAULT_BUCKET_BYTES, Plan, PlanOptions, build_plan
 from ..planning.destinations import box_targets
-from ..quant.fp8 import check_fp8_casts
+from ..quant.fp8 import check_fp8_casts, check_fp8_fills
 from .check import Mismatch, Report, check_targets, describe, load_error, provenance
 from ..sources import Source
 from ..sources.fp8_quantized import for_destination
@@ -106,7 +106,9 @@ def _prepare(gathered: tuple[_Local, ...], mapping: Mapping, options: PlanOption
     why = provenance(mapping, layout.keys(), dest.keys())
     fit, report = check_targets(targets, dest, why)
     boxes = box_targets(fit, dest, layout)
-    check_fp8_casts([b.spec for b in boxes], {k: layout[k].dtype for k in layout.keys()})
+    dtypes = {k: layout[k].dtype for k in layout.keys()}
+    check_fp8_casts([b.spec for b in boxes], dtypes)
+    check_fp8_fills([(b.name, b.spec) for b in boxes], dtypes, dest.keys())
     plan = build_plan([b.spec for b in boxes], layout,
                       replace(options, destinations=tuple(b.ranks for b in boxes)))
     return _Prepared(plan, plan.fingerprint(), report, describe(report, targets, why),

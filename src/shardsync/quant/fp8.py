@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import math
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -26,7 +26,7 @@ from ..mapping import TargetSpec
 
 __all__ = ["FP8_MAX", "DEFAULT_BLOCK", "SCALE_SUFFIX", "CODE_DTYPES", "DEFAULT_SKIP", "Block", "scale_key",
            "scale_shape", "scale_box", "dequantize", "quantize", "block_size_from_config",
-           "check_block", "quantization_config", "Fp8Quantize", "written", "check_fp8_casts"]
+           "check_block", "quantization_config", "Fp8Quantize", "written", "check_fp8_casts", "check_fp8_fills"]
 
 #: Largest finite ``float8_e4m3fn`` value.
 FP8_MAX = float(torch.finfo(torch.float8_e4m3fn).max)
@@ -275,3 +275,35 @@ def check_fp8_casts(targets: Sequence[TargetSpec], source_dtypes: Mapping[str, s
                           + "; read the checkpoint through shardsync.sources.Fp8Source (save_hf/convert do "
                           "when given a dtype), or pass Fp8Source(..., unscaled='cast') to cast the "
                           "codes as values")
+
+
+def check_fp8_fills(fills: Iterable[tuple[str, TargetSpec]], source_dtypes: Mapping[str, str],
+                    dest_keys: Iterable[str]) -> None:
+    """Raise when an FP8 destination that holds scales would get values cast to FP8 (not quantised:
+    its scales would not fit its codes).
+
+    Args:
+        fills: ``(destination key, target)`` of every box to be written.
+        source_dtypes: dtype name of each source key, as the source presents it.
+        dest_keys: the destination's keys.
+
+    Raises:
+        LayoutError: naming every such destination and source, with the fix.
+
+    Example:
+        >>> from shardsync.mapping.pieces import Piece
+        >>> t = TargetSpec("w", (2, 2), "float8_e4m3fn", (Piece("v", Box((0, 0), (2, 2)), Box((0, 0), (2, 2))),))
+        >>> check_fp8_fills([("w", t)], {"v": "float32"}, ["w", "w_scale_inv"])
+        Traceback (most recent call last):
+        ...
+        shardsync.errors.LayoutError: FP8 weights with scales would get values cast to FP8 without quantising: 'w' from 'v' (float32); load quantises into FP8 + scales only a source weight of the destination's own name: convert the checkpoint with the mapping first, or load an FP8 checkpoint
+    """
+    keys = set(dest_keys)
+    bad = sorted({f"{name!r} from {p.source!r} ({source_dtypes.get(p.source)})" for name, t in fills
+                  if t.dtype in CODE_DTYPES and scale_key(name) in keys for p in t.pieces
+                  if source_dtypes.get(p.source) not in CODE_DTYPES})
+    if bad:
+        raise LayoutError("FP8 weights with scales would get values cast to FP8 without quantising: "
+                          + ", ".join(bad) + "; load quantises into FP8 + scales only a source weight of the "
+                          "destination's own name: convert the checkpoint with the mapping first, or load an "
+                          "FP8 checkpoint")
