@@ -38,6 +38,7 @@ from .planning import (DEFAULT_BUCKET_BYTES, DEFAULT_MESH_THRESHOLD_BYTES, Plan,
                        StrategyChoice, build_plan, check_options)
 from .planning.mesh import build_topology
 from .sizes import sizes_in
+from .quant.fp8 import DEFAULT_BLOCK, Fp8Quantize, check_fp8_casts
 from .sources import Source, SourceLike, open_source, spread
 from .sources.fingerprint import ReplicaCheck, check_replica_mode
 
@@ -77,6 +78,7 @@ class _Request:
     reuse: Reuse = "dropped"
     replica_check: ReplicaCheck = "sampled"
     verify: bool = False
+    quantize: Fp8Quantize | None = None
 
 
 @dataclass(frozen=True)
@@ -91,7 +93,8 @@ class _Context:
 
 def _request(state: Any, mapping: MappingLike | None, group: ProcessGroup | None, mesh: MeshLike | None,
              consumers: Consumers, transport: Any = "auto", reuse: Any = "dropped",
-             replica_check: Any = "sampled", verify: bool = False, **options: Any) -> _Request:
+             replica_check: Any = "sampled", verify: bool = False,
+             quantize: tuple[Any, Any, Any] = (None, DEFAULT_BLOCK, None), **options: Any) -> _Request:
     """Check the arguments on this rank, before anything runs (a caller mistake raises here)."""
     if group is not None and dist.is_initialized() and dist.get_rank(group) < 0:
         raise PlanError(f"global rank {dist.get_rank()} is not in the group it passed; call this on the "
@@ -112,10 +115,11 @@ def _request(state: Any, mapping: MappingLike | None, group: ProcessGroup | None
         opts = PlanOptions(consumers=_consumer_ranks(consumers), backend=_backend(group),
                            **sizes_in(options))
         check_options(opts, group_size(group), meshed=mesh is not None)
+        fp8 = Fp8Quantize.of(*quantize)
     except ShardsyncError as exc:
         abandon(GATHER_PHASE, group, exc)  # peers already waiting in the phase learn why
         raise
-    return _Request(state, mapping, group, groups, opts, transport, reuse, replica_check, bool(verify))
+    return _Request(state, mapping, group, groups, opts, transport, reuse, replica_check, bool(verify), fp8)
 
 
 def _check_multicast(strategy: object, group: ProcessGroup | None) -> None:
@@ -153,7 +157,9 @@ def _planned(gathered: tuple[_RankLayout, ...], mapping: ParsedMapping | None, o
     same layout every step plans once (a plan is immutable, and equal inputs give equal plans)."""
     layout = GlobalLayout.merge([r.entries for r in gathered])
     topology = build_topology(*zip(*[r.mesh for r in gathered])) if meshed else None
-    plan = build_plan(resolve(mapping, layout), layout, options, topology)
+    targets = resolve(mapping, layout)
+    check_fp8_casts(targets, {k: layout[k].dtype for k in layout.keys()})
+    plan = build_plan(targets, layout, options, topology)
     return _Built(plan, plan.fingerprint())
 
 
@@ -279,10 +285,14 @@ class ParamStream:
         if self._request.verify:
             self.digests = plan_digests(ctx.plan, ctx.source, ctx.rank, self._request.group)
             targets = checked(targets, self.digests, ctx.rank, self._request.group)
+        fp8 = self._request.quantize
         taken = 0
         try:
-            for item in targets:
-                yield item
+            for name, tensor in targets:
+                if fp8 is None:
+                    yield name, tensor
+                else:  # each quantised weight, then its scales
+                    yield from fp8.split(name, tensor)
                 taken += 1
         except GeneratorExit:
             self._finish(targets, taken, ctx.rank)
@@ -309,7 +319,9 @@ def full_params(state: SourceLike, mapping: MappingLike | None = None, *,
                 bucket_bytes: int | str = DEFAULT_BUCKET_BYTES, memory_budget: int | str | None = None,
                 mesh_threshold_bytes: int | str = DEFAULT_MESH_THRESHOLD_BYTES, copy: bool = True,
                 transport: TransportChoice = "auto", reuse: Reuse = "dropped",
-                replica_check: ReplicaCheck = "sampled", verify: bool = False) -> ParamStream:
+                replica_check: ReplicaCheck = "sampled", verify: bool = False,
+                quantize: Literal["fp8"] | None = None, quantize_block: tuple[int, int] = DEFAULT_BLOCK,
+                quantize_patterns: Sequence[str] | None = None) -> ParamStream:
     """Stream full (mapped) tensors out of sharded state; call on every rank of the group.
 
     Args:
@@ -351,6 +363,12 @@ def full_params(state: SourceLike, mapping: MappingLike | None = None, *,
             the same values before anything moves: ``"sampled"`` (16 elements per tensor: cheap,
             blind to a difference elsewhere), ``"exact"`` (every byte hashed on each rank; only
             digests travel) or ``"off"`` (docs/megatron.md, "Replica check").
+        quantize: ``"fp8"``: each selected target is yielded as block-FP8 codes (``float8_e4m3fn``)
+            followed by its scales, ``<name>_scale_inv`` (fp32, ``amax / 448`` per block), for FP8
+            rollout engines (docs/fp8.md).
+        quantize_block: rows x columns of a block (with ``quantize``).
+        quantize_patterns: regular expressions of the targets to quantise; None: the Linear weights
+            (every ``*.weight`` of 2 or more dims but embeddings, norms, ``lm_head`` and routers).
 
     Returns:
         a :class:`ParamStream`: iterate it for ``(name, tensor)``; ``.stats`` and ``.plan`` after.
@@ -360,7 +378,8 @@ def full_params(state: SourceLike, mapping: MappingLike | None = None, *,
             FormatError); while iterating, a memory budget that
             cannot be met, or ranks that built different plans.
         LayoutError: a module instead of its state (raised here); while iterating, holes, conflicting
-            overlaps, shape/dtype disagreements, meta tensors, keys that are not strings.
+            overlaps, shape/dtype disagreements, meta tensors, keys that are not strings, FP8 codes
+            cast to another dtype without their scales (read them through ``Fp8Source``).
         FormatError: (while iterating) a checkpoint path that is missing, incomplete or corrupt.
         MappingError: the mapping is wrong (while iterating).
         DistributedError: a rank failed, died, or never came during a phase (raised on every rank,
@@ -381,7 +400,8 @@ def full_params(state: SourceLike, mapping: MappingLike | None = None, *,
                                 strategy=strategy,
                                 num_splits=num_splits, split_index=split_index, split_by=split_by,
                                 bucket_bytes=bucket_bytes, memory_budget=memory_budget,
-                                mesh_threshold_bytes=mesh_threshold_bytes, copy=copy, verify=verify))
+                                mesh_threshold_bytes=mesh_threshold_bytes, copy=copy, verify=verify,
+                                quantize=(quantize, quantize_block, quantize_patterns)))
 
 
 def plan(state: SourceLike, mapping: MappingLike | None = None, *,
@@ -397,4 +417,6 @@ def plan(state: SourceLike, mapping: MappingLike | None = None, *,
         >>> p.strategy, p.order
         ('bucketed', ('b', 'w'))
     """
-    return _prepare(_request(state, mapping, group, mesh, consumers, **options)).plan
+    quantize = (options.pop("quantize", None), options.pop("quantize_block", DEFAULT_BLOCK),
+                options.pop("quantize_patterns", None))  # checked; the plan is the same either way
+    return _prepare(_request(state, mapping, group, mesh, consumers, quantize=quantize, **options)).plan

@@ -87,7 +87,21 @@ def convert_config(args: argparse.Namespace, to: Literal["hf", "dcp"] | None = N
                          memory_budget=size_flag(args.memory_budget, "--memory-budget"),
                          nproc=nproc, config_from=args.config_from,
                          overwrite=args.overwrite, progress=_progress(args), prefix=args.prefix,
-                         keys=tuple(args.keys))
+                         keys=tuple(args.keys), quantize=args.quantize,
+                         quantize_block=_block_flag(args.quantize_block),
+                         cast_unscaled_fp8=args.cast_unscaled_fp8)
+
+
+def _block_flag(value: str) -> tuple[int, int]:
+    """``--quantize-block ROWS,COLS``.
+
+    Raises:
+        UsageError: not two positive integers.
+    """
+    parts = value.replace("x", ",").split(",")
+    if len(parts) != 2 or not all(p.strip().isdigit() and int(p) > 0 for p in parts):
+        raise UsageError(f"--quantize-block {value!r} is not a block", "give rows and columns, e.g. 128,128")
+    return int(parts[0]), int(parts[1])
 
 
 def _convert(args: argparse.Namespace, to: Literal["hf", "dcp"] | None = None) -> int:

@@ -45,7 +45,14 @@ def _convert(p: argparse.ArgumentParser, with_to: bool) -> None:
     if with_to:
         p.add_argument("--to", choices=("hf", "dcp"), default="hf",
                        help="hf: HuggingFace safetensors (default); dcp: torch Distributed Checkpoint")
-    p.add_argument("--dtype", help="cast floating tensors, e.g. bf16, fp16, fp32")
+    p.add_argument("--dtype", help="cast floating tensors, e.g. bf16, fp16, fp32 (block-FP8 weights are "
+                                   "dequantised first)")
+    p.add_argument("--quantize", choices=("fp8",),
+                   help="write the Linear weights as block FP8 with *_scale_inv scales (docs/fp8.md)")
+    p.add_argument("--quantize-block", metavar="ROWS,COLS", default="128,128",
+                   help="block of --quantize (default 128,128)")
+    p.add_argument("--cast-unscaled-fp8", action="store_true",
+                   help="with --dtype, cast FP8 tensors that have no scales as if their codes were values")
     p.add_argument("--max-shard-size", metavar="SIZE", help="most bytes per file (hf; default 5GB)")
     p.add_argument("--memory-budget", metavar="SIZE",
                    help="most bytes held while reading and building tensors, e.g. 2GB")

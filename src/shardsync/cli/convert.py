@@ -28,7 +28,8 @@ from ..io.save_hf import save_hf
 from ..layout.dtypes import itemsize, to_torch_dtype
 from ..mapping import Mapping, TargetSpec
 from ..planning import split_ranges
-from ..sources import Source, open_source
+from ..quant.fp8 import DEFAULT_BLOCK, Fp8Quantize, written
+from ..sources import Source, dequantized, open_source
 from ..sources.dcp import METADATA_FILE
 from ..sources.select import select_keys
 from ..stream import full_params
@@ -56,6 +57,9 @@ class ConvertConfig:
     progress: bool = True
     prefix: str = ""
     keys: tuple[str, ...] = ()
+    quantize: Literal["fp8"] | None = None
+    quantize_block: tuple[int, int] = DEFAULT_BLOCK
+    cast_unscaled_fp8: bool = False
 
 
 @dataclass(frozen=True)
@@ -101,6 +105,8 @@ def prepare(cfg: ConvertConfig) -> _Prepared:
         flag = "--max-shard-size" if cfg.max_shard_size is not None else "--config-from"
         raise UsageError(f"{flag} applies to --to hf only", f"drop {flag}, or write --to hf")
     source = select_keys(open_source(cfg.source), cfg.prefix, cfg.keys)
+    if cfg.dtype is not None:  # a dtype asks for values: block-FP8 weights are dequantised
+        source = dequantized(source, unscaled="cast" if cfg.cast_unscaled_fp8 else "error")
     mapping, targets = cfg.flags.resolve(layout_of(source), cfg.config_from or source_dir(cfg.source))
     config_from = cfg.config_from
     if cfg.to == "hf" and config_from is None and mapping is None:
@@ -169,7 +175,8 @@ def write(cfg: ConvertConfig, prepared: _Prepared, group: Any) -> Converted:
         result = save_hf(prepared.source, cfg.out, prepared.mapping, group=group,
                          max_shard_size=cfg.max_shard_size or "5GB", dtype=cfg.dtype,
                          config_from=prepared.config_from, overwrite=cfg.overwrite, progress=progress,
-                         memory_budget=cfg.memory_budget)
+                         memory_budget=cfg.memory_budget, quantize=cfg.quantize,
+                         quantize_block=cfg.quantize_block, cast_unscaled_fp8=cfg.cast_unscaled_fp8)
         return Converted(result.num_tensors, result.total_bytes, len(result.files),
                          time.perf_counter() - start, group_size(group))
     return _write_dcp(cfg, prepared, group, progress, start)
@@ -216,17 +223,17 @@ def _write_dcp(cfg: ConvertConfig, prepared: _Prepared, group: Any, progress: bo
     stream = full_params(prepared.source, prepared.mapping, group=group, copy=False, split_by="bytes",
                          consumers=tuple(range(world)) if world > 1 else "all", memory_budget=budget)
     state: dict[str, torch.Tensor] = {}
+    fp8 = Fp8Quantize.of(cfg.quantize, cfg.quantize_block)
     bar = progress_bar(progress, "convert")
     try:
         for name, tensor in stream:
             if bar is not None and bar.total is None and stream.plan is not None:
                 mine = set(stream.plan.targets_of(group_rank(group)))
                 bar.total = sum(_out_bytes(t, cfg.dtype) for t in prepared.targets if t.name in mine)
-            if cfg.dtype is not None and tensor.is_floating_point():
-                tensor = tensor.to(cfg.dtype)
-            state[name] = tensor
+            pieces = written(name, tensor, fp8, cfg.dtype)
+            state.update(pieces)
             if bar is not None:
-                bar.update(tensor.numel() * tensor.element_size())
+                bar.update(sum(t.numel() * t.element_size() for _, t in pieces))
     finally:
         if bar is not None:
             bar.close()

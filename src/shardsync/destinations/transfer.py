@@ -32,10 +32,12 @@ from ..layout.meta import GlobalLayout, LayoutEntry, check_replicas, without_val
 from ..mapping import Mapping, MappingLike, resolve
 from ..planning import DEFAULT_BUCKET_BYTES, Plan, PlanOptions, build_plan
 from ..planning.destinations import box_targets
+from ..quant.fp8 import check_fp8_casts, check_fp8_fills
 from ..sizes import sizes_in
 from .check import Mismatch, Report, check_targets, describe, load_error, provenance
 from ..sources import Source
 from ..sources.fingerprint import ReplicaCheck, check_replica_mode
+from ..sources.fp8_quantized import for_destination
 from .state import Destination, DestinationLike, SourceLike, as_source
 from .verify import check_written
 
@@ -106,6 +108,9 @@ def _prepare(gathered: tuple[_Local, ...], mapping: Mapping, options: PlanOption
     why = provenance(mapping, layout.keys(), dest.keys())
     fit, report = check_targets(targets, dest, why)
     boxes = box_targets(fit, dest, layout)
+    dtypes = {k: layout[k].dtype for k in layout.keys()}
+    check_fp8_casts([b.spec for b in boxes], dtypes)
+    check_fp8_fills([(b.name, b.spec) for b in boxes], dtypes, dest.keys())
     plan = build_plan([b.spec for b in boxes], layout,
                       replace(options, destinations=tuple(b.ranks for b in boxes)))
     return _Prepared(plan, plan.fingerprint(), report, describe(report, targets, why),
@@ -196,7 +201,9 @@ def _transfer(source: SourceLike, dst: DestinationLike, mapping: MappingLike | N
         abandon(CHECK_PHASE, group, exc)
         raise
     def open_ends() -> _Ends:  # normalised inside the phase: a bad argument fails on every rank
-        return _Ends(as_source(source, replica_check), Destination(dst), _options(group, *plan_args))
+        dest = Destination(dst)
+        return _Ends(for_destination(as_source(source, replica_check), dest.entries()), dest,
+                     _options(group, *plan_args))
 
     ends: _Ends | None = None
     inputs = None

@@ -13,12 +13,14 @@ from dataclasses import dataclass
 
 import torch
 
+from ..errors import PlanError
 from ..layout.box import Box
 from ..layout.dtypes import dtype_name, itemsize, to_torch_dtype
 from ..planning import TargetPlan
+from ..quant.fp8 import Fp8Quantize, scale_key, scale_shape
 from .safetensors_writer import starts_new_shard
 
-__all__ = ["Move", "FilePlan", "plan_files", "output_dtype"]
+__all__ = ["Move", "FilePlan", "plan_files", "output_dtype", "written_tensors"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,11 +83,41 @@ def output_dtype(dtype: str, cast: torch.dtype | None) -> str:
     return dtype
 
 
-def plan_files(targets: Sequence[TargetPlan], limit: int, cast: torch.dtype | None = None) -> FilePlan:
+def written_tensors(targets: Sequence[TargetPlan], cast: torch.dtype | None = None,
+                    fp8: Fp8Quantize | None = None) -> list[TargetPlan]:
+    """The tensors written for ``targets``, sorted by name, each in the dtype it is written in: a target
+    ``fp8`` selects as its codes and its scales (``<name>_scale_inv``), every other floating one cast.
+
+    Raises:
+        PlanError: a scale key is also the name of a target.
+
+    Example:
+        >>> t = [TargetPlan("a.weight", (300, 17), "float32", (0,), ())]
+        >>> [(w.name, w.shape, w.dtype) for w in written_tensors(t, torch.bfloat16, Fp8Quantize())]
+        [('a.weight', (300, 17), 'float8_e4m3fn'), ('a.weight_scale_inv', (3, 1), 'float32')]
+    """
+    out = []
+    for t in targets:
+        if fp8 is not None and fp8.selects(t.name, t.shape, t.dtype):
+            out += [TargetPlan(t.name, t.shape, "float8_e4m3fn", t.consumers, ()),
+                    TargetPlan(scale_key(t.name), scale_shape(t.shape, fp8.block), "float32", t.consumers, ())]
+        else:
+            out.append(TargetPlan(t.name, t.shape, output_dtype(t.dtype, cast), t.consumers, ()))
+    names = [t.name for t in out]
+    twice = sorted({n for n in names if names.count(n) > 1})
+    if twice:
+        raise PlanError(f"quantize='fp8' would write {twice} twice: targets already named like the scales "
+                        "of quantised weights; rename them in the mapping, or narrow quantize_patterns")
+    return sorted(out, key=lambda t: t.name)
+
+
+def plan_files(targets: Sequence[TargetPlan], limit: int, cast: torch.dtype | None = None,
+               fp8: Fp8Quantize | None = None) -> FilePlan:
     """Pack ``targets`` (in the plan's order: sorted by name) into files of at most ``limit`` bytes.
 
     A target larger than the limit gets a file of its own; no targets give one empty file (rank 0).
-    A target's receiving rank is its first consumer (rank 0 when it has none).
+    A target's receiving rank is its first consumer (rank 0 when it has none). What is packed is
+    :func:`written_tensors` (cast by ``cast``, quantised by ``fp8``).
 
     Example:
         >>> t = [TargetPlan(n, (4,), "float32", (r,), ()) for n, r in (("a", 0), ("b", 1), ("c", 1))]
@@ -95,8 +127,9 @@ def plan_files(targets: Sequence[TargetPlan], limit: int, cast: torch.dtype | No
     """
     files: list[list[TargetPlan]] = []
     filled = 0
+    targets = written_tensors(targets, cast, fp8)
     for t in targets:
-        nbytes = Box.full(t.shape).numel * itemsize(output_dtype(t.dtype, cast))
+        nbytes = Box.full(t.shape).numel * itemsize(t.dtype)
         if not files or starts_new_shard(filled, nbytes, limit):
             files.append([])
             filled = 0
@@ -105,9 +138,9 @@ def plan_files(targets: Sequence[TargetPlan], limit: int, cast: torch.dtype | No
     if not files:
         return FilePlan(((),), (0,), (), 0)
     writers = tuple(_receiver(f[0]) for f in files)
-    moves = tuple(Move(t.name, _receiver(t), w, t.shape, output_dtype(t.dtype, cast))
+    moves = tuple(Move(t.name, _receiver(t), w, t.shape, t.dtype)
                   for f, w in zip(files, writers) for t in f if _receiver(t) != w)
-    total = sum(Box.full(t.shape).numel * itemsize(output_dtype(t.dtype, cast)) for t in targets)
+    total = sum(Box.full(t.shape).numel * itemsize(t.dtype) for t in targets)
     return FilePlan(tuple(tuple(t.name for t in f) for f in files), writers,
                     tuple(sorted(moves, key=lambda m: m.name)), total)
 

@@ -9,6 +9,7 @@ import os
 import shutil
 from collections.abc import Iterable
 from pathlib import Path
+from typing import Any, Literal
 
 from ..errors import FormatError
 from .commit import CheckpointNames, fsync_path, mark_stage
@@ -64,15 +65,17 @@ def extra_files(paths: Iterable[str | os.PathLike] | None, config_from: str | os
 
 
 def copy_files(files: Iterable[Path], directory: Path, names: CheckpointNames, tag: str,
-               dtype: str | None = None) -> None:
+               dtype: str | None = None, quantization: dict[str, Any] | None | Literal["keep"] = "keep") -> None:
     """Copy each file into ``directory``, replacing a file of that name atomically (temp, fsync,
     rename). With ``dtype`` (the weights were cast), ``config.json`` says that dtype, so that
-    ``from_pretrained(dtype="auto")`` loads them as written."""
+    ``from_pretrained(dtype="auto")`` loads them as written; ``quantization`` (unless ``"keep"``)
+    replaces its ``quantization_config`` (None: removes it, for weights that are no longer quantised)."""
     copied = False
     for src in files:
         tmp = directory / names.temp(tag, src.name)
-        if src.name == "config.json" and dtype is not None:
-            tmp.write_text(_with_dtype(src.read_text(), dtype))
+        if src.name == "config.json" and (dtype is not None or quantization != "keep"):
+            text = src.read_text() if dtype is None else _with_dtype(src.read_text(), dtype)
+            tmp.write_text(text if quantization == "keep" else _with_quantization(text, quantization))
         else:
             shutil.copyfile(src, tmp)
         fsync_path(tmp)
@@ -96,6 +99,20 @@ def _with_dtype(config_text: str, dtype: str) -> str:
     config = json.loads(config_text)  # checked by extra_files
     keys = [k for k in _DTYPE_KEYS if k in config] or ["torch_dtype"]
     config.update({k: dtype for k in keys})
+    return json.dumps(config, indent=2, sort_keys=True) + "\n"
+
+
+def _with_quantization(config_text: str, quantization: dict[str, Any] | None) -> str:
+    """``config.json`` text with ``quantization_config`` set to ``quantization`` (None: removed).
+
+    Example:
+        >>> print(_with_quantization('{"quantization_config": {"quant_method": "fp8"}}', None), end="")
+        {}
+    """
+    config = json.loads(config_text)
+    config.pop("quantization_config", None)
+    if quantization is not None:
+        config["quantization_config"] = quantization
     return json.dumps(config, indent=2, sort_keys=True) + "\n"
 
 

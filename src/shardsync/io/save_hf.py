@@ -21,7 +21,7 @@ from collections.abc import Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
@@ -30,6 +30,9 @@ from ..dist import GroupRanks, agree, data_phase, group_rank, group_size
 from ..errors import PlanError
 from ..layout.dtypes import dtype_name, itemsize, to_torch_dtype
 from ..mapping import MappingLike
+from ..planning import TargetPlan
+from ..quant.fp8 import DEFAULT_BLOCK, Fp8Quantize, quantization_config, written
+from ..sources.fp8 import dequantized
 from ..stream import full_params
 from .commit import (CheckpointNames, DirectoryState, commit, new_tag, prepare_directory, remove_files,
                      remove_uncommitted)
@@ -57,6 +60,8 @@ class _Job:
     dtype: torch.dtype | None
     extras: tuple[Path, ...]
     memory_budget: int | None
+    fp8: Fp8Quantize | None = None
+    cast_unscaled_fp8: bool = False
 
     def temp(self, file: int) -> Path:
         return self.dir / self.names.temp(self.tag, f"{file + 1:05d}")
@@ -64,18 +69,21 @@ class _Job:
 
 def _check(out_dir: str | os.PathLike, max_shard_size: int | str, dtype: Any,
            extras: Iterable[str | os.PathLike] | None, config_from: str | os.PathLike | None,
-           overwrite: bool, memory_budget: int | str | None, clean: bool) -> _Job:
+           overwrite: bool, memory_budget: int | str | None, clean: bool,
+           quantize: tuple[Any, Any, Any] = (None, DEFAULT_BLOCK, None), cast_unscaled_fp8: bool = False) -> _Job:
     names = CheckpointNames("model")
     limit = parse_size(max_shard_size)
     budget = None if memory_budget is None else parse_size(memory_budget)
     cast = None if dtype is None else to_torch_dtype(dtype)
     if cast is not None and not cast.is_floating_point:
         raise PlanError(f"dtype={dtype!r} is not a floating dtype; give e.g. torch.bfloat16 or 'bf16'")
+    fp8 = Fp8Quantize.of(*quantize)
     files = extra_files(extras, config_from, names)
     old = prepare_directory(Path(out_dir), names, overwrite)
     if clean:
         remove_files(Path(out_dir), old.leftovers)
-    return _Job(Path(out_dir), names, old, new_tag(old.committed), limit, cast, files, budget)
+    return _Job(Path(out_dir), names, old, new_tag(old.committed), limit, cast, files, budget, fp8,
+                cast_unscaled_fp8)
 
 
 class _PartWriter:
@@ -84,6 +92,7 @@ class _PartWriter:
     def __init__(self, job: _Job, rank: int, progress: Any) -> None:
         self.job, self.rank, self.bar = job, rank, progress
         self.plan: FilePlan | None = None
+        self.targets: tuple[TargetPlan, ...] | None = None  # the stream's targets, once it started
         self.file_of: dict[str, int] = {}
         self.pending: dict[int, dict[str, torch.Tensor]] = {}
         self.outgoing: dict[str, torch.Tensor] = {}
@@ -95,16 +104,19 @@ class _PartWriter:
         self.in_flight: deque[Future[None]] = deque()
 
     def start(self, plan: Any) -> None:
-        self.plan = plan_files(plan.targets, self.job.limit, self.job.dtype)
+        self.plan = plan_files(plan.targets, self.job.limit, self.job.dtype, self.job.fp8)
+        self.targets = tuple(plan.targets)
         self.file_of = self.plan.weight_map()
         if self.bar is not None:
             self.bar.total = sum(math.prod(t.shape) * itemsize(output_dtype(t.dtype, self.job.dtype))
                                  for t in plan.targets if self.rank in t.consumers)
 
     def take(self, name: str, tensor: torch.Tensor) -> None:
+        for n, t in written(name, tensor, self.job.fp8, self.job.dtype):  # quantised: codes, then scales
+            self._keep(n, t)
+
+    def _keep(self, name: str, tensor: torch.Tensor) -> None:
         assert self.plan is not None
-        if self.job.dtype is not None and tensor.is_floating_point():
-            tensor = tensor.to(self.job.dtype)
         f = self.file_of[name]
         if self.plan.writers[f] != self.rank:
             self.outgoing[name] = tensor
@@ -180,6 +192,8 @@ def _exchange(part: _PartWriter, group: Any) -> None:
 
 def _write_part(part: _PartWriter, source: Any, mapping: MappingLike | None, group: Any) -> None:
     world = group_size(group)
+    if part.job.dtype is not None:  # a dtype asks for values: block-FP8 weights are dequantised
+        source = dequantized(source, unscaled="cast" if part.job.cast_unscaled_fp8 else "error")
     stream = full_params(source, mapping, group=group, copy=False, split_by="bytes",
                          consumers=tuple(range(world)) if world > 1 else "all",
                          memory_budget=part.job.memory_budget)
@@ -200,10 +214,22 @@ def _write_part(part: _PartWriter, source: Any, mapping: MappingLike | None, gro
         part.error = part.error or exc
 
 
-def _commit(job: _Job, plan: FilePlan) -> WriteResult:
+def _quantization(job: _Job, targets: Iterable[TargetPlan]) -> dict[str, Any] | None | Literal["keep"]:
+    """``config.json``'s new ``quantization_config``: block FP8 when quantising (naming the modules
+    whose 2-D weights stay unquantised: the output head, routers), none when a dtype was asked for (the
+    weights are values), else as it was."""
+    if job.fp8 is not None:
+        fp8 = job.fp8
+        skipped = [t.name.removesuffix(".weight") for t in targets if t.name.endswith(".weight")
+                   and len(t.shape) == 2 and not fp8.selects(t.name, t.shape, t.dtype)]
+        return quantization_config(fp8.block, skipped)
+    return None if job.dtype is not None else "keep"
+
+
+def _commit(job: _Job, plan: FilePlan, quantization: dict[str, Any] | None | Literal["keep"]) -> WriteResult:
     try:
         copy_files(job.extras, job.dir, job.names, job.tag,
-                   None if job.dtype is None else dtype_name(job.dtype))
+                   None if job.dtype is None else dtype_name(job.dtype), quantization)
         temps = [job.temp(f) for f in range(len(plan.files))]
         files, index = commit(job.dir, job.names, temps, plan.weight_map(), plan.total_bytes, job.old,
                               job.tag)
@@ -228,7 +254,9 @@ def save_hf(source: Any, out_dir: str | os.PathLike, mapping: MappingLike | None
             group: Any = None, max_shard_size: int | str = "5GB", dtype: torch.dtype | str | None = None,
             extra_files: Iterable[str | os.PathLike] | None = None,
             config_from: str | os.PathLike | None = None, overwrite: bool = False,
-            progress: bool = False, memory_budget: int | str | None = None) -> WriteResult:
+            progress: bool = False, memory_budget: int | str | None = None,
+            quantize: Literal["fp8"] | None = None, quantize_block: tuple[int, int] = DEFAULT_BLOCK,
+            quantize_patterns: Iterable[str] | None = None, cast_unscaled_fp8: bool = False) -> WriteResult:
     """Write ``source``, mapped, as a HuggingFace safetensors checkpoint; call on every rank.
 
     Every rank writes the files whose tensors it receives, in parallel; rank 0 writes the index last,
@@ -242,7 +270,8 @@ def save_hf(source: Any, out_dir: str | os.PathLike, mapping: MappingLike | None
         group: process group; None: the default group when torch.distributed is up, else one process.
         max_shard_size: most bytes per file, as HuggingFace reads it (``"5GB"``, ``"500MB"``, an int);
             a larger tensor gets a file of its own.
-        dtype: cast floating targets to this dtype (``torch.bfloat16``, ``"bf16"``).
+        dtype: cast floating targets to this dtype (``torch.bfloat16``, ``"bf16"``); block-FP8 weights
+            of the source are dequantised first, and their scales are not written (docs/fp8.md).
         extra_files: paths copied into ``out_dir`` as they are (``config.json``, tokenizer files).
         config_from: a model directory whose ``config.json``, ``generation_config.json`` and tokenizer
             files are copied, so that ``from_pretrained(out_dir)`` works as it is. Without it (and
@@ -250,13 +279,21 @@ def save_hf(source: Any, out_dir: str | os.PathLike, mapping: MappingLike | None
         overwrite: replace a checkpoint already in ``out_dir`` (other files there are never touched).
         progress: a progress bar (bytes, rate, ETA) on rank 0; needs tqdm.
         memory_budget: most bytes the streamer holds at once on any rank (int or ``"2GB"``).
+        quantize: ``"fp8"``: write the selected targets as block FP8, codes (``float8_e4m3fn``) and
+            ``<name>_scale_inv`` (fp32, ``amax / 448`` per block), and give ``config.json`` the matching
+            ``quantization_config``.
+        quantize_block: rows x columns of a block.
+        quantize_patterns: regular expressions of the targets to quantise; None: the Linear weights.
+        cast_unscaled_fp8: with ``dtype``, cast FP8 tensors that have no scales as if their codes were
+            values (otherwise an error naming them).
 
     Returns:
         the committed files and totals (the same on every rank).
 
     Raises:
         FormatError: ``out_dir`` holds a checkpoint (and not ``overwrite``), bad sizes or extra files.
-        ValueError: a non-floating ``dtype``.
+        ValueError: a non-floating ``dtype``; (PlanError) bad ``quantize`` options.
+        LayoutError: with ``dtype``, FP8 tensors without scales, or scales that do not fit their weight.
         DistributedError: a rank failed (raised on every rank, naming it).
 
     Example:
@@ -266,9 +303,12 @@ def save_hf(source: Any, out_dir: str | os.PathLike, mapping: MappingLike | None
         'model.safetensors'
     """
     rank = group_rank(group)
+    quantize_args = (quantize, quantize_block, None if quantize_patterns is None else tuple(quantize_patterns))
     job = agree("save_hf: check options", lambda: _check(out_dir, max_shard_size, dtype, extra_files,
                                                            config_from, overwrite, memory_budget,
-                                                           clean=rank == 0), group, unanimous=True).all[0]
+                                                           clean=rank == 0, quantize=quantize_args,
+                                                           cast_unscaled_fp8=cast_unscaled_fp8),
+                group, unanimous=True).all[0]
     part = _PartWriter(job, rank, _progress_bar(progress, rank))
     try:
         _write_part(part, source, mapping, group)
@@ -281,8 +321,10 @@ def save_hf(source: Any, out_dir: str | os.PathLike, mapping: MappingLike | None
         if part.bar is not None:
             part.bar.close()
     plan = part.plan
-    assert plan is not None
-    result = agree("save_hf: commit", lambda: _commit(job, plan) if rank == 0 else None, group).all[0]
+    assert plan is not None and part.targets is not None
+    quantization = _quantization(job, part.targets)
+    result = agree("save_hf: commit", lambda: _commit(job, plan, quantization) if rank == 0 else None,
+                   group).all[0]
     assert result is not None  # rank 0's result, sent to every rank
     if rank == 0 and not any(f.name == "config.json" for f in job.extras):
         log.warning("save_hf: %s has no config.json, so from_pretrained will not load it; pass "

@@ -1,7 +1,8 @@
 """Where weights come from: the :class:`Source` protocol and its implementations.
 
 In-memory state (:class:`LocalSource`), Hugging Face safetensors checkpoints
-(:class:`SafetensorsSource`) and torch Distributed Checkpoints (:class:`DcpSource`);
+(:class:`SafetensorsSource`) and torch Distributed Checkpoints (:class:`DcpSource`), block-FP8 weights
+read as values (:class:`Fp8Source`);
 :func:`open_source` picks one for a state dict, a Source or a path.
 """
 
@@ -9,10 +10,12 @@ from __future__ import annotations
 
 from .base import Source
 from .dcp import DcpSource
+from .fp8 import Fp8Source, dequantized
+from .fp8_quantized import QuantizedSource
 from .local import LocalSource
 from .megatron import from_megatron
 from .open import SourceLike, assign_boxes, open_source, spread
 from .safetensors import SafetensorsSource
 
 __all__ = ["Source", "LocalSource", "SafetensorsSource", "DcpSource", "SourceLike", "open_source",
-           "assign_boxes", "spread", "from_megatron"]
+           "assign_boxes", "spread", "from_megatron", "Fp8Source", "dequantized", "QuantizedSource"]
