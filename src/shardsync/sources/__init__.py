@@ -1,7 +1,8 @@
 """Where weights come from: the :class:`Source` protocol and its implementations.
 
 In-memory state (:class:`LocalSource`), Hugging Face safetensors checkpoints
-(:class:`SafetensorsSource`) and torch Distributed Checkpoints (:class:`DcpSource`);
+(:class:`SafetensorsSource`), torch Distributed Checkpoints (:class:`DcpSource`) and Megatron
+``dist_checkpointing`` checkpoints (:class:`MegatronDistSource`, per layer);
 :func:`open_source` picks one for a state dict, a Source or a path.
 """
 
@@ -11,8 +12,9 @@ from .base import Source
 from .dcp import DcpSource
 from .local import LocalSource
 from .megatron import from_megatron
+from .megatron_dist import MegatronDistSource
 from .open import SourceLike, assign_boxes, open_source, spread
 from .safetensors import SafetensorsSource
 
-__all__ = ["Source", "LocalSource", "SafetensorsSource", "DcpSource", "SourceLike", "open_source",
-           "assign_boxes", "spread", "from_megatron"]
+__all__ = ["Source", "LocalSource", "SafetensorsSource", "DcpSource", "MegatronDistSource", "SourceLike",
+           "open_source", "assign_boxes", "spread", "from_megatron"]
