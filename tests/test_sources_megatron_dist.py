@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import pickle
+import shlex
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +27,8 @@ from shardsync.cli import main
 from shardsync.errors import FormatError
 from shardsync.layout import Box
 from shardsync.sources import MegatronDistSource, open_source
+
+DOC = Path(__file__).parent.parent / "docs" / "megatron.md"
 
 QKV = "decoder.layers.self_attention.linear_qkv.weight"
 NORM = "decoder.layers.self_attention.linear_qkv.layer_norm_weight"
@@ -104,11 +107,19 @@ def test_format_errors(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
 
 # -- megatron-core's own dist_checkpointing.save, TP=2, converted by the CLI --------------------------
 
+def doc_block(marker: str, lang: str) -> str:
+    """The first ``lang`` code block after ``marker`` in docs/megatron.md."""
+    text = DOC.read_text()
+    return text[text.index(marker):].split(f"```{lang}\n", 1)[1].split("```", 1)[0]
+
+
+SAVE = "<!-- executed by tests/test_sources_megatron_dist.py"
+CONVERT = "<!-- run by tests/test_sources_megatron_dist.py"
+
 def save_worker(rank: int, world: int, out: str) -> dict[str, Any] | None:
     import multiprocessing
     import warnings
 
-    from megatron.core import dist_checkpointing
     from test_megatron import build_gpt, gathered_by_hand, hf_by_hand, init_parallel
 
     warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex).*")
@@ -118,20 +129,23 @@ def save_worker(rank: int, world: int, out: str) -> dict[str, Any] | None:
     multiprocessing.current_process()._config["daemon"] = False  # type: ignore[attr-defined]
     init_parallel(tp=2, pp=1)
     model = build_gpt()
-    dist_checkpointing.save(model.sharded_state_dict(), out)
+    exec(doc_block(SAVE, "python"), {"model": model, "ckpt_dir": out})  # dist_checkpointing.save
     want = hf_by_hand(gathered_by_hand(model), tp=2)
     live = sorted(k for k, _ in shardsync.full_params(shardsync.from_megatron(model)))
     return {"hf": want, "live": live} if rank == 0 else None
 
 
-def test_megatron_core_checkpoint_converts_by_cli_to_the_gathered_model(tmp_path: Path) -> None:
+def test_megatron_core_checkpoint_converts_by_cli_to_the_gathered_model(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     pytest.importorskip("megatron.core")
     ckpt, out = tmp_path / "ckpt", tmp_path / "hf"
     ckpt.mkdir()
     ref = run_ranks(save_worker, 2, str(ckpt), timeout=600)[0]
     assert ref is not None
-    sets = ["--set", "num_heads=4", "--set", "num_key_value_groups=2", "--set", "vocab_size=128"]
-    assert main(["convert", str(ckpt), str(out), "--mapping", "megatron-llama-te", *sets]) == 0
+    monkeypatch.chdir(tmp_path)
+    command = shlex.split(doc_block(CONVERT, "sh").strip())
+    assert command[:2] == ["shardsync", "convert"]
+    assert main(command[1:]) == 0
     got = load_file(out / "model.safetensors")
     assert sorted(got) == sorted(ref["hf"])
     assert [k for k in ref["hf"] if not torch.equal(got[k], ref["hf"][k])] == []
