@@ -139,3 +139,29 @@ def test_strided_shard_with_several_boxes_per_rank() -> None:
     assert r0["boxes"] == ["[0:5, 0:3]", "[9:13, 0:3]"] and r1["boxes"] == ["[5:9, 0:3]", "[13:17, 0:3]"]
     for r in (r0, r1):
         assert r["reference"] and r["stream"] and r["load"], r
+
+
+def refused_worker(rank: int, world: int) -> dict[str, str]:
+    """A Partial DTensor, and a local tensor the placements do not explain, fail on every rank."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Partial, Shard
+
+    mesh = init_device_mesh("cpu", (world,))
+    partial = DTensor.from_local(torch.ones(3, 2), mesh, [Partial()])
+    wrong = DTensor.from_local(torch.ones(4, 2), mesh, [Shard(0)], run_check=False, shape=(7, 2),
+                               stride=(2, 1))  # rank 1 of 7 rows holds 3, not 4
+    out = {}
+    for name, state in (("partial", {"w": partial}), ("wrong", {"w": wrong})):
+        try:
+            dict(shardsync.full_params(state))
+            out[name] = "no error"
+        except shardsync.ShardsyncError as exc:
+            out[name] = f"{type(exc).__name__}: {exc}"
+    return out
+
+
+def test_unsupported_dtensors_fail_on_every_rank() -> None:
+    for rank, r in enumerate(run_ranks(refused_worker, 2, timeout=300)):
+        assert "DTensor placement Partial(sum) is not supported; use Shard, _StridedShard or Replicate" \
+            in r["partial"], (rank, r)
+        assert "the local tensor is [4, 2], the placements give [3, 2]" in r["wrong"], (rank, r)

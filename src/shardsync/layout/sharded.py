@@ -112,7 +112,7 @@ def dtensor_shards(dt: Any) -> list[ShardedTensor]:
         raise TypeError(f"expected a DTensor, got {type(dt).__name__}")
     bad = [p for p in dt.placements if not isinstance(p, (Shard, _StridedShard, Replicate))]
     if bad:
-        raise LayoutError(f"DTensor placement {bad[0]} is not supported; use Shard, _StridedShard or "
+        raise LayoutError(f"DTensor placement {bad[0]!r} is not supported; use Shard, _StridedShard or "
                           "Replicate (redistribute partial tensors first)")
     coordinate = dt.device_mesh.get_coordinate()
     local = dt.to_local()
