@@ -24,7 +24,7 @@ from safetensors.torch import load_file
 
 import shardsync
 from shardsync.cli import main
-from shardsync.errors import FormatError
+from shardsync.errors import FormatError, LayoutError
 from shardsync.layout import Box
 from shardsync.sources import MegatronDistSource, open_source
 
@@ -80,6 +80,8 @@ def test_local_norm_names(tmp_path: Path) -> None:
                                              "decoder.layers.1.input_layernorm.weight"]
     assert torch.equal(src.read("decoder.layers.1.input_layernorm.weight", Box((0,), (5,))),
                        arange_tensor((2, 5))[1])
+    with pytest.raises(LayoutError, match="norms='TE': use 'te'"):
+        MegatronDistSource(tmp_path, norms="TE")  # type: ignore[arg-type]
 
 
 class _Boom:

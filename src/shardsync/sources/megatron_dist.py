@@ -69,7 +69,8 @@ def is_megatron_dist(path: Path) -> bool:
     return (path / MEGATRON_METADATA_FILE).is_file() and (path / COMMON_FILE).is_file()
 
 
-def _backend(path: Path) -> str:
+def _check_backend(path: Path) -> None:
+    """FormatError unless metadata.json names the torch_dist backend and the DCP metadata is there."""
     meta = path / MEGATRON_METADATA_FILE
     try:
         backend = json.loads(meta.read_text()).get("sharded_backend")
@@ -83,7 +84,6 @@ def _backend(path: Path) -> str:
     if not (path / METADATA_FILE).is_file():
         raise FormatError(f"{path}: metadata.json says torch_dist but there is no {METADATA_FILE}; the "
                           "checkpoint is incomplete (was the save interrupted?)")
-    return backend
 
 
 def _split(key: str) -> tuple[str, int]:
@@ -114,6 +114,7 @@ class MegatronDistSource:
 
     Raises:
         FormatError: not a torch_dist checkpoint, or a stacked tensor without the dims its name says.
+        LayoutError: ``norms`` is neither ``"te"`` nor ``"local"``.
 
     Example:
         >>> MegatronDistSource("/nonexistent")
@@ -126,13 +127,14 @@ class MegatronDistSource:
     shared = True
 
     def __init__(self, path: str | os.PathLike, *, norms: Literal["te", "local"] = "te") -> None:
+        if norms not in ("te", "local"):
+            raise LayoutError(f"norms={norms!r}: use 'te' (the checkpoint's Transformer Engine names) or "
+                              "'local' (the local layer spec's)")
         self.path = Path(path)
         if not is_megatron_dist(self.path):
             raise FormatError(f"{self.path} is not a Megatron dist_checkpointing checkpoint: it needs "
                               f"{MEGATRON_METADATA_FILE} and {COMMON_FILE}")
-        if norms not in ("te", "local"):
-            raise ValueError(f"norms={norms!r}: use 'te' or 'local'")
-        _backend(self.path)
+        _check_backend(self.path)
         self.dcp = DcpSource(self.path)
         #: live key -> (checkpoint key, stacked indices)
         self.where: dict[str, tuple[str, tuple[int, ...]]] = {}
