@@ -162,6 +162,7 @@ def refused_worker(rank: int, world: int) -> dict[str, str]:
 
 def test_unsupported_dtensors_fail_on_every_rank() -> None:
     for rank, r in enumerate(run_ranks(refused_worker, 2, timeout=300)):
-        assert "DTensor placement Partial(sum) is not supported; use Shard, _StridedShard or Replicate" \
+        assert "'w': DTensor placement Partial(sum) is not supported; use Shard, _StridedShard or Replicate" \
             in r["partial"], (rank, r)
         assert "the local tensor is [4, 2], the placements give [3, 2]" in r["wrong"], (rank, r)
+        assert "'w': DTensor [7, 2]" in r["wrong"], (rank, r)

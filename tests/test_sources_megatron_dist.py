@@ -92,7 +92,8 @@ class _Boom:
 def test_format_errors(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     with pytest.raises(FormatError, match="sharded_backend 'zarr'; only 'torch_dist'"):
         open_source(write_torch_dist(tmp_path / "zarr", {QKV: torch.zeros(2, 3)}, backend="zarr"))
-    flat = write_torch_dist(tmp_path / "flat", {"decoder.layers.mlp.linear_fc1.layer_norm_weight": torch.zeros(3)})
+    flat = write_torch_dist(tmp_path / "flat",
+                            {"decoder.layers.mlp.linear_fc1.layer_norm_weight": torch.zeros(3)})
     with pytest.raises(FormatError, match=r"is \[3\], but its name says 1 stacked dims"):
         MegatronDistSource(flat)
     torn = write_torch_dist(tmp_path / "torn", {QKV: torch.zeros(2, 3)})

@@ -93,12 +93,12 @@ def shard_dim(tensor: torch.Tensor, dim: int, rank: int, world: int) -> ShardedT
     return ShardedTensor(tensor.narrow(dim, start, stop - start), tensor.shape, offset)
 
 
-def dtensor_shards(dt: Any) -> list[ShardedTensor]:
+def dtensor_shards(dt: Any, *, key: str = "<tensor>") -> list[ShardedTensor]:
     """This rank's region of a DTensor as ShardedTensors, each a view of ``dt.to_local()``.
 
     ``Shard`` and ``Replicate`` placements give one box; ``_StridedShard`` (FSDP2 ``fully_shard`` over
     tensor parallelism) may give several (see :mod:`shardsync.layout.placements`). Writes into the
-    views land in the DTensor.
+    views land in the DTensor. ``key`` names it in error messages.
 
     Raises:
         TypeError: ``dt`` is not a DTensor.
@@ -112,8 +112,8 @@ def dtensor_shards(dt: Any) -> list[ShardedTensor]:
         raise TypeError(f"expected a DTensor, got {type(dt).__name__}")
     bad = [p for p in dt.placements if not isinstance(p, (Shard, _StridedShard, Replicate))]
     if bad:
-        raise LayoutError(f"DTensor placement {bad[0]!r} is not supported; use Shard, _StridedShard or "
-                          "Replicate (redistribute partial tensors first)")
+        raise LayoutError(f"{key!r}: DTensor placement {bad[0]!r} is not supported; use Shard, "
+                          "_StridedShard or Replicate (redistribute partial tensors first)")
     coordinate = dt.device_mesh.get_coordinate()
     local = dt.to_local()
     if coordinate is None:  # this rank is not in the mesh: it holds nothing
@@ -124,9 +124,10 @@ def dtensor_shards(dt: Any) -> list[ShardedTensor]:
     boxes = shard_boxes(tuple(dt.shape), splits)
     held = boxes[-1][1].stops  # the last box ends where the local tensor does
     if held != tuple(local.shape):
-        raise LayoutError(f"DTensor {list(dt.shape)} with placements {list(dt.placements)}: the local "
-                          f"tensor is {list(local.shape)}, the placements give {list(held)}")
-    return [ShardedTensor(local[loc.slices()], tuple(dt.shape), glob.offsets) for glob, loc in boxes]
+        raise LayoutError(f"{key!r}: DTensor {list(dt.shape)} with placements {list(dt.placements)}: the "
+                          f"local tensor is {list(local.shape)}, the placements give {list(held)}")
+    return [ShardedTensor(local[loc.slices()], tuple(dt.shape), glob.offsets, key=key)
+            for glob, loc in boxes]
 
 
 def from_dtensor(dt: Any) -> ShardedTensor:
@@ -168,7 +169,7 @@ def local_shards(key: str, value: StateValue) -> list[ShardedTensor]:
 
 def _normalise(key: str, value: StateValue) -> list[ShardedTensor]:
     if type(value).__name__ == "DTensor":
-        return dtensor_shards(value)
+        return dtensor_shards(value, key=key)
     if isinstance(value, ShardedTensor):
         return [value]
     if isinstance(value, torch.Tensor):
