@@ -91,7 +91,8 @@ CASES = {
         "{root}/dcp/.metadata is the metadata file of a DCP checkpoint (pass its directory {root}/dcp)",
     "diff {root}/config.json {root}/single":
         "{root}/config.json is not a checkpoint file (pass a .safetensors file, a *.safetensors.index.json, "
-        "a directory of safetensors files, or a torch DCP checkpoint directory (one holding .metadata))",
+        "a directory of safetensors files, a torch DCP checkpoint directory (one holding .metadata), or a "
+        "Megatron dist_checkpointing directory (metadata.json, common.pt))",
     "inspect {root}/nothing": "{root}/nothing does not exist (check the checkpoint path)",
     "convert {root}/single {root}/o --dtype int8":
         "--dtype 'int8' is not a floating dtype (use bf16, fp16, fp32 or a torch name such as bfloat16)",

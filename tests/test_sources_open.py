@@ -41,8 +41,9 @@ def test_what_is_not_a_checkpoint(tmp_path: Path, capsys: pytest.CaptureFixture[
         tmp_path / "dcp" / ".metadata": "is the metadata file of a DCP checkpoint; pass its directory "
                                         f"{tmp_path / 'dcp'}",
         tmp_path / "config.json": "is not a checkpoint file; pass a .safetensors file, a "
-                                  "*.safetensors.index.json, a directory of safetensors files, or a "
-                                  "torch DCP checkpoint directory (one holding .metadata)",
+                                  "*.safetensors.index.json, a directory of safetensors files, a "
+                                  "torch DCP checkpoint directory (one holding .metadata), or a Megatron "
+                                  "dist_checkpointing directory (metadata.json, common.pt)",
         tmp_path / "empty": "is not a checkpoint: it holds no *.safetensors file and no .metadata",
         tmp_path / "nope": "does not exist",
     }

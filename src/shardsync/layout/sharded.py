@@ -11,8 +11,10 @@ from ..errors import LayoutError
 from .box import Box
 from .dtypes import dtype_name
 from .meta import LayoutEntry
+from .placements import Split, shard_boxes
 
-__all__ = ["ShardedTensor", "StateValue", "shard_dim", "from_dtensor", "local_shards", "local_layout"]
+__all__ = ["ShardedTensor", "StateValue", "shard_dim", "from_dtensor", "dtensor_shards", "local_shards",
+           "local_layout"]
 
 
 class ShardedTensor:
@@ -91,19 +93,54 @@ def shard_dim(tensor: torch.Tensor, dim: int, rank: int, world: int) -> ShardedT
     return ShardedTensor(tensor.narrow(dim, start, stop - start), tensor.shape, offset)
 
 
-def from_dtensor(dt: Any) -> ShardedTensor:
-    """This rank's shard of a DTensor (``Shard``/``Replicate`` placements) as a ShardedTensor."""
+def dtensor_shards(dt: Any, *, key: str = "<tensor>") -> list[ShardedTensor]:
+    """This rank's region of a DTensor as ShardedTensors, each a view of ``dt.to_local()``.
+
+    ``Shard`` and ``Replicate`` placements give one box; ``_StridedShard`` (FSDP2 ``fully_shard`` over
+    tensor parallelism) may give several (see :mod:`shardsync.layout.placements`). Writes into the
+    views land in the DTensor. ``key`` names it in error messages.
+
+    Raises:
+        TypeError: ``dt`` is not a DTensor.
+        LayoutError: a ``Partial`` placement, or a local tensor whose shape is not what the
+            placements say.
+    """
     from torch.distributed.tensor import DTensor  # local: only DTensor users pay for the import
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+    from torch.distributed.tensor.placement_types import Replicate, Shard, _StridedShard
 
     if not isinstance(dt, DTensor):
         raise TypeError(f"expected a DTensor, got {type(dt).__name__}")
-    for p in dt.placements:
-        if not (p.is_shard() or p.is_replicate()):
-            raise LayoutError(f"DTensor placement {p} is not supported; use Shard or Replicate "
-                              "(redistribute partial tensors first)")
-    _, offset = compute_local_shape_and_global_offset(dt.shape, dt.device_mesh, dt.placements)
-    return ShardedTensor(dt.to_local(), tuple(dt.shape), tuple(offset))
+    bad = [p for p in dt.placements if not isinstance(p, (Shard, _StridedShard, Replicate))]
+    if bad:
+        raise LayoutError(f"{key!r}: DTensor placement {bad[0]!r} is not supported; use Shard, "
+                          "_StridedShard or Replicate (redistribute partial tensors first)")
+    coordinate = dt.device_mesh.get_coordinate()
+    local = dt.to_local()
+    if coordinate is None:  # this rank is not in the mesh: it holds nothing
+        return [ShardedTensor(local.new_empty((0,) * dt.dim()), tuple(dt.shape), tuple(dt.shape))]
+    splits = [Split(p.dim, dt.device_mesh.size(m), coordinate[m],
+                    int(p.split_factor) if isinstance(p, _StridedShard) else 1)
+              for m, p in enumerate(dt.placements) if isinstance(p, (Shard, _StridedShard))]
+    boxes = shard_boxes(tuple(dt.shape), splits)
+    held = boxes[-1][1].stops  # the last box ends where the local tensor does
+    if held != tuple(local.shape):
+        raise LayoutError(f"{key!r}: DTensor {list(dt.shape)} with placements {list(dt.placements)}: the "
+                          f"local tensor is {list(local.shape)}, the placements give {list(held)}")
+    return [ShardedTensor(local[loc.slices()], tuple(dt.shape), glob.offsets, key=key)
+            for glob, loc in boxes]
+
+
+def from_dtensor(dt: Any) -> ShardedTensor:
+    """This rank's shard of a DTensor as one ShardedTensor (see :func:`dtensor_shards`).
+
+    Raises:
+        LayoutError: the shard is several boxes (``_StridedShard``); use :func:`dtensor_shards`.
+    """
+    shards = dtensor_shards(dt)
+    if len(shards) > 1:
+        raise LayoutError(f"DTensor with placements {list(dt.placements)}: this rank holds "
+                          f"{len(shards)} boxes, not one; use dtensor_shards(dt) for the list")
+    return shards[0]
 
 
 def local_shards(key: str, value: StateValue) -> list[ShardedTensor]:
@@ -132,7 +169,7 @@ def local_shards(key: str, value: StateValue) -> list[ShardedTensor]:
 
 def _normalise(key: str, value: StateValue) -> list[ShardedTensor]:
     if type(value).__name__ == "DTensor":
-        return [from_dtensor(value)]
+        return dtensor_shards(value, key=key)
     if isinstance(value, ShardedTensor):
         return [value]
     if isinstance(value, torch.Tensor):

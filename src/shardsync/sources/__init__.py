@@ -1,7 +1,8 @@
 """Where weights come from: the :class:`Source` protocol and its implementations.
 
 In-memory state (:class:`LocalSource`), Hugging Face safetensors checkpoints
-(:class:`SafetensorsSource`) and torch Distributed Checkpoints (:class:`DcpSource`), block-FP8 weights
+(:class:`SafetensorsSource`), torch Distributed Checkpoints (:class:`DcpSource`), Megatron
+``dist_checkpointing`` checkpoints (:class:`MegatronDistSource`, per layer), and block-FP8 weights
 read as values (:class:`Fp8Source`);
 :func:`open_source` picks one for a state dict, a Source or a path.
 """
@@ -14,8 +15,10 @@ from .fp8 import Fp8Source, dequantized
 from .fp8_quantized import QuantizedSource
 from .local import LocalSource
 from .megatron import from_megatron
+from .megatron_dist import MegatronDistSource
 from .open import SourceLike, assign_boxes, open_source, spread
 from .safetensors import SafetensorsSource
 
-__all__ = ["Source", "LocalSource", "SafetensorsSource", "DcpSource", "SourceLike", "open_source",
-           "assign_boxes", "spread", "from_megatron", "Fp8Source", "dequantized", "QuantizedSource"]
+__all__ = ["Source", "LocalSource", "SafetensorsSource", "DcpSource", "MegatronDistSource", "SourceLike",
+           "open_source", "assign_boxes", "spread", "from_megatron", "Fp8Source", "dequantized",
+           "QuantizedSource"]

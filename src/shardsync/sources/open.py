@@ -25,6 +25,7 @@ from .base import Source
 from .dcp import METADATA_FILE, DcpSource
 from .fingerprint import ReplicaCheck
 from .local import LocalSource
+from .megatron_dist import MegatronDistSource, is_megatron_dist
 from .safetensors import SafetensorsSource
 
 __all__ = ["SourceLike", "open_source", "assign_boxes", "spread", "SpreadSource"]
@@ -32,14 +33,17 @@ __all__ = ["SourceLike", "open_source", "assign_boxes", "spread", "SpreadSource"
 #: What the streaming functions accept as input: a state dict, a Source, or a checkpoint path.
 SourceLike = Union[Mapping[str, StateValue], Source, str, os.PathLike]
 
-_WHAT = ("a .safetensors file, a *.safetensors.index.json, a directory of safetensors files, or a "
-         "torch DCP checkpoint directory (one holding .metadata)")
+_WHAT = ("a .safetensors file, a *.safetensors.index.json, a directory of safetensors files, a "
+         "torch DCP checkpoint directory (one holding .metadata), or a Megatron dist_checkpointing "
+         "directory (metadata.json, common.pt)")
 
 
 def open_source(x: SourceLike, replica_check: ReplicaCheck = "sampled") -> Source:
     """The Source for ``x``: a state dict becomes a :class:`LocalSource` (fingerprinting its shards
-    per ``replica_check``), a Source is kept, a path is opened by its format (a DCP directory has
-    ``.metadata``; else safetensors).
+    per ``replica_check``), a Source is kept, a path is opened by its format (a Megatron
+    ``dist_checkpointing`` directory has ``metadata.json`` and ``common.pt``, read per layer by
+    :class:`~shardsync.sources.MegatronDistSource`; a DCP directory has ``.metadata``; else
+    safetensors).
 
     Raises:
         FormatError: a path that does not exist or is not a checkpoint (the message says what is).
@@ -61,6 +65,8 @@ def open_source(x: SourceLike, replica_check: ReplicaCheck = "sampled") -> Sourc
 
 def _open_path(p: Path) -> Source:
     if p.is_dir():
+        if is_megatron_dist(p):
+            return MegatronDistSource(p)
         if (p / METADATA_FILE).is_file():
             return DcpSource(p)
         if any(p.glob("*.safetensors")) or any(p.glob("*.safetensors.index.json")):

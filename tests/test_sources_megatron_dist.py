@@ -1,0 +1,160 @@
+"""Megatron dist_checkpointing (torch_dist) checkpoints read per layer under live names.
+
+A checkpoint of that format is written here with torch DCP alone (stacked layers, stacked and per-expert
+MoE tensors, optimizer state, a bytes entry), and by megatron-core itself: ``dist_checkpointing.save``
+of a TP=2 GPTModel on 2 gloo ranks, converted by the CLI with the shipped ``megatron-llama-te`` mapping
+and compared with the model gathered by plain ``all_gather`` (test_megatron's reference).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import shlex
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from multiproc import run_ranks
+from reference import arange_tensor
+from safetensors.torch import load_file
+
+import shardsync
+from shardsync.cli import main
+from shardsync.errors import FormatError, LayoutError
+from shardsync.layout import Box
+from shardsync.sources import MegatronDistSource, open_source
+
+DOC = Path(__file__).parent.parent / "docs" / "megatron.md"
+
+QKV = "decoder.layers.self_attention.linear_qkv.weight"
+NORM = "decoder.layers.self_attention.linear_qkv.layer_norm_weight"
+EXPERTS = "decoder.layers.mlp.experts.experts.linear_fc1.weight"
+ONE_EXPERT = "decoder.layers.2.mlp.experts.experts.1.linear_fc2.weight"
+
+
+def stacked_state() -> dict[str, Any]:
+    return {QKV: arange_tensor((3, 17, 5)), NORM: arange_tensor((3, 5), start=1000),
+            EXPERTS: arange_tensor((3, 4, 6, 5), start=2000), ONE_EXPERT: arange_tensor((5, 3), start=3000),
+            "embedding.word_embeddings.weight": arange_tensor((127, 5), start=4000),
+            "optimizer.state.exp_avg." + QKV: torch.zeros(3, 17, 5),
+            "decoder.layers.self_attention.linear_qkv._extra_state/shard_0_1": b"te state"}
+
+
+def write_torch_dist(path: Path, state: dict[str, Any], backend: str = "torch_dist") -> Path:
+    """What dist_checkpointing.save writes: a DCP directory, metadata.json and common.pt."""
+    dcp.save(state, checkpoint_id=path, no_dist=True)
+    (path / "metadata.json").write_text(json.dumps({"sharded_backend": backend, "sharded_backend_version": 1,
+                                                    "common_backend": "torch", "common_backend_version": 1}))
+    torch.save({"iteration": 7}, path / "common.pt")
+    return path
+
+
+def test_stacked_layers_and_experts_read_as_live_names(tmp_path: Path) -> None:
+    src = open_source(write_torch_dist(tmp_path, stacked_state()))
+    assert isinstance(src, MegatronDistSource)
+    want = {"embedding.word_embeddings.weight": stacked_state()["embedding.word_embeddings.weight"],
+            "decoder.layers.2.mlp.experts.local_experts.1.linear_fc2.weight": stacked_state()[ONE_EXPERT]}
+    for i in range(3):
+        want[f"decoder.layers.{i}.self_attention.linear_qkv.weight"] = stacked_state()[QKV][i]
+        want[f"decoder.layers.{i}.self_attention.linear_qkv.layer_norm_weight"] = stacked_state()[NORM][i]
+        for e in range(4):
+            want[f"decoder.layers.{i}.mlp.experts.local_experts.{e}.linear_fc1.weight"] = \
+                stacked_state()[EXPERTS][i, e]
+    assert [e.key for e in src.entries()] == sorted(want)
+    for e in src.entries():
+        assert e.shape == tuple(want[e.key].shape) and e.box == Box.full(e.shape), e.key
+        assert torch.equal(src.read(e.key, e.box), want[e.key]), e.key
+    part = src.read("decoder.layers.1.self_attention.linear_qkv.weight", Box((3, 1), (11, 4)))
+    assert torch.equal(part, stacked_state()[QKV][1, 3:14, 1:5])
+    assert dict(shardsync.full_params(src)).keys() == want.keys()
+    assert src.common() == {"iteration": 7}
+
+
+def test_local_norm_names(tmp_path: Path) -> None:
+    src = MegatronDistSource(write_torch_dist(tmp_path, {NORM: arange_tensor((2, 5))}), norms="local")
+    assert [e.key for e in src.entries()] == ["decoder.layers.0.input_layernorm.weight",
+                                             "decoder.layers.1.input_layernorm.weight"]
+    assert torch.equal(src.read("decoder.layers.1.input_layernorm.weight", Box((0,), (5,))),
+                       arange_tensor((2, 5))[1])
+    with pytest.raises(LayoutError, match="norms='TE': use 'te'"):
+        MegatronDistSource(tmp_path, norms="TE")  # type: ignore[arg-type]
+
+
+class _Boom:
+    def __reduce__(self) -> tuple[Any, tuple[str]]:
+        return (os.system, ("touch pwned",))
+
+
+def test_format_errors(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    with pytest.raises(FormatError, match="sharded_backend 'zarr'; only 'torch_dist'"):
+        open_source(write_torch_dist(tmp_path / "zarr", {QKV: torch.zeros(2, 3)}, backend="zarr"))
+    flat = write_torch_dist(tmp_path / "flat",
+                            {"decoder.layers.mlp.linear_fc1.layer_norm_weight": torch.zeros(3)})
+    with pytest.raises(FormatError, match=r"is \[3\], but its name says 1 stacked dims"):
+        MegatronDistSource(flat)
+    torn = write_torch_dist(tmp_path / "torn", {QKV: torch.zeros(2, 3)})
+    (torn / ".metadata").unlink()
+    with pytest.raises(FormatError, match="no .metadata; the checkpoint is incomplete"):
+        open_source(torn)
+    evil = write_torch_dist(tmp_path / "evil", {QKV: torch.zeros(2, 3)})
+    (evil / "common.pt").write_bytes(pickle.dumps({"args": _Boom()}))
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(FormatError, match="cannot be loaded safely .weights_only=True."):
+        MegatronDistSource(evil).common()
+    assert not (tmp_path / "pwned").exists()
+
+
+# -- megatron-core's own dist_checkpointing.save, TP=2, converted by the CLI --------------------------
+
+def doc_block(marker: str, lang: str) -> str:
+    """The first ``lang`` code block after ``marker`` in docs/megatron.md."""
+    text = DOC.read_text()
+    return text[text.index(marker):].split(f"```{lang}\n", 1)[1].split("```", 1)[0]
+
+
+SAVE = "<!-- executed by tests/test_sources_megatron_dist.py"
+CONVERT = "<!-- run by tests/test_sources_megatron_dist.py"
+
+def save_worker(rank: int, world: int, out: str) -> dict[str, Any] | None:
+    import multiprocessing
+    import warnings
+
+    from test_megatron import build_gpt, gathered_by_hand, hf_by_hand, init_parallel
+
+    warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex).*")
+    torch.cuda.synchronize = lambda *a, **k: None  # CPU shims (real-clients.md), tests only
+    torch.cuda.current_device = lambda: "cpu"  # type: ignore[assignment,return-value]
+    # the harness's ranks are daemon processes; Megatron's writer forks one process per file
+    multiprocessing.current_process()._config["daemon"] = False  # type: ignore[attr-defined]
+    init_parallel(tp=2, pp=1)
+    model = build_gpt()
+    exec(doc_block(SAVE, "python"), {"model": model, "ckpt_dir": out})  # dist_checkpointing.save
+    want = hf_by_hand(gathered_by_hand(model), tp=2)
+    live = sorted(k for k, _ in shardsync.full_params(shardsync.from_megatron(model)))
+    return {"hf": want, "live": live} if rank == 0 else None
+
+
+def test_megatron_core_checkpoint_converts_by_cli_to_the_gathered_model(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    pytest.importorskip("megatron.core")
+    ckpt, out = tmp_path / "ckpt", tmp_path / "hf"
+    ckpt.mkdir()
+    ref = run_ranks(save_worker, 2, str(ckpt), timeout=600)[0]
+    assert ref is not None
+    monkeypatch.chdir(tmp_path)
+    command = shlex.split(doc_block(CONVERT, "sh").strip())
+    assert command[:2] == ["shardsync", "convert"]
+    assert main(command[1:]) == 0
+    got = load_file(out / "model.safetensors")
+    assert sorted(got) == sorted(ref["hf"])
+    assert [k for k in ref["hf"] if not torch.equal(got[k], ref["hf"][k])] == []
+    local = MegatronDistSource(ckpt, norms="local")
+    assert sorted({e.key for e in local.entries()}) == ref["live"]
+    mapping = shardsync.Mapping.parse("megatron-llama", params={
+        "num_heads": 4, "num_key_value_groups": 2, "vocab_size": 128})
+    streamed = dict(shardsync.full_params(local, mapping))
+    assert [k for k in ref["hf"] if not torch.equal(streamed[k], ref["hf"][k])] == []
