@@ -1,8 +1,8 @@
 """Slow, obviously-correct references for tests.
 
 ``dense_run`` applies already-expanded statements literally to full tensors (torch.cat, torch.split,
-permute, .to), with the fused macros written as reshapes - a different route from the resolver's
-box arithmetic. ``assemble`` builds targets from resolved pieces by plain slicing.
+permute, .to, torch.stack, torch.unbind, .reshape), with the fused macros written as reshapes - a
+different route from the resolver's box arithmetic. ``assemble`` builds targets from resolved pieces by plain slicing.
 """
 
 from __future__ import annotations
@@ -33,8 +33,9 @@ def assemble(spec: TargetSpec, full: Mapping[str, torch.Tensor]) -> torch.Tensor
     covered = torch.zeros(spec.shape, dtype=torch.int32)
     for p in spec.pieces:
         x = full[p.source][p.source_box.slices()]
-        if p.perm is not None:
-            x = x.permute(p.perm)
+        if p.perm is not None:  # -1: a new unit dim; source dims left out have size 1
+            kept = [d for d in p.perm if d >= 0]
+            x = x.permute(kept + [d for d in range(x.dim()) if d not in kept]).reshape(p.target_box.sizes)
         for c in p.casts:
             x = x.to(to_torch_dtype(c))
         out[p.target_box.slices()] = x.to(out.dtype)
@@ -92,10 +93,22 @@ def _fused(st: Statement, kind: str, ins: list[torch.Tensor], shards: Mapping[st
     return gu if len(st.right) == 2 else [join_heads(gu, blocks(st.right[0].text))]
 
 
+def _ints(st: Statement, key: str) -> list[int]:
+    return [int(p) for p in str(st.attr(key)).strip("[]").split(",") if p.strip()]
+
+
 def _apply(st: Statement, ins: list[torch.Tensor], shards: Mapping[str, int]) -> list[torch.Tensor]:
     fused = [a.key for a in st.attrs if a.value is None]
+    if fused == ["stack"]:
+        return [torch.stack(ins, dim=int(st.attr("axis", 0) or 0))]
+    if fused == ["unstack"]:
+        return list(torch.unbind(ins[0], dim=int(st.attr("axis", 0) or 0)))
     if fused:
         return _fused(st, fused[0], ins, shards)
+    if st.has("shape") or st.has("dst_shape"):
+        if st.has("src_shape"):
+            assert ins[0].shape == ins[0].reshape(_ints(st, "src_shape")).shape
+        return [ins[0].reshape(_ints(st, "shape" if st.has("shape") else "dst_shape"))]
     if len(ins) == 1 and len(st.right) == 1:
         x = ins[0]
         if st.has("src_dtype"):

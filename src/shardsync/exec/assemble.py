@@ -16,7 +16,7 @@ from ..layout.box import Box
 from ..layout.dtypes import to_torch_dtype
 from ..mapping.pieces import Piece
 
-__all__ = ["copy_piece", "cast_into", "CHAIN_CHUNK_ELEMENTS"]
+__all__ = ["copy_piece", "cast_into", "arrange", "CHAIN_CHUNK_ELEMENTS"]
 
 #: Largest temporary (in elements) of a multi-cast chain.
 CHAIN_CHUNK_ELEMENTS = 1 << 20
@@ -49,6 +49,24 @@ def cast_into(dst: torch.Tensor, src: torch.Tensor, casts: Sequence[str]) -> Non
         dst[start:stop].copy_(_chain(src[start:stop], casts[:-1]))
 
 
+def arrange(view: torch.Tensor, piece: Piece) -> torch.Tensor:
+    """``view`` (the piece's source box) in the target's dims: permuted, its dropped unit dims moved
+    last and reshaped away, new unit dims added. A view, never a copy.
+
+    Example:
+        >>> piece = Piece("s", Box((0, 0, 0), (1, 2, 3)), Box((0, 0), (3, 2)), perm=(2, 1))
+        >>> arrange(torch.arange(6).reshape(1, 2, 3), piece).tolist()
+        [[0, 3], [1, 4], [2, 5]]
+    """
+    if piece.perm is None:
+        return view
+    kept = [p for p in piece.perm if p >= 0]
+    if len(kept) == view.dim() and len(kept) == len(piece.perm):
+        return view.permute(kept)
+    dropped = [d for d in range(view.dim()) if d not in kept]
+    return view.permute(kept + dropped).reshape(piece.target_box.sizes)
+
+
 @torch.no_grad()
 def copy_piece(out: torch.Tensor, data: torch.Tensor, origin: Box, piece: Piece) -> None:
     """Write ``piece`` into target ``out``, reading its source box from ``data`` located at ``origin``.
@@ -70,5 +88,5 @@ def copy_piece(out: torch.Tensor, data: torch.Tensor, origin: Box, piece: Piece)
     """
     view = data[piece.source_box.relative_to(origin).slices()]
     if piece.perm is not None:
-        view = view.permute(piece.perm)
+        view = arrange(view, piece)
     cast_into(out[piece.target_box.slices()], view, piece.casts)

@@ -14,7 +14,9 @@ __all__ = ["explain", "describe_targets"]
 
 def _piece_line(p: Piece) -> str:
     line = f"    {p.source}{p.source_box} -> {p.target_box}"
-    if p.perm is not None:
+    if p.perm is not None and (len(p.perm) != p.source_box.ndim or -1 in p.perm):
+        line += f"  view {['new' if d < 0 else d for d in p.perm]}"  # unit dims dropped or added
+    elif p.perm is not None:
         line += f"  permute {list(p.perm)}"
     if p.casts:
         line += "  cast " + " -> ".join(p.casts)

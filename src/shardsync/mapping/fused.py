@@ -1,4 +1,5 @@
-"""The fused forms, built from split and concat, and :data:`FUSED_FORMS`, the one table of them.
+"""The fused forms, built from split and concat, and :data:`FUSED_FORMS`, the one table of the forms
+written with a keyword (the fused forms here, ``stack``/``unstack`` from :mod:`.grouped`).
 
 The parser's keywords and attributes and the resolver's dispatch are derived from the table, so a new
 form is one entry plus its function. ``fused_qkv`` is GQA-interleaved (independent of sharding);
@@ -10,27 +11,36 @@ refuses shards of unequal sizes there.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Container, Sequence
 from typing import NamedTuple
 
+from .grouped import AnyToOne, OneToAny, apply_stack, apply_unstack, stack_dim, unstack_dim
 from .statements import ShardCount, StatementError, axis_of, concat_checked
 from .syntax import Name, Statement
 from .vtensor import VTensor, chunk, concat, split
 
-__all__ = ["FusedForm", "FusedApply", "FUSED_FORMS", "apply_fused"]
+__all__ = ["FusedForm", "FusedApply", "FormDim", "FUSED_FORMS", "apply_fused"]
 
 #: ``(statement, inputs, dim, count) -> outputs``: the evaluation of one fused form.
 FusedApply = Callable[[Statement, Sequence[VTensor], int, ShardCount], list[VTensor]]
+#: ``(statement, inputs) -> dim``: the dim a form works along, checked.
+FormDim = Callable[[Statement, Sequence[VTensor]], int]
+
+
+def _fused_dim(st: Statement, ins: Sequence[VTensor]) -> int:
+    return axis_of(st, ins[0], default=1)
 
 
 class FusedForm(NamedTuple):
-    """One fused form: the attributes it takes besides its keyword, its ``(inputs, outputs)`` arities,
-    how it is written (for errors) and its function."""
+    """One form with a keyword: the attributes it takes besides its keyword, its ``(inputs, outputs)``
+    arities, how it is written (for errors), its function, and how it reads its dim (``axis=``,
+    default 1 for the fused forms)."""
 
     attrs: frozenset[str]
-    arities: frozenset[tuple[int, int]]
+    arities: Container[tuple[int, int]]
     usage: str
     apply: FusedApply
+    dim: FormDim = _fused_dim
 
 
 class _Blocks(NamedTuple):
@@ -160,6 +170,10 @@ FUSED_FORMS: dict[str, FusedForm] = {
     "fused_ffn": FusedForm(frozenset({"axis", "tp"}), frozenset({(1, 2), (2, 1), (1, 1)}),
                            "`W -> gate, up, fused_ffn`, `gate, up -> W, fused_ffn` or `W -> W2, fused_ffn`",
                            _ffn),
+    "stack": FusedForm(frozenset({"axis"}), AnyToOne(), "`a, b, c -> s, stack [, axis=k]`", apply_stack,
+                       stack_dim),
+    "unstack": FusedForm(frozenset({"axis"}), OneToAny(), "`s -> a, b, c, unstack [, axis=k]`",
+                         apply_unstack, unstack_dim),
 }
 
 
@@ -196,4 +210,4 @@ def apply_fused(st: Statement, ins: Sequence[VTensor], count: ShardCount) -> lis
                              f"`{st.left[0].text} -> {st.right[0].text}` has two", st.attr_name("tp"),
                              (f"split into the parts with tp=<source blocks>, then join them with "
                               f"tp=<destination blocks>, in two {kind} statements",))
-    return form.apply(st, ins, axis_of(st, ins[0], default=1), count)
+    return form.apply(st, ins, form.dim(st, ins), count)

@@ -8,14 +8,20 @@ The *source side* of a statement is the side read in the export direction: the l
 right side for a reversed (load-direction) program. Its names match against source keys; the other
 side's names match against destination keys, which only a destination layout provides.
 
-A name with placeholders or ``*`` matches keys in linear time: each slot is a run of ASCII digits taken
-whole (no backtracking), so a slot must end the name or be followed by a non-digit.
+A name with placeholders or ``*`` matches keys in linear time: each slot is taken whole (no
+backtracking). A ``*`` that is a whole segment of a dotted name (``experts.*.w``) matches any segment;
+otherwise a slot is a run of ASCII digits, so it must end the name or be followed by a non-digit.
+
+Names bound by earlier statements (intermediates) are matched like source keys, so a statement can read
+``gate.$LAYER_ID`` that an earlier one assigned. A ``*`` among the outputs of an ``unstack`` numbers
+them ``0, 1, ...`` along the unstacked dim, whose size ``shapes`` gives (the resolver expands each
+statement just before it runs, knowing the shapes of the sources and of the names bound so far).
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import replace
 
 from .lexer import parse_int
@@ -29,6 +35,8 @@ _SLOT = re.compile(r"\$([A-Z_][A-Z0-9_]*)|\*")
 # A slot's digits, taken possessively (never given back, so matching cannot backtrack); 18 digits at
 # most, so every value fits int() and an absurd key simply does not match.
 _RUN = "[0-9]{1,18}+"
+# A whole-segment '*': any run of characters but '.', taken possessively.
+_SEGMENT = "[^.]++"
 _T = "^T"
 
 
@@ -55,13 +63,15 @@ def _template(name: Name) -> re.Pattern[str]:
     out, at, seen = [], 0, set()
     for m in _SLOT.finditer(text):
         nxt = text[m.end():m.end() + 1]
-        if nxt.isascii() and nxt.isdigit() or _SLOT.match(text, m.end()):
+        ph = m.group(1)
+        segment = ph is None and text[m.start() - 1:m.start()] in ("", ".") and nxt in ("", ".")
+        if not segment and (nxt.isascii() and nxt.isdigit() or _SLOT.match(text, m.end())):
             raise _MacroFail(f"{name.text!r}: {m.group()!r} is directly followed by {nxt!r}; a placeholder "
                              "or '*' must end the name or be followed by a non-digit, so that a run of "
                              "digits in a key can be cut only one way", name)
         out.append(re.escape(text[at:m.start()]))
-        ph = m.group(1)
-        out.append(f"({_RUN})" if ph is None else f"(?P={ph})" if ph in seen else f"(?P<{ph}>{_RUN})")
+        star = f"({_SEGMENT})" if segment else f"({_RUN})"
+        out.append(star if ph is None else f"(?P={ph})" if ph in seen else f"(?P<{ph}>{_RUN})")
         seen.add(ph)
         at = m.end()
     out.append(re.escape(text[at:]))
@@ -139,10 +149,16 @@ def _expand_placeholders(st: Statement, src_keys: Sequence[str], dst_keys: Seque
     return out
 
 
-def _star_hits(name: Name, keys: Sequence[str]) -> list[tuple[int, str]]:
-    """The keys a name with one ``*`` matches, as ``(number, key)`` in numeric order."""
+def _order(segment: str) -> tuple[int, int, str]:
+    """Numbers first, in numeric order, then other segments in text order."""
+    number = segment.isascii() and segment.isdigit() and len(segment) <= 18
+    return (0, int(segment), "") if number else (1, 0, segment)
+
+
+def _star_hits(name: Name, keys: Sequence[str]) -> list[tuple[tuple[int, int, str], str]]:
+    """The keys a name with one ``*`` matches, numbers first in numeric order, then by text."""
     pat = _template(name)
-    return sorted((int(m.group(1)), k) for k in keys if (m := pat.fullmatch(k)))
+    return sorted((_order(m.group(1)), k) for k in dict.fromkeys(keys) if (m := pat.fullmatch(k)))
 
 
 def _star(name: Name, keys: Sequence[str] | None, which: str) -> list[Name]:
@@ -158,14 +174,39 @@ def _star(name: Name, keys: Sequence[str] | None, which: str) -> list[Name]:
     return [Name(k + suffix, name.col) for _, k in hits]
 
 
+def _unstacks(st: Statement, reverse: bool) -> bool:
+    """Whether ``st`` runs as an unstack (a ``stack`` read in reverse mode does)."""
+    keyword = "stack" if reverse else "unstack"
+    return any(a.key == keyword and a.value is None for a in st.attrs)
+
+
+def _numbered(src: Sequence[Name], dst: Sequence[Name], st: Statement,
+              shapes: Mapping[str, Sequence[int]]) -> list[Name]:
+    """The outputs ``x.*.y`` of an unstack, numbered ``0 .. n-1`` by the size of the unstacked dim."""
+    out = dst[0]
+    if len(src) != 1 or len(dst) != 1 or out.text.count("*") != 1:
+        raise _MacroFail("an unstack numbers its outputs with '*' when it has one input and one output "
+                         "name holding one '*'", out)
+    shape = shapes.get(src[0].text)
+    axis = st.attr("axis", 0)
+    if shape is None:  # an unknown input: the statement reports it when it runs
+        return list(dst)
+    if not isinstance(axis, int) or not -len(shape) <= axis < len(shape):
+        raise _MacroFail(f"axis={axis!r} is out of range for {src[0].text!r} of shape {list(shape)}",
+                         st.attr_name("axis"))
+    return [Name(out.text.replace("*", str(i)), out.col) for i in range(shape[axis])]
+
+
 def _expand_star(st: Statement, src_keys: Sequence[str], dst_keys: Sequence[str] | None,
-                 reverse: bool) -> list[Statement]:
-    """``*`` expanded on both sides; an optional statement whose source-side ``*`` matches nothing is
-    dropped."""
+                 reverse: bool, shapes: Mapping[str, Sequence[int]]) -> list[Statement]:
+    """``*`` expanded on both sides (an unstack's outputs numbered); an optional statement whose
+    source-side ``*`` matches nothing is dropped."""
     src, dst = _sides(st, reverse)
     if st.optional and any("*" in n.text and not _star_hits(n, src_keys) for n in src):
         return []
     new_src = [m for n in src for m in (_star(n, src_keys, "source") if "*" in n.text else [n])]
+    if _unstacks(st, reverse) and any("*" in n.text for n in dst):
+        return [_rebuild(st, reverse, new_src, _numbered(new_src, dst, st, shapes))]
     new_dst = [m for n in dst for m in (_star(n, dst_keys, "destination") if "*" in n.text else [n])]
     return [_rebuild(st, reverse, new_src, new_dst)]
 
@@ -184,21 +225,37 @@ def _expand_transpose(st: Statement) -> list[Statement]:
     return pre + [st]
 
 
+def _expand_one(st: Statement, src_keys: Sequence[str], known: Sequence[str],
+                dst_keys: Sequence[str] | None, reverse: bool,
+                shapes: Mapping[str, Sequence[int]]) -> list[Statement]:
+    todo = [st]
+    if any(_OFFSET in n.text for n in st.left + st.right):
+        todo = [s for t in todo for s in _expand_offset(t, src_keys, reverse)]
+    if any(_PLACEHOLDER.search(n.text) for t in todo for n in t.left + t.right):
+        todo = [s for t in todo for s in _expand_placeholders(t, known, dst_keys, reverse)]
+    todo = [s for t in todo for s in _expand_star(t, known, dst_keys, reverse, shapes)]
+    return [s for t in todo for s in _expand_transpose(t)]
+
+
 def expand_macros(statements: Sequence[Statement], src_keys: Sequence[str],
                   dst_keys: Sequence[str] | None = None, *, reverse: bool = False,
+                  shapes: Mapping[str, Sequence[int]] | None = None,
                   ) -> tuple[list[Statement], list[Diagnostic]]:
-    """Expand every key-dependent macro; return the expanded statements and any diagnostics."""
-    out: list[Statement] = []
+    """Expand every key-dependent macro; return the expanded statements and any diagnostics.
+
+    Statements are expanded in the order they run (the reverse of the written order in reverse mode),
+    each against the source keys and the names earlier ones bound; ``shapes`` (of the source keys)
+    numbers the outputs of an unstack written with ``*``.
+    """
+    chunks: list[list[Statement]] = []
     diags: list[Diagnostic] = []
-    for st in statements:
+    known = list(dict.fromkeys(src_keys))
+    for st in reversed(statements) if reverse else statements:
         try:
-            todo = [st]
-            if any(_OFFSET in n.text for n in st.left + st.right):
-                todo = [s for t in todo for s in _expand_offset(t, src_keys, reverse)]
-            if any(_PLACEHOLDER.search(n.text) for t in todo for n in t.left + t.right):
-                todo = [s for t in todo for s in _expand_placeholders(t, src_keys, dst_keys, reverse)]
-            todo = [s for t in todo for s in _expand_star(t, src_keys, dst_keys, reverse)]
-            out += [s for t in todo for s in _expand_transpose(t)]
+            chunk = _expand_one(st, src_keys, known, dst_keys, reverse, shapes or {})
+            chunks.append(chunk)
+            known += [n.text for t in chunk for n in _sides(t, reverse)[1]
+                      if n.text != "_" and not n.text.endswith(_T)]
         except _MacroFail as f:
             col = f.name.col if f.name else 0
             name = f.name.text if f.name else None
@@ -206,6 +263,7 @@ def expand_macros(statements: Sequence[Statement], src_keys: Sequence[str],
                 f.hints = f.hints + ((suggest(name, src_keys).removeprefix("; ").rstrip("?") + "?",)
                                      if suggest(name, src_keys) else ())
             diags.append(Diagnostic(f.message, st.index, st.text, col, name, f.hints))
+    out = [s for chunk in (reversed(chunks) if reverse else chunks) for s in chunk]
     return out, diags
 
 
@@ -230,22 +288,25 @@ def invert_permutation(spec: str) -> str:
     return "[" + ", ".join(map(str, inv)) + "]"
 
 
+#: Attributes (and keywords) that reverse mode exchanges.
+_REVERSED_KEYS = {"src_dtype": "dst_dtype", "dst_dtype": "src_dtype", "src_shape": "dst_shape",
+                  "dst_shape": "src_shape", "stack": "unstack", "unstack": "stack"}
+
+
 def _reverse_attr(a: Attr) -> Attr:
     if a.key == "permute" and isinstance(a.value, str):
         try:
             return Attr("permute", invert_permutation(a.value), a.col)
         except ValueError:
             return a  # kept as written: evaluating it reports the error as forward mode does
-    if a.key == "src_dtype":
-        return Attr("dst_dtype", a.value, a.col)
-    if a.key == "dst_dtype":
-        return Attr("src_dtype", a.value, a.col)
-    return a
+    swapped = _REVERSED_KEYS.get(a.key)
+    return a if swapped is None else Attr(swapped, a.value, a.col)
 
 
 def reverse_program(statements: Sequence[Statement]) -> list[Statement]:
     """Run a load-direction program backwards: order reversed, sides swapped, permutations inverted,
-    split <-> concat (by the swap), ``src_dtype`` <-> ``dst_dtype``; a split's ``sizes=`` is dropped
+    split <-> concat (by the swap), ``src_dtype`` <-> ``dst_dtype``, ``src_shape`` <-> ``dst_shape``,
+    ``stack`` <-> ``unstack``; a split's ``sizes=`` is dropped
     (the concat it becomes needs none), and so is ``keep=`` (no rows are invented: the tensor passes
     with the rows it has)."""
     out = []

@@ -115,11 +115,11 @@ class _Parser:
                 raise _Fail(f"parameter {{{tok.value}}} has no value", tok, tok.value)
             self.i += 1
             return Attr(key.value, self.params[tok.value], col)
-        if tok.kind == "LBRACK":  # extension: permute=[2, 0, 1] without quotes
+        if tok.kind == "LBRACK":  # extension: permute=[2, 0, 1] without quotes, {parameters} inside
             self.i += 1
             items = []
-            while self.peek().kind == "INT":
-                items.append(self.take("INT", "an integer").value)
+            while self.peek().kind in ("INT", "PARAM"):
+                items.append(self.list_item())
                 if self.peek().kind != "COMMA":
                     break
                 self.i += 1
@@ -127,6 +127,20 @@ class _Parser:
             return Attr(key.value, "[" + ", ".join(items) + "]", col)
         raise _Fail(f"attribute {key.value!r} needs an integer or a quoted string (or a {{parameter}})",
                     tok, key.value)
+
+    def list_item(self) -> str:
+        """An integer of a ``[...]`` list, or a ``{parameter}`` whose value is an integer."""
+        tok = self.peek()
+        self.i += 1
+        if tok.kind == "INT":
+            return tok.value
+        value = self.params.get(tok.value)
+        if value is None:
+            raise _Fail(f"parameter {{{tok.value}}} has no value", tok, tok.value)
+        if not isinstance(value, int):
+            raise _Fail(f"parameter {{{tok.value}}} is {value!r}; in a [...] list it must be an integer",
+                        tok, tok.value)
+        return str(value)
 
     def statement(self, index: int) -> Statement:
         first = self.peek()

@@ -1,8 +1,11 @@
 """What the resolver hands to the planner: each target as pieces of source boxes.
 
 A :class:`Piece` says: take ``source_box`` (global coordinates of source key ``source``), permute its
-dims by ``perm`` (target dim i is source dim ``perm[i]``), cast through ``casts`` in order, and write
-the result at ``target_box`` of the target. Everything downstream works on these only.
+dims by ``perm`` (target dim i is source dim ``perm[i]``, or a new dim of size 1 where ``perm[i]`` is
+-1; a source dim that ``perm`` leaves out has size 1 in ``source_box`` and is dropped), cast through
+``casts`` in order, and write the result at ``target_box`` of the target. Dropped and new unit dims are
+how a stack, an unstack or a reshape reaches the planner: as views, never as copies of their own.
+Everything downstream works on these only.
 """
 
 from __future__ import annotations
@@ -24,7 +27,8 @@ class Piece:
         source: source key.
         source_box: region of the source, in its global coordinates.
         target_box: where it lands in the target (same sizes after ``perm``).
-        perm: target dim i is source dim ``perm[i]``; ``None`` for identity.
+        perm: target dim i is source dim ``perm[i]``, or a new unit dim where it is -1 (source dims
+            it leaves out have size 1 and are dropped); ``None`` for identity.
         casts: dtype names applied in order; empty when the source dtype is kept.
     """
 
@@ -35,16 +39,39 @@ class Piece:
     casts: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
-        sizes = self.source_box.sizes if self.perm is None else self.source_box.permute(self.perm).sizes
-        if sizes != self.target_box.sizes:
+        if self.perm is None:
+            ok = self.source_box.sizes == self.target_box.sizes
+        else:
+            kept = [p for p in self.perm if p >= 0]
+            ok = (len(self.perm) == self.target_box.ndim and len(set(kept)) == len(kept)
+                  and all(p < self.source_box.ndim for p in kept)
+                  and self.to_target(self.source_box).sizes == self.target_box.sizes
+                  and all(n == 1 for d, n in enumerate(self.source_box.sizes) if d not in kept))
+        if not ok:
             raise ValueError(f"piece {self.source}{self.source_box} -> {self.target_box}: sizes differ "
                              f"after perm {self.perm}")
 
+    def to_target(self, box: Box) -> Box:
+        """``box`` (in source dims) in target dims: permuted, unit dims dropped or added."""
+        if self.perm is None:
+            return box
+        return Box(tuple(box.offsets[p] if p >= 0 else 0 for p in self.perm),
+                   tuple(box.sizes[p] if p >= 0 else 1 for p in self.perm))
+
+    def to_source(self, box: Box) -> Box:
+        """``box`` (relative to ``target_box``, in target dims) as a box of the source (global)."""
+        if self.perm is None:
+            return box.shift(self.source_box.offsets)
+        offsets, sizes = list(self.source_box.offsets), list(self.source_box.sizes)
+        for i, p in enumerate(self.perm):
+            if p >= 0:
+                offsets[p] += box.offsets[i]
+                sizes[p] = box.sizes[i]
+        return Box(tuple(offsets), tuple(sizes))
+
     def restrict(self, sub: Box) -> Piece:
         """The part of this piece whose *source* region is ``sub`` (a box inside ``source_box``)."""
-        rel = sub.relative_to(self.source_box)
-        if self.perm is not None:
-            rel = rel.permute(self.perm)
+        rel = self.to_target(sub.relative_to(self.source_box))
         return Piece(self.source, sub, rel.shift(self.target_box.offsets), self.perm, self.casts)
 
 

@@ -88,6 +88,8 @@ class _Run:
                                  ("or give the block count: tp=<tensor-parallel size>",))
         f = whole[0]
         sdim = f.perm[dim]
+        if sdim < 0:
+            return 1  # a unit dim the source lacks: one block
         what = repr(name.text) if f.source == name.text else f"{name.text!r} (source {f.source!r})"
         return _equal_bands(name, self.layout[f.source], sdim, f.source_box.offsets[sdim],
                             f.source_box.stops[sdim], what)
@@ -169,6 +171,15 @@ def _strip(keys: Sequence[str], prefix: str) -> dict[str, str]:
     return names
 
 
+def _one_way(statements: Sequence[Statement]) -> list[Diagnostic]:
+    """``dtype=`` and ``shape=`` in a program run in reverse: each an error saying what to write."""
+    fixes = {"dtype": "write src_dtype='<checkpoint dtype>', dst_dtype='<model dtype>'",
+             "shape": "write src_shape='<checkpoint shape>', dst_shape='<model shape>'"}
+    return [Diagnostic(f"{a.key}= is one-way and cannot run in reverse", st.index, st.text, a.col, a.key,
+                       (fixes[a.key],))
+            for st in statements for a in st.attrs if a.key in fixes]
+
+
 def resolve_program(statements: Sequence[Statement], layout: GlobalLayout, *,
                     dest: GlobalLayout | None = None, reverse: bool = False, keys: Sequence[str] | None = None,
                     tolerate: Callable[[str], bool] = lambda name: False, prefix: str = "") -> Resolved:
@@ -179,18 +190,20 @@ def resolve_program(statements: Sequence[Statement], layout: GlobalLayout, *,
     """
     names = _strip(layout.keys() if keys is None else list(keys), "" if reverse else prefix)
     dest_keys = None if dest is None else list(_strip(dest.keys(), prefix if reverse else ""))
-    expanded, diags = expand_macros(statements, list(names), dest_keys, reverse=reverse)
-    if reverse:
-        diags += [Diagnostic("dtype= is one-way and cannot run in reverse", st.index, st.text,
-                             next(a.col for a in st.attrs if a.key == "dtype"), "dtype",
-                             ("write src_dtype='<checkpoint dtype>', dst_dtype='<model dtype>'",))
-                  for st in expanded if st.has("dtype")]
-        expanded = reverse_program(expanded)
     sources = {n: source_tensor(k, layout[k].shape, layout[k].dtype) for n, k in names.items()}
-    run = _Run(layout, dest, prefix if reverse else "", sources, {}, dict.fromkeys(names), diags, set(),
+    run = _Run(layout, dest, prefix if reverse else "", sources, {}, dict.fromkeys(names), [], set(),
                tolerate)
-    for st in expanded:
-        _run_statement(run, st)
+    # Each statement is expanded just before it runs, against the sources and the names bound so far
+    # (with their shapes: an unstack's '*' outputs are numbered by them).
+    for st in reversed(statements) if reverse else statements:
+        shapes = {n: v.shape for n, v in run.sources.items()} | {n: v.shape for n, v in run.bound.items()}
+        expanded, diags = expand_macros([st], list(shapes), dest_keys, reverse=reverse, shapes=shapes)
+        run.diags += diags
+        if reverse:
+            run.diags += _one_way(expanded)
+            expanded = reverse_program(expanded)
+        for each in expanded:
+            _run_statement(run, each)
     values = {**run.sources, **run.bound}
     out_prefix = prefix if reverse else ""
     passed = [names[n] for n in run.live if n in run.sources and n not in run.bound]

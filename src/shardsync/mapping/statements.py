@@ -1,5 +1,5 @@
 """Evaluation of one statement without a macro keyword on virtual tensors: rename, split, concat,
-permute, cast, keep (the fused forms are in :mod:`.fused`).
+permute, cast, keep, reshape (the forms with a keyword are in :mod:`.fused` and :mod:`.grouped`).
 
 Each function takes the statement and its input :class:`VTensor` s and returns the bound outputs, or
 raises :class:`StatementError` naming the offending name. No key lookups happen here.
@@ -7,11 +7,13 @@ raises :class:`StatementError` naming the offending name. No key lookups happen 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 
 from ..layout.dtypes import dtype_name
 from .syntax import Name, Statement
 from .lexer import parse_int
+from .views import infer_shape, reshape
 from .vtensor import VTensor, cast, concat, permute, split, take
 
 __all__ = ["StatementError", "apply_statement", "ShardCount", "axis_of", "concat_checked",
@@ -21,8 +23,11 @@ __all__ = ["StatementError", "apply_statement", "ShardCount", "axis_of", "concat
 #: tensor being built (its destination layout decides).
 ShardCount = Callable[[Name, "VTensor | None", int], int]
 #: The attributes of statements without a macro keyword (the fused forms add their own).
-STATEMENT_ATTRIBUTES = frozenset({"axis", "permute", "dtype", "src_dtype", "dst_dtype", "sizes", "keep"})
-_ONE_TO_ONE = frozenset({"permute", "dtype", "axis", "src_dtype", "dst_dtype", "keep"})
+STATEMENT_ATTRIBUTES = frozenset({"axis", "permute", "dtype", "src_dtype", "dst_dtype", "sizes", "keep",
+                                  "shape", "src_shape", "dst_shape"})
+_ONE_TO_ONE = frozenset({"permute", "dtype", "axis", "src_dtype", "dst_dtype", "keep", "shape",
+                         "src_shape", "dst_shape"})
+_EXCLUSIVE = ("permute", "dtype", "axis", "shape", "dst_shape")
 
 
 class StatementError(Exception):
@@ -91,14 +96,35 @@ def _keep(st: Statement, v: VTensor) -> VTensor:
     return take(v, dim, 0, n)
 
 
+def _shape(st: Statement, key: str, v: VTensor) -> tuple[int, ...]:
+    try:
+        return infer_shape(_int_list(st, key), math.prod(v.shape))
+    except ValueError as exc:
+        raise StatementError(f"{key}={st.attr(key)!r} does not fit {st.left[0].text!r} of shape "
+                             f"{list(v.shape)}: {exc}", st.attr_name(key)) from None
+
+
+def _reshape(st: Statement, v: VTensor) -> VTensor:
+    """``a -> b, shape='[...]'`` (one way) or ``src_shape=`` / ``dst_shape=`` (reversible): ``a``
+    reshaped row-major, as ``torch.reshape``; one size may be -1 (inferred)."""
+    if st.has("src_shape") != st.has("dst_shape"):
+        raise StatementError("src_shape and dst_shape go together", st.attr_name("src_shape")
+                             or st.attr_name("dst_shape"))
+    if st.has("src_shape") and _shape(st, "src_shape", v) != v.shape:
+        raise StatementError(f"{st.left[0].text!r} has shape {list(v.shape)}, not src_shape="
+                             f"{st.attr('src_shape')!r}", st.attr_name("src_shape"))
+    return reshape(v, _shape(st, "shape" if st.has("shape") else "dst_shape", v))
+
+
 def _one_to_one(st: Statement, v: VTensor) -> VTensor:
     extra = sorted(a.key for a in st.attrs if a.key not in _ONE_TO_ONE)
     if extra:
-        raise StatementError(f"a 1 -> 1 statement takes permute=, dtype=, axis= (with keep=) or "
-                             f"src_dtype=/dst_dtype=, not {', '.join(extra)}", st.attr_name(extra[0]))
-    kinds = [a.key for a in st.attrs if a.key in ("permute", "dtype", "axis")]
+        raise StatementError(f"a 1 -> 1 statement takes permute=, dtype=, axis= (with keep=), shape=, "
+                             f"src_dtype=/dst_dtype= or src_shape=/dst_shape=, not {', '.join(extra)}",
+                             st.attr_name(extra[0]))
+    kinds = [a.key for a in st.attrs if a.key in _EXCLUSIVE]
     if len(kinds) > 1:
-        raise StatementError(f"a 1 -> 1 statement takes at most one of permute/dtype/axis, got "
+        raise StatementError(f"a 1 -> 1 statement takes at most one of permute/dtype/axis/shape, got "
                              f"{' and '.join(kinds)}", st.attr_name(kinds[1]),
                              ("write one statement per transform",))
     if st.has("src_dtype") != st.has("dst_dtype"):
@@ -106,6 +132,8 @@ def _one_to_one(st: Statement, v: VTensor) -> VTensor:
     if st.has("src_dtype"):
         _dtype(st, "src_dtype")  # checked for spelling; it documents the other side (as Paddle)
         v = cast(v, _dtype(st, "dst_dtype"))
+    if st.has("src_shape") or "shape" in kinds or "dst_shape" in kinds:
+        return _reshape(st, v)
     if st.has("keep"):
         return _keep(st, v)
     if "permute" in kinds:

@@ -49,7 +49,9 @@ def simplify_casts(start: str, casts: Sequence[str]) -> tuple[str, ...]:
 @dataclass(frozen=True, slots=True)
 class Frag:
     """A box of a variable (``box``) filled from ``source_box`` of source ``source`` (whose dtype is
-    ``source_dtype``), permuted by ``perm`` and cast through ``casts``."""
+    ``source_dtype``), permuted by ``perm`` and cast through ``casts``. ``perm[i]`` is the source dim of
+    variable dim i, or -1 for a unit dim the source lacks; source dims it leaves out are unit dims of
+    ``source_box`` that the variable lacks (see :mod:`.views`)."""
 
     source: str
     source_dtype: str
@@ -95,8 +97,9 @@ def take(v: VTensor, dim: int, start: int, stop: int) -> VTensor:
         src_off = list(f.source_box.offsets)
         src_size = list(f.source_box.sizes)
         for i, p in enumerate(f.perm):
-            src_off[p] += rel.offsets[i]
-            src_size[p] = rel.sizes[i]
+            if p >= 0:  # -1: a unit dim of the variable that the source lacks
+                src_off[p] += rel.offsets[i]
+                src_size[p] = rel.sizes[i]
         frags.append(replace(f, source_box=Box(tuple(src_off), tuple(src_size)), box=hit.shift(shift)))
     shape = list(v.shape)
     shape[dim] = stop - start
@@ -159,6 +162,6 @@ def cast(v: VTensor, dtype: str) -> VTensor:
 def to_pieces(v: VTensor) -> tuple[Piece, ...]:
     """The fragments as pieces: identity permutations as None, cast chains simplified."""
     return tuple(Piece(f.source, f.source_box, f.box,
-                       None if f.perm == tuple(range(len(f.perm))) else f.perm,
+                       None if f.perm == tuple(range(f.source_box.ndim)) else f.perm,
                        simplify_casts(f.source_dtype, f.casts))
                  for f in v.frags if not f.box.empty)

@@ -69,12 +69,7 @@ def restrict_piece(piece: Piece, box: Box) -> Piece | None:
     hit = piece.target_box.intersect(box)
     if hit is None:
         return None
-    rel = hit.relative_to(piece.target_box)  # in target dims; source dim perm[i] is target dim i
-    offsets, sizes = list(rel.offsets), list(rel.sizes)
-    if piece.perm is not None:
-        for i, p in enumerate(piece.perm):
-            offsets[p], sizes[p] = rel.offsets[i], rel.sizes[i]
-    source_box = Box(tuple(offsets), tuple(sizes)).shift(piece.source_box.offsets)
+    source_box = piece.to_source(hit.relative_to(piece.target_box))
     return Piece(piece.source, source_box, hit.relative_to(box), piece.perm, piece.casts)
 
 

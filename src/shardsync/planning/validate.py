@@ -134,8 +134,8 @@ def _piece_problems(t: TargetSpec, layout: GlobalLayout) -> list[str]:
         meta = layout[p.source]
         if not p.source_box.within(meta.shape):
             problems.append(f"{where}: source box outside {p.source!r} shape {list(meta.shape)}")
-        if p.perm is not None and sorted(p.perm) != list(range(meta.ndim)):
-            problems.append(f"{where}: perm {list(p.perm)} is not a permutation of {meta.ndim} dims")
+        if p.source_box.ndim != meta.ndim or (p.perm is None and p.target_box.ndim != meta.ndim):
+            problems.append(f"{where}: the box has {p.source_box.ndim} dims, {p.source!r} has {meta.ndim}")
         unknown = [c for c in p.casts if c not in DTYPES]
         if unknown:
             problems.append(f"{where}: unknown dtype(s) {unknown}")
