@@ -166,6 +166,46 @@ def _expert_groups(model: torch.nn.Module) -> dict[int, tuple[int, int]]:
     return groups
 
 
+def _grouped_views(experts: torch.nn.Module, first: int, total: int, rank: int, world: int,
+                   ) -> dict[int, list[ShardedTensor]]:
+    """A ``GroupedMLP``'s ``weight1`` / ``weight2`` as shards of ``[experts, 2 ffn, hidden]`` and
+    ``[experts, hidden, ffn]`` (the per-expert HF weights stacked), by parameter id.
+
+    Megatron views each TP rank's ``weight1 [hidden, local * 2 ffn / tp]`` as ``[local, hidden,
+    2 ffn / tp]`` and ``weight2 [local * ffn / tp, hidden]`` as ``[local, ffn / tp, hidden]``
+    (``GroupedMLP.forward``); an expert's fc1 output is ``[gate_r | up_r]`` on a gated MLP.
+    """
+    w1, w2 = experts.get_parameter("weight1"), experts.get_parameter("weight2")
+    local, hidden = int(getattr(experts, "num_local_experts")), int(w1.shape[0])
+    fc1 = w1.detach().view(local, hidden, -1).transpose(1, 2)   # [local, 2 ffn / tp, hidden]
+    fc2 = w2.detach().view(local, -1, hidden).transpose(1, 2)   # [local, hidden, ffn / tp]
+    gated = 2 if getattr(getattr(experts, "config", None), "gated_linear_unit", False) else 1
+    views: dict[int, list[ShardedTensor]] = {id(w1): [], id(w2): []}
+    for shard in tp_shards(fc1, 1, rank, world, gated, key="weight1"):
+        views[id(w1)].append(ShardedTensor(shard.local, (total, *shard.global_shape[1:]),
+                                           (first, *shard.global_offset[1:])))
+    (down,) = tp_shards(fc2, 2, rank, world, key="weight2")
+    views[id(w2)].append(ShardedTensor(down.local, (total, *down.global_shape[1:]),
+                                       (first, *down.global_offset[1:])))
+    return views
+
+
+def _grouped_experts(model: torch.nn.Module, rank: int, world: int) -> dict[int, list[ShardedTensor]]:
+    """The placed views of every ``GroupedMLP`` of the model's MoE layers (:func:`_grouped_views`),
+    each split over its experts' own TP group where they have one."""
+    views: dict[int, list[ShardedTensor]] = {}
+    for module in model.modules():
+        ids, experts = getattr(module, "local_expert_indices", None), getattr(module, "experts", None)
+        if not isinstance(ids, list) or not ids or not isinstance(experts, torch.nn.Module) or \
+                not isinstance(getattr(experts, "weight1", None), torch.Tensor):
+            continue
+        group = getattr(experts, "tp_group", None)
+        tp_rank, tp_world = (group_rank(group), group_size(group)) if group is not None else (rank, world)
+        total = getattr(getattr(experts, "config", None), "num_moe_experts", None)
+        views |= _grouped_views(experts, ids[0], total if isinstance(total, int) else len(ids), tp_rank, tp_world)
+    return views
+
+
 def _tied_copies(model: torch.nn.Module) -> set[str]:
     """Keys of output layers that only hold a copy of the embeddings: the last pipeline stage of a
     model with tied embeddings (``share_embeddings_and_output_weights``) keeps one to compute the
@@ -201,11 +241,16 @@ def _glu_fc1(model: torch.nn.Module) -> set[int]:
 def _chunk_state(chunk: torch.nn.Module, rank: int, world: int) -> dict[str, StateValue]:
     layers, experts, glu = _global_layer_names(chunk), _global_expert_names(chunk), _glu_fc1(chunk)
     expert_groups, skip = _expert_groups(chunk), _tied_copies(chunk)
+    grouped = _grouped_experts(chunk, rank, world)
     state: dict[str, StateValue] = {}
     for name, value in chunk.state_dict(keep_vars=True).items():
         if not isinstance(value, torch.Tensor) or name.endswith("_extra_state") or name in skip:
             continue
         key = _renamed(_renamed(name, experts), layers)
+        if id(value) in grouped:
+            views = grouped[id(value)]
+            state[key] = views[0] if len(views) == 1 else views
+            continue
         part = partition_of(key, value)
         if part is None:
             state[key] = value.detach()
