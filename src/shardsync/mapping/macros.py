@@ -105,7 +105,9 @@ def _expand_offset(st: Statement, keys: Sequence[str], reverse: bool) -> list[St
 
 
 def _expand_placeholders(st: Statement, src_keys: Sequence[str], dst_keys: Sequence[str] | None,
-                         reverse: bool) -> list[Statement]:
+                         reverse: bool, shown: Sequence[str]) -> list[Statement]:
+    """One statement per combination of placeholder values; ``src_keys`` are matched (the sources and
+    the names bound so far), ``shown`` are the keys an error shows (the sources)."""
     src, dst = _sides(st, reverse)
     carriers = [n for n in src if _PLACEHOLDER.search(n.text)]
     keys: Sequence[str] = src_keys
@@ -131,7 +133,8 @@ def _expand_placeholders(st: Statement, src_keys: Sequence[str], dst_keys: Seque
         return []
     if not found:
         raise _MacroFail(f"{first.text!r} matches no {'source' if keys is src_keys else 'destination'} "
-                         "key", first, (f"keys look like {sorted(keys)[:3]}",))
+                         "key", first,
+                         (f"keys look like {sorted(shown if keys is src_keys else keys)[:3]}",))
     for other in carriers[1:]:
         if combos(other) != found:
             raise _MacroFail(f"{other.text!r} matches other ${'/$'.join(phs)} values than "
@@ -161,7 +164,8 @@ def _star_hits(name: Name, keys: Sequence[str]) -> list[tuple[tuple[int, int, st
     return sorted((_order(m.group(1)), k) for k in dict.fromkeys(keys) if (m := pat.fullmatch(k)))
 
 
-def _star(name: Name, keys: Sequence[str] | None, which: str) -> list[Name]:
+def _star(name: Name, keys: Sequence[str] | None, which: str, shown: Sequence[str] | None = None,
+          ) -> list[Name]:
     if name.text.count("*") != 1:
         raise _MacroFail(f"{name.text!r}: a name may hold one '*'", name)
     if keys is None:
@@ -169,7 +173,7 @@ def _star(name: Name, keys: Sequence[str] | None, which: str) -> list[Name]:
     hits = _star_hits(name, keys)
     if not hits:
         raise _MacroFail(f"{name.text!r} matches no {which} key", name,
-                         (f"{which} keys look like {sorted(keys)[:3]}",))
+                         (f"{which} keys look like {sorted(keys if shown is None else shown)[:3]}",))
     suffix = _T if name.text.endswith(_T) else ""
     return [Name(k + suffix, name.col) for _, k in hits]
 
@@ -198,13 +202,13 @@ def _numbered(src: Sequence[Name], dst: Sequence[Name], st: Statement,
 
 
 def _expand_star(st: Statement, src_keys: Sequence[str], dst_keys: Sequence[str] | None,
-                 reverse: bool, shapes: Mapping[str, Sequence[int]]) -> list[Statement]:
+                 reverse: bool, shapes: Mapping[str, Sequence[int]], shown: Sequence[str]) -> list[Statement]:
     """``*`` expanded on both sides (an unstack's outputs numbered); an optional statement whose
     source-side ``*`` matches nothing is dropped."""
     src, dst = _sides(st, reverse)
     if st.optional and any("*" in n.text and not _star_hits(n, src_keys) for n in src):
         return []
-    new_src = [m for n in src for m in (_star(n, src_keys, "source") if "*" in n.text else [n])]
+    new_src = [m for n in src for m in (_star(n, src_keys, "source", shown) if "*" in n.text else [n])]
     if _unstacks(st, reverse) and any("*" in n.text for n in dst):
         return [_rebuild(st, reverse, new_src, _numbered(new_src, dst, st, shapes))]
     new_dst = [m for n in dst for m in (_star(n, dst_keys, "destination") if "*" in n.text else [n])]
@@ -232,24 +236,24 @@ def _expand_one(st: Statement, src_keys: Sequence[str], known: Sequence[str],
     if any(_OFFSET in n.text for n in st.left + st.right):
         todo = [s for t in todo for s in _expand_offset(t, src_keys, reverse)]
     if any(_PLACEHOLDER.search(n.text) for t in todo for n in t.left + t.right):
-        todo = [s for t in todo for s in _expand_placeholders(t, known, dst_keys, reverse)]
-    todo = [s for t in todo for s in _expand_star(t, known, dst_keys, reverse, shapes)]
+        todo = [s for t in todo for s in _expand_placeholders(t, known, dst_keys, reverse, src_keys)]
+    todo = [s for t in todo for s in _expand_star(t, known, dst_keys, reverse, shapes, src_keys)]
     return [s for t in todo for s in _expand_transpose(t)]
 
 
 def expand_macros(statements: Sequence[Statement], src_keys: Sequence[str],
                   dst_keys: Sequence[str] | None = None, *, reverse: bool = False,
-                  shapes: Mapping[str, Sequence[int]] | None = None,
+                  shapes: Mapping[str, Sequence[int]] | None = None, bound: Sequence[str] = (),
                   ) -> tuple[list[Statement], list[Diagnostic]]:
     """Expand every key-dependent macro; return the expanded statements and any diagnostics.
 
     Statements are expanded in the order they run (the reverse of the written order in reverse mode),
-    each against the source keys and the names earlier ones bound; ``shapes`` (of the source keys)
-    numbers the outputs of an unstack written with ``*``.
+    each against the source keys, the names ``bound`` before the program and those earlier statements
+    bind; ``shapes`` (of those names) numbers the outputs of an unstack written with ``*``.
     """
     chunks: list[list[Statement]] = []
     diags: list[Diagnostic] = []
-    known = list(dict.fromkeys(src_keys))
+    known = list(dict.fromkeys([*src_keys, *bound]))
     for st in reversed(statements) if reverse else statements:
         try:
             chunk = _expand_one(st, src_keys, known, dst_keys, reverse, shapes or {})

@@ -197,7 +197,8 @@ def resolve_program(statements: Sequence[Statement], layout: GlobalLayout, *,
     # (with their shapes: an unstack's '*' outputs are numbered by them).
     for st in reversed(statements) if reverse else statements:
         shapes = {n: v.shape for n, v in run.sources.items()} | {n: v.shape for n, v in run.bound.items()}
-        expanded, diags = expand_macros([st], list(shapes), dest_keys, reverse=reverse, shapes=shapes)
+        expanded, diags = expand_macros([st], list(run.sources), dest_keys, reverse=reverse, shapes=shapes,
+                                        bound=list(run.bound))
         run.diags += diags
         if reverse:
             run.diags += _one_way(expanded)
