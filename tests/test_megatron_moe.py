@@ -1,7 +1,7 @@
 """Real megatron-core MoE GPTModels (SequentialMLP) on gloo ranks, through from_megatron and the
-shipped MoE mappings: Mixtral at EP=2 (2 ranks), Qwen2-MoE with a gated shared expert at TP=2 x EP=2
-(4 ranks). Exported files equal a conversion written out by hand, bit for bit, and transformers'
-``from_pretrained`` of them computes the logits of the megatron forward; the export loaded back
+shipped MoE mappings: Mixtral at EP=2 (4 ranks, so expert data parallel 2), Qwen2-MoE with a gated
+shared expert at TP=2 x EP=2 (4 ranks). Exported files equal a conversion written out by hand, bit
+for bit, and transformers' ``from_pretrained`` of them computes the logits of the megatron forward; the export loaded back
 (``load``, reversed mapping) into a fresh EP-sharded model with a padded vocabulary gives every
 parameter exactly, the padding rows left as they were."""
 
@@ -98,8 +98,9 @@ def _check(records: list[dict[str, Any]]) -> None:
         assert "pass shardsync.from_megatron(model) instead" in r["load"]["bare"], rank
 
 
-def test_mixtral_at_ep2_exports_and_loads_back(tmp_path: Path) -> None:
-    _check(run_ranks(_worker, 2, MIXTRAL, 1, 2, str(tmp_path), timeout=600))
+def test_mixtral_at_ep2_with_expert_data_parallel_replicas(tmp_path: Path) -> None:
+    # 4 ranks at EP=2: each expert is held by the 2 ranks of its expert data-parallel group
+    _check(run_ranks(_worker, 4, MIXTRAL, 1, 2, str(tmp_path), timeout=900))
 
 
 def test_qwen2_moe_with_shared_expert_at_tp2_ep2(tmp_path: Path) -> None:

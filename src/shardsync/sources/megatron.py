@@ -20,6 +20,9 @@ expert-parallel rank; the layer's ``local_expert_indices`` are their global ids
 (``ep_rank * experts_per_rank + i``), and its experts are split over their own tensor-parallel group
 (``experts.tp_group``, Megatron's expert TP group, which ``expert_tensor_parallel_size`` may make
 differ from the dense one). Ranks of the expert data-parallel group hold the same experts: replicas.
+A ``GroupedMLP`` (``moe_grouped_gemm``) holds all local experts in ``weight1`` / ``weight2``; they are
+presented as views of the per-expert weights stacked, ``[experts, 2 ffn, hidden]`` and
+``[experts, hidden, ffn]``.
 """
 
 from __future__ import annotations
@@ -202,7 +205,8 @@ def _grouped_experts(model: torch.nn.Module, rank: int, world: int) -> dict[int,
         group = getattr(experts, "tp_group", None)
         tp_rank, tp_world = (group_rank(group), group_size(group)) if group is not None else (rank, world)
         total = getattr(getattr(experts, "config", None), "num_moe_experts", None)
-        views |= _grouped_views(experts, ids[0], total if isinstance(total, int) else len(ids), tp_rank, tp_world)
+        total = total if isinstance(total, int) else len(ids)
+        views |= _grouped_views(experts, ids[0], total, tp_rank, tp_world)
     return views
 
 
@@ -274,8 +278,9 @@ def from_megatron(model: torch.nn.Module | Sequence[torch.nn.Module], group: Any
     when the layout is gathered); ``_extra_state`` and other non-tensor entries are skipped. Layers of
     a pipeline stage get their global numbers (from Megatron's ``layer_number``), the local experts of
     an expert-parallel rank theirs (from the ``MoELayer``'s ``local_expert_indices``; each expert is
-    split over its own TP group, ``experts.tp_group``), and the copy of tied embeddings that the last
-    pipeline stage holds as ``output_layer.weight`` is left out. Nothing is copied.
+    split over its own TP group, ``experts.tp_group``; a ``GroupedMLP``'s ``weight1`` / ``weight2``
+    become its experts' weights stacked, see the module docstring), and the copy of tied embeddings
+    that the last pipeline stage holds as ``output_layer.weight`` is left out. Nothing is copied.
 
     Args:
         model: the unwrapped model (``megatron.training.utils.unwrap_model``), or a list of
