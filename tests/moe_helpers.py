@@ -126,7 +126,6 @@ def gathered(model: torch.nn.Module) -> dict[str, Any]:
     from megatron.core import parallel_state as ps
 
     out = {}
-    per = None
     for name, p in model.named_parameters():
         expert = ".local_experts." in name
         local = p.detach().contiguous()

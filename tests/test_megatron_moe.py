@@ -1,9 +1,9 @@
 """Real megatron-core MoE GPTModels (SequentialMLP) on gloo ranks, through from_megatron and the
 shipped MoE mappings: Mixtral at EP=2 (4 ranks, so expert data parallel 2), Qwen2-MoE with a gated
 shared expert at TP=2 x EP=2 (4 ranks). Exported files equal a conversion written out by hand, bit
-for bit, and transformers' ``from_pretrained`` of them computes the logits of the megatron forward; the export loaded back
-(``load``, reversed mapping) into a fresh EP-sharded model with a padded vocabulary gives every
-parameter exactly, the padding rows left as they were."""
+for bit, and transformers' ``from_pretrained`` of them computes the logits of the megatron forward
+(to 1e-5); the export loaded back (``load``, reversed mapping) into a fresh EP-sharded model with a
+padded vocabulary gives every parameter exactly, the padding rows left as they were."""
 
 from __future__ import annotations
 
@@ -51,6 +51,8 @@ def _export(rank: int, spec: MoeSpec, model: torch.nn.Module, out: Path) -> dict
 
 def _load_back(spec: MoeSpec, model: torch.nn.Module, out: Path) -> dict[str, Any]:
     """The export loaded into a fresh model of the same layout, every parameter UNTOUCHED before."""
+    from megatron.core import parallel_state as ps
+
     fresh = build_moe_gpt(spec)
     fill(fresh, UNTOUCHED)
     mapping = shardsync.Mapping.parse(spec.mapping, config=fresh.config, params={"vocab_size": spec.vocab},
@@ -63,7 +65,7 @@ def _load_back(spec: MoeSpec, model: torch.nn.Module, out: Path) -> dict[str, An
     result = shardsync.load(shardsync.from_megatron(fresh), out, mapping)
     tp = fresh.config.tensor_model_parallel_size
     vocab_rows = spec.padded_vocab // tp  # this rank's rows of the padded vocabulary
-    real = max(0, min(vocab_rows, spec.vocab - vocab_rows * model.config.tp_rank))
+    real = max(0, min(vocab_rows, spec.vocab - vocab_rows * ps.get_tensor_model_parallel_rank()))
     bad, padding = [], []
     want = dict(model.named_parameters())
     for name, p in fresh.named_parameters():
@@ -77,12 +79,9 @@ def _load_back(spec: MoeSpec, model: torch.nn.Module, out: Path) -> dict[str, An
 
 
 def _worker(rank: int, world: int, spec: MoeSpec, tp: int, ep: int, out: str) -> dict[str, Any]:
-    from megatron.core import parallel_state as ps
-
     warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex).*")
     init_parallel(tp=tp, ep=ep)
     model = build_moe_gpt(spec)
-    model.config.tp_rank = ps.get_tensor_model_parallel_rank()
     return {"export": _export(rank, spec, model, Path(out)), "load": _load_back(spec, model, Path(out))}
 
 
