@@ -96,7 +96,9 @@ def llama(name: str = "megatron-llama", **kw: object) -> Mapping:
 
 def test_shipped_mappings_are_listed_by_name_with_a_description() -> None:
     names = shipped_mappings()
-    assert list(names) == ["megatron-llama", "megatron-llama-te"]
+    assert list(names) == ["megatron-llama", "megatron-llama-te", "megatron-mixtral", "megatron-mixtral-grouped",
+                           "megatron-mixtral-te", "megatron-qwen2-moe", "megatron-qwen2-moe-grouped",
+                           "megatron-qwen2-moe-te"]
     assert names["megatron-llama"] == "Megatron-core GPT, local layer spec -> HuggingFace Llama, Mistral, Qwen2"
     assert "Transformer Engine" in names["megatron-llama-te"]
     assert shipped_parameters("megatron-llama-te") == ["vocab_size", "num_heads", "num_key_value_groups"]
@@ -114,10 +116,22 @@ def test_an_unknown_name_lists_the_shipped_ones() -> None:
         Mapping.parse("megatron-lama")
     assert str(info.value) == (
         "'megatron-lama' is not a shipped mapping, a mapping file or a statement (a statement has '->'); "
-        "did you mean 'megatron-llama' or 'megatron-llama-te'?\nshipped mappings:\n"
+        "did you mean 'megatron-llama' or 'megatron-llama-te' or 'megatron-mixtral'?\nshipped mappings:\n"
         "  megatron-llama: Megatron-core GPT, local layer spec -> HuggingFace Llama, Mistral, Qwen2\n"
         "  megatron-llama-te: Megatron-core GPT, Transformer Engine layer spec -> HuggingFace Llama, "
-        "Mistral, Qwen2")
+        "Mistral, Qwen2\n"
+        "  megatron-mixtral: Megatron-core MoE GPT (SequentialMLP experts), local layer spec -> HuggingFace "
+        "Mixtral\n"
+        "  megatron-mixtral-grouped: Megatron-core MoE GPT (GroupedMLP experts), local layer spec -> "
+        "HuggingFace Mixtral\n"
+        "  megatron-mixtral-te: Megatron-core MoE GPT (SequentialMLP experts), Transformer Engine layer spec "
+        "-> HuggingFace Mixtral\n"
+        "  megatron-qwen2-moe: Megatron-core MoE GPT (SequentialMLP experts), local layer spec -> HuggingFace "
+        "Qwen2-MoE, Qwen3-MoE\n"
+        "  megatron-qwen2-moe-grouped: Megatron-core MoE GPT (GroupedMLP experts), local layer spec -> "
+        "HuggingFace Qwen2-MoE, Qwen3-MoE\n"
+        "  megatron-qwen2-moe-te: Megatron-core MoE GPT (SequentialMLP experts), Transformer Engine layer "
+        "spec -> HuggingFace Qwen2-MoE, Qwen3-MoE")
     with pytest.raises(MappingError, match="mapping file 'megatron-llama' does not exist"):
         Mapping.parse("./megatron-llama")  # a path is a path, never a shipped name
     with pytest.raises(MappingError, match="'../megatron-llama' is not a shipped mapping"):

@@ -1,5 +1,6 @@
 """from_megatron: Megatron/Paddle tensor-parallel attributes become shards; a real megatron-core GPTModel
-(TP=2, then PP=2, on 2 gloo ranks) exports through the shipped mapping to HF names, bit-exact."""
+(TP=2, then PP=2, untied and tied, on 2 gloo ranks) exports through the shipped mapping to HF names,
+bit-exact."""
 
 from __future__ import annotations
 
@@ -163,7 +164,7 @@ def init_parallel(tp: int, pp: int) -> None:
     ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
 
 
-def build_gpt() -> torch.nn.Module:
+def build_gpt(tied: bool = False) -> torch.nn.Module:
     """A tiny Llama-style GPTModel (RMSNorm, SwiGLU, GQA, RoPE, untied output) for the initialised
     TP x PP, with every tensor set to seeded random values: rank-dependent for TP shards, equal on all
     ranks for replicas."""
@@ -181,7 +182,7 @@ def build_gpt() -> torch.nn.Module:
         tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, pipeline_dtype=torch.float32)
     model = GPTModel(config=config, transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm"),
                      vocab_size=VOCAB, max_sequence_length=32, position_embedding_type="rope",
-                     share_embeddings_and_output_weights=False, pre_process=ps.is_pipeline_first_stage(),
+                     share_embeddings_and_output_weights=tied, pre_process=ps.is_pipeline_first_stage(),
                      post_process=ps.is_pipeline_last_stage())
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -263,6 +264,29 @@ def pp_case(mapping: shardsync.Mapping) -> dict[str, Any]:
     return compare(dict(shardsync.full_params(from_megatron(model), mapping)), hf_by_hand(mg, tp=1))
 
 
+def tied_pp_case(mapping: shardsync.Mapping) -> dict[str, Any]:
+    """Tied embeddings at PP=2: the last stage's output_layer.weight (a copy of the embeddings it
+    keeps for the logits) is left out, so the export has no lm_head.weight of its own."""
+    import torch.distributed as dist
+
+    init_parallel(tp=1, pp=2)
+    cuda = torch.Tensor.cuda  # megatron moves the copy to CUDA to sync it with the embeddings: a CPU shim
+    torch.Tensor.cuda = lambda self, *a, **k: self  # type: ignore[method-assign]
+    try:
+        model = build_gpt(tied=True)
+    finally:
+        torch.Tensor.cuda = cuda  # type: ignore[method-assign]
+    stages: list[Any] = [None, None]
+    dist.all_gather_object(stages, {k: v.detach() for k, v in model.named_parameters()})
+    mg = {}
+    for rank, params in enumerate(stages):
+        mg |= {k.replace("decoder.layers.0.", f"decoder.layers.{rank}."): v for k, v in params.items()}
+    want = hf_by_hand(mg | {"output_layer.weight": mg["embedding.word_embeddings.weight"]}, tp=1)
+    del want["lm_head.weight"]
+    return {"held": "output_layer.weight" in mg, **compare(dict(shardsync.full_params(from_megatron(model),
+                                                                                     mapping)), want)}
+
+
 def doc_block(marker: str) -> str:
     """The first python code block after ``marker`` in docs/megatron.md."""
     text = DOC.read_text()
@@ -291,7 +315,8 @@ def megatron_worker(rank: int, world: int, mapping: shardsync.Mapping, out_dir: 
     import warnings
 
     warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex).*")
-    return {"tp": tp_case(mapping), "pp": pp_case(mapping), "doc": doc_case(rank, out_dir)}
+    return {"tp": tp_case(mapping), "pp": pp_case(mapping), "tied": tied_pp_case(mapping),
+            "doc": doc_case(rank, out_dir)}
 
 
 def test_megatron_core_gpt_exports_to_hf_bit_exact(tmp_path: Path) -> None:
@@ -300,7 +325,8 @@ def test_megatron_core_gpt_exports_to_hf_bit_exact(tmp_path: Path) -> None:
         "num_heads": HEADS, "num_key_value_groups": GROUPS, "vocab_size": VOCAB})
     results = run_ranks(megatron_worker, 2, mapping, str(tmp_path), timeout=400)
     for rank, res in enumerate(results):
-        cases = ("tp", "pp", "doc") if rank == 0 else ("tp", "pp")
+        cases = ("tp", "pp", "tied", "doc") if rank == 0 else ("tp", "pp", "tied")
+        assert res["tied"]["held"], rank  # the last stage does hold the copy
         for case in cases:
             assert res[case]["missing"] == res[case]["extra"] == res[case]["different"] == [], (rank, case)
         msg = res["tp"]["plain"]

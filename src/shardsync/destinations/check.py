@@ -10,7 +10,7 @@ the kind of number (float <-> integer, which a mapping must ask for).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 from ..errors import LoadError
@@ -21,7 +21,8 @@ from ..mapping.pieces import TargetSpec
 from ..mapping.program import Mapping
 from ..mapping.syntax import Statement, suggest
 
-__all__ = ["Mismatch", "Report", "Provenance", "provenance", "check_targets", "describe", "load_error"]
+__all__ = ["Mismatch", "Report", "Provenance", "provenance", "fills_padded", "check_targets", "describe",
+           "load_error"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,8 +72,10 @@ class Report:
 
 @dataclass(frozen=True, slots=True)
 class Provenance:
-    """For each name, the statement that last binds it; and the names declared ``_ -> y`` (left as
-    they are: never missing).
+    """For each name, the statement that last binds it; the names declared ``_ -> y`` (left as they
+    are: never missing); and the padded names, each with its dim: in a reversed program, the names a
+    ``keep=`` statement trims (a padded vocabulary), which may be shorter than their destination
+    along that dim (the rows past the target keep what the destination holds).
 
     Example:
         >>> Provenance({}, frozenset({"y"})).origin("y", ("y",))
@@ -81,6 +84,7 @@ class Provenance:
 
     binders: dict[str, Statement]
     untouched: frozenset[str]
+    padded: dict[str, int] = field(default_factory=dict)
 
     def origin(self, name: str, sources: Sequence[str]) -> str:
         st = self.binders.get(name)
@@ -100,7 +104,10 @@ def provenance(mapping: Mapping | None, src_keys: Sequence[str], dst_keys: Seque
     if mapping is None:
         return Provenance({}, frozenset())
     expanded, _ = expand_macros(mapping.statements, src_keys, dst_keys, reverse=mapping.reverse)
-    if mapping.reverse:
+    padded: dict[str, int] = {}
+    if mapping.reverse:  # the trimmed side of `a -> b, axis=k, keep=N` is the destination's `a`
+        padded = {n.text: dim for st in expanded if st.has("keep") and isinstance(dim := st.attr("axis"), int)
+                  for n in st.left}
         expanded = reverse_program(expanded)
     binders: dict[str, Statement] = {}
     untouched: set[str] = set()
@@ -110,7 +117,7 @@ def provenance(mapping: Mapping | None, src_keys: Sequence[str], dst_keys: Seque
             untouched.update(names)
         else:
             binders.update(dict.fromkeys(names, st))
-    return Provenance(binders, frozenset(untouched))
+    return Provenance(binders, frozenset(untouched), padded)
 
 
 def _kind(dtype: str) -> str:
@@ -118,8 +125,22 @@ def _kind(dtype: str) -> str:
     return "complex" if d.is_complex else "float" if d.is_floating_point else "integer"
 
 
-def _mismatch(t: TargetSpec, want: TensorMeta, origin: str) -> Mismatch | None:
-    if t.shape != want.shape:
+def fills_padded(shape: Sequence[int], dest: Sequence[int], dim: int | None) -> bool:
+    """Does a target of ``shape`` fill the start of a destination of shape ``dest`` that is padded
+    along ``dim`` (equal elsewhere, at most as long along ``dim``)?
+
+    Example:
+        >>> fills_padded((100, 8), (128, 8), 0), fills_padded((100, 8), (128, 8), 1)
+        (True, False)
+    """
+    if dim is None or len(shape) != len(dest) or not -len(dest) <= dim < len(dest):
+        return False
+    dim %= len(dest)
+    return all(a == b for i, (a, b) in enumerate(zip(shape, dest)) if i != dim) and shape[dim] <= dest[dim]
+
+
+def _mismatch(t: TargetSpec, want: TensorMeta, origin: str, pad_dim: int | None) -> Mismatch | None:
+    if t.shape != want.shape and not fills_padded(t.shape, want.shape, pad_dim):
         return Mismatch(t.name, "shape", str(list(want.shape)), str(list(t.shape)), origin)
     if t.dtype == want.dtype:
         return None
@@ -133,6 +154,8 @@ def _mismatch(t: TargetSpec, want: TensorMeta, origin: str) -> Mismatch | None:
 def check_targets(targets: Sequence[TargetSpec], dest: GlobalLayout, why: Provenance,
                   ) -> tuple[list[TargetSpec], Report]:
     """Split resolved ``targets`` into those that fit their destination and a :class:`Report`.
+
+    A padded target (:attr:`Provenance.padded`) fits a destination that is longer along its dim.
 
     Args:
         targets: the resolved targets (whole tensors, with the dtypes the mapping gives them).
@@ -159,7 +182,7 @@ def check_targets(targets: Sequence[TargetSpec], dest: GlobalLayout, why: Proven
     for t in targets:
         if t.name not in dest:
             continue
-        m = _mismatch(t, dest[t.name], why.origin(t.name, t.sources))
+        m = _mismatch(t, dest[t.name], why.origin(t.name, t.sources), why.padded.get(t.name))
         if m is None:
             fit.append(t)
         else:

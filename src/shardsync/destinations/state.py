@@ -15,6 +15,7 @@ from ..layout.meta import LayoutEntry
 from ..layout.sharded import ShardedTensor, StateValue, local_shards
 from ..sources import LocalSource, Source, open_source
 from ..sources.fingerprint import ReplicaCheck
+from ..sources.megatron import megatron_module_error
 
 __all__ = ["Destination", "DestinationLike", "SourceLike", "as_source", "module_state", "self_overlapping"]
 
@@ -77,6 +78,9 @@ def _state(value: Any, what: str) -> Mapping[str, StateValue]:
     if value is None:
         return {}
     if isinstance(value, torch.nn.Module):
+        error = megatron_module_error(value, what)
+        if error is not None:
+            raise error
         return module_state(value)
     if isinstance(value, Mapping):
         return value
@@ -133,14 +137,17 @@ class Destination:
                 for key in sorted(self.shards) for s in self.shards[key]]
 
     def memory(self, key: str, box: Box) -> torch.Tensor:
-        """The tensor holding ``box`` of ``key`` on this rank, detached (writes land in the state).
+        """The tensor holding ``box`` of ``key`` on this rank, detached (writes land in the state):
+        a shard with that box, or the view of ``box`` in a shard holding it.
 
         Raises:
-            LayoutError: this rank holds no shard with exactly that box (the state changed after its
+            LayoutError: this rank holds no shard containing that box (the state changed after its
                 layout was gathered).
         """
         for s in self.shards.get(key, ()):
             if s.box == box:
                 return s.local.detach()
+            if s.box.contains(box):  # the part of a shard that a shorter (padded) target fills
+                return s.local.detach()[box.relative_to(s.box).slices()]
         raise LayoutError(f"{key!r}: this rank holds no destination shard {box}; the destination "
                           "changed after its layout was gathered")

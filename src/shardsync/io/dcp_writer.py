@@ -27,13 +27,14 @@ from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, Metadat
                                                    TensorProperties)
 from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
 
-from ..dist import agree, group_rank, is_distributed
+from ..dist import abandon, agree, group_rank, is_distributed
 from ..errors import FormatError, LayoutError
 from ..layout.box import Box
 from ..layout.meta import GlobalLayout
 from ..layout.sharded import ShardedTensor, StateValue
 from ..planning.validate import layout_problems, shard_boxes, tiling_problems
 from ..sources import LocalSource
+from ..sources.megatron import megatron_module_error
 from .commit import fsync_path, new_tag
 
 __all__ = ["save", "BoxSavePlanner"]
@@ -130,6 +131,14 @@ def _remove_old_generation(path: Path, metadata: Metadata) -> None:
         fsync_path(path)
 
 
+def _not_a_state(state: object) -> LayoutError:
+    if isinstance(state, torch.nn.Module):
+        return megatron_module_error(state, "the state") or LayoutError(
+            "save takes a state dict, not a torch.nn.Module: pass model.state_dict()")
+    return LayoutError(f"save takes a state dict (tensors, ShardedTensor, DTensor), not a "
+                       f"{type(state).__name__}")
+
+
 def save(state: Mapping[str, StateValue], path: str | os.PathLike, *, group: Any = None,
          overwrite: bool = False) -> Metadata:
     """Write this rank's shards of ``state`` as one torch DCP checkpoint; call on every rank.
@@ -149,7 +158,8 @@ def save(state: Mapping[str, StateValue], path: str | os.PathLike, *, group: Any
 
     Raises:
         FormatError: ``path`` holds a checkpoint (and not ``overwrite``), or is a file.
-        LayoutError: shards that overlap without being replicas, or leave part of a tensor unheld.
+        LayoutError: shards that overlap without being replicas, or leave part of a tensor unheld; a
+            module instead of a state dict (a Megatron one: pass shardsync.from_megatron(model)).
         DistributedError: a rank failed (raised on every rank, naming it).
 
     Example:
@@ -161,6 +171,10 @@ def save(state: Mapping[str, StateValue], path: str | os.PathLike, *, group: Any
         ...     out["w"].tolist()
         [1.0, 1.0]
     """
+    if not isinstance(state, Mapping):  # before the first phase: the peers waiting in it learn why
+        error = _not_a_state(state)
+        abandon("save: check", group, error)
+        raise error
     where = Path(path)
     source = LocalSource(state)
     gathered = agree("save: check", lambda: _check(where, overwrite, source), group, unanimous=True).all

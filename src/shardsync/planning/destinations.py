@@ -39,7 +39,8 @@ class BoxTarget:
 
     Attributes:
         name: the destination key.
-        box: the box of the destination (global coordinates) this target fills.
+        box: the box of the destination (global coordinates) this target fills: a box ranks hold,
+            or its part inside a target shorter than the destination.
         ranks: the ranks holding that box (its consumers).
         spec: the target, in the box's coordinates, with the destination's dtype.
 
@@ -95,10 +96,13 @@ def box_targets(targets: Sequence[TargetSpec], dest: GlobalLayout, layout: Globa
     """Every target that has a destination, cut to each distinct non-empty box ranks hold of it.
 
     A box covering the whole destination keeps the target's name; a part is named ``name[box]``
-    (``"w[0:8, 0:5]"``). Targets without a destination are left out (the caller checks for them).
+    (``"w[0:8, 0:5]"``). Targets without a destination are left out (the caller checks for them). A
+    target shorter than its destination (a padded vocabulary loaded) fills the start of it: each box
+    is cut to the target, and what lies past it is left as the destination holds it.
 
     Args:
-        targets: resolved targets (whole tensors, shapes equal to their destinations').
+        targets: resolved targets (whole tensors, shapes equal to their destinations', or within
+            them from the start).
         dest: the gathered destination layout (keys are target names).
         layout: the gathered source layout (source dtypes, for the casts to the destination's).
 
@@ -119,7 +123,10 @@ def box_targets(targets: Sequence[TargetSpec], dest: GlobalLayout, layout: Globa
         if t.name not in dest:
             continue
         meta = dest[t.name]
-        for box, ranks in sorted(shard_boxes(dest, t.name).items(), key=lambda kv: kv[0].offsets):
+        for held, ranks in sorted(shard_boxes(dest, t.name).items(), key=lambda kv: kv[0].offsets):
+            box = held if t.shape == meta.shape else held.intersect(Box.full(t.shape))
+            if box is None or box.empty:
+                continue  # past the end of a target shorter than its destination (padding rows)
             name = t.name if box == Box.full(meta.shape) else f"{t.name}{box}"
             out.append(BoxTarget(t.name, box, ranks, restrict_target(t, box, name, meta.dtype, dtypes)))
     return out

@@ -14,6 +14,15 @@ Megatron-core marks every tensor-parallel parameter with three attributes (set b
 PaddlePaddle marks its model-parallel parameters with ``is_distributed`` and ``split_axis`` (no stride).
 Parameters with neither mark are replicas (layer norms); the layout gather checks that claim (see
 :mod:`shardsync.sources.fingerprint`).
+
+Mixture-of-experts layers (``MoELayer``) hold ``experts.local_experts.<i>``, numbered from 0 on every
+expert-parallel rank; the layer's ``local_expert_indices`` are their global ids
+(``ep_rank * experts_per_rank + i``), and its experts are split over their own tensor-parallel group
+(``experts.tp_group``, Megatron's expert TP group, which ``expert_tensor_parallel_size`` may make
+differ from the dense one). Ranks of the expert data-parallel group hold the same experts: replicas.
+A ``GroupedMLP`` (``moe_grouped_gemm``) holds all local experts in ``weight1`` / ``weight2``; they are
+presented as views of the per-expert weights stacked, ``[experts, 2 ffn, hidden]`` and
+``[experts, hidden, ffn]``.
 """
 
 from __future__ import annotations
@@ -29,7 +38,7 @@ from ..dist import group_rank, group_size
 from ..errors import LayoutError
 from ..layout.sharded import ShardedTensor, StateValue
 
-__all__ = ["from_megatron", "tp_shards", "partition_of"]
+__all__ = ["from_megatron", "tp_shards", "partition_of", "megatron_module_error"]
 
 
 def tp_shards(local: torch.Tensor, dim: int, rank: int, world: int, stride: int = 1, *,
@@ -131,6 +140,88 @@ def _global_layer_names(model: torch.nn.Module) -> dict[str, str]:
     return renames
 
 
+def _global_expert_names(model: torch.nn.Module) -> dict[str, str]:
+    """``"<moe>.experts.local_experts.<i>."`` -> ``"<moe>.experts.local_experts.<global id>."`` for
+    every Megatron ``MoELayer`` (its ``local_expert_indices`` hold the global ids of its experts)."""
+    renames: dict[str, str] = {}
+    for name, module in model.named_modules():
+        ids = getattr(module, "local_expert_indices", None)
+        local = getattr(getattr(module, "experts", None), "local_experts", None)
+        if not isinstance(ids, list) or not isinstance(local, torch.nn.ModuleList):
+            continue
+        prefix = f"{name}.experts.local_experts." if name else "experts.local_experts."
+        renames |= {f"{prefix}{i}.": f"{prefix}{g}." for i, g in enumerate(ids) if i != g}
+    return renames
+
+
+def _expert_groups(model: torch.nn.Module) -> dict[int, tuple[int, int]]:
+    """Id of each expert parameter -> (rank, size) in its experts' tensor-parallel group
+    (``SequentialMLP.tp_group``, Megatron's expert TP group)."""
+    groups: dict[int, tuple[int, int]] = {}
+    for module in model.modules():
+        experts = getattr(module, "experts", None)
+        group = getattr(experts, "tp_group", None)
+        if not isinstance(getattr(module, "local_expert_indices", None), list) or group is None or \
+                not isinstance(experts, torch.nn.Module):
+            continue
+        rank, size = group_rank(group), group_size(group)
+        groups |= {id(t): (rank, size) for t in experts.parameters()}
+    return groups
+
+
+def _grouped_views(experts: torch.nn.Module, first: int, total: int, rank: int, world: int,
+                   ) -> dict[int, list[ShardedTensor]]:
+    """A ``GroupedMLP``'s ``weight1`` / ``weight2`` as shards of ``[experts, 2 ffn, hidden]`` and
+    ``[experts, hidden, ffn]`` (the per-expert HF weights stacked), by parameter id.
+
+    Megatron views each TP rank's ``weight1 [hidden, local * 2 ffn / tp]`` as ``[local, hidden,
+    2 ffn / tp]`` and ``weight2 [local * ffn / tp, hidden]`` as ``[local, ffn / tp, hidden]``
+    (``GroupedMLP.forward``); an expert's fc1 output is ``[gate_r | up_r]`` on a gated MLP.
+    """
+    w1, w2 = experts.get_parameter("weight1"), experts.get_parameter("weight2")
+    local, hidden = int(getattr(experts, "num_local_experts")), int(w1.shape[0])
+    fc1 = w1.detach().view(local, hidden, -1).transpose(1, 2)   # [local, 2 ffn / tp, hidden]
+    fc2 = w2.detach().view(local, -1, hidden).transpose(1, 2)   # [local, hidden, ffn / tp]
+    gated = 2 if getattr(getattr(experts, "config", None), "gated_linear_unit", False) else 1
+    views: dict[int, list[ShardedTensor]] = {id(w1): [], id(w2): []}
+    for shard in tp_shards(fc1, 1, rank, world, gated, key="weight1"):
+        views[id(w1)].append(ShardedTensor(shard.local, (total, *shard.global_shape[1:]),
+                                           (first, *shard.global_offset[1:])))
+    (down,) = tp_shards(fc2, 2, rank, world, key="weight2")
+    views[id(w2)].append(ShardedTensor(down.local, (total, *down.global_shape[1:]),
+                                       (first, *down.global_offset[1:])))
+    return views
+
+
+def _grouped_experts(model: torch.nn.Module, rank: int, world: int) -> dict[int, list[ShardedTensor]]:
+    """The placed views of every ``GroupedMLP`` of the model's MoE layers (:func:`_grouped_views`),
+    each split over its experts' own TP group where they have one."""
+    views: dict[int, list[ShardedTensor]] = {}
+    for module in model.modules():
+        ids, experts = getattr(module, "local_expert_indices", None), getattr(module, "experts", None)
+        if not isinstance(ids, list) or not ids or not isinstance(experts, torch.nn.Module) or \
+                not isinstance(getattr(experts, "weight1", None), torch.Tensor):
+            continue
+        group = getattr(experts, "tp_group", None)
+        tp_rank, tp_world = (group_rank(group), group_size(group)) if group is not None else (rank, world)
+        total = getattr(getattr(experts, "config", None), "num_moe_experts", None)
+        total = total if isinstance(total, int) else len(ids)
+        views |= _grouped_views(experts, ids[0], total, tp_rank, tp_world)
+    return views
+
+
+def _tied_copies(model: torch.nn.Module) -> set[str]:
+    """Keys of output layers that only hold a copy of the embeddings: the last pipeline stage of a
+    model with tied embeddings (``share_embeddings_and_output_weights``) keeps one to compute the
+    logits, and the first stage holds the real one (HF's tied ``lm_head`` is not a tensor of its own)."""
+    keys = set()
+    for name, module in model.named_modules():
+        if getattr(module, "share_embeddings_and_output_weights", False) is True and \
+                getattr(module, "pre_process", True) is False:
+            keys.add(f"{name}.output_layer.weight" if name else "output_layer.weight")
+    return keys
+
+
 def _renamed(key: str, renames: dict[str, str]) -> str:
     for old, new in renames.items():
         if key.startswith(old):
@@ -152,12 +243,18 @@ def _glu_fc1(model: torch.nn.Module) -> set[int]:
 
 
 def _chunk_state(chunk: torch.nn.Module, rank: int, world: int) -> dict[str, StateValue]:
-    renames, glu = _global_layer_names(chunk), _glu_fc1(chunk)
+    layers, experts, glu = _global_layer_names(chunk), _global_expert_names(chunk), _glu_fc1(chunk)
+    expert_groups, skip = _expert_groups(chunk), _tied_copies(chunk)
+    grouped = _grouped_experts(chunk, rank, world)
     state: dict[str, StateValue] = {}
     for name, value in chunk.state_dict(keep_vars=True).items():
-        if not isinstance(value, torch.Tensor) or name.endswith("_extra_state"):
+        if not isinstance(value, torch.Tensor) or name.endswith("_extra_state") or name in skip:
             continue
-        key = _renamed(name, renames)
+        key = _renamed(_renamed(name, experts), layers)
+        if id(value) in grouped:
+            views = grouped[id(value)]
+            state[key] = views[0] if len(views) == 1 else views
+            continue
         part = partition_of(key, value)
         if part is None:
             state[key] = value.detach()
@@ -165,7 +262,8 @@ def _chunk_state(chunk: torch.nn.Module, rank: int, world: int) -> dict[str, Sta
         dim, stride = part
         if id(value) in glu and dim == 0 and stride == 1:
             stride = 2
-        shards = tp_shards(value.detach(), dim, rank, world, stride, key=key)
+        tp_rank, tp_world = expert_groups.get(id(value), (rank, world))
+        shards = tp_shards(value.detach(), dim, tp_rank, tp_world, stride, key=key)
         state[key] = shards[0] if len(shards) == 1 else shards
     return state
 
@@ -178,13 +276,18 @@ def from_megatron(model: torch.nn.Module | Sequence[torch.nn.Module], group: Any
     ``partition_dim``, ``partition_stride``; Paddle's ``is_distributed``, ``split_axis``) become
     :class:`ShardedTensor` views of this rank's shard; other tensors stay plain (replicas, checked
     when the layout is gathered); ``_extra_state`` and other non-tensor entries are skipped. Layers of
-    a pipeline stage get their global numbers (from Megatron's ``layer_number``). Nothing is copied.
+    a pipeline stage get their global numbers (from Megatron's ``layer_number``), the local experts of
+    an expert-parallel rank theirs (from the ``MoELayer``'s ``local_expert_indices``; each expert is
+    split over its own TP group, ``experts.tp_group``; a ``GroupedMLP``'s ``weight1`` / ``weight2``
+    become its experts' weights stacked, see the module docstring), and the copy of tied embeddings
+    that the last pipeline stage holds as ``output_layer.weight`` is left out. Nothing is copied.
 
     Args:
         model: the unwrapped model (``megatron.training.utils.unwrap_model``), or a list of
             virtual-pipeline chunks.
         group: the tensor-parallel group. None: Megatron's TP group when ``megatron.core`` has
-            initialised model parallelism, else the default group, else a single process.
+            initialised model parallelism, else the default group, else a single process. Experts
+            use their own group (``experts.tp_group``) where they have one.
 
     Returns:
         key -> tensor, ShardedTensor or list of ShardedTensor (stride > 1), in state-dict order.
@@ -209,3 +312,31 @@ def from_megatron(model: torch.nn.Module | Sequence[torch.nn.Module], group: Any
                               "different layers (with their Megatron layer_number)")
         state |= part
     return state
+
+
+def megatron_module_error(module: torch.nn.Module, what: str) -> LayoutError | None:
+    """The error for a Megatron-style module passed where its placed state is needed; None for a
+    module without Megatron's marks.
+
+    A Megatron module's own state dict holds this rank's shards under local shapes (and, on pipeline
+    stages and expert-parallel ranks, local layer and expert numbers), so taken as it is it cannot
+    match full tensors: every sharded key would be a shape error.
+
+    Args:
+        module: the module given.
+        what: how the message names it (``"the destination"``).
+
+    Example:
+        >>> lin = torch.nn.Linear(3, 4)
+        >>> lin.weight.tensor_model_parallel = True
+        >>> str(megatron_module_error(lin, "the destination"))[:60]
+        'the destination is a Megatron module (tensor-parallel marks '
+    """
+    marked = next((n for n, p in module.named_parameters()
+                   if getattr(p, "tensor_model_parallel", False) is True), None)
+    if marked is None:
+        return None
+    return LayoutError(f"{what} is a Megatron module (tensor-parallel marks on its parameters, e.g. "
+                       f"{marked!r}): its state dict holds this rank's shards with local shapes, layer "
+                       "and expert numbers; pass shardsync.from_megatron(model) instead, which places "
+                       "every shard in its global tensor")
