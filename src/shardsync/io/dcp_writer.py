@@ -34,7 +34,7 @@ from ..layout.meta import GlobalLayout
 from ..layout.sharded import ShardedTensor, StateValue
 from ..planning.validate import layout_problems, shard_boxes, tiling_problems
 from ..sources import LocalSource
-from .commit import fsync_path, new_tag
+from .commit import fsync_path, new_tag, output_dir
 
 __all__ = ["save", "BoxSavePlanner"]
 
@@ -161,7 +161,7 @@ def save(state: Mapping[str, StateValue], path: str | os.PathLike, *, group: Any
         ...     out["w"].tolist()
         [1.0, 1.0]
     """
-    where = Path(path)
+    where = output_dir(path, "path")
     source = LocalSource(state)
     gathered = agree("save: check", lambda: _check(where, overwrite, source), group, unanimous=True).all
 
