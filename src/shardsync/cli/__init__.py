@@ -21,7 +21,7 @@ import sys
 import traceback
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Literal
+from typing import Literal, TextIO
 
 from .. import __version__
 from ..layout.meta import GlobalLayout
@@ -34,7 +34,7 @@ from .convert import ConvertConfig, run_convert
 from .diff import DiffConfig, run_diff
 from .inspect import InspectConfig, run_inspect
 from .launch import WorkerFailed, launched_world, run_launched
-from .messages import BROKEN_PIPE, UsageError, one_line
+from .messages import BROKEN_PIPE, UsageError, one_line, printable
 from .plan import PlanConfig, run_plan
 
 __all__ = ["main", "convert_config", "run_explain"]
@@ -58,6 +58,11 @@ def _layout_json(path: Path) -> GlobalLayout:
     except (ValueError, KeyError, TypeError, AttributeError) as exc:
         raise FormatError(f"{path} is not a layout JSON (as GlobalLayout.to_json writes) nor a checkpoint: "
                           f"{type(exc).__name__}: {exc}; pass a checkpoint or a layout JSON") from exc
+
+
+def _print(text: str, file: TextIO | None = None) -> None:
+    """Print what a command shows; names from a checkpoint may hold terminal escape codes."""
+    print(printable(text), file=file or sys.stdout)
 
 
 def _progress(args: argparse.Namespace) -> bool:
@@ -94,16 +99,16 @@ def _convert(args: argparse.Namespace, to: Literal["hf", "dcp"] | None = None) -
                              f"{launched_world()} workers", "drop --nproc")
         line, status = run_launched(cfg)
         if line and (status or not args.quiet):
-            print(line, file=sys.stderr if status else sys.stdout)
+            _print(line, sys.stderr if status else sys.stdout)
         return status
     done = run_convert(cfg)
     if not args.quiet:
-        print(done.summary(cfg.out))
+        _print(done.summary(cfg.out))
     return 0
 
 
 def _inspect(args: argparse.Namespace) -> int:
-    print(run_inspect(InspectConfig(args.path, args.json)))
+    _print(run_inspect(InspectConfig(args.path, args.json)))
     return 0
 
 
@@ -115,12 +120,12 @@ def _plan_config(args: argparse.Namespace) -> PlanConfig:
 
 
 def _plan(args: argparse.Namespace) -> int:
-    print(run_plan(_plan_config(args)))
+    _print(run_plan(_plan_config(args)))
     return 0
 
 
 def _explain(args: argparse.Namespace) -> int:
-    print(run_explain(_plan_config(args)))
+    _print(run_explain(_plan_config(args)))
     return 0
 
 
@@ -133,7 +138,7 @@ def _diff(args: argparse.Namespace) -> int:
                      progress=_progress(args))
     out, status = run_diff(cfg)
     if not args.quiet:
-        print(out)
+        _print(out)
     return status
 
 
@@ -170,7 +175,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         try:
             return _COMMANDS[command](args)
         except WorkerFailed as exc:
-            print(exc.line, file=sys.stderr)
+            _print(exc.line, sys.stderr)
             return exc.status
         except BrokenPipeError:  # the reader stopped reading (`shardsync inspect ... | head`)
             _silence_stdout()
@@ -179,5 +184,5 @@ def main(argv: Sequence[str] | None = None) -> int:
             if args.debug:
                 traceback.print_exc()
             line, status = one_line(command, exc)
-            print(line, file=sys.stderr)
+            _print(line, sys.stderr)
             return status

@@ -11,10 +11,12 @@ data files are removed after the commit.
 
 from __future__ import annotations
 
+import contextlib
+import io
 import os
 import re
 import warnings
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -87,6 +89,15 @@ class _ReplacingFileSystem(FileSystem):
     def rm_file(self, path: str | os.PathLike) -> None:
         if Path(path).name != ".metadata":
             super().rm_file(path)
+
+    # torch writes .metadata through a fixed temporary name (.metadata.tmp): a symbolic link planted
+    # there would have it write a file outside the checkpoint. Never write through a link.
+    @contextlib.contextmanager
+    def create_stream(self, path: str | os.PathLike, mode: str) -> Iterator[io.IOBase]:
+        if "w" in mode and Path(path).is_symlink():
+            Path(path).unlink()
+        with super().create_stream(path, mode) as stream:
+            yield stream
 
 
 class _TaggedWriter(dcp.FileSystemWriter):

@@ -35,21 +35,25 @@ def extra_files(paths: Iterable[str | os.PathLike] | None, config_from: str | os
         names: the checkpoint's own file names, which an extra file may not take.
 
     Raises:
-        FormatError: a missing file, a directory without ``config.json``, two files with one name, or
-            a name the weights use.
+        FormatError: a missing file, a directory without ``config.json``, a file of ``config_from``
+            that is a symbolic link out of it, two files with one name, or a name the weights use.
 
     Example:
         >>> extra_files(None, None, CheckpointNames())
         ()
     """
     files = [Path(p) for p in (paths or ())]
+    problems = []
     if config_from is not None:
         source = Path(config_from)
         if not (source / "config.json").is_file():
             raise FormatError(f"config_from={str(source)!r} holds no config.json; give the directory of "
                               "a HuggingFace model (where save_pretrained wrote config.json)")
-        files += [source / f for f in HF_FILES if (source / f).is_file()]
-    problems = [f"{p} is not a file" for p in files if not p.is_file()]
+        found = [source / f for f in HF_FILES if (source / f).is_file()]
+        problems += [f"{p} is a symbolic link to {p.resolve()}, outside {source}" for p in found
+                     if not _links_within(p, source)]
+        files += found
+    problems += [f"{p} is not a file" for p in files if not p.is_file()]
     problems += [f"{p} is not JSON" for p in files if p.name == "config.json" and p.is_file()
                  and not _is_json(p)]
     problems += [f"{p.name} is a name the weights use" for p in files if names.is_own(p.name)]
@@ -63,10 +67,20 @@ def extra_files(paths: Iterable[str | os.PathLike] | None, config_from: str | os
     return tuple(by_name.values())
 
 
+def _links_within(path: Path, source: Path) -> bool:
+    """Whether ``path`` (a file of ``source``) is no link, or one that stays within ``source`` or, in
+    a Hugging Face cache (``.../snapshots/<revision>/``), within that repository's ``blobs``."""
+    if not path.is_symlink():
+        return True
+    target, root = path.resolve(), source.resolve()
+    roots = [root] + ([root.parent.parent / "blobs"] if root.parent.name == "snapshots" else [])
+    return any(target.is_relative_to(r) for r in roots)
+
+
 def copy_files(files: Iterable[Path], directory: Path, names: CheckpointNames, tag: str,
                dtype: str | None = None) -> None:
     """Copy each file into ``directory``, replacing a file of that name atomically (temp, fsync,
-    rename). With ``dtype`` (the weights were cast), ``config.json`` says that dtype, so that
+    rename), with the file's permission bits. With ``dtype`` (the weights were cast), ``config.json`` says that dtype, so that
     ``from_pretrained(dtype="auto")`` loads them as written."""
     copied = False
     for src in files:
@@ -75,6 +89,7 @@ def copy_files(files: Iterable[Path], directory: Path, names: CheckpointNames, t
             tmp.write_text(_with_dtype(src.read_text(), dtype))
         else:
             shutil.copyfile(src, tmp)
+        shutil.copymode(src, tmp)  # a private (0600) tokenizer stays private
         fsync_path(tmp)
         os.replace(tmp, directory / src.name)
         mark_stage(f"copied {src.name}")

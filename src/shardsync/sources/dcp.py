@@ -5,9 +5,9 @@ checkpoint saved under any sharding (FSDP, TP, a torchtitan run, a single proces
 :meth:`DcpSource.read` asks torch's ``FileSystemReader`` for just the box wanted (read items made by
 DCP's own resharding helper), so only the chunks that overlap it are loaded.
 
-Trust: DCP metadata is a pickle (``.metadata``), and unpickling runs code the file names. Read only
-checkpoints you trust, as with ``torch.distributed.checkpoint.load`` itself. The tensor data is loaded
-by torch with ``weights_only=True``.
+Trust: DCP metadata is a pickle (``.metadata``); it is read with an allow-list of the classes DCP
+metadata is made of (:mod:`shardsync.sources.dcp_metadata`), so opening a checkpoint never runs code
+from it. The tensor data is loaded by torch with ``weights_only=True``.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from ..errors import FormatError, LayoutError
 from ..layout.box import Box
 from ..layout.dtypes import dtype_name
 from ..layout.meta import LayoutEntry
+from .dcp_metadata import read_metadata
 
 __all__ = ["DcpSource", "METADATA_FILE"]
 
@@ -53,8 +54,7 @@ def _box_planner() -> type:
 class DcpSource:
     """A DCP checkpoint directory (as written by ``torch.distributed.checkpoint.save``).
 
-    Only trusted checkpoints may be read: the metadata is unpickled (see the module docstring).
-    Non-tensor entries (bytes, objects) are skipped with a debug log.
+    The metadata is unpickled with an allow-list (see the module docstring). Non-tensor entries (bytes, objects) are skipped with a debug log.
 
     Args:
         path: the checkpoint directory (the one holding ``.metadata``).
@@ -63,8 +63,8 @@ class DcpSource:
             nested keys with dots).
 
     Raises:
-        FormatError: no ``.metadata``, a metadata file that is not DCP's, or a dtype shardsync does
-            not know.
+        FormatError: no ``.metadata``, a metadata file that is not DCP's (or names a class DCP
+            metadata is not made of), or a dtype shardsync does not know.
 
     Example:
         >>> import tempfile; import torch.distributed.checkpoint as dcp
@@ -80,20 +80,15 @@ class DcpSource:
 
     def __init__(self, path: str | os.PathLike, *, prefix: str = "") -> None:
         from torch.distributed.checkpoint import FileSystemReader
-        from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+        from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
         self.path = Path(path)
         meta_file = self.path / METADATA_FILE
         if not meta_file.is_file():
             raise FormatError(f"{self.path} is not a torch DCP checkpoint: it has no {METADATA_FILE} file")
         self.reader = FileSystemReader(self.path)
-        try:
-            metadata = self.reader.read_metadata()
-        except Exception as exc:  # unpickling can fail in many ways; all mean "not DCP metadata"
-            raise FormatError(f"{meta_file}: cannot read DCP metadata (not written by "
-                              f"torch.distributed.checkpoint.save?): {type(exc).__name__}: {exc}") from exc
-        if not isinstance(metadata, Metadata):
-            raise FormatError(f"{meta_file}: holds a {type(metadata).__name__}, not DCP Metadata")
+        metadata = read_metadata(meta_file)  # torch's reader would unpickle it without an allow-list
+        metadata.storage_meta.load_id = self.reader.load_id
         self.reader.set_up_storage_reader(metadata, is_coordinator=True)
         self.tensors: dict[str, Any] = {}  # key (prefix removed) -> TensorStorageMetadata
         self._dtypes: dict[str, str] = {}
