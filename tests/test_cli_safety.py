@@ -3,12 +3,18 @@ and ends every failure (corrupt input, full disk, Ctrl-C) with one line and the 
 
 from __future__ import annotations
 
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
 from cli_checkpoints import Checkpoints, build
 from reference import arange_tensor
+from safetensors.torch import save_file
 
 import shardsync
 from shardsync.cli import main
@@ -74,3 +80,73 @@ def test_convert_keeps_an_index_less_set(ck: Checkpoints, tmp_path: Path,
     assert snapshot(out) == before
     assert main(["convert", str(ck.single), str(out), "--overwrite", "-q"]) == 0
     assert sorted(read_tensors(out)) == sorted(read_tensors(ck.single))
+
+
+# -- a full disk, Ctrl-C ----------------------------------------------------------------------------
+
+@pytest.fixture
+def tiny_disk(tmp_path: Path) -> Iterator[Path]:
+    """A file system of 256 KiB (a tmpfs; the test is skipped where mounting one is not allowed)."""
+    where = tmp_path / "tiny"
+    where.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(where)],
+                      capture_output=True).returncode != 0:
+        pytest.skip("cannot mount a small tmpfs here (needs root)")
+    try:
+        yield where
+    finally:
+        subprocess.run(["umount", str(where)], check=True)
+
+
+@pytest.mark.parametrize("to", ["hf", "dcp"])
+def test_full_disk_is_one_line_and_leaves_nothing(tmp_path: Path, tiny_disk: Path, to: str,
+                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    src = tmp_path / "big.safetensors"
+    save_file({f"w{i}": arange_tensor((127, 129)) for i in range(6)}, str(src))  # 393 KB
+    status, line = one_line(capsys, ["convert", str(src), str(tiny_disk / "out"), "--to", to])
+    assert status == 2 and line.startswith("shardsync convert: no space left on the device of "), line
+    assert line.endswith("(free some space, or write to another directory)")
+    assert list((tiny_disk / "out").iterdir()) == []
+
+
+def _command(*argv: str) -> subprocess.Popen[str]:
+    """``python -m shardsync ...`` with SIGINT as a terminal delivers it (a test runner may ignore it)."""
+    return subprocess.Popen([sys.executable, "-m", "shardsync", *argv], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+
+
+def _interrupted(proc: subprocess.Popen[str], command: str) -> None:
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 130 and err == f"shardsync{command}: interrupted\n", (proc.returncode, err)
+
+
+def test_ctrl_c_while_starting(tmp_path: Path) -> None:
+    proc = _command("inspect", str(tmp_path))
+    time.sleep(0.3)  # importing torch takes longer
+    proc.send_signal(signal.SIGINT)
+    _interrupted(proc, "")
+
+
+def _big_source(tmp_path: Path) -> Path:
+    src = tmp_path / "big.safetensors"
+    save_file({f"w{i}": torch.zeros(2**22) for i in range(48)}, str(src))  # 805 MB of zeros
+    return src
+
+
+def _interrupt_when(proc: subprocess.Popen[str], out: Path, pattern: str) -> None:
+    deadline = time.monotonic() + 300
+    while not (out.is_dir() and any(out.rglob(pattern))):
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+        time.sleep(0.001)
+    proc.send_signal(signal.SIGINT)
+
+
+@pytest.mark.parametrize("argv, pattern", [(["--to", "dcp"], "*.distcp"),
+                                           (["--max-shard-size", "20MB"], "*.tmp")])
+def test_ctrl_c_while_writing_leaves_nothing(tmp_path: Path, argv: list[str], pattern: str) -> None:
+    out = tmp_path / "out"
+    proc = _command("convert", str(_big_source(tmp_path)), str(out), *argv)
+    _interrupt_when(proc, out, pattern)
+    _interrupted(proc, " convert")
+    assert sorted(p.name for p in out.iterdir()) == []

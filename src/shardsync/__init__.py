@@ -7,6 +7,10 @@ replicas in sync (:mod:`shardsync.replicas`).
 
 from __future__ import annotations
 
+from .startup import guard_startup
+
+guard_startup()  # before the imports below, which take a second or more (torch)
+
 from .destinations import LoadResult, load, reshard
 from .errors import (DistributedError, DriftError, FormatError, LayoutError, LoadError, MappingError,
                      PlanError, ReplicaError, ShardsyncError)

@@ -180,7 +180,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         except BrokenPipeError:  # the reader stopped reading (`shardsync inspect ... | head`)
             _silence_stdout()
             return BROKEN_PIPE
-        except (Exception, KeyboardInterrupt) as exc:
+        except SystemExit:
+            raise
+        except BaseException as exc:  # torch's CheckpointException is not an Exception
             if args.debug:
                 traceback.print_exc()
             line, status = one_line(command, exc)
