@@ -3,12 +3,15 @@ and ends every failure (corrupt input, full disk, Ctrl-C) with one line and the 
 
 from __future__ import annotations
 
+import os
+import pickle
 import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -19,6 +22,8 @@ from safetensors.torch import save_file
 import shardsync
 from shardsync.cli import main
 from shardsync.io import read_tensors, save_safetensors
+from shardsync.layout import shard_dim
+from shardsync.sources.dcp_metadata import read_metadata
 
 
 @pytest.fixture(scope="module")
@@ -149,4 +154,111 @@ def test_ctrl_c_while_writing_leaves_nothing(tmp_path: Path, argv: list[str], pa
     proc = _command("convert", str(_big_source(tmp_path)), str(out), *argv)
     _interrupt_when(proc, out, pattern)
     _interrupted(proc, " convert")
+    assert sorted(p.name for p in out.iterdir()) == []
+
+
+# -- corrupt inputs ---------------------------------------------------------------------------------
+
+DEEP = "[" * 100_000 + "]" * 100_000
+
+
+def _dcp_variant(root: Path, name: str, damage: Callable[[Path, list[Path]], None]) -> Path:
+    d = root / name
+    state = {"w": arange_tensor((17, 5)), "v": arange_tensor((7,))}
+    shardsync.save({k: [shard_dim(t, 0, r, 2) for r in range(2)] for k, t in state.items()}, d)
+    damage(d, sorted(d.glob("*.distcp")))
+    return d
+
+
+def _edit_metadata(edit: Callable[[Any], None]) -> Callable[[Path, list[Path]], None]:
+    def damage(d: Path, _: list[Path]) -> None:
+        metadata = read_metadata(d / ".metadata")
+        edit(metadata)
+        (d / ".metadata").write_bytes(pickle.dumps(metadata))
+    return damage
+
+
+def _drop_chunk(md: Any) -> None:
+    del md.storage_data[next(iter(md.storage_data))]
+
+
+def _offset_past_end(md: Any) -> None:
+    next(iter(md.storage_data.values())).offset = 10**9
+
+
+@pytest.fixture(scope="module")
+def corrupt(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    r = tmp_path_factory.mktemp("corrupt")
+    _dcp_variant(r, "truncated", lambda d, files: os.truncate(files[0], files[0].stat().st_size // 2))
+    _dcp_variant(r, "zeroed", lambda d, files: files[0].write_bytes(bytes(files[0].stat().st_size)))
+    _dcp_variant(r, "missing_chunk", _edit_metadata(_drop_chunk))
+    _dcp_variant(r, "past_end", _edit_metadata(_offset_past_end))
+    _dcp_variant(r, "missing_file", lambda d, files: files[0].unlink())
+    shardsync.save_hf({"w": arange_tensor((17,)), "v": arange_tensor((7,))}, r / "deep_index", max_shard_size=40)
+    (r / "deep_index/model.safetensors.index.json").write_text('{"weight_map": ' + DEEP + "}")
+    (r / "deep.json").write_text('{"aoa_statements": ' + DEEP + "}")
+    (r / "deep.yaml").write_text("aoa_statements: " + DEEP + "\n")
+    (r / "layout_deep.json").write_text(DEEP)
+    for name, config in (("cfg_deep", DEEP), ("cfg_list", "[1, 2]"), ("cfg_str", '"x"')):
+        shardsync.save_hf({"w": arange_tensor((17,))}, r / name)
+        (r / name / "config.json").write_text(config)
+    shardsync.save_hf({"w": arange_tensor((17,)), "v": arange_tensor((7,))}, r / "out_list", max_shard_size=40)
+    (r / "out_list/model.safetensors.index.json").write_text('{"weight_map": ["a"]}')
+    shardsync.save_hf({"w": arange_tensor((17,))}, r / "src")
+    return r
+
+
+CORRUPT = {
+    "convert {r}/truncated {o}": "_0_0.distcp run past its end",
+    "inspect {r}/truncated": "incomplete or corrupt DCP checkpoint: 'w' chunk at [0, 0]: bytes",
+    "convert {r}/zeroed {o}": "cannot read 'v' from __",
+    "convert {r}/missing_chunk {o}": "'v' chunk at [0] is in no data file (the storage data does not place it)",
+    "convert {r}/past_end {o}": "'v' chunk at [0]: bytes 1000000000..",
+    "convert {r}/missing_file {o}": "_0_0.distcp is missing",
+    "inspect {r}/deep_index": "not a safetensors index",
+    "convert {r}/src {o} -m {r}/deep.json": "deep.json: invalid JSON: nested too deeply to read",
+    "convert {r}/src {o} -m {r}/deep.yaml": "deep.yaml: invalid YAML: nested too deeply to read",
+    "explain {r}/layout_deep.json": "is not a layout JSON",
+    "convert {r}/cfg_deep {o}": "cfg_deep/config.json is not a JSON object (fix --config-from)",
+    "convert {r}/cfg_list {o} --dtype bf16": "cfg_list/config.json is not a JSON object (fix --config-from)",
+    "convert {r}/cfg_str {o} -m megatron-llama": "cfg_str/config.json' holds a JSON str, not an object",
+    "convert {r}/cfg_deep {o} -m megatron-llama": "invalid JSON: nested too deeply to read",
+    "convert {r}/src {r}/out_list": "already holds a checkpoint (model.safetensors.index.json)",
+}
+
+
+@pytest.mark.parametrize("argv, expected", CORRUPT.items())
+def test_corrupt_inputs_are_user_errors(corrupt: Path, tmp_path: Path, argv: str, expected: str,
+                                        capsys: pytest.CaptureFixture[str]) -> None:
+    status, line = one_line(capsys, argv.format(r=corrupt, o=tmp_path / "out").split())
+    assert status == 2 and expected in line, line
+
+
+def _workers_of(launcher: int) -> list[int]:
+    """The worker processes a ``--nproc`` launcher started (its children that run spawn's main)."""
+    found = subprocess.run(["pgrep", "-P", str(launcher), "-f", "multiprocessing.spawn"],
+                           capture_output=True, text=True).stdout.split()
+    return [int(pid) for pid in found]
+
+
+@pytest.mark.parametrize("how", ["ctrl-c", "worker killed"])
+def test_nproc_interrupted_or_worker_dead_is_one_line(tmp_path: Path, how: str) -> None:
+    out = tmp_path / "out"
+    proc = subprocess.Popen([sys.executable, "-m", "shardsync", "convert", str(_big_source(tmp_path)), str(out),
+                             "--nproc", "2", "--max-shard-size", "20MB"], stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: (signal.signal(signal.SIGINT, signal.SIG_DFL), os.setpgrp()))
+    deadline = time.monotonic() + 300
+    while not (out.is_dir() and any(out.rglob("*.tmp"))):
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+        time.sleep(0.001)
+    if how == "ctrl-c":
+        os.killpg(proc.pid, signal.SIGINT)  # as a terminal sends it: to the launcher and its workers
+    else:
+        os.kill(max(_workers_of(proc.pid)), signal.SIGKILL)
+    _, err = proc.communicate(timeout=300)
+    if how == "ctrl-c":
+        assert (proc.returncode, err) == (130, "shardsync convert: interrupted\n")
+    else:
+        assert proc.returncode == 2 and err.count("\n") == 1, err
+        assert err.startswith("shardsync convert: worker ") and "died with exit code -9" in err, err
     assert sorted(p.name for p in out.iterdir()) == []

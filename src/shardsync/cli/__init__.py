@@ -10,7 +10,8 @@ Examples::
 A checkpoint is a safetensors file or directory, or a torch DCP directory (format detected). Each
 command parses its flags into a config dataclass and calls the same functions as the API. Exit
 status: 0 success; 1 ``diff`` found differences; 2 a user error (one line on stderr,
-``shardsync <cmd>: <what is wrong> (<how to fix>)``); 3 a bug (``--debug`` shows the traceback).
+``shardsync <cmd>: <what is wrong> (<how to fix>)``); 3 a bug (``--debug`` shows the traceback); 130
+interrupted (Ctrl-C, one line).
 """
 
 from __future__ import annotations
@@ -55,7 +56,7 @@ def _layout_json(path: Path) -> GlobalLayout:
 
     try:
         return GlobalLayout.from_json(path.read_text())
-    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+    except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as exc:
         raise FormatError(f"{path} is not a layout JSON (as GlobalLayout.to_json writes) nor a checkpoint: "
                           f"{type(exc).__name__}: {exc}; pass a checkpoint or a layout JSON") from exc
 

@@ -54,8 +54,8 @@ def extra_files(paths: Iterable[str | os.PathLike] | None, config_from: str | os
                      if not _links_within(p, source)]
         files += found
     problems += [f"{p} is not a file" for p in files if not p.is_file()]
-    problems += [f"{p} is not JSON" for p in files if p.name == "config.json" and p.is_file()
-                 and not _is_json(p)]
+    problems += [f"{p} is not a JSON object" for p in files if p.name == "config.json" and p.is_file()
+                 and not _is_json_object(p)]
     problems += [f"{p.name} is a name the weights use" for p in files if names.is_own(p.name)]
     by_name: dict[str, Path] = {}
     for p in files:
@@ -114,9 +114,8 @@ def _with_dtype(config_text: str, dtype: str) -> str:
     return json.dumps(config, indent=2, sort_keys=True) + "\n"
 
 
-def _is_json(path: Path) -> bool:
+def _is_json_object(path: Path) -> bool:
     try:
-        json.loads(path.read_text())
-    except ValueError:
+        return isinstance(json.loads(path.read_text()), dict)
+    except (ValueError, RecursionError):
         return False
-    return True

@@ -15,6 +15,8 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import pickle
+import re
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +26,7 @@ from ..errors import FormatError, LayoutError
 from ..layout.box import Box
 from ..layout.dtypes import dtype_name
 from ..layout.meta import LayoutEntry
-from .dcp_metadata import read_metadata
+from .dcp_metadata import read_metadata, storage_problems
 
 __all__ = ["DcpSource", "METADATA_FILE"]
 
@@ -64,7 +66,8 @@ class DcpSource:
 
     Raises:
         FormatError: no ``.metadata``, a metadata file that is not DCP's (or names a class DCP
-            metadata is not made of), or a dtype shardsync does not know.
+            metadata is not made of), a chunk no data file holds whole, or a dtype shardsync does
+            not know. :meth:`read` raises it for a data file that is corrupt.
 
     Example:
         >>> import tempfile; import torch.distributed.checkpoint as dcp
@@ -105,6 +108,10 @@ class DcpSource:
             except ValueError as exc:
                 raise FormatError(f"{meta_file}: tensor {fqn!r}: {exc}") from exc
             self.tensors[key], self._fqns[key] = md, fqn
+        problems = storage_problems(self.path, metadata, self._fqns.values())
+        if problems:
+            shown = problems[:5] + ([f"... and {len(problems) - 5} more"] if len(problems) > 5 else [])
+            raise FormatError(f"{self.path}: incomplete or corrupt DCP checkpoint: " + "; ".join(shown))
         if not self.tensors:
             raise FormatError(f"{self.path}: no tensor{f' under prefix {prefix!r}' if prefix else ''} in "
                               "this DCP checkpoint")
@@ -135,7 +142,13 @@ class DcpSource:
         out = torch.empty(box.sizes, dtype=md.properties.dtype)
         wanted = ChunkStorageMetadata(offsets=torch.Size(box.offsets), sizes=torch.Size(box.sizes))
         items = create_read_items_for_chunk_list(self._fqns[key], md, [wanted])
-        self.reader.read_data(LoadPlan(items), _box_planner()(out)).wait()
+        try:
+            self.reader.read_data(LoadPlan(items), _box_planner()(out)).wait()
+        except (RuntimeError, EOFError, ValueError, KeyError, pickle.UnpicklingError) as exc:
+            files = sorted({str(self.reader.storage_data[i.storage_index].relative_path) for i in items})
+            first = re.split(r"(?<=\.)\s", (str(exc).strip().splitlines() or [""])[0])[0]
+            raise FormatError(f"{self.path}: cannot read {key!r} from {', '.join(files)} (corrupt or "
+                              f"truncated?): {type(exc).__name__}: {first}") from exc
         return out
 
     def device(self) -> torch.device:

@@ -15,7 +15,7 @@ from typing import Any
 
 from ..errors import FormatError
 
-__all__ = ["read_metadata", "ALLOWED"]
+__all__ = ["read_metadata", "storage_problems", "ALLOWED"]
 
 #: ``module -> names`` that DCP metadata may name (torch 2.x writers; ``*``: every class and enum the
 #: module itself defines, which are all plain data).
@@ -82,3 +82,39 @@ def read_metadata(path: Path) -> Any:
     if getattr(metadata, "storage_meta", None) is None:  # as torch's FileSystemReader.read_metadata
         metadata.storage_meta = StorageMeta()
     return metadata
+
+
+def storage_problems(directory: Path, metadata: Any, fqns: Any) -> list[str]:
+    """What keeps the chunks of tensors ``fqns`` from being read: a chunk the storage data does not
+    place, a data file that is missing, or a chunk that runs past its file's end.
+
+    Example:
+        >>> import tempfile; import torch, torch.distributed.checkpoint as dcp
+        >>> with tempfile.TemporaryDirectory() as d:
+        ...     _ = dcp.save({"w": torch.zeros(2)}, checkpoint_id=d, no_dist=True)
+        ...     md = read_metadata(Path(d) / ".metadata")
+        ...     storage_problems(Path(d), md, ["w"])
+        []
+    """
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+
+    storage = metadata.storage_data or {}
+    sizes: dict[str, int] = {}
+    problems = []
+    for fqn in fqns:
+        for chunk in metadata.state_dict_metadata[fqn].chunks:
+            info = storage.get(MetadataIndex(fqn, chunk.offsets))
+            where = f"{fqn!r} chunk at {list(chunk.offsets)}"
+            if info is None:
+                problems.append(f"{where} is in no data file (the storage data does not place it)")
+                continue
+            name = str(info.relative_path)
+            if name not in sizes:
+                file = directory / name
+                sizes[name] = file.stat().st_size if file.is_file() else -1
+            if sizes[name] < 0:
+                problems.append(f"{where}: its data file {name} is missing")
+            elif info.offset < 0 or info.length < 0 or info.offset + info.length > sizes[name]:
+                problems.append(f"{where}: bytes {info.offset}..{info.offset + info.length} of {name} "
+                                f"run past its end ({sizes[name]} B)")
+    return problems
