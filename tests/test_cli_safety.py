@@ -89,18 +89,35 @@ def test_convert_keeps_an_index_less_set(ck: Checkpoints, tmp_path: Path,
 
 # -- a full disk, Ctrl-C ----------------------------------------------------------------------------
 
-@pytest.fixture
-def tiny_disk(tmp_path: Path) -> Iterator[Path]:
-    """A file system of 256 KiB (a tmpfs; the test is skipped where mounting one is not allowed)."""
-    where = tmp_path / "tiny"
+def _mounted(where: Path, options: str) -> Iterator[Path]:
+    """A tmpfs at ``where`` (the test is skipped where mounting one is not allowed)."""
     where.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(where)],
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(where)],
                       capture_output=True).returncode != 0:
-        pytest.skip("cannot mount a small tmpfs here (needs root)")
+        pytest.skip("cannot mount a tmpfs here (needs root)")
     try:
         yield where
     finally:
         subprocess.run(["umount", str(where)], check=True)
+
+
+@pytest.fixture
+def tiny_disk(tmp_path: Path) -> Iterator[Path]:
+    """A file system of 256 KiB."""
+    yield from _mounted(tmp_path / "tiny", "size=256k")
+
+
+@pytest.fixture
+def read_only_disk(tmp_path: Path) -> Iterator[Path]:
+    yield from _mounted(tmp_path / "ro", "ro,size=256k")
+
+
+@pytest.mark.parametrize("to", ["hf", "dcp"])
+def test_read_only_disk_is_one_line(ck: Checkpoints, read_only_disk: Path, to: str,
+                                    capsys: pytest.CaptureFixture[str]) -> None:
+    status, line = one_line(capsys, ["convert", str(ck.single), str(read_only_disk), "--to", to])
+    assert status == 2 and "read-only file system" in line, line
+    assert list(read_only_disk.iterdir()) == []
 
 
 @pytest.mark.parametrize("to", ["hf", "dcp"])
@@ -199,6 +216,8 @@ def corrupt(tmp_path_factory: pytest.TempPathFactory) -> Path:
     (r / "deep.json").write_text('{"aoa_statements": ' + DEEP + "}")
     (r / "deep.yaml").write_text("aoa_statements: " + DEEP + "\n")
     (r / "layout_deep.json").write_text(DEEP)
+    (r / "layout_negative.json").write_text('{"world_size": 1, "tensors": {"v": {"shape": [-7], "dtype": '
+                                            '"float32", "shards": [[0, [0], [-7]]]}}}')
     for name, config in (("cfg_deep", DEEP), ("cfg_list", "[1, 2]"), ("cfg_str", '"x"')):
         shardsync.save_hf({"w": arange_tensor((17,))}, r / name)
         (r / name / "config.json").write_text(config)
@@ -219,6 +238,7 @@ CORRUPT = {
     "convert {r}/src {o} -m {r}/deep.json": "deep.json: invalid JSON: nested too deeply to read",
     "convert {r}/src {o} -m {r}/deep.yaml": "deep.yaml: invalid YAML: nested too deeply to read",
     "explain {r}/layout_deep.json": "is not a layout JSON",
+    "explain {r}/layout_negative.json": "box with negative offset or size",
     "convert {r}/cfg_deep {o}": "cfg_deep/config.json is not a JSON object (fix --config-from)",
     "convert {r}/cfg_list {o} --dtype bf16": "cfg_list/config.json is not a JSON object (fix --config-from)",
     "convert {r}/cfg_str {o} -m megatron-llama": "cfg_str/config.json' holds a JSON str, not an object",
