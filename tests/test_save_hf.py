@@ -145,7 +145,7 @@ def test_config_and_extra_files_are_copied(tmp_path: Path) -> None:
     ({"extra_files": ["{tmp}/missing.json"]}, "missing.json is not a file"),
     ({"extra_files": ["{tmp}/a/model.safetensors"]}, "model.safetensors is a name the weights use"),
     ({"extra_files": ["{tmp}/a/x.json", "{tmp}/b/x.json"]}, "have the same name"),
-    ({"extra_files": ["{tmp}/a/config.json"]}, "config.json is not JSON"),
+    ({"extra_files": ["{tmp}/a/config.json"]}, "config.json is not a JSON object"),
 ])
 def test_bad_extra_files(tmp_path: Path, kwargs: dict, message: str) -> None:
     for sub in ("a", "b"):

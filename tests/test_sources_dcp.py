@@ -83,10 +83,11 @@ def test_metadata_errors(tmp_path: Path) -> None:
     with pytest.raises(FormatError, match=cannot + "UnpicklingError"):
         shardsync.explain(tmp_path)
     meta.write_bytes(pickle.dumps({"w": 1}))
-    with pytest.raises(FormatError, match=cannot + "AttributeError: 'dict' object has no attribute"):
+    with pytest.raises(FormatError, match=f"^{meta}: holds a dict, not DCP Metadata$"):
         DcpSource(tmp_path)
-    meta.write_bytes(pickle.dumps(SimpleNamespace(w=1)))
-    with pytest.raises(FormatError, match=f"^{meta}: holds a SimpleNamespace, not DCP Metadata$"):
+    meta.write_bytes(pickle.dumps(SimpleNamespace(w=1)))  # a class DCP metadata is not made of
+    with pytest.raises(FormatError, match=f"^{meta}: names types.SimpleNamespace, which DCP metadata is "
+                       "not made of; refusing to load it"):
         DcpSource(tmp_path)
 
 

@@ -9,6 +9,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from .startup import guard_startup
+
+guard_startup()  # before the imports below, which take a second or more (torch)
+
 from .caches import release
 from .destinations import LoadResult, load, reshard
 from .digests import VerifyReport, digest, verify

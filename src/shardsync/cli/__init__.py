@@ -11,7 +11,8 @@ Examples::
 A checkpoint is a safetensors file or directory, or a torch DCP directory (format detected). Each
 command parses its flags into a config dataclass and calls the same functions as the API. Exit
 status: 0 success; 1 ``diff`` or ``verify`` found differences; 2 a user error (one line on stderr,
-``shardsync <cmd>: <what is wrong> (<how to fix>)``); 3 a bug (``--debug`` shows the traceback).
+``shardsync <cmd>: <what is wrong> (<how to fix>)``); 3 a bug (``--debug`` shows the traceback); 130
+interrupted (Ctrl-C, one line).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import sys
 import traceback
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Literal
+from typing import Literal, TextIO
 
 from .. import __version__
 from ..layout.meta import GlobalLayout
@@ -36,7 +37,7 @@ from .convert import ConvertConfig, run_convert
 from .diff import DiffConfig, run_diff
 from .inspect import InspectConfig, run_inspect
 from .launch import WorkerFailed, launched_world, run_launched
-from .messages import BROKEN_PIPE, UsageError, one_line
+from .messages import BROKEN_PIPE, UsageError, one_line, printable
 from .plan import PlanConfig, run_plan
 from .verify import VerifyConfig, run_verify
 
@@ -60,9 +61,14 @@ def _layout_json(path: Path) -> GlobalLayout:
     text = read_bounded(path, 1 << 30)  # a FIFO or device is refused, not read without end
     try:
         return GlobalLayout.from_json(text.decode("utf-8"))
-    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+    except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as exc:
         raise FormatError(f"{path} is not a layout JSON (as GlobalLayout.to_json writes) nor a checkpoint: "
                           f"{type(exc).__name__}: {exc}; pass a checkpoint or a layout JSON") from exc
+
+
+def _print(text: str, file: TextIO | None = None) -> None:
+    """Print what a command shows; names from a checkpoint may hold terminal escape codes."""
+    print(printable(text), file=file or sys.stdout)
 
 
 def _progress(args: argparse.Namespace) -> bool:
@@ -112,16 +118,16 @@ def _convert(args: argparse.Namespace, to: Literal["hf", "dcp"] | None = None) -
                              f"{launched_world()} workers", "drop --nproc")
         line, status = run_launched(cfg)
         if line and (status or not args.quiet):
-            print(line, file=sys.stderr if status else sys.stdout)
+            _print(line, sys.stderr if status else sys.stdout)
         return status
     done = run_convert(cfg)
     if not args.quiet:
-        print(done.summary(cfg.out))
+        _print(done.summary(cfg.out))
     return 0
 
 
 def _inspect(args: argparse.Namespace) -> int:
-    print(run_inspect(InspectConfig(args.path, args.json)))
+    _print(run_inspect(InspectConfig(args.path, args.json)))
     return 0
 
 
@@ -133,12 +139,12 @@ def _plan_config(args: argparse.Namespace) -> PlanConfig:
 
 
 def _plan(args: argparse.Namespace) -> int:
-    print(run_plan(_plan_config(args)))
+    _print(run_plan(_plan_config(args)))
     return 0
 
 
 def _explain(args: argparse.Namespace) -> int:
-    print(run_explain(_plan_config(args)))
+    _print(run_explain(_plan_config(args)))
     return 0
 
 
@@ -151,7 +157,7 @@ def _diff(args: argparse.Namespace) -> int:
                      progress=_progress(args))
     out, status = run_diff(cfg)
     if not args.quiet:
-        print(out)
+        _print(out)
     return status
 
 
@@ -195,14 +201,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         try:
             return _COMMANDS[command](args)
         except WorkerFailed as exc:
-            print(exc.line, file=sys.stderr)
+            _print(exc.line, sys.stderr)
             return exc.status
         except BrokenPipeError:  # the reader stopped reading (`shardsync inspect ... | head`)
             _silence_stdout()
             return BROKEN_PIPE
-        except (Exception, KeyboardInterrupt) as exc:
+        except SystemExit:
+            raise
+        except BaseException as exc:  # torch's CheckpointException is not an Exception
             if args.debug:
                 traceback.print_exc()
             line, status = one_line(command, exc)
-            print(line, file=sys.stderr)
+            _print(line, sys.stderr)
             return status

@@ -21,6 +21,13 @@ class _Parser(argparse.ArgumentParser):
         raise SystemExit(2)
 
 
+def _path(text: str) -> Path:
+    """A path argument; an empty one (an unset ``$OUT``) would mean the working directory."""
+    if not text:
+        raise argparse.ArgumentTypeError("an empty path names the working directory; give the path")
+    return Path(text)
+
+
 def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bars, warnings or summary")
     p.add_argument("--debug", action="store_true", help="show the traceback of an error, and debug logs")
@@ -39,8 +46,8 @@ def _mapping(p: argparse.ArgumentParser, target: str = "the source") -> None:
 
 
 def _convert(p: argparse.ArgumentParser, with_to: bool) -> None:
-    p.add_argument("source", type=Path, metavar="SRC", help=_CHECKPOINT)
-    p.add_argument("out", type=Path, metavar="DST", help="output directory")
+    p.add_argument("source", type=_path, metavar="SRC", help=_CHECKPOINT)
+    p.add_argument("out", type=_path, metavar="DST", help="output directory")
     _mapping(p)
     if with_to:
         p.add_argument("--to", choices=("hf", "dcp"), default="hf",
@@ -58,7 +65,7 @@ def _convert(p: argparse.ArgumentParser, with_to: bool) -> None:
                    help="most bytes held while reading and building tensors, e.g. 2GB")
     p.add_argument("--nproc", type=int, default=1, metavar="N",
                    help="N local workers (torch's launcher, gloo), each reading and writing its part")
-    p.add_argument("--config-from", type=Path, metavar="DIR",
+    p.add_argument("--config-from", type=_path, metavar="DIR",
                    help="copy config.json and tokenizer files from DIR (hf; default: SRC's own, when "
                         "converting without a mapping)")
     p.add_argument("--overwrite", action="store_true", help="replace a checkpoint already in DST")
@@ -86,17 +93,17 @@ def parser(version: str) -> argparse.ArgumentParser:
     s = sub.add_parser("export", help="convert --to hf (HF safetensors)")
     _convert(s, with_to=False)
     s = sub.add_parser("inspect", help="what a checkpoint holds: tensors, shapes, dtypes, shards, bytes")
-    s.add_argument("path", type=Path, metavar="PATH", help=_CHECKPOINT)
+    s.add_argument("path", type=_path, metavar="PATH", help=_CHECKPOINT)
     s.add_argument("--json", action="store_true", help="JSON instead of a table")
     s = sub.add_parser("plan", help="dry run of convert: pieces, bytes per worker, collectives, memory")
-    s.add_argument("source", type=Path, metavar="SRC", help=_CHECKPOINT)
+    s.add_argument("source", type=_path, metavar="SRC", help=_CHECKPOINT)
     _mapping(s)
     s.add_argument("--nproc", type=int, default=1, metavar="N", help="plan for N workers (none started)")
     s.add_argument("--memory-budget", metavar="SIZE", help="plan to hold at most SIZE, e.g. 2GB")
     s.add_argument("--json", action="store_true", help="JSON instead of tables")
     s = sub.add_parser("diff", help="compare two checkpoints tensor by tensor (exit 1 if they differ)")
-    s.add_argument("a", type=Path, metavar="A", help=_CHECKPOINT + " (the mapping applies to it)")
-    s.add_argument("b", type=Path, metavar="B", help=_CHECKPOINT)
+    s.add_argument("a", type=_path, metavar="A", help=_CHECKPOINT + " (the mapping applies to it)")
+    s.add_argument("b", type=_path, metavar="B", help=_CHECKPOINT)
     _mapping(s, "A")
     s.add_argument("--atol", type=float, default=0.0, help="largest absolute difference that counts as "
                    "equal (default 0: exact)")
@@ -111,7 +118,7 @@ def parser(version: str) -> argparse.ArgumentParser:
     _mapping(s, "A")
     s.add_argument("--json", action="store_true", help="JSON instead of text")
     s = sub.add_parser("explain", help="how each target of a mapping is built (reads headers only)")
-    s.add_argument("source", type=Path, metavar="SRC", help=_CHECKPOINT + ", or a layout .json")
+    s.add_argument("source", type=_path, metavar="SRC", help=_CHECKPOINT + ", or a layout .json")
     _mapping(s)
     for name in sub.choices:
         _common(sub.choices[name])

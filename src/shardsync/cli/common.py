@@ -21,7 +21,7 @@ from ..mapping import OPTIMIZER_SUFFIXES, SCALAR_SUFFIXES, Mapping, TargetSpec, 
 from ..mapping.macros import expand_macros, reverse_program
 from ..sizes import parse_size
 from ..sources import Source
-from .messages import UsageError
+from .messages import UsageError, printable
 
 __all__ = ["MappingFlags", "source_dir", "command_logging", "layout_of", "resolve_targets", "unconsumed_sources", "size_flag",
            "workers_flag", "MAX_WORKERS",
@@ -234,7 +234,7 @@ class _Formatter(logging.Formatter):
         self.command = command
 
     def format(self, record: logging.LogRecord) -> str:
-        return f"shardsync {self.command}: {record.levelname.lower()}: {record.getMessage()}"
+        return printable(f"shardsync {self.command}: {record.levelname.lower()}: {record.getMessage()}")
 
 
 @contextlib.contextmanager

@@ -123,6 +123,9 @@ def _check_output(cfg: ConvertConfig) -> None:
     """The writers check the output again; checking here fails before any worker starts."""
     if cfg.out.exists() and not cfg.out.is_dir():
         raise UsageError(f"{cfg.out} is a file, not a directory", "choose a directory for the checkpoint")
+    if cfg.out.resolve() == source_dir(cfg.source).resolve():
+        raise UsageError(f"{cfg.out} is the directory of the source {cfg.source}: the output would replace "
+                         "the files being read", "write to another directory")
     if cfg.overwrite:
         return
     if cfg.to == "dcp" and (cfg.out / METADATA_FILE).exists():

@@ -3,27 +3,36 @@ that ``torchrun`` runs), joined in a gloo group; each reads and writes its part.
 
 A worker never prints an error itself: it returns its one-line message (errors are agreed across
 ranks, so every worker has the same one) and the command prints rank 0's. A worker that dies
-(killed, out of memory) is reported as one line too.
+(killed, out of memory) is reported as one line too, without the launcher's own report (``--debug``
+shows it). Ctrl-C ends the workers at once (one in a collective could not react to it) and the
+command removes what they had written but not committed: one line, exit status 130.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import signal
 import uuid
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
 from ..errors import ShardsyncError
+from ..io.commit import CheckpointNames, remove_uncommitted
+from ..io.dcp_writer import remove_partial
 from .convert import ConvertConfig, Converted, prepare, write
 from .common import command_logging
-from .messages import one_line
+from .messages import INTERRUPTED, one_line
 
 __all__ = ["launch", "launched_world", "run_launched", "WorkerFailed"]
 
 #: Seconds between the launcher's checks on its workers.
 MONITOR_SECONDS = 0.1
 log = logging.getLogger(__name__)
+#: The loggers of torch's launcher (the elastic agent, and the multiprocessing it starts workers with).
+_LAUNCHER_LOGGERS = ("torch.distributed.elastic", "torch.multiprocessing")
 
 
 class WorkerFailed(ShardsyncError, RuntimeError):
@@ -46,8 +55,12 @@ class _Outcome:
     status: int = 0
 
 
-def _worker(cfg: ConvertConfig, warn: bool = False) -> _Outcome:
-    """One worker: join the gloo group, convert its part, leave; errors come back as their line."""
+def _worker(cfg: ConvertConfig, warn: bool = False, die_on_interrupt: bool = False) -> _Outcome:
+    """One worker: join the gloo group, convert its part, leave; errors come back as their line.
+    With ``die_on_interrupt`` (workers of :func:`launch`), Ctrl-C ends it at once, cleaned up after
+    by the launching process."""
+    if die_on_interrupt:
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
     import torch
     import torch.distributed as dist
 
@@ -63,6 +76,34 @@ def _worker(cfg: ConvertConfig, warn: bool = False) -> _Outcome:
         return _Outcome(None, line, status)
     finally:
         dist.destroy_process_group()
+
+
+@contextlib.contextmanager
+def _launcher_logs() -> Iterator[None]:
+    """torch's launcher logs each worker's failure as a multi-line report; the command says it in one
+    line, so the report shows only with ``--debug``."""
+    if logging.getLogger("shardsync").isEnabledFor(logging.DEBUG):
+        yield
+        return
+    # each of torch's elastic modules sets its logger's own level, so each is raised
+    loggers = [x for name, x in logging.root.manager.loggerDict.items()
+               if name.startswith(_LAUNCHER_LOGGERS) and isinstance(x, logging.Logger)]
+    saved = [x.level for x in loggers]
+    for x in loggers:
+        x.setLevel(logging.CRITICAL + 1)
+    try:
+        yield
+    finally:
+        for x, level in zip(loggers, saved):
+            x.setLevel(level)
+
+
+def _remove_uncommitted(cfg: ConvertConfig) -> None:
+    """After the workers died or were interrupted: remove what they wrote and did not commit."""
+    if cfg.to == "hf":
+        remove_uncommitted(cfg.out, CheckpointNames())
+    else:
+        remove_partial(cfg.out)
 
 
 def launched_world() -> int:
@@ -88,6 +129,7 @@ def launch(cfg: ConvertConfig, nproc: int) -> list[Converted]:
     Raises:
         WorkerFailed: a worker failed (rank 0's line) or died.
     """
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
@@ -100,12 +142,17 @@ def launch(cfg: ConvertConfig, nproc: int) -> list[Converted]:
                           rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=0,
                           monitor_interval=MONITOR_SECONDS, start_method="spawn")
     try:
-        outcomes: dict[int, Any] = elastic_launch(config, _worker)(cfg)
+        with _launcher_logs():
+            outcomes: dict[int, Any] = elastic_launch(config, _worker)(cfg, False, True)
     except ChildFailedError as exc:
+        _remove_uncommitted(cfg)
         rank, failure = min(exc.failures.items())
         raise WorkerFailed(f"shardsync convert: worker {rank} died with exit code {failure.exitcode} "
                            "(out of memory or killed? run with --debug to see the launcher's report)",
                            2) from exc
+    except (SignalException, KeyboardInterrupt) as exc:  # the launcher turns Ctrl-C into SignalException
+        _remove_uncommitted(cfg)
+        raise WorkerFailed("shardsync convert: interrupted", INTERRUPTED) from exc
     failed = [outcomes[r] for r in sorted(outcomes) if outcomes[r].status]
     if failed:
         raise WorkerFailed(failed[0].line, max(o.status for o in failed))

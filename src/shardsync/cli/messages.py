@@ -14,7 +14,7 @@ import re
 from ..errors import DistributedError, MappingError, ShardsyncError
 from .units import human_bytes
 
-__all__ = ["UsageError", "one_line", "USER_ERROR", "INTERNAL_ERROR", "INTERRUPTED", "BROKEN_PIPE"]
+__all__ = ["UsageError", "one_line", "printable", "USER_ERROR", "INTERNAL_ERROR", "INTERRUPTED", "BROKEN_PIPE"]
 
 #: Exit status of a user error (a bad flag, input or output), as argparse uses.
 USER_ERROR = 2
@@ -159,3 +159,23 @@ def _with_fix(text: str, generic: str) -> str:
         return f"{what} ({fix})"
     last = _LAST_PARENS.search(text)
     return text if last and last[1].lower().startswith(_FIX_WORDS) else f"{text} ({generic})"
+
+
+# Control characters (C0, DEL, C1) and the invisible format characters that reorder or hide text.
+_UNPRINTABLE = re.compile("[\x00-\x1f\x7f-\x9f\xad\u061c\u180e\u200b-\u200f\u202a-\u202e"
+                          "\u2060-\u206f\ufeff\ufff9-\ufffb]")
+
+
+def printable(text: str, keep: str = "\n\t") -> str:
+    """``text`` safe for a terminal: every control or invisible format character but those in ``keep``
+    written as its Python escape, so that a tensor name in a checkpoint cannot send escape codes.
+
+    Example:
+        >>> print(printable("layers.0.w\x1b[2J\u202e"))
+        layers.0.w\\x1b[2J\\u202e
+    """
+    def escape(m: re.Match[str]) -> str:
+        c = m[0]
+        return c if c in keep else c.encode("unicode_escape").decode("ascii")
+
+    return _UNPRINTABLE.sub(escape, text)

@@ -14,6 +14,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from .messages import printable
+
 __all__ = ["Row", "fold", "render", "render_ints", "json_text"]
 
 _NUMBER = re.compile(r"(?:(?<=\.)|^)\d+(?=\.|$)")
@@ -166,7 +168,7 @@ def render(head: Sequence[str], body: Sequence[Sequence[str]], right: Sequence[i
         a      1
         bb    10
     """
-    rows = [list(head), *map(list, body)]
+    rows = [list(head), *([printable(c, keep="") for c in r] for r in body)]  # names from a file
     widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
     lines = ["  ".join(c.rjust(w) if i in right else c.ljust(w)
                        for i, (c, w) in enumerate(zip(r, widths))).rstrip() for r in rows]

@@ -2,19 +2,23 @@
 
 The rule a reader follows (the same as ``transformers``' ``from_pretrained``): if
 ``model.safetensors`` exists, it is the checkpoint; otherwise ``model.safetensors.index.json`` is,
-with exactly the files its ``weight_map`` names. No other file counts: shard files that no index
-names are leftovers of an interrupted save.
+with exactly the files its ``weight_map`` names; without either, every complete
+``model-NNNNN-of-NNNNN.safetensors`` set is (shardsync's reader reads a directory of files). Other
+files with the writer's names are leftovers of an interrupted save.
 
 The writer keeps that rule true at every instant, so a crash at any point leaves either the complete
 old checkpoint or the complete new one:
 
-1. Leftovers of earlier killed saves (files with the writer's names that the rule does not select)
-   are removed.
-2. Each shard is written under a temporary name (``.model.<tag>.00001.tmp``) and fsynced.
+1. Each shard is written under a temporary name (``.model.<tag>.00001.tmp``) and fsynced; the
+   safetensors library writes it through a temporary file of its own, in a directory of the writer's
+   (``.model.<tag>.00001.dir.tmp``), so that a kill leaves no byte under a name the writer did not choose.
+2. Once every check passed and every shard is written, leftovers of earlier killed saves (files with
+   the writer's names that the rule does not select) are removed; nothing is removed before.
 3. Shards are renamed to final names that collide with no file of the old checkpoint (plain HF
    names ``model-00001-of-00003.safetensors`` when those are free, else with the generation tag:
    ``model-00001-of-00003-<tag>.safetensors``); the directory is fsynced. Readers still see the old
-   checkpoint: no index names the new files yet.
+   checkpoint: no index names the new files yet. (An old checkpoint that is a set of files without an
+   index is first given an index naming exactly its files, so that the new files stay unseen.)
 4. The commit, one atomic step: the new index is written to a temporary name, fsynced and renamed
    over the old index (if the old checkpoint was a single ``model.safetensors``, the commit is
    removing that file once the index is in place); a single-file result is renamed over
@@ -31,19 +35,23 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import math
 import os
 import re
 import secrets
+import shutil
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import FormatError
 from ..files import file_kind, read_bounded
+from ..layout.dtypes import itemsize
+from ..sources.safetensors_files import read_header
 
 __all__ = ["CheckpointNames", "DirectoryState", "scan", "prepare_directory", "new_tag", "fsync_path",
-           "durable_write", "index_text", "commit", "remove_files", "remove_uncommitted",
-           "stage_hook", "mark_stage"]
+           "durable_write", "index_text", "complete_sets", "commit", "remove_files", "remove_uncommitted",
+           "stage_hook", "mark_stage", "output_dir"]
 
 log = logging.getLogger(__name__)
 
@@ -141,10 +149,46 @@ def scan(directory: Path, names: CheckpointNames) -> DirectoryState:
         try:
             weight_map = json.loads(read_bounded(directory / names.index, 256 << 20))["weight_map"]
             committed = (names.index, *sorted(set(weight_map.values())))
-        except (ValueError, KeyError, TypeError):  # not ours, and not readable: protect it as it is
-            committed = (names.index,)
+        except (ValueError, KeyError, TypeError, AttributeError, RecursionError):
+            committed = (names.index,)  # not ours, and not readable: protect it as it is
+    else:
+        committed = complete_sets(present, names)
     leftovers = tuple(f for f in present if names.is_own(f) and f not in committed)
     return DirectoryState(committed, leftovers)
+
+
+def complete_sets(present: Sequence[str], names: CheckpointNames) -> tuple[str, ...]:
+    """The files of every complete plain ``<prefix>-NNNNN-of-NNNNN.safetensors`` set among ``present``:
+    without an index, a reader reads them as the checkpoint.
+
+    Example:
+        >>> n = CheckpointNames()
+        >>> complete_sets([n.shard(1, 2), n.shard(2, 2), n.shard(1, 3)], n)
+        ('model-00001-of-00002.safetensors', 'model-00002-of-00002.safetensors')
+    """
+    found = set(present)
+    sizes = {int(m[1]) for f in present
+             if (m := re.fullmatch(rf"{re.escape(names.prefix)}-\d{{5}}-of-(\d{{5}})\.safetensors", f))}
+    out = [names.shard(i, n) for n in sorted(sizes)
+           if all(names.shard(i, n) in found for i in range(1, n + 1)) for i in range(1, n + 1)]
+    return tuple(out)
+
+
+def output_dir(path: str | os.PathLike[str], what: str = "the output directory") -> Path:
+    """``path`` as a Path, refusing an empty one (an unset variable), which would mean the working
+    directory.
+
+    Raises:
+        FormatError: ``path`` is empty.
+
+    Example:
+        >>> output_dir("out")
+        PosixPath('out')
+    """
+    if not os.fspath(path):
+        raise FormatError(f"{what} is an empty path, which would mean the working directory; give the "
+                          "directory to write to")
+    return Path(path)
 
 
 def prepare_directory(directory: Path, names: CheckpointNames, overwrite: bool) -> DirectoryState:
@@ -197,11 +241,20 @@ def durable_write(path: Path, data: bytes) -> None:
 
 
 def remove_files(directory: Path, files: Sequence[str]) -> None:
-    """Remove ``files`` (names in ``directory``; missing ones are skipped), then fsync the directory."""
+    """Remove ``files`` (names in ``directory``; missing ones are skipped), then fsync the directory.
+
+    A name that is a directory (a shard's work directory, see :mod:`shardsync.io.safetensors_writer`)
+    is removed with what it holds; a symbolic link is removed, never followed."""
     for name in files:
-        with contextlib.suppress(FileNotFoundError):
-            (directory / name).unlink()
-            mark_stage(f"removed {name}")
+        path = directory / name
+        try:
+            if path.is_dir() and not path.is_symlink():
+                shutil.rmtree(path)
+            else:
+                path.unlink()
+        except FileNotFoundError:
+            continue
+        mark_stage(f"removed {name}")
     if files:
         fsync_path(directory)
 
@@ -240,6 +293,27 @@ def _rename(tmp: Path, final: Path) -> None:
                           "rank cannot see it (write to a file system every rank shares)") from exc
 
 
+def _index_old_set(directory: Path, names: CheckpointNames, old: DirectoryState,
+                   tag: str) -> DirectoryState:
+    """Give an old checkpoint that is a set of files without an index an index naming exactly its
+    files (a reader sees the same tensors), so that the new files stay unseen until the commit."""
+    weight_map: dict[str, str] = {}
+    total = 0
+    try:
+        for f in old.committed:
+            for key, (shape, dtype) in read_header(directory / f).items():
+                weight_map[key] = f
+                total += math.prod(shape) * itemsize(dtype)
+    except FormatError:  # a reader cannot read the old files either: there is nothing to keep
+        return old
+    tmp = directory / names.temp(tag, "old-index")
+    durable_write(tmp, index_text(weight_map, total).encode())
+    os.replace(tmp, directory / names.index)
+    fsync_path(directory)
+    mark_stage("indexed the old files")
+    return DirectoryState((names.index, *old.committed), ())
+
+
 def commit(directory: Path, names: CheckpointNames, temps: Sequence[Path], weight_map: Mapping[str, int],
            total_size: int, old: DirectoryState, tag: str) -> tuple[tuple[Path, ...], Path | None]:
     """Steps 3-5 of the protocol: publish fsynced shard files ``temps`` as the new checkpoint.
@@ -250,13 +324,16 @@ def commit(directory: Path, names: CheckpointNames, temps: Sequence[Path], weigh
         temps: the written, fsynced shard files in shard order.
         weight_map: tensor name -> shard number (0-based).
         total_size: tensor bytes, for the index.
-        old: the directory's state before the save (its leftovers already removed).
+        old: the directory's state before the save; its leftovers are removed first.
         tag: this save's generation tag.
 
     Returns:
         the final shard paths and the index path (None for a single file).
     """
+    remove_files(directory, old.leftovers)
     n = len(temps)
+    if n > 1 and old.committed and names.index not in old.committed and names.single not in old.committed:
+        old = _index_old_set(directory, names, old, tag)
     if n == 1:
         _rename(temps[0], directory / names.single)
         fsync_path(directory)

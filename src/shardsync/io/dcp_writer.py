@@ -11,10 +11,13 @@ data files are removed after the commit.
 
 from __future__ import annotations
 
+import contextlib
+import errno
+import io
 import os
 import re
 import warnings
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -28,17 +31,20 @@ from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, Metadat
 from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
 
 from ..dist import abandon, agree, group_rank, is_distributed
-from ..errors import FormatError, LayoutError
+from ..errors import FormatError, LayoutError, ShardsyncError
 from ..layout.box import Box
 from ..layout.meta import GlobalLayout
 from ..layout.sharded import ShardedTensor, StateValue
 from ..planning.validate import layout_problems, shard_boxes, tiling_problems
 from ..sources import LocalSource
+from ..sources.dcp_metadata import read_metadata
 from ..sources.megatron import megatron_module_error
-from .commit import fsync_path, new_tag
+from .commit import fsync_path, new_tag, output_dir, remove_files
 
-__all__ = ["save", "BoxSavePlanner"]
+__all__ = ["save", "BoxSavePlanner", "remove_partial"]
 
+#: Free bytes below which a failed write is taken to have run out of space.
+FULL_DISK_BYTES = 1 << 20
 _DATA_FILE = re.compile(r"__([0-9a-f]{8}_)?\d+_\d+\.distcp")
 
 
@@ -89,6 +95,15 @@ class _ReplacingFileSystem(FileSystem):
         if Path(path).name != ".metadata":
             super().rm_file(path)
 
+    # torch writes .metadata through a fixed temporary name (.metadata.tmp): a symbolic link planted
+    # there would have it write a file outside the checkpoint. Never write through a link.
+    @contextlib.contextmanager
+    def create_stream(self, path: str | os.PathLike, mode: str) -> Iterator[io.IOBase]:
+        if "w" in mode and Path(path).is_symlink():
+            Path(path).unlink()
+        with super().create_stream(path, mode) as stream:
+            yield stream
+
 
 class _TaggedWriter(dcp.FileSystemWriter):
     """torch's FileSystemWriter, with this save's tag in the data file names."""
@@ -137,6 +152,41 @@ def _not_a_state(state: object) -> LayoutError:
             "save takes a state dict, not a torch.nn.Module: pass model.state_dict()")
     return LayoutError(f"save takes a state dict (tensors, ShardedTensor, DTensor), not a "
                        f"{type(state).__name__}")
+def remove_partial(path: Path, tag: str | None = None) -> None:
+    """Remove what an interrupted save left in ``path``: torch's ``.metadata.tmp`` and the data files
+    of save ``tag`` (None: of every save whose files the current ``.metadata`` does not name).
+    Best effort: an error here would hide the failure itself."""
+    keep: set[str] = set()
+    if tag is None and (path / ".metadata").is_file():
+        try:
+            stored = read_metadata(path / ".metadata").storage_data or {}
+            keep = {info.relative_path for info in stored.values()}
+        except FormatError:
+            return  # not a checkpoint shardsync can read: touch nothing
+    mine = re.compile(rf"__{tag or '[0-9a-f]{8}'}_\d+_\d+\.distcp")
+    with contextlib.suppress(OSError):
+        remove_files(path, [p.name for p in path.iterdir()
+                            if (mine.fullmatch(p.name) and p.name not in keep) or p.name == ".metadata.tmp"])
+
+
+def _first_failure(exc: BaseException, path: Path) -> BaseException:
+    """The error to raise for a failed ``dcp.save`` into ``path``: torch gathers every rank's failure
+    into a ``CheckpointException`` (not an ``Exception``, and its text is each rank's traceback); the
+    first rank's own error says what happened. torch's file writer reports a short write (a full
+    disk) as a ``RuntimeError``; a disk with no space left then is an ``OSError`` again."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    if not isinstance(exc, CheckpointException) or not exc.failures:
+        return exc
+    rank, (first, _) = min(exc.failures.items(), key=lambda item: item[0])
+    if isinstance(first, (OSError, ShardsyncError, KeyboardInterrupt)):
+        return first
+    with contextlib.suppress(OSError):
+        disk = os.statvfs(path)
+        if disk.f_bavail * disk.f_frsize < FULL_DISK_BYTES:
+            return OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+    return FormatError(f"torch's DCP writer failed on rank {rank}: {type(first).__name__}: {first}; check "
+                       "the output directory and its disk")
 
 
 def save(state: Mapping[str, StateValue], path: str | os.PathLike, *, group: Any = None,
@@ -175,7 +225,7 @@ def save(state: Mapping[str, StateValue], path: str | os.PathLike, *, group: Any
         error = _not_a_state(state)
         abandon("save: check", group, error)
         raise error
-    where = Path(path)
+    where = output_dir(path, "path")
     source = LocalSource(state)
     gathered = agree("save: check", lambda: _check(where, overwrite, source), group, unanimous=True).all
 
@@ -186,10 +236,15 @@ def save(state: Mapping[str, StateValue], path: str | os.PathLike, *, group: Any
 
     agree("save: validate layout", validate, group, unanimous=True)
     writer = _TaggedWriter(where, new_tag())
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*(torch.distributed is disabled|existing checkpoint)")
-        metadata = dcp.save(source.shards, storage_writer=writer, planner=BoxSavePlanner(source.shards),
-                            process_group=group, no_dist=not is_distributed(group))
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*(torch.distributed is disabled|existing checkpoint)")
+            metadata = dcp.save(source.shards, storage_writer=writer, planner=BoxSavePlanner(source.shards),
+                                process_group=group, no_dist=not is_distributed(group))
+    except BaseException as exc:  # a full disk, Ctrl-C: what this save wrote goes, the old one stays
+        error = _first_failure(exc, where)  # before the removal frees the space it ran out of
+        remove_partial(where, writer.tag)
+        raise error from exc
     agree("save: remove the old generation",
           lambda: _remove_old_generation(where, metadata) if group_rank(group) == 0 else None, group)
     return metadata

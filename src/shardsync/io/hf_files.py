@@ -36,23 +36,27 @@ def extra_files(paths: Iterable[str | os.PathLike] | None, config_from: str | os
         names: the checkpoint's own file names, which an extra file may not take.
 
     Raises:
-        FormatError: a missing file, a directory without ``config.json``, two files with one name, or
-            a name the weights use.
+        FormatError: a missing file, a directory without ``config.json``, a file of ``config_from``
+            that is a symbolic link out of it, two files with one name, or a name the weights use.
 
     Example:
         >>> extra_files(None, None, CheckpointNames())
         ()
     """
     files = [Path(p) for p in (paths or ())]
+    problems = []
     if config_from is not None:
         source = Path(config_from)
         if not (source / "config.json").is_file():
             raise FormatError(f"config_from={str(source)!r} holds no config.json; give the directory of "
                               "a HuggingFace model (where save_pretrained wrote config.json)")
-        files += [source / f for f in HF_FILES if (source / f).is_file()]
-    problems = [f"{p} is not a file" for p in files if not p.is_file()]
-    problems += [f"{p} is not JSON" for p in files if p.name == "config.json" and p.is_file()
-                 and not _is_json(p)]
+        found = [source / f for f in HF_FILES if (source / f).is_file()]
+        problems += [f"{p} is a symbolic link to {p.resolve()}, outside {source}" for p in found
+                     if not _links_within(p, source)]
+        files += found
+    problems += [f"{p} is not a file" for p in files if not p.is_file()]
+    problems += [f"{p} is not a JSON object" for p in files if p.name == "config.json" and p.is_file()
+                 and not _is_json_object(p)]
     problems += [f"{p.name} is a name the weights use" for p in files if names.is_own(p.name)]
     by_name: dict[str, Path] = {}
     for p in files:
@@ -64,12 +68,23 @@ def extra_files(paths: Iterable[str | os.PathLike] | None, config_from: str | os
     return tuple(by_name.values())
 
 
+def _links_within(path: Path, source: Path) -> bool:
+    """Whether ``path`` (a file of ``source``) is no link, or one that stays within ``source`` or, in
+    a Hugging Face cache (``.../snapshots/<revision>/``), within that repository's ``blobs``."""
+    if not path.is_symlink():
+        return True
+    target, root = path.resolve(), source.resolve()
+    roots = [root] + ([root.parent.parent / "blobs"] if root.parent.name == "snapshots" else [])
+    return any(target.is_relative_to(r) for r in roots)
+
+
 def copy_files(files: Iterable[Path], directory: Path, names: CheckpointNames, tag: str,
                dtype: str | None = None, quantization: dict[str, Any] | None | Literal["keep"] = "keep") -> None:
     """Copy each file into ``directory``, replacing a file of that name atomically (temp, fsync,
-    rename). With ``dtype`` (the weights were cast), ``config.json`` says that dtype, so that
-    ``from_pretrained(dtype="auto")`` loads them as written; ``quantization`` (unless ``"keep"``)
-    replaces its ``quantization_config`` (None: removes it, for weights that are no longer quantised)."""
+    rename), with the file's permission bits. With ``dtype`` (the weights were cast), ``config.json``
+    says that dtype, so that ``from_pretrained(dtype="auto")`` loads them as written; ``quantization``
+    (unless ``"keep"``) replaces its ``quantization_config`` (None: removes it, for weights that are no
+    longer quantised)."""
     copied = False
     for src in files:
         tmp = directory / names.temp(tag, src.name)
@@ -78,6 +93,7 @@ def copy_files(files: Iterable[Path], directory: Path, names: CheckpointNames, t
             tmp.write_text(text if quantization == "keep" else _with_quantization(text, quantization))
         else:
             shutil.copyfile(src, tmp)
+        shutil.copymode(src, tmp)  # a private (0600) tokenizer stays private
         fsync_path(tmp)
         os.replace(tmp, directory / src.name)
         mark_stage(f"copied {src.name}")
@@ -116,9 +132,8 @@ def _with_quantization(config_text: str, quantization: dict[str, Any] | None) ->
     return json.dumps(config, indent=2, sort_keys=True) + "\n"
 
 
-def _is_json(path: Path) -> bool:
+def _is_json_object(path: Path) -> bool:
     try:
-        json.loads(path.read_text())
-    except ValueError:
+        return isinstance(json.loads(path.read_text()), dict)
+    except (ValueError, RecursionError):
         return False
-    return True

@@ -6,21 +6,23 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import save_file
 
 from ..errors import FormatError
 from ..sizes import parse_size  # exported here too: shardsync.io.parse_size
-from .commit import (CheckpointNames, commit, fsync_path, mark_stage, new_tag, prepare_directory,
-                     remove_files, remove_uncommitted)
+from .commit import (CheckpointNames, commit, fsync_path, mark_stage, new_tag, output_dir,
+                     prepare_directory, remove_files, remove_uncommitted)
 
 __all__ = ["SafetensorsWriter", "WriteResult", "save_safetensors", "parse_size", "starts_new_shard",
-           "file_ready", "write_shard"]
+           "file_ready", "work_dir", "write_shard"]
 
 log = logging.getLogger(__name__)
 
@@ -63,11 +65,45 @@ def file_ready(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
+def work_dir(path: Path) -> Path:
+    """The directory the file at temporary ``path`` is written in before it is moved to ``path``.
+
+    Example:
+        >>> work_dir(Path("out/.model.0a1b2c3d.00001.tmp")).name
+        '.model.0a1b2c3d.00001.dir.tmp'
+    """
+    return path.with_suffix(".dir.tmp")
+
+
 def write_shard(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> None:
-    """Write one safetensors file at a temporary ``path`` and fsync it."""
-    save_file(file_ready(tensors), str(path), metadata=metadata)
+    """Write one safetensors file at a temporary ``path`` and fsync it.
+
+    ``save_file`` writes through a temporary file of its own (``.tmpXXXXXX``) next to its target; the
+    target is in :func:`work_dir`, so that a kill leaves those bytes only under a name of the writer's,
+    which the next save removes.
+
+    Raises:
+        OSError: the file could not be written (a full disk, a read-only directory).
+    """
+    work = work_dir(path)
+    work.mkdir()
+    try:
+        save_file(file_ready(tensors), str(work / "file.safetensors"), metadata=metadata)
+    except SafetensorError as exc:
+        raise _os_error(exc, path) from exc
+    os.replace(work / "file.safetensors", path)
+    work.rmdir()
     fsync_path(path)
     mark_stage(f"wrote {path.name}")
+
+
+def _os_error(exc: SafetensorError, path: Path) -> Exception:
+    """safetensors reports an I/O error as text ending in ``(os error 28)``: the OSError it was."""
+    found = re.search(r"\(os error (\d+)\)", str(exc))
+    if found is None:
+        return FormatError(f"{path}: safetensors could not write it: {exc}")
+    code = int(found[1])
+    return OSError(code, os.strerror(code), str(path.parent))
 
 
 class SafetensorsWriter:
@@ -101,13 +137,12 @@ class SafetensorsWriter:
     def __init__(self, directory: str | os.PathLike, *, max_shard_bytes: int | str = "5GB",
                  prefix: str = "model", metadata: dict[str, str] | None = None,
                  overwrite: bool = False) -> None:
-        self.dir = Path(directory)
+        self.dir = output_dir(directory, "directory")
         self.limit = parse_size(max_shard_bytes)
         self.names = CheckpointNames(prefix)
         self.metadata = {"format": "pt", **(metadata or {})}
-        self._old = prepare_directory(self.dir, self.names, overwrite)
-        remove_files(self.dir, self._old.leftovers)
-        self._tag = new_tag(self._old.committed)
+        self._old = prepare_directory(self.dir, self.names, overwrite)  # leftovers go at the commit
+        self._tag = new_tag(self._old.committed + self._old.leftovers)
         self._pending: dict[str, torch.Tensor] = {}
         self._pending_bytes = 0
         self._temps: list[Path] = []
@@ -154,7 +189,7 @@ class SafetensorsWriter:
 
     def abort(self) -> None:
         """Remove the temp files written so far; the directory keeps its old checkpoint."""
-        remove_files(self.dir, [t.name for t in self._temps])
+        remove_files(self.dir, [name for t in self._temps for name in (t.name, work_dir(t).name)])
         self._temps, self._pending, self._closed = [], {}, True
 
     def __enter__(self) -> SafetensorsWriter:

@@ -1,12 +1,13 @@
 """``save_hf``: write mapped targets as a HuggingFace safetensors checkpoint, every rank writing its
 own files in parallel, committed crash-safely by rank 0.
 
-The protocol, on every rank of the group: check the options and the directory (``agree``; rank 0
-also removes leftovers of killed saves) -> stream the targets with ``full_params``, each rank
+The protocol, on every rank of the group: check the options and the directory (``agree``; nothing is
+removed yet) -> stream the targets with ``full_params``, each rank
 receiving a contiguous part (``consumers`` = every rank, split by bytes) and handing each file whose
 first target it receives to its writer thread as soon as the file is complete -> move the targets of
 files that straddle two ranks' parts to their writer -> ``agree`` that every rank wrote its files ->
-rank 0 copies the extra files and commits (renames, index last; :mod:`shardsync.io.commit`) ->
+rank 0 copies the extra files and commits (removes leftovers of killed saves, renames, index last;
+:mod:`shardsync.io.commit`) ->
 ``agree`` on the result.
 """
 
@@ -34,11 +35,11 @@ from ..planning import TargetPlan
 from ..quant.fp8 import DEFAULT_BLOCK, Fp8Quantize, quantization_config, written
 from ..sources.fp8 import dequantized
 from ..stream import full_params
-from .commit import (CheckpointNames, DirectoryState, commit, new_tag, prepare_directory, remove_files,
-                     remove_uncommitted)
+from .commit import (CheckpointNames, DirectoryState, commit, new_tag, output_dir, prepare_directory,
+                     remove_files, remove_uncommitted)
 from .file_plan import FilePlan, output_dtype, plan_files
 from .hf_files import copy_files, extra_files
-from .safetensors_writer import WriteResult, parse_size, write_shard
+from .safetensors_writer import WriteResult, parse_size, work_dir, write_shard
 
 __all__ = ["save_hf"]
 
@@ -69,8 +70,9 @@ class _Job:
 
 def _check(out_dir: str | os.PathLike, max_shard_size: int | str, dtype: Any,
            extras: Iterable[str | os.PathLike] | None, config_from: str | os.PathLike | None,
-           overwrite: bool, memory_budget: int | str | None, clean: bool,
+           overwrite: bool, memory_budget: int | str | None,
            quantize: tuple[Any, Any, Any] = (None, DEFAULT_BLOCK, None), cast_unscaled_fp8: bool = False) -> _Job:
+    directory = output_dir(out_dir, "out_dir")
     names = CheckpointNames("model")
     limit = parse_size(max_shard_size)
     budget = None if memory_budget is None else parse_size(memory_budget)
@@ -79,11 +81,9 @@ def _check(out_dir: str | os.PathLike, max_shard_size: int | str, dtype: Any,
         raise PlanError(f"dtype={dtype!r} is not a floating dtype; give e.g. torch.bfloat16 or 'bf16'")
     fp8 = Fp8Quantize.of(*quantize)
     files = extra_files(extras, config_from, names)
-    old = prepare_directory(Path(out_dir), names, overwrite)
-    if clean:
-        remove_files(Path(out_dir), old.leftovers)
-    return _Job(Path(out_dir), names, old, new_tag(old.committed), limit, cast, files, budget, fp8,
-                cast_unscaled_fp8)
+    old = prepare_directory(directory, names, overwrite)  # leftovers are removed at the commit
+    return _Job(directory, names, old, new_tag(old.committed + old.leftovers), limit, cast, files,
+                budget, fp8, cast_unscaled_fp8)
 
 
 class _PartWriter:
@@ -306,7 +306,7 @@ def save_hf(source: Any, out_dir: str | os.PathLike, mapping: MappingLike | None
     quantize_args = (quantize, quantize_block, None if quantize_patterns is None else tuple(quantize_patterns))
     job = agree("save_hf: check options", lambda: _check(out_dir, max_shard_size, dtype, extra_files,
                                                            config_from, overwrite, memory_budget,
-                                                           clean=rank == 0, quantize=quantize_args,
+                                                           quantize=quantize_args,
                                                            cast_unscaled_fp8=cast_unscaled_fp8),
                 group, unanimous=True).all[0]
     part = _PartWriter(job, rank, _progress_bar(progress, rank))
@@ -315,7 +315,7 @@ def save_hf(source: Any, out_dir: str | os.PathLike, mapping: MappingLike | None
         agree("save_hf: write files", lambda: _raise(part.error), group)
     except BaseException:
         part.close()
-        remove_files(job.dir, [p.name for p in part.written])
+        remove_files(job.dir, [name for p in part.written for name in (p.name, work_dir(p).name)])
         raise
     finally:
         if part.bar is not None:

@@ -191,6 +191,8 @@ def _read_file(path: Path) -> tuple[list[str], bool]:
         except json.JSONDecodeError as exc:
             raise MappingError(f"{path}, line {exc.lineno}, column {exc.colno}: invalid JSON: "
                                f"{exc.msg}") from None
+        except RecursionError:
+            raise MappingError(f"{path}: invalid JSON: nested too deeply to read (beyond Python's recursion limit); fix the mapping file") from None
     elif path.suffix in (".yaml", ".yml"):
         doc = _load_yaml(path, text)
     else:
@@ -211,3 +213,5 @@ def _load_yaml(path: Path, text: str) -> Any:
         at = f", line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
         problem = getattr(exc, "problem", None) or str(exc)
         raise MappingError(f"{path}{at}: invalid YAML: {problem}") from None
+    except RecursionError:
+        raise MappingError(f"{path}: invalid YAML: nested too deeply to read (beyond Python's recursion limit); fix the mapping file") from None

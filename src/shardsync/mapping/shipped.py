@@ -146,6 +146,8 @@ def read_config(config: ConfigLike) -> Mapping[str, Any] | object:
         raise MappingError(f"cannot read model config {str(path)!r}: {exc}") from None
     except json.JSONDecodeError as exc:
         raise MappingError(f"{path}, line {exc.lineno}, column {exc.colno}: invalid JSON: {exc.msg}") from None
+    except RecursionError:
+        raise MappingError(f"model config {str(path)!r}: invalid JSON: nested too deeply to read (beyond Python's recursion limit)") from None
     if not isinstance(doc, dict):
         raise MappingError(f"model config {str(path)!r} holds a JSON {type(doc).__name__}, not an object")
     return doc

@@ -5,9 +5,9 @@ checkpoint saved under any sharding (FSDP, TP, a torchtitan run, a single proces
 :meth:`DcpSource.read` asks torch's ``FileSystemReader`` for just the box wanted (read items made by
 DCP's own resharding helper), so only the chunks that overlap it are loaded.
 
-Trust: DCP metadata is a pickle (``.metadata``), and unpickling runs code the file names. Read only
-checkpoints you trust, as with ``torch.distributed.checkpoint.load`` itself. The tensor data is loaded
-by torch with ``weights_only=True``.
+Trust: DCP metadata is a pickle (``.metadata``); it is read with an allow-list of the classes DCP
+metadata is made of (:mod:`shardsync.sources.dcp_metadata`), so opening a checkpoint never runs code
+from it. The tensor data is loaded by torch with ``weights_only=True``.
 """
 
 from __future__ import annotations
@@ -15,6 +15,8 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import pickle
+import re
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +27,7 @@ from ..files import file_kind
 from ..layout.box import Box
 from ..layout.dtypes import dtype_name
 from ..layout.meta import LayoutEntry
+from .dcp_metadata import read_metadata, storage_problems
 
 __all__ = ["DcpSource", "METADATA_FILE"]
 
@@ -54,8 +57,7 @@ def _box_planner() -> type:
 class DcpSource:
     """A DCP checkpoint directory (as written by ``torch.distributed.checkpoint.save``).
 
-    Only trusted checkpoints may be read: the metadata is unpickled (see the module docstring).
-    Non-tensor entries (bytes, objects) are skipped with a debug log.
+    The metadata is unpickled with an allow-list (see the module docstring). Non-tensor entries (bytes, objects) are skipped with a debug log.
 
     Args:
         path: the checkpoint directory (the one holding ``.metadata``).
@@ -64,8 +66,9 @@ class DcpSource:
             nested keys with dots).
 
     Raises:
-        FormatError: no ``.metadata``, a metadata file that is not DCP's, or a dtype shardsync does
-            not know.
+        FormatError: no ``.metadata``, a metadata file that is not DCP's (or names a class DCP
+            metadata is not made of), a chunk no data file holds whole, or a dtype shardsync does
+            not know. :meth:`read` raises it for a data file that is corrupt.
 
     Example:
         >>> import tempfile; import torch.distributed.checkpoint as dcp
@@ -81,7 +84,7 @@ class DcpSource:
 
     def __init__(self, path: str | os.PathLike, *, prefix: str = "") -> None:
         from torch.distributed.checkpoint import FileSystemReader
-        from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+        from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
         self.path = Path(path)
         meta_file = self.path / METADATA_FILE
@@ -90,13 +93,8 @@ class DcpSource:
                 f"it has no {METADATA_FILE} file"
             raise FormatError(f"{self.path} is not a torch DCP checkpoint: {kind}")
         self.reader = FileSystemReader(self.path)
-        try:
-            metadata = self.reader.read_metadata()
-        except Exception as exc:  # unpickling can fail in many ways; all mean "not DCP metadata"
-            raise FormatError(f"{meta_file}: cannot read DCP metadata (not written by "
-                              f"torch.distributed.checkpoint.save?): {type(exc).__name__}: {exc}") from exc
-        if not isinstance(metadata, Metadata):
-            raise FormatError(f"{meta_file}: holds a {type(metadata).__name__}, not DCP Metadata")
+        metadata = read_metadata(meta_file)  # torch's reader would unpickle it without an allow-list
+        metadata.storage_meta.load_id = self.reader.load_id
         _check_storage(self.path, metadata)
         self.reader.set_up_storage_reader(metadata, is_coordinator=True)
         self.tensors: dict[str, Any] = {}  # key (prefix removed) -> TensorStorageMetadata
@@ -115,6 +113,10 @@ class DcpSource:
             except ValueError as exc:
                 raise FormatError(f"{meta_file}: tensor {fqn!r}: {exc}") from exc
             self.tensors[key], self._fqns[key] = md, fqn
+        problems = storage_problems(self.path, metadata, self._fqns.values())
+        if problems:
+            shown = problems[:5] + ([f"... and {len(problems) - 5} more"] if len(problems) > 5 else [])
+            raise FormatError(f"{self.path}: incomplete or corrupt DCP checkpoint: " + "; ".join(shown))
         if not self.tensors:
             raise FormatError(f"{self.path}: no tensor{f' under prefix {prefix!r}' if prefix else ''} in "
                               "this DCP checkpoint")
@@ -145,7 +147,13 @@ class DcpSource:
         out = torch.empty(box.sizes, dtype=md.properties.dtype)
         wanted = ChunkStorageMetadata(offsets=torch.Size(box.offsets), sizes=torch.Size(box.sizes))
         items = create_read_items_for_chunk_list(self._fqns[key], md, [wanted])
-        self.reader.read_data(LoadPlan(items), _box_planner()(out)).wait()
+        try:
+            self.reader.read_data(LoadPlan(items), _box_planner()(out)).wait()
+        except (RuntimeError, EOFError, ValueError, KeyError, pickle.UnpicklingError) as exc:
+            files = sorted({str(self.reader.storage_data[i.storage_index].relative_path) for i in items})
+            first = re.split(r"(?<=\.)\s", (str(exc).strip().splitlines() or [""])[0])[0]
+            raise FormatError(f"{self.path}: cannot read {key!r} from {', '.join(files)} (corrupt or "
+                              f"truncated?): {type(exc).__name__}: {first}") from exc
         return out
 
     def device(self) -> torch.device:

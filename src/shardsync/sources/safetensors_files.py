@@ -203,7 +203,7 @@ def _weight_map(index: Path) -> dict[str, Path]:
         if not isinstance(weight_map, dict) or not all(
                 isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()):
             raise ValueError("'weight_map' must map tensor names to file names")
-    except (OSError, ValueError, KeyError, TypeError) as exc:
+    except (OSError, ValueError, KeyError, TypeError, RecursionError) as exc:
         raise FormatError(f"{index}: not a safetensors index (a JSON object with a 'weight_map' of "
                           f"tensor name -> file name): {exc}") from exc
     outside = sorted({v for v in weight_map.values() if _escapes(v)})
