@@ -143,9 +143,22 @@ def _interrupted(proc: subprocess.Popen[str], command: str) -> None:
     assert proc.returncode == 130 and err == f"shardsync{command}: interrupted\n", (proc.returncode, err)
 
 
+def _importing_torch(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/maps") as fh:
+            return "libtorch" in fh.read()
+    except OSError:
+        return False
+
+
 def test_ctrl_c_while_starting(tmp_path: Path) -> None:
     proc = _command("inspect", str(tmp_path))
-    time.sleep(0.3)  # importing torch takes longer
+    deadline = time.monotonic() + 120
+    # interrupt once torch's libraries are mapped: the import of torch has begun (and takes a second
+    # more), shardsync's guard is in place, and the command has not run yet
+    while not _importing_torch(proc.pid):
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+        time.sleep(0.001)
     proc.send_signal(signal.SIGINT)
     _interrupted(proc, "")
 

@@ -128,7 +128,7 @@ def test_every_survivor_singles_out_the_dead_rank(outcomes: dict) -> None:
     for rank in (0, 1, 2):
         kind, phase, failures, _ = outcomes[rank]["dies"]
         assert (kind, phase, failures) == ("DistributedError", "stream", {
-            3: "entered phase 'stream' and then stopped answering (it died, or hangs outside shardsync)"})
+            3: "entered phase 'stream' and then its process ended (it died or exited)"})
 
 
 def test_single_process_is_plain() -> None:

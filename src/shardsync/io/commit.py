@@ -200,8 +200,10 @@ def prepare_directory(directory: Path, names: CheckpointNames, overwrite: bool) 
     if directory.exists() and not directory.is_dir():
         raise FormatError(f"{directory} is a file, not a directory; choose a directory for the checkpoint")
     state = scan(directory, names)
-    odd = sorted(f for f in state.committed + state.leftovers
-                 if os.path.lexists(directory / f) and not (directory / f).is_file())
+    # temporary names (a killed save's files and work directories) are removed at the commit, whatever
+    # they are; a final name must be a regular file
+    finals = state.committed + tuple(f for f in state.leftovers if not f.startswith("."))
+    odd = sorted(f for f in finals if os.path.lexists(directory / f) and not (directory / f).is_file())
     if odd:
         what = ", ".join(f"{f} ({_kind(directory / f)})" for f in odd)
         raise FormatError(f"{directory} holds {what}, where the checkpoint's files go, and not as a "
