@@ -4,7 +4,8 @@ DCP metadata is a pickle, and a plain ``pickle.load`` calls whatever the file na
 runs a shell command). :func:`read_metadata` unpickles with an allow-list instead, as
 ``torch.load(weights_only=True)`` does for tensor data: only the classes DCP metadata is made of
 (the dataclasses of ``torch.distributed.checkpoint.metadata``, DCP's storage info, ``torch.Size``,
-dtypes and layouts, paths); any other name is a :class:`FormatError` before it is looked up.
+dtypes and layouts, paths, and the save plans Megatron's dist_checkpointing stores there); any other
+name is a :class:`FormatError` before it is looked up.
 """
 
 from __future__ import annotations
@@ -22,6 +23,9 @@ __all__ = ["read_metadata", "storage_problems", "ALLOWED"]
 ALLOWED: dict[str, frozenset[str]] = {
     "torch.distributed.checkpoint.metadata": frozenset({"*"}),
     "torch.distributed.checkpoint.filesystem": frozenset({"_StorageInfo"}),
+    # the save plans Megatron's dist_checkpointing keeps in the metadata (plain dataclasses and enums)
+    "torch.distributed.checkpoint.planner": frozenset({"SavePlan", "WriteItem", "WriteItemType",
+                                                       "TensorWriteData"}),
     "torch.distributed._shard.sharded_tensor.metadata": frozenset({"TensorProperties",
                                                                     "MEM_FORMAT_ENCODING"}),
     "torch.serialization": frozenset({"_get_layout"}),  # a layout by its name ("torch.strided")
