@@ -21,7 +21,6 @@ from typing import Any
 
 from ..errors import ShardsyncError
 from ..io.commit import CheckpointNames, remove_uncommitted
-from ..io.dcp_writer import remove_partial
 from .convert import ConvertConfig, Converted, prepare, write
 from .common import command_logging
 from .messages import INTERRUPTED, one_line
@@ -103,6 +102,8 @@ def _remove_uncommitted(cfg: ConvertConfig) -> None:
     if cfg.to == "hf":
         remove_uncommitted(cfg.out, CheckpointNames())
     else:
+        from ..io.dcp_writer import remove_partial  # local: torch DCP is slow to import
+
         remove_partial(cfg.out)
 
 
