@@ -295,3 +295,20 @@ def test_nproc_interrupted_or_worker_dead_is_one_line(tmp_path: Path, how: str) 
         assert proc.returncode == 2 and err.count("\n") == 1, err
         assert err.startswith("shardsync convert: worker ") and "died with exit code -9" in err, err
     assert not out.exists()  # nothing partial, and not the directory the convert created
+
+
+def test_ctrl_c_that_surfaces_as_another_error_is_still_an_interrupt(monkeypatch: pytest.MonkeyPatch,
+                                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    import shardsync.cli as cli
+
+    def inspect_hit_by_ctrl_c(args: object) -> int:
+        try:
+            os.kill(os.getpid(), signal.SIGINT)  # lands inside a library call...
+            time.sleep(5)
+        except KeyboardInterrupt:
+            raise ValueError("could not determine the shape of object type 'UntypedStorage'")  # ...that turns it
+        return 0
+
+    monkeypatch.setitem(cli._COMMANDS, "inspect", inspect_hit_by_ctrl_c)
+    assert cli.main(["inspect", "x"]) == 130
+    assert capsys.readouterr().err == "shardsync inspect: interrupted\n"

@@ -18,10 +18,13 @@ interrupted (Ctrl-C, one line).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
+import signal
 import sys
+import threading
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Literal, TextIO
 
@@ -180,6 +183,36 @@ _COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
     "plan": _plan, "diff": _diff, "explain": _explain, "verify": _verify}
 
 
+class _Interrupted:
+    """Whether SIGINT arrived while the command ran (truthy once it did)."""
+
+    def __init__(self) -> None:
+        self.seen = False
+
+    def __bool__(self) -> bool:
+        return self.seen
+
+
+@contextlib.contextmanager
+def _noting_interrupts() -> Iterator[_Interrupted]:
+    """Note SIGINT while the command runs (and raise KeyboardInterrupt, as Python's own handler does)."""
+    noted = _Interrupted()
+    if threading.current_thread() is not threading.main_thread() or \
+            signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+        yield noted
+        return
+
+    def handler(signum: int, frame: object) -> None:
+        noted.seen = True
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGINT, handler)
+    try:
+        yield noted
+    finally:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``shardsync`` command; returns the exit status.
 
@@ -197,7 +230,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return exc.code if isinstance(exc.code, int) else 0
     command = args.command
     tune_allocator()  # this process owns its allocator: keep freed memory warm (docs/performance.md)
-    with command_logging(command, quiet=args.quiet, debug=args.debug):
+    with command_logging(command, quiet=args.quiet, debug=args.debug), _noting_interrupts() as interrupted:
         try:
             return _COMMANDS[command](args)
         except WorkerFailed as exc:
@@ -211,6 +244,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         except BaseException as exc:  # torch's CheckpointException is not an Exception
             if args.debug:
                 traceback.print_exc()
-            line, status = one_line(command, exc)
+            # Ctrl-C can surface as another error raised where it landed (inside torch or safetensors)
+            line, status = one_line(command, KeyboardInterrupt() if interrupted else exc)
             _print(line, sys.stderr)
             return status
