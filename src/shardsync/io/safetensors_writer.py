@@ -78,7 +78,7 @@ def work_dir(path: Path) -> Path:
 def write_shard(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> None:
     """Write one safetensors file at a temporary ``path`` and fsync it.
 
-    ``save_file`` writes through a temporary file of its own (``.tmpXXXXXX``) next to its target; the
+    ``save_file`` writes through a temporary file of its own (``.tmp`` and random letters) next to its target; the
     target is in :func:`work_dir`, so that a kill leaves those bytes only under a name of the writer's,
     which the next save removes.
 
