@@ -70,3 +70,43 @@ def _real_plan(rank: int, world: int, path: str) -> str:
 def test_plan_without_processes_is_the_plan_of_two_ranks(ck: Checkpoints) -> None:
     planned = dry_run(PlanConfig(ck.dcp, MappingFlags(str(ck.mapping)), nproc=2))
     assert run_ranks(_real_plan, 2, str(ck.dcp)) == [planned.fingerprint()] * 2
+
+
+_LEAVES = """
+import sys, weakref
+import torch.distributed as dist
+from shardsync import __version__
+from shardsync.cli import convert_config, launch
+from shardsync.cli.args import parser
+
+groups = []
+init = dist.init_process_group
+def noted(*args, **kwargs):
+    init(*args, **kwargs)
+    groups.append(weakref.ref(dist.distributed_c10d._get_default_group()))
+dist.init_process_group = noted
+cfg = convert_config(parser(__version__).parse_args(["convert", *sys.argv[1:], "--to", "dcp"]), None)
+outcome = launch._worker(cfg)
+assert outcome.converted is not None, outcome.line
+print("alive" if groups[0]() is not None else "gone")
+"""
+
+
+def test_a_worker_leaves_no_process_group_alive(ck: Checkpoints, tmp_path: Path) -> None:
+    # a destroyed group still alive at exit lets gloo's threads finish their last work while the
+    # interpreter finalises, which aborts the worker now and then (SIGABRT after a good conversion);
+    # torch DCP, imported once the group exists, keeps it alive through a default argument
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": str(_free_port()), "RANK": "0", "WORLD_SIZE": "1"}
+    run = subprocess.run([sys.executable, "-c", _LEAVES, str(ck.sharded), str(tmp_path / "dcp"),
+                          "-m", str(ck.mapping)], capture_output=True, text=True, env=env, timeout=120)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.split() == ["gone"], run.stdout
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])

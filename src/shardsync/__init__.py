@@ -13,6 +13,13 @@ from .startup import guard_startup
 
 guard_startup()  # before the imports below, which take a second or more (torch)
 
+# torch.distributed.nn.functional (which torch DCP imports) takes the default process group as a
+# default argument when it is imported: imported after init_process_group (as DCP is, on first use),
+# it keeps the group alive after destroy_process_group, and gloo's threads, still running while the
+# interpreter exits, then abort the process now and then (SIGABRT after the work is done). Imported
+# here, before a program makes its group, it captures nothing (a few milliseconds).
+import torch.distributed.nn.functional  # noqa: F401,E402  isort: skip
+
 from .caches import release
 from .destinations import LoadResult, load, reshard
 from .digests import VerifyReport, digest, verify
