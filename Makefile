@@ -24,6 +24,7 @@ demo: $(STAMP)
 bench: $(STAMP)
 	$(PY) -m pip install -q "$(TORCH)" -e ".[bench]"
 	$(PY) bench/bench_export.py
+	$(PY) bench/bench_threads.py
 	$(PY) bench/bench_stream.py
 	$(PY) bench/bench_replicas.py
 	$(PY) bench/bench_plan.py

@@ -1,9 +1,10 @@
 """Local assembly: copy pieces (read from a source) into targets.
 
-Every piece is one ``copy_`` from a view of its data (permuted as a view) straight into the target's
-memory: a cast and a permutation cost one pass and no temporary. A chain of several casts (f32 ->
-bf16 -> f32) goes through intermediate dtypes chunk by chunk, so that it rounds exactly as applying the
-casts in order does, with temporaries of at most :data:`CHAIN_CHUNK_ELEMENTS` elements.
+Every piece is one copy (:func:`~shardsync.exec.copies.copy_into`, on shardsync's copy threads) from
+a view of its data (permuted as a view) straight into the target's memory: a cast and a permutation
+cost one pass and no temporary. A chain of several casts (f32 -> bf16 -> f32) goes through
+intermediate dtypes chunk by chunk, so that it rounds exactly as applying the casts in order does,
+with temporaries of at most :data:`CHAIN_CHUNK_ELEMENTS` elements.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import torch
 from ..layout.box import Box
 from ..layout.dtypes import to_torch_dtype
 from ..mapping.pieces import Piece
+from .copies import copy_into
 
 __all__ = ["copy_piece", "cast_into", "arrange", "CHAIN_CHUNK_ELEMENTS"]
 
@@ -41,12 +43,12 @@ def cast_into(dst: torch.Tensor, src: torch.Tensor, casts: Sequence[str]) -> Non
         tensor([1., 2., 3.])
     """
     if len(casts) <= 1 or src.dim() == 0 or src.numel() == 0:
-        dst.copy_(_chain(src, casts[:-1]) if len(casts) > 1 else src)
+        copy_into(dst, _chain(src, casts[:-1]) if len(casts) > 1 else src)
         return
     rows = max(1, CHAIN_CHUNK_ELEMENTS // max(1, src[0].numel()))
     for start in range(0, src.shape[0], rows):
         stop = min(start + rows, src.shape[0])
-        dst[start:stop].copy_(_chain(src[start:stop], casts[:-1]))
+        copy_into(dst[start:stop], _chain(src[start:stop], casts[:-1]))
 
 
 def arrange(view: torch.Tensor, piece: Piece) -> torch.Tensor:

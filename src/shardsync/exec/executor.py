@@ -27,6 +27,7 @@ from ..planning.costs import is_zero_copy
 from ..planning.model import Packet, Plan, Step
 from ..sources import Source
 from .assemble import copy_piece
+from .copies import copy_into
 from .memory import BlockPool, Reuse, shared_pool
 from .stats import Stats
 from .transport import Pending, Received, Transport, unpack
@@ -157,7 +158,7 @@ class _Run:
         for i, off in zip(pk.reads, pk.offsets):
             r = self.plan.reads[i]
             dst = buf[off:off + r.nbytes].view(to_torch_dtype(r.dtype)).view(r.box.sizes)
-            dst.copy_(only if only is not None else self.read(i))
+            copy_into(dst, only if only is not None else self.read(i))
         return buf
 
     def sink(self, pk: Packet) -> torch.Tensor | None:

@@ -48,6 +48,7 @@ from ..layout.dtypes import to_torch_dtype
 from ..planning.model import Costs, Packet, Plan, Step
 from ..planning.schedule import ALIGN
 from ..errors import PlanError
+from .copies import copy_into
 from .hosts import SHM_DIR, HostInfo, describe_hosts, same_host
 from .stats import Stats
 from .transport import PacketIO, Posted, Received
@@ -399,7 +400,7 @@ class ShmTransport:
         stats.hold(size)
         for (i, view), off in zip(copied, offsets):
             r = self.plan.reads[i]
-            own[2][off:off + r.nbytes].view(to_torch_dtype(r.dtype)).view(r.box.sizes).copy_(view)
+            copy_into(own[2][off:off + r.nbytes].view(to_torch_dtype(r.dtype)).view(r.box.sizes), view)
         return {i: (own[1], off) for (i, _), off in zip(copied, offsets)}
 
     def _open(self, tables: list[dict[int, tuple[tuple, int]]]) -> None:

@@ -1,0 +1,116 @@
+"""Copies on shardsync's own threads (exec/copies.py): every element lands where ``copy_`` puts it."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from shardsync.exec import copies
+from shardsync.exec.copies import copy_into
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float8_e4m3fn, torch.int64, torch.uint8,
+          torch.bool, torch.complex64]
+
+
+def _small(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(copies, "CHUNK_BYTES", 256)
+    monkeypatch.setattr(copies, "PARALLEL_BYTES", 512)
+    monkeypatch.setattr(copies, "TORCH_GRAIN", 37)
+
+
+@pytest.fixture
+def small_chunks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Chunks of a few hundred bytes, so that small tensors take the threaded path."""
+    _small(monkeypatch)
+
+
+def _values(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    n = 1
+    for s in shape:
+        n *= s
+    x = torch.arange(n, dtype=torch.int64).reshape(shape) % 97
+    return (x % 2).bool() if dtype == torch.bool else x.to(dtype)
+
+
+@settings(max_examples=60, deadline=None)
+@given(rows=st.integers(1, 41), cols=st.integers(1, 29), src_dtype=st.sampled_from(DTYPES),
+       same=st.booleans(), transposed=st.booleans(), sliced=st.booleans())
+def test_any_copy_equals_copy_(rows: int, cols: int, src_dtype: torch.dtype, same: bool, transposed: bool,
+                               sliced: bool) -> None:
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        _small(monkeypatch)
+        _check_copy(rows, cols, src_dtype, same, transposed, sliced)
+
+
+def _check_copy(rows: int, cols: int, src_dtype: torch.dtype, same: bool, transposed: bool,
+                sliced: bool) -> None:
+    dst_dtype = src_dtype if same else torch.float32
+    if src_dtype == torch.complex64 and not same:
+        dst_dtype = torch.complex128
+    base = _values((cols, rows) if transposed else (rows, cols + 3 * sliced), src_dtype)
+    src = base.t() if transposed else base[:, 1:1 + cols] if sliced else base
+    want = torch.empty(src.shape, dtype=dst_dtype).copy_(src)
+    got = torch.full(src.shape, 7, dtype=dst_dtype) if dst_dtype != torch.bool else torch.zeros(src.shape, dtype=torch.bool)
+    copy_into(got, src)
+    assert torch.equal(got.view(torch.uint8) if got.dtype == torch.float8_e4m3fn else got,
+                       want.view(torch.uint8) if want.dtype == torch.float8_e4m3fn else want)
+
+
+def test_into_a_strided_destination_leaves_the_rest(small_chunks: None) -> None:
+    out = torch.full((23, 31), -1.0)
+    src = torch.arange(23 * 17, dtype=torch.float32).reshape(23, 17)
+    copy_into(out[:, 5:22], src)
+    assert torch.equal(out[:, 5:22], src)
+    assert (out[:, :5] == -1).all() and (out[:, 22:] == -1).all()
+
+
+def test_large_copies_use_the_pool_and_are_exact() -> None:
+    # over PARALLEL_BYTES with the real constants: a raw row copy, a cast, a contiguous 1-D run
+    src = torch.arange(1_500_007, dtype=torch.float32)
+    for dst, s in [(torch.empty(1_500_007), src), (torch.empty(1_500_007, dtype=torch.bfloat16), src),
+                   (torch.empty(1023, 1466), src[:1023 * 1466].reshape(1466, 1023).t())]:
+        copy_into(dst, s)
+        assert torch.equal(dst, s.to(dst.dtype))
+
+
+def test_a_parameter_is_written_in_place(small_chunks: None) -> None:
+    p = torch.nn.Parameter(torch.zeros(19, 11))
+    copy_into(p[2:], torch.arange(17 * 11, dtype=torch.bfloat16).reshape(17, 11))
+    assert torch.equal(p.detach()[2:], torch.arange(17 * 11, dtype=torch.float32).reshape(17, 11))
+    assert p.requires_grad and p.grad is None
+
+
+def test_shapes_must_match() -> None:
+    with pytest.raises(ValueError, match=r"shapes differ, \(2, 3\) and \(3, 2\)"):
+        copy_into(torch.empty(2, 3), torch.empty(3, 2))
+
+
+def test_torch_thread_setting_is_left_as_the_caller_chose(small_chunks: None) -> None:
+    before = torch.get_num_threads()
+    copy_into(torch.empty(40, 40), torch.ones(40, 40))
+    assert torch.get_num_threads() == before
+
+
+def _copy_in_child(queue: multiprocessing.Queue) -> None:
+    torch.set_num_threads(1)  # torch's own OpenMP threads hang in a forked child (DataLoader does the same)
+    src = torch.arange(2_000_000, dtype=torch.float32)
+    dst = torch.empty(2_000_000)
+    copy_into(dst, src)
+    queue.put(bool(torch.equal(dst, src)))
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="fork only")
+def test_a_forked_child_makes_its_own_pool() -> None:
+    copy_into(torch.empty(2_000_000), torch.ones(2_000_000))  # the parent's pool exists
+    assert copies._pool is not None
+    ctx = multiprocessing.get_context("fork")
+    queue = ctx.Queue()
+    child = ctx.Process(target=_copy_in_child, args=(queue,))
+    child.start()
+    child.join(60)
+    assert child.exitcode == 0 and queue.get(timeout=5) is True
