@@ -163,6 +163,19 @@ def _run_statement(run: _Run, st: Statement) -> None:
             run.producers[n.text] = st
 
 
+def _drop_optional_strays(run: _Run) -> None:
+    """With a destination layout (``load``, ``reshard``), outputs of optional statements that the
+    destination does not hold are dropped rather than reported unexpected: an optional line may
+    name a layout that this destination does not use (a Transformer Engine model's norms or grouped
+    experts, where another model has the local spec's), and reading the same checkpoint tensor either
+    way is then decided by the destination."""
+    if run.dest is None:
+        return
+    for name in [n for n in run.live if n in run.producers and run.producers[n].optional
+                 and run.dest_prefix + n not in run.dest]:
+        del run.live[name]
+
+
 def _produced_twice(run: _Run, st: Statement) -> bool:
     """Report a name of ``st``'s right side that an earlier statement bound and nothing has read
     since: both would produce that target, and the later one would silently win."""
@@ -227,6 +240,7 @@ def resolve_program(statements: Sequence[Statement], layout: GlobalLayout, *,
             expanded = reverse_program(expanded)
         for each in expanded:
             _run_statement(run, each)
+    _drop_optional_strays(run)
     values = {**run.sources, **run.bound}
     out_prefix = prefix if reverse else ""
     passed = [names[n] for n in run.live if n in run.sources and n not in run.bound]
