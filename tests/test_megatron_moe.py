@@ -1,7 +1,8 @@
 """Real megatron-core MoE GPTModels (SequentialMLP) on gloo ranks, through from_megatron and the
 shipped MoE mappings: Mixtral at EP=2 (4 ranks, so expert data parallel 2), Qwen2-MoE with a gated
-shared expert at TP=2 x EP=2 (4 ranks), its first layer a dense MLP. Exported files equal a conversion written out by hand, bit
-for bit, and transformers' ``from_pretrained`` of them computes the logits of the megatron forward
+shared expert at TP=2 x EP=2 (4 ranks), its first layer a dense MLP. Exported files equal a
+conversion written out by hand, bit for bit, and transformers' ``from_pretrained`` of them computes
+the logits of the megatron forward
 (to 1e-5); the export loaded back (``load``, reversed mapping) into a fresh EP-sharded model with a
 padded vocabulary gives every parameter exactly, the padding rows left as they were."""
 
