@@ -18,6 +18,7 @@ from ..errors import FormatError, MappingError
 from ..layout.dtypes import to_torch_dtype
 from ..layout.meta import GlobalLayout
 from ..mapping import OPTIMIZER_SUFFIXES, SCALAR_SUFFIXES, Mapping, TargetSpec, resolve
+from ..mapping.hints import moe_hint
 from ..mapping.macros import expand_macros, reverse_program
 from ..sizes import parse_size
 from ..sources import Source
@@ -132,11 +133,12 @@ def resolve_targets(mapping: Mapping | None, layout: GlobalLayout, *, strict: bo
         n = len(unused)
         listed = ", ".join(unused[:5]) + (f" and {n - 5} more" if n > 5 else "")
         what = f"no statement consumes {listed if n == 1 else f'{n} sources ({listed})'}"
+        moe = moe_hint(unused, mapping) if mapping is not None else None  # dense lines, MoE layers
         if strict:
-            raise UsageError(what, "map them, drop them with `NAME -> _`, or leave out --strict")
+            raise UsageError(what, moe or "map them, drop them with `NAME -> _`, or leave out --strict")
         passes = ("it passes through under its own name" if n == 1
                   else "they pass through under their own names")
-        log.warning("%s: %s (--strict makes this an error)", what, passes)
+        log.warning("%s: %s (--strict makes this an error)%s", what, passes, f"; {moe}" if moe else "")
     return targets
 
 
