@@ -22,6 +22,8 @@ from ..mapping.hints import moe_hint
 from ..mapping.macros import expand_macros, reverse_program
 from ..sizes import parse_size
 from ..sources import Source
+from ..sources.megatron_config import checkpoint_config
+from ..sources.megatron_dist import is_megatron_dist
 from .messages import UsageError, printable
 
 __all__ = ["MappingFlags", "source_dir", "command_logging", "layout_of", "resolve_targets", "unconsumed_sources", "size_flag",
@@ -36,7 +38,8 @@ def _load_mapping(arg: str | None, sets: dict[str, str], config_dir: Path | None
     """The mapping ``--mapping`` names (None: identity): a shipped name, a file, or statements inline.
 
     The one place the command line turns its mapping flags into a :class:`Mapping`. Parameters come
-    from ``--set``, then from the ``config.json`` in ``config_dir``. ``--strict`` is applied by
+    from ``--set``, then from the ``config.json`` in ``config_dir`` (or, for a Megatron
+    dist_checkpointing directory without one, the arguments its ``common.pt`` keeps). ``--strict`` is applied by
     :func:`resolve_targets`, which sees the source keys.
 
     Raises:
@@ -55,11 +58,25 @@ def _load_mapping(arg: str | None, sets: dict[str, str], config_dir: Path | None
     if looks_like_path and not Path(arg).exists():
         raise MappingError(f"mapping file {arg!r} does not exist; give the path of a .txt, .json or .yaml "
                            "mapping file, a shipped mapping name, or statements such as 'a -> b'")
-    config = config_dir / "config.json" if config_dir is not None else None
-    # a shipped name (megatron-llama) or a file; parameters from --set win over the config.json
+    # a shipped name (megatron-llama) or a file; parameters from --set win over the config
     return Mapping.parse(arg if not Path(arg).exists() else Path(arg), reverse=reverse,
-                         params=sets or None,
-                         config=config if config is not None and config.is_file() else None)
+                         params=sets or None, config=_model_config(config_dir))
+
+
+def _model_config(config_dir: Path | None) -> Path | dict[str, Any] | None:
+    """The ``config.json`` in ``config_dir``; else, for a Megatron dist_checkpointing directory, the
+    arguments its ``common.pt`` keeps (read without running code from it); else None."""
+    if config_dir is None:
+        return None
+    if (config_dir / "config.json").is_file():
+        return config_dir / "config.json"
+    if is_megatron_dist(config_dir):
+        found = checkpoint_config(config_dir)
+        if found is not None:
+            log.info("mapping parameters not given by --set come from %s (Megatron's saved args)",
+                     config_dir / "common.pt")
+        return found
+    return None
 
 
 def source_dir(path: Path) -> Path:
