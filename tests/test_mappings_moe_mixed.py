@@ -15,7 +15,7 @@ from test_mappings_moe import HID, PARAMS, VOCAB, assert_same, hf_moe, megatron_
 
 import shardsync
 from shardsync.cli import main
-from shardsync.errors import MappingError
+from shardsync.errors import LoadError, MappingError
 from shardsync.layout import Box, GlobalLayout
 from shardsync.mapping import Mapping
 
@@ -93,3 +93,20 @@ def test_the_cli_convert_hint(tmp_path: Path, capsys: pytest.CaptureFixture[str]
     err = capsys.readouterr().err
     assert code == 2 and not (tmp_path / "out").exists()
     assert "use the shipped 'megatron-mixtral' or 'megatron-qwen2-moe'" in err, err
+
+
+# -- optional lines on load: the destination decides -------------------------------------------------
+
+def test_only_optional_outputs_the_destination_lacks_are_dropped() -> None:
+    hf = {"x": arange_tensor((3,)), "y": arange_tensor((2,), start=10)}
+    dst = {"b": torch.zeros(3), "c": torch.zeros(2)}
+    # `a`, which the destination lacks, is dropped; `t` (an intermediate read later) is not
+    mapping = ["a? -> x", "b? -> x", "c -> t", "t? -> y"]
+    result = shardsync.load(dst, hf, mapping, reverse=True)
+    assert result.unexpected == () and torch.equal(dst["b"], hf["x"]) and torch.equal(dst["c"], hf["y"])
+    plain = ["a -> x", "b -> x"]  # not optional: still reported
+    with pytest.raises(LoadError, match=r"unexpected 'a' \(statement 0 `a -> x`\)"):
+        shardsync.load({"b": torch.zeros(3)}, {"x": hf["x"]}, plain, reverse=True)
+    without_destination = dict(shardsync.full_params({"x": hf["x"]}, Mapping.parse(["a? -> x", "b? -> x"],
+                                                                                   reverse=True)))
+    assert sorted(without_destination) == ["a", "b"]

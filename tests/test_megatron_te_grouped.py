@@ -214,3 +214,13 @@ def test_the_sequential_layout_still_loads_through_the_te_mapping() -> None:
     result = shardsync.load(dst, hf, Mapping.parse("megatron-mixtral-te", params=PARAMS, reverse=True))
     assert (result.missing, result.unexpected, result.mismatched) == ((), (), ())
     assert all(torch.equal(dst[k], v) for k, v in mg.items() if not k.startswith(("embedding.", "output_layer.")))
+
+
+def test_pipeline_and_expert_renumberings_combine(monkeypatch: pytest.MonkeyPatch) -> None:
+    model = torch.nn.Module()  # a pipeline stage holding layer 5 (layer_number 6), on EP rank 1
+    model.decoder = torch.nn.Module()
+    model.decoder.layers = torch.nn.ModuleList([torch.nn.Module()])
+    model.decoder.layers[0].layer_number = 6
+    model.decoder.layers[0].mlp = moe_layer(experts_hf(0), ep=1, tp=0, tp_size=1)
+    keys = [k for k in placed(model, monkeypatch) if ".experts." in k]
+    assert keys == [f"decoder.layers.5.mlp.experts.linear_fc{n}.weight{e}" for n in (1, 2) for e in (2, 3)]
