@@ -71,6 +71,11 @@ def test_a_dense_mapping_on_an_moe_model_names_the_moe_mappings() -> None:
     with pytest.raises(MappingError, match=r"use the shipped 'megatron-qwen2-moe-te' or 'megatron-mixtral-te', "
                                            r"which read the router"):
         shardsync.resolve(Mapping.parse("megatron-llama-te", params=PARAMS), layout(megatron_moe(shared=True, te=True)))
+    hf = hf_moe(megatron_moe(), qwen=False)  # loading an HF Mixtral with the reversed dense mapping
+    with pytest.raises(MappingError, match=r"(?s)'model.layers.\$LAYER_ID.mlp.gate_proj.weight' matches no source key.*"
+                                           r"the source holds mixture-of-experts tensors \(e.g. "
+                                           r"'model.layers.0.block_sparse_moe.experts.0.w1.weight'\)"):
+        shardsync.load({}, hf, Mapping.parse("megatron-llama", params=PARAMS, reverse=True))
 
 
 def test_a_dense_mapping_on_a_mixed_model_says_so_for_the_moe_layers_it_leaves(

@@ -50,8 +50,8 @@ def moe_hint(keys: Sequence[str], program: Mapping) -> str | None:
     names = [f"megatron-mixtral{kinds}", f"megatron-qwen2-moe{kinds}"]
     if any(".shared_expert" in k for k in keys):
         names.reverse()
-    which = "" if kinds or program.reverse else (" (their -te variants for the Transformer Engine layer "
-                                                 "spec, -grouped for GroupedMLP experts)")
+    which = "" if kinds else (" (their -te variants for the Transformer Engine layer spec, -grouped for "
+                              "GroupedMLP experts)")
     return (f"the source holds mixture-of-experts tensors (e.g. {found!r}) and this mapping has no expert "
             f"lines: use the shipped {names[0]!r} or {names[1]!r}{which}, which read the router and every "
             "expert (and dense layers among them)")
