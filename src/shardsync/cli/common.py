@@ -39,8 +39,8 @@ def _load_mapping(arg: str | None, sets: dict[str, str], config_dir: Path | None
 
     The one place the command line turns its mapping flags into a :class:`Mapping`. Parameters come
     from ``--set``, then from the ``config.json`` in ``config_dir`` (or, for a Megatron
-    dist_checkpointing directory without one, the arguments its ``common.pt`` keeps). ``--strict`` is applied by
-    :func:`resolve_targets`, which sees the source keys.
+    dist_checkpointing directory without one, the arguments its ``common.pt`` keeps). ``--strict``
+    is applied by :func:`resolve_targets`, which sees the source keys.
 
     Raises:
         UsageError: ``--set`` without a mapping that takes parameters.

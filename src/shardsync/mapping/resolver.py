@@ -10,7 +10,6 @@ logs a warning naming them, and refuses them when strict.
 from __future__ import annotations
 
 import logging
-import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import NamedTuple

@@ -283,8 +283,8 @@ def from_megatron(model: torch.nn.Module | Sequence[torch.nn.Module], group: Any
     an expert-parallel rank theirs (from the ``MoELayer``'s ``local_expert_indices``; each expert is
     split over its own TP group, ``experts.tp_group``; a ``GroupedMLP``'s ``weight1`` / ``weight2``
     become its experts' weights stacked, a ``TEGroupedMLP``'s ``weight<i>`` take the global id as
-    suffix, see the module docstring), and the copy of tied embeddings
-    that the last pipeline stage holds as ``output_layer.weight`` is left out. Nothing is copied.
+    suffix, see the module docstring), and the copy of tied embeddings that the last pipeline stage
+    holds as ``output_layer.weight`` is left out. Nothing is copied.
 
     Args:
         model: the unwrapped model (``megatron.training.utils.unwrap_model``), or a list of
