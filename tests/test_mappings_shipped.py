@@ -124,14 +124,14 @@ def test_an_unknown_name_lists_the_shipped_ones() -> None:
         "Mixtral\n"
         "  megatron-mixtral-grouped: Megatron-core MoE GPT (GroupedMLP experts), local layer spec -> "
         "HuggingFace Mixtral\n"
-        "  megatron-mixtral-te: Megatron-core MoE GPT (SequentialMLP experts), Transformer Engine layer spec "
-        "-> HuggingFace Mixtral\n"
+        "  megatron-mixtral-te: Megatron-core MoE GPT (SequentialMLP or TEGroupedMLP experts), Transformer "
+        "Engine layer spec -> HuggingFace Mixtral\n"
         "  megatron-qwen2-moe: Megatron-core MoE GPT (SequentialMLP experts), local layer spec -> HuggingFace "
         "Qwen2-MoE, Qwen3-MoE\n"
         "  megatron-qwen2-moe-grouped: Megatron-core MoE GPT (GroupedMLP experts), local layer spec -> "
         "HuggingFace Qwen2-MoE, Qwen3-MoE\n"
-        "  megatron-qwen2-moe-te: Megatron-core MoE GPT (SequentialMLP experts), Transformer Engine layer "
-        "spec -> HuggingFace Qwen2-MoE, Qwen3-MoE")
+        "  megatron-qwen2-moe-te: Megatron-core MoE GPT (SequentialMLP or TEGroupedMLP experts), Transformer "
+        "Engine layer spec -> HuggingFace Qwen2-MoE, Qwen3-MoE")
     with pytest.raises(MappingError, match="mapping file 'megatron-llama' does not exist"):
         Mapping.parse("./megatron-llama")  # a path is a path, never a shipped name
     with pytest.raises(MappingError, match="'../megatron-llama' is not a shipped mapping"):
