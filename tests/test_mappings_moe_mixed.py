@@ -102,13 +102,16 @@ def test_the_cli_convert_hint(tmp_path: Path, capsys: pytest.CaptureFixture[str]
 
 # -- optional lines on load: the destination decides -------------------------------------------------
 
-def test_only_optional_outputs_the_destination_lacks_are_dropped() -> None:
+def test_only_alternative_optional_outputs_the_destination_lacks_are_dropped() -> None:
     hf = {"x": arange_tensor((3,)), "y": arange_tensor((2,), start=10)}
     dst = {"b": torch.zeros(3), "c": torch.zeros(2)}
     # `a`, which the destination lacks, is dropped; `t` (an intermediate read later) is not
     mapping = ["a? -> x", "b? -> x", "c -> t", "t? -> y"]
     result = shardsync.load(dst, hf, mapping, reverse=True)
     assert result.unexpected == () and torch.equal(dst["b"], hf["x"]) and torch.equal(dst["c"], hf["y"])
+    alone = ["lm_head? -> out", "emb -> embed"]  # `out` for a tied model: nothing else reads it
+    with pytest.raises(LoadError, match=r"unexpected 'lm_head'"):
+        shardsync.load({"emb": torch.zeros(3)}, {"out": hf["x"], "embed": hf["x"]}, alone, reverse=True)
     plain = ["a -> x", "b -> x"]  # not optional: still reported
     with pytest.raises(LoadError, match=r"unexpected 'a' \(statement 0 `a -> x`\)"):
         shardsync.load({"b": torch.zeros(3)}, {"x": hf["x"]}, plain, reverse=True)

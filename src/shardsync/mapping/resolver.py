@@ -164,16 +164,21 @@ def _run_statement(run: _Run, st: Statement) -> None:
 
 
 def _drop_optional_strays(run: _Run) -> None:
-    """With a destination layout (``load``, ``reshard``), outputs of optional statements that the
-    destination does not hold are dropped rather than reported unexpected: an optional line may
-    name a layout that this destination does not use (a Transformer Engine model's norms or grouped
-    experts, where another model has the local spec's), and reading the same checkpoint tensor either
-    way is then decided by the destination."""
+    """With a destination layout (``load``, ``reshard``), an output of an optional statement that the
+    destination does not hold is dropped rather than reported unexpected when every tensor that
+    statement reads is read by another statement as well: two optional lines for two layouts of a
+    model (a Transformer Engine model's norms or grouped experts, another model's local names) read
+    the same checkpoint tensor, and the destination picks one. An optional line that alone reads its
+    tensor (an ``lm_head`` for a tied model) is still reported."""
     if run.dest is None:
         return
-    for name in [n for n in run.live if n in run.producers and run.producers[n].optional
-                 and run.dest_prefix + n not in run.dest]:
-        del run.live[name]
+    strays = {n: run.producers[n] for n in run.live if n in run.producers and run.producers[n].optional
+              and run.dest_prefix + n not in run.dest}
+    stray_ids = {id(st) for st in strays.values()}
+    read_elsewhere = {m.text for st in run.producers.values() if id(st) not in stray_ids for m in st.left}
+    for name, st in strays.items():
+        if all(m.text in read_elsewhere for m in st.left):
+            del run.live[name]
 
 
 def _produced_twice(run: _Run, st: Statement) -> bool:
