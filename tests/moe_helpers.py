@@ -21,7 +21,8 @@ __all__ = ["MoeSpec", "MIXTRAL", "QWEN2_MOE", "TOKENS", "init_parallel", "cpu_sh
 @dataclass(frozen=True)
 class MoeSpec:
     """A tiny MoE model: 2 layers, 4 experts, top-2 routing; ``shared`` adds a gated shared expert and
-    q/k/v biases (Qwen2-MoE)."""
+    q/k/v biases (Qwen2-MoE); ``dense_layers`` are plain MLPs of ``shared_ffn`` (Megatron's
+    ``moe_layer_freq`` 0 there, HF Qwen2-MoE's ``mlp_only_layers``)."""
 
     shared: bool
     layers: int = 2
@@ -34,6 +35,7 @@ class MoeSpec:
     top_k: int = 2
     vocab: int = 100  # the tokenizer's; the GPTModel pads it
     padded_vocab: int = 128
+    dense_layers: tuple[int, ...] = ()
 
     @property
     def mapping(self) -> str:
@@ -41,7 +43,7 @@ class MoeSpec:
 
 
 MIXTRAL = MoeSpec(shared=False)
-QWEN2_MOE = MoeSpec(shared=True)
+QWEN2_MOE = MoeSpec(shared=True, layers=3, dense_layers=(0,))  # a dense first layer, as DeepSeek's
 #: The prompt of the logits comparisons.
 TOKENS = torch.tensor([[3, 17, 42, 99, 0, 64, 7, 23, 88, 5, 51]])
 
@@ -72,13 +74,15 @@ def build_moe_gpt(spec: MoeSpec) -> torch.nn.Module:
     rank-dependent where the rank holds its own part (TP shards, its experts), equal elsewhere."""
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, get_gpt_layer_local_spec
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     tp = ps.get_tensor_model_parallel_world_size()
     config = TransformerConfig(
         num_layers=spec.layers, hidden_size=spec.hidden, num_attention_heads=spec.heads,
-        num_query_groups=spec.groups, ffn_hidden_size=spec.ffn, moe_ffn_hidden_size=spec.ffn,
+        num_query_groups=spec.groups, ffn_hidden_size=spec.shared_ffn if spec.dense_layers else spec.ffn,
+        moe_ffn_hidden_size=spec.ffn,
+        moe_layer_freq=[int(i not in spec.dense_layers) for i in range(spec.layers)] if spec.dense_layers else 1,
         num_moe_experts=spec.experts, moe_router_topk=spec.top_k, moe_grouped_gemm=False,
         moe_token_dispatcher_type="allgather", moe_router_load_balancing_type="none",
         moe_shared_expert_intermediate_size=spec.shared_ffn if spec.shared else None,
@@ -91,7 +95,9 @@ def build_moe_gpt(spec: MoeSpec) -> torch.nn.Module:
         gradient_accumulation_fusion=False, persist_layer_norm=False, bias_dropout_fusion=False,
         tensor_model_parallel_size=tp, expert_model_parallel_size=ps.get_expert_model_parallel_world_size(),
         sequence_parallel=False)
-    layer = get_gpt_layer_local_spec(num_experts=spec.experts, moe_grouped_gemm=False, normalization="RMSNorm")
+    layer: Any = get_gpt_layer_local_spec(num_experts=spec.experts, moe_grouped_gemm=False, normalization="RMSNorm")
+    if spec.dense_layers:  # one spec per layer, dense where moe_layer_freq says 0
+        layer = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization="RMSNorm")
     model = GPTModel(config=config, transformer_layer_spec=layer, vocab_size=spec.padded_vocab,
                      max_sequence_length=32, position_embedding_type="rope", rotary_base=10000,
                      share_embeddings_and_output_weights=False, parallel_output=False)
@@ -176,6 +182,11 @@ def hf_by_hand(mg: dict[str, torch.Tensor], spec: MoeSpec, tp: int) -> dict[str,
                        spec.groups * d, *qkv.shape[1:])}
         moe = h + ("mlp." if spec.shared else "block_sparse_moe.")
         names = ("gate_proj", "up_proj", "down_proj") if spec.shared else ("w1", "w3", "w2")
+        if i in spec.dense_layers:
+            gate, up = gate_up(mg[m + "mlp.linear_fc1.weight"], spec.shared_ffn)
+            hf |= {h + "mlp.gate_proj.weight": gate, h + "mlp.up_proj.weight": up,
+                   h + "mlp.down_proj.weight": mg[m + "mlp.linear_fc2.weight"]}
+            continue
         hf[moe + "gate.weight"] = mg[m + "mlp.router.weight"]
         for e in range(spec.experts):
             x = f"{m}mlp.experts.local_experts.{e}."
@@ -202,7 +213,8 @@ def hf_config(spec: MoeSpec) -> Any:
         return transformers.Qwen2MoeConfig(**common, intermediate_size=spec.shared_ffn,
                                            moe_intermediate_size=spec.ffn, num_experts=spec.experts,
                                            shared_expert_intermediate_size=spec.shared_ffn, norm_topk_prob=False,
-                                           decoder_sparse_step=1, router_aux_loss_coef=0.0)
+                                           decoder_sparse_step=1, router_aux_loss_coef=0.0,
+                                           mlp_only_layers=list(spec.dense_layers))
     return transformers.MixtralConfig(**common, intermediate_size=spec.ffn, num_local_experts=spec.experts,
                                       router_jitter_noise=0.0, router_aux_loss_coef=0.0)
 

@@ -124,14 +124,14 @@ def test_an_unknown_name_lists_the_shipped_ones() -> None:
         "Mixtral\n"
         "  megatron-mixtral-grouped: Megatron-core MoE GPT (GroupedMLP experts), local layer spec -> "
         "HuggingFace Mixtral\n"
-        "  megatron-mixtral-te: Megatron-core MoE GPT (SequentialMLP experts), Transformer Engine layer spec "
-        "-> HuggingFace Mixtral\n"
+        "  megatron-mixtral-te: Megatron-core MoE GPT (SequentialMLP or TEGroupedMLP experts), Transformer "
+        "Engine layer spec -> HuggingFace Mixtral\n"
         "  megatron-qwen2-moe: Megatron-core MoE GPT (SequentialMLP experts), local layer spec -> HuggingFace "
         "Qwen2-MoE, Qwen3-MoE\n"
         "  megatron-qwen2-moe-grouped: Megatron-core MoE GPT (GroupedMLP experts), local layer spec -> "
         "HuggingFace Qwen2-MoE, Qwen3-MoE\n"
-        "  megatron-qwen2-moe-te: Megatron-core MoE GPT (SequentialMLP experts), Transformer Engine layer "
-        "spec -> HuggingFace Qwen2-MoE, Qwen3-MoE")
+        "  megatron-qwen2-moe-te: Megatron-core MoE GPT (SequentialMLP or TEGroupedMLP experts), Transformer "
+        "Engine layer spec -> HuggingFace Qwen2-MoE, Qwen3-MoE")
     with pytest.raises(MappingError, match="mapping file 'megatron-llama' does not exist"):
         Mapping.parse("./megatron-llama")  # a path is a path, never a shipped name
     with pytest.raises(MappingError, match="'../megatron-llama' is not a shipped mapping"):
@@ -286,18 +286,18 @@ def test_reverse_loads_hf_names_into_megatron_names() -> None:
 
 def test_unconsumed_sources_are_listed_warned_about_and_refused_when_strict(
         caplog: pytest.LogCaptureFixture) -> None:
-    state: dict = {**megatron(), "decoder.layers.0.mlp.router.weight": arange_tensor((3, HID)),
-                   "decoder.layers.1.mlp.router.weight": arange_tensor((3, HID))}
+    state: dict = {**megatron(), "decoder.layers.0.mlp.extra_scale.weight": arange_tensor((3, HID)),
+                   "decoder.layers.1.mlp.extra_scale.weight": arange_tensor((3, HID))}
     layout = GlobalLayout.merge([local_layout(state)])
-    routers = ["decoder.layers.0.mlp.router.weight", "decoder.layers.1.mlp.router.weight"]
-    assert unconsumed(llama(), layout) == routers
+    extras = ["decoder.layers.0.mlp.extra_scale.weight", "decoder.layers.1.mlp.extra_scale.weight"]
+    assert unconsumed(llama(), layout) == extras
     with caplog.at_level(logging.WARNING, logger="shardsync.mapping.resolver"):
         got = run(state, llama())
-    assert torch.equal(got[routers[1]], state[routers[1]])  # passed through under its own name
+    assert torch.equal(got[extras[1]], state[extras[1]])  # passed through under its own name
     assert [r.getMessage() for r in caplog.records] == [
-        f"the mapping leaves 2 sources unconsumed; they pass through under their own names: {routers[0]!r}, "
-        f"{routers[1]!r}"]
-    message = (f"the mapping leaves 2 sources unconsumed: {routers[0]!r}, {routers[1]!r}; map each with a "
+        f"the mapping leaves 2 sources unconsumed; they pass through under their own names: {extras[0]!r}, "
+        f"{extras[1]!r}"]
+    message = (f"the mapping leaves 2 sources unconsumed: {extras[0]!r}, {extras[1]!r}; map each with a "
                "statement or drop it (`name -> _`), or resolve without strict")
     with pytest.raises(MappingError, match=message.replace("(", r"\(").replace(")", r"\)")):
         resolve(llama(), layout, strict=True)

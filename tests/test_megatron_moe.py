@@ -1,7 +1,8 @@
 """Real megatron-core MoE GPTModels (SequentialMLP) on gloo ranks, through from_megatron and the
 shipped MoE mappings: Mixtral at EP=2 (4 ranks, so expert data parallel 2), Qwen2-MoE with a gated
-shared expert at TP=2 x EP=2 (4 ranks). Exported files equal a conversion written out by hand, bit
-for bit, and transformers' ``from_pretrained`` of them computes the logits of the megatron forward
+shared expert at TP=2 x EP=2 (4 ranks), its first layer a dense MLP. Exported files equal a
+conversion written out by hand, bit for bit, and transformers' ``from_pretrained`` of them computes
+the logits of the megatron forward
 (to 1e-5); the export loaded back (``load``, reversed mapping) into a fresh EP-sharded model with a
 padded vocabulary gives every parameter exactly, the padding rows left as they were."""
 
@@ -103,4 +104,6 @@ def test_mixtral_at_ep2_with_expert_data_parallel_replicas(tmp_path: Path) -> No
 
 
 def test_qwen2_moe_with_shared_expert_at_tp2_ep2(tmp_path: Path) -> None:
+    # QWEN2_MOE's first layer is dense (Megatron moe_layer_freq=[0, 1, 1], HF mlp_only_layers=[0]):
+    # the shipped mapping's optional dense lines take it, its MoE lines the others
     _check(run_ranks(_worker, 4, QWEN2_MOE, 2, 2, str(tmp_path), timeout=900))

@@ -2,16 +2,21 @@
 
 A checkpoint of that format is written here with torch DCP alone (stacked layers, stacked and per-expert
 MoE tensors, optimizer state, a bytes entry), and by megatron-core itself: ``dist_checkpointing.save``
-of a TP=2 GPTModel on 2 gloo ranks, converted by the CLI with the shipped ``megatron-llama-te`` mapping
-and compared with the model gathered by plain ``all_gather`` (test_megatron's reference).
+of a TP=2 GPTModel on 2 gloo ranks (with the arguments Megatron's training loop saves alongside),
+converted by the CLI with the shipped ``megatron-llama-te`` mapping, its parameters taken from those
+arguments, and compared with the model gathered by plain ``all_gather`` (test_megatron's reference).
 """
 
 from __future__ import annotations
 
+import argparse
+import enum
 import json
 import os
 import pickle
 import shlex
+import sys
+import types
 from pathlib import Path
 from typing import Any
 
@@ -24,9 +29,11 @@ from safetensors.torch import load_file
 
 import shardsync
 from shardsync.cli import main
+from shardsync.cli.common import MappingFlags
 from shardsync.errors import FormatError, LayoutError
-from shardsync.layout import Box
+from shardsync.layout import Box, GlobalLayout
 from shardsync.sources import MegatronDistSource, open_source
+from shardsync.sources.megatron_config import Opaque
 
 DOC = Path(__file__).parent.parent / "docs" / "megatron.md"
 
@@ -108,6 +115,52 @@ def test_format_errors(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     assert not (tmp_path / "pwned").exists()
 
 
+# -- the settings common.pt keeps, read without running code from it --------------------------------
+
+def saved_enum(monkeypatch: pytest.MonkeyPatch) -> enum.Enum:
+    """An enum value as Megatron's saved args hold one (``AttnBackend.auto``), defined in a module of
+    its own that the reader cannot import."""
+    module = types.ModuleType("megatron_like_enums")
+    backend = enum.Enum("AttnBackend", {"auto": 5}, module=module.__name__)  # type: ignore[misc]
+    module.AttnBackend = backend  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, module.__name__, module)
+    return backend.auto  # type: ignore[attr-defined,no-any-return]
+
+
+def test_saved_args_give_the_config_and_nothing_else_is_built(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                              ) -> None:
+    args = argparse.Namespace(num_attention_heads=8, group_query_attention=True, num_query_groups=2,
+                              vocab_size=100, attention_backend=saved_enum(monkeypatch),
+                              params_dtype=torch.bfloat16)
+    ckpt = write_torch_dist(tmp_path / "c", {QKV: torch.zeros(2, 3)})
+    torch.save({"args": args, "iteration": 7, "rng_state": [{"random": (3, (1, 2))}], "boom": _Boom()},
+               ckpt / "common.pt")
+    monkeypatch.delitem(sys.modules, "megatron_like_enums")
+    monkeypatch.chdir(tmp_path)  # _Boom would touch 'pwned' here
+    config = MegatronDistSource(ckpt).config()
+    assert config is not None and not (tmp_path / "pwned").exists()
+    assert {k: config[k] for k in ("num_attention_heads", "num_query_groups", "vocab_size", "params_dtype")} == \
+        {"num_attention_heads": 8, "num_query_groups": 2, "vocab_size": 100, "params_dtype": torch.bfloat16}
+    backend = config["attention_backend"]
+    assert isinstance(backend, Opaque) and (backend.qualname, backend.args) == ("megatron_like_enums.AttnBackend", (5,))
+    mapping = shardsync.Mapping.parse("megatron-llama-te", config=config)
+    assert mapping.statements[0].render().endswith("keep=100")
+    torch.save({"args": argparse.Namespace(num_attention_heads=8, num_query_groups=1,
+                                           group_query_attention=False)}, ckpt / "common.pt")
+    assert MegatronDistSource(ckpt).config() == {"num_attention_heads": 8, "group_query_attention": False}
+    torch.save({"iteration": 7}, ckpt / "common.pt")
+    assert MegatronDistSource(ckpt).config() is None
+    (ckpt / "common.pt").write_bytes(b"not a torch file")
+    with pytest.raises(FormatError, match="common.pt: cannot read it as a torch.save file"):
+        MegatronDistSource(ckpt).config()
+
+
+def test_cli_without_saved_args_asks_for_the_parameters(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    ckpt = write_torch_dist(tmp_path / "c", {QKV: torch.zeros(2, 3)})  # common.pt: no args
+    assert main(["convert", str(ckpt), str(tmp_path / "out"), "-m", "megatron-llama-te", "-q"]) == 2
+    assert "needs the parameters vocab_size, num_heads, num_key_value_groups" in capsys.readouterr().err
+
+
 # -- megatron-core's own dist_checkpointing.save, TP=2, converted by the CLI --------------------------
 
 def doc_block(marker: str, lang: str) -> str:
@@ -152,6 +205,12 @@ def test_megatron_core_checkpoint_converts_by_cli_to_the_gathered_model(
     got = load_file(out / "model.safetensors")
     assert sorted(got) == sorted(ref["hf"])
     assert [k for k in ref["hf"] if not torch.equal(got[k], ref["hf"][k])] == []
+    # the mapping's parameters came from the args Megatron's save kept in common.pt; --set wins
+    assert {k: MegatronDistSource(ckpt).config()[k] for k in ("num_attention_heads", "num_query_groups")} == \
+        {"num_attention_heads": 4, "num_query_groups": 2}
+    flags = MappingFlags(mapping="megatron-llama-te", sets=(("vocab_size", "100"),))
+    _, targets = flags.resolve(GlobalLayout.merge([MegatronDistSource(ckpt).entries()]), ckpt)
+    assert {t.name: t.shape for t in targets}["lm_head.weight"] == (100, 64)
     local = MegatronDistSource(ckpt, norms="local")
     assert sorted({e.key for e in local.entries()}) == ref["live"]
     mapping = shardsync.Mapping.parse("megatron-llama", params={

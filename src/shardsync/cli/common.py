@@ -18,9 +18,12 @@ from ..errors import FormatError, MappingError
 from ..layout.dtypes import to_torch_dtype
 from ..layout.meta import GlobalLayout
 from ..mapping import OPTIMIZER_SUFFIXES, SCALAR_SUFFIXES, Mapping, TargetSpec, resolve
+from ..mapping.hints import moe_hint
 from ..mapping.macros import expand_macros, reverse_program
 from ..sizes import parse_size
 from ..sources import Source
+from ..sources.megatron_config import checkpoint_config
+from ..sources.megatron_dist import is_megatron_dist
 from .messages import UsageError, printable
 
 __all__ = ["MappingFlags", "source_dir", "command_logging", "layout_of", "resolve_targets", "unconsumed_sources", "size_flag",
@@ -35,8 +38,9 @@ def _load_mapping(arg: str | None, sets: dict[str, str], config_dir: Path | None
     """The mapping ``--mapping`` names (None: identity): a shipped name, a file, or statements inline.
 
     The one place the command line turns its mapping flags into a :class:`Mapping`. Parameters come
-    from ``--set``, then from the ``config.json`` in ``config_dir``. ``--strict`` is applied by
-    :func:`resolve_targets`, which sees the source keys.
+    from ``--set``, then from the ``config.json`` in ``config_dir`` (or, for a Megatron
+    dist_checkpointing directory without one, the arguments its ``common.pt`` keeps). ``--strict``
+    is applied by :func:`resolve_targets`, which sees the source keys.
 
     Raises:
         UsageError: ``--set`` without a mapping that takes parameters.
@@ -54,11 +58,25 @@ def _load_mapping(arg: str | None, sets: dict[str, str], config_dir: Path | None
     if looks_like_path and not Path(arg).exists():
         raise MappingError(f"mapping file {arg!r} does not exist; give the path of a .txt, .json or .yaml "
                            "mapping file, a shipped mapping name, or statements such as 'a -> b'")
-    config = config_dir / "config.json" if config_dir is not None else None
-    # a shipped name (megatron-llama) or a file; parameters from --set win over the config.json
+    # a shipped name (megatron-llama) or a file; parameters from --set win over the config
     return Mapping.parse(arg if not Path(arg).exists() else Path(arg), reverse=reverse,
-                         params=sets or None,
-                         config=config if config is not None and config.is_file() else None)
+                         params=sets or None, config=_model_config(config_dir))
+
+
+def _model_config(config_dir: Path | None) -> Path | dict[str, Any] | None:
+    """The ``config.json`` in ``config_dir``; else, for a Megatron dist_checkpointing directory, the
+    arguments its ``common.pt`` keeps (read without running code from it); else None."""
+    if config_dir is None:
+        return None
+    if (config_dir / "config.json").is_file():
+        return config_dir / "config.json"
+    if is_megatron_dist(config_dir):
+        found = checkpoint_config(config_dir)
+        if found is not None:
+            log.info("mapping parameters not given by --set come from %s (Megatron's saved args)",
+                     config_dir / "common.pt")
+        return found
+    return None
 
 
 def source_dir(path: Path) -> Path:
@@ -132,11 +150,12 @@ def resolve_targets(mapping: Mapping | None, layout: GlobalLayout, *, strict: bo
         n = len(unused)
         listed = ", ".join(unused[:5]) + (f" and {n - 5} more" if n > 5 else "")
         what = f"no statement consumes {listed if n == 1 else f'{n} sources ({listed})'}"
+        moe = moe_hint(unused, mapping) if mapping is not None else None  # dense lines, MoE layers
         if strict:
-            raise UsageError(what, "map them, drop them with `NAME -> _`, or leave out --strict")
+            raise UsageError(what, moe or "map them, drop them with `NAME -> _`, or leave out --strict")
         passes = ("it passes through under its own name" if n == 1
                   else "they pass through under their own names")
-        log.warning("%s: %s (--strict makes this an error)", what, passes)
+        log.warning("%s: %s (--strict makes this an error)%s", what, passes, f"; {moe}" if moe else "")
     return targets
 
 

@@ -10,7 +10,6 @@ logs a warning naming them, and refuses them when strict.
 from __future__ import annotations
 
 import logging
-import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import NamedTuple
@@ -22,6 +21,7 @@ from .parser import attribute_names
 from .pieces import Piece, TargetSpec
 from .program import Mapping, MappingLike
 from .fused import apply_fused
+from .hints import moe_hint, with_moe_hint, with_prefix_hint
 from .statements import StatementError, apply_statement
 from .syntax import Diagnostic, Name, Statement, suggest
 from .vtensor import VTensor, source_tensor, to_pieces
@@ -163,6 +163,24 @@ def _run_statement(run: _Run, st: Statement) -> None:
             run.producers[n.text] = st
 
 
+def _drop_optional_strays(run: _Run) -> None:
+    """With a destination layout (``load``, ``reshard``), an output of an optional statement that the
+    destination does not hold is dropped rather than reported unexpected when every tensor that
+    statement reads is read by another statement as well: two optional lines for two layouts of a
+    model (a Transformer Engine model's norms or grouped experts, another model's local names) read
+    the same checkpoint tensor, and the destination picks one. An optional line that alone reads its
+    tensor (an ``lm_head`` for a tied model) is still reported."""
+    if run.dest is None:
+        return
+    strays = {n: run.producers[n] for n in run.live if n in run.producers and run.producers[n].optional
+              and run.dest_prefix + n not in run.dest}
+    stray_ids = {id(st) for st in strays.values()}
+    read_elsewhere = {m.text for st in run.producers.values() if id(st) not in stray_ids for m in st.left}
+    for name, st in strays.items():
+        if all(m.text in read_elsewhere for m in st.left):
+            del run.live[name]
+
+
 def _produced_twice(run: _Run, st: Statement) -> bool:
     """Report a name of ``st``'s right side that an earlier statement bound and nothing has read
     since: both would produce that target, and the later one would silently win."""
@@ -227,6 +245,7 @@ def resolve_program(statements: Sequence[Statement], layout: GlobalLayout, *,
             expanded = reverse_program(expanded)
         for each in expanded:
             _run_statement(run, each)
+    _drop_optional_strays(run)
     values = {**run.sources, **run.bound}
     out_prefix = prefix if reverse else ""
     passed = [names[n] for n in run.live if n in run.sources and n not in run.bound]
@@ -245,7 +264,8 @@ def _resolve(program: Mapping, layout: GlobalLayout, dest: GlobalLayout | None, 
                                              keys=model_keys, tolerate=stems.__contains__,
                                              prefix=program.prefix)
     if diags:
-        raise MappingError(_with_prefix_hint(sorted(diags, key=lambda d: d.index), model_keys, program))
+        diags = with_prefix_hint(sorted(diags, key=lambda d: d.index), model_keys, program)
+        raise MappingError(with_moe_hint(diags, model_keys, program))
     targets = {name: _spec(name, v) for name, v in outputs.items()}
     targets.update(_state_targets(program, layout, states, tuple(scalar_suffixes), outputs))
     return [targets[k] for k in sorted(targets)], passed
@@ -285,12 +305,14 @@ def resolve(mapping: MappingLike | None, layout: GlobalLayout, *, dest: GlobalLa
     targets, passed = _resolve(program, layout, dest, state_suffixes, scalar_suffixes)
     if passed and program.statements:
         shown = ", ".join(map(repr, passed[:10])) + (f" and {len(passed) - 10} more" if len(passed) > 10 else "")
+        moe = moe_hint(passed, program)  # a dense mapping on a model with some MoE layers
         if program.strict if strict is None else strict:
             raise MappingError(f"the mapping leaves {len(passed)} source{'s' * (len(passed) > 1)} unconsumed: "
-                               f"{shown}; map each with a statement or drop it (`name -> _`), or resolve "
-                               "without strict to pass them through under their own names")
+                               f"{shown}; " + (moe or "map each with a statement or drop it (`name -> _`), "
+                                               "or resolve without strict to pass them through under their "
+                                               "own names"))
         logger.warning("the mapping leaves %d source%s unconsumed; they pass through under their own "
-                       "names: %s", len(passed), "s" * (len(passed) > 1), shown)
+                       "names: %s%s", len(passed), "s" * (len(passed) > 1), shown, f"; {moe}" if moe else "")
     return targets
 
 
@@ -320,18 +342,6 @@ def unconsumed(mapping: MappingLike, layout: GlobalLayout, *, dest: GlobalLayout
     """
     program = Mapping.parse(mapping, reverse=reverse)
     return _resolve(program, layout, dest, OPTIMIZER_SUFFIXES, SCALAR_SUFFIXES)[1]
-
-
-def _with_prefix_hint(diags: list[Diagnostic], keys: Sequence[str], program: Mapping) -> list[Diagnostic]:
-    """A hint on each name that matches nothing when every source key carries a wrapper's
-    ``module.`` prefix (a DDP-wrapped state dict) and the mapping has no ``prefix``."""
-    wrapper = re.match(r"(?:module\.)+", min(keys, default="")) if not program.reverse else None
-    if wrapper is None or program.prefix or not all(k.startswith(wrapper.group()) for k in keys):
-        return diags
-    hint = (f"every source key starts with {wrapper.group()!r} (a wrapped model's state dict): parse the "
-            f"mapping with prefix={wrapper.group()!r}")
-    return [replace(d, hints=d.hints + (hint,)) if "matches no source key" in d.message
-            or d.message.startswith("unknown name") else d for d in diags]
 
 
 def _state_targets(program: Mapping, layout: GlobalLayout, states: dict[str, list[str]],

@@ -22,7 +22,8 @@ expert-parallel rank; the layer's ``local_expert_indices`` are their global ids
 differ from the dense one). Ranks of the expert data-parallel group hold the same experts: replicas.
 A ``GroupedMLP`` (``moe_grouped_gemm``) holds all local experts in ``weight1`` / ``weight2``; they are
 presented as views of the per-expert weights stacked, ``[experts, 2 ffn, hidden]`` and
-``[experts, hidden, ffn]``.
+``[experts, hidden, ffn]``. Transformer Engine's ``TEGroupedMLP`` holds one ``linear_fc1.weight<i>`` /
+``linear_fc2.weight<i>`` per local expert; ``<i>`` becomes the global id (see :mod:`.megatron_te`).
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ import torch
 from ..dist import group_rank, group_size
 from ..errors import LayoutError
 from ..layout.sharded import ShardedTensor, StateValue
+from .megatron_te import te_grouped_experts
 
 __all__ = ["from_megatron", "tp_shards", "partition_of", "megatron_module_error"]
 
@@ -246,21 +248,22 @@ def _chunk_state(chunk: torch.nn.Module, rank: int, world: int) -> dict[str, Sta
     layers, experts, glu = _global_layer_names(chunk), _global_expert_names(chunk), _glu_fc1(chunk)
     expert_groups, skip = _expert_groups(chunk), _tied_copies(chunk)
     grouped = _grouped_experts(chunk, rank, world)
+    te_names, te_parts = te_grouped_experts(chunk)
     state: dict[str, StateValue] = {}
     for name, value in chunk.state_dict(keep_vars=True).items():
         if not isinstance(value, torch.Tensor) or name.endswith("_extra_state") or name in skip:
             continue
-        key = _renamed(_renamed(name, experts), layers)
+        key = _renamed(_renamed(te_names.get(name, name), experts), layers)
         if id(value) in grouped:
             views = grouped[id(value)]
             state[key] = views[0] if len(views) == 1 else views
             continue
-        part = partition_of(key, value)
+        part = te_parts[id(value)] if id(value) in te_parts else partition_of(key, value)
         if part is None:
             state[key] = value.detach()
             continue
         dim, stride = part
-        if id(value) in glu and dim == 0 and stride == 1:
+        if id(value) in glu and dim == 0 and stride == 1 and id(value) not in te_parts:
             stride = 2
         tp_rank, tp_world = expert_groups.get(id(value), (rank, world))
         shards = tp_shards(value.detach(), dim, tp_rank, tp_world, stride, key=key)
@@ -279,8 +282,9 @@ def from_megatron(model: torch.nn.Module | Sequence[torch.nn.Module], group: Any
     a pipeline stage get their global numbers (from Megatron's ``layer_number``), the local experts of
     an expert-parallel rank theirs (from the ``MoELayer``'s ``local_expert_indices``; each expert is
     split over its own TP group, ``experts.tp_group``; a ``GroupedMLP``'s ``weight1`` / ``weight2``
-    become its experts' weights stacked, see the module docstring), and the copy of tied embeddings
-    that the last pipeline stage holds as ``output_layer.weight`` is left out. Nothing is copied.
+    become its experts' weights stacked, a ``TEGroupedMLP``'s ``weight<i>`` take the global id as
+    suffix, see the module docstring), and the copy of tied embeddings that the last pipeline stage
+    holds as ``output_layer.weight`` is left out. Nothing is copied.
 
     Args:
         model: the unwrapped model (``megatron.training.utils.unwrap_model``), or a list of

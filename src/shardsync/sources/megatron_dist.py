@@ -41,6 +41,7 @@ from ..errors import FormatError, LayoutError
 from ..layout.box import Box
 from ..layout.meta import LayoutEntry
 from .dcp import METADATA_FILE, DcpSource
+from .megatron_config import checkpoint_config
 
 __all__ = ["MegatronDistSource", "is_megatron_dist", "MEGATRON_METADATA_FILE", "COMMON_FILE"]
 
@@ -198,6 +199,16 @@ class MegatronDistSource:
         if not isinstance(common, dict):
             raise FormatError(f"{path}: holds a {type(common).__name__}, not the dict Megatron saves")
         return common
+
+    def config(self) -> dict[str, Any] | None:
+        """The model settings the checkpoint keeps (Megatron's saved ``args``), for
+        ``Mapping.parse(..., config=source.config())``; None when ``common.pt`` holds none. Read
+        without running code from the file (see :mod:`.megatron_config`).
+
+        Raises:
+            FormatError: ``common.pt`` is not a torch.save file.
+        """
+        return checkpoint_config(self.path)
 
     def __repr__(self) -> str:
         return f"MegatronDistSource({str(self.path)!r}, {len(self.where)} tensors)"
