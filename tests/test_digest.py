@@ -22,6 +22,7 @@ from shardsync.layout import ShardedTensor, shard_dim
 from shardsync.layout.dtypes import dtype_name
 
 M64 = (1 << 64) - 1
+GOLDEN = 0x9E3779B97F4A7C15  # 2^64 / golden ratio, odd: the index multiplier of keys that do not fit i << w | b
 
 
 def _mix(z: int) -> int:
@@ -47,7 +48,7 @@ def ref_sum(t: torch.Tensor, numel: int | None = None, base: int = 0) -> int:
     total = 0
     for i, b in enumerate(values):
         index = base * words + i
-        total += _mix(((index << width) | b) if shifted else (_mix(index) ^ b))
+        total += _mix(((index << width) | b) if shifted else (index * GOLDEN + b) & M64)
     return total & M64
 
 
@@ -69,8 +70,9 @@ def test_box_sum_matches_the_reference(tensor: torch.Tensor) -> None:
     assert box_sum(tensor, tuple(tensor.shape), (0,) * tensor.dim()) == ref_sum(tensor)
 
 
-def test_a_target_too_large_for_the_shifted_key_uses_the_mixed_one() -> None:
-    # 2^33 float32 elements do not fit idx << 32; a box of such a target is hashed with mix(idx) ^ bits
+def test_a_target_too_large_for_the_shifted_key_uses_the_golden_one() -> None:
+    # 2^33 float32 elements do not fit idx << 32; a box of such a target is hashed with idx * GOLDEN + bits
+    assert box_hash.GOLDEN == GOLDEN
     values = arange_tensor((6,), step=0.3)
     assert box_sum(values, (1 << 33,), (1 << 32,)) == ref_sum(values, numel=1 << 33, base=1 << 32)
     assert box_sum(values, (6,), (0,)) == ref_sum(values)
