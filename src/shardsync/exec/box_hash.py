@@ -18,25 +18,32 @@ So changing any one element always changes the sum; :func:`finish` adds a hash o
 A box is hashed in runs of about :data:`CHUNK_ELEMENTS` elements that stay in cache: the index part of
 the keys of a run is one precomputed pattern (the box's strides times ``K``) plus the run's start, so
 a run costs one add for the index, one for the bits, the eight operations of ``mix`` and a sum, all in
-place in two scratch buffers.
+place in two scratch buffers. A large box is shared among ``torch.get_num_threads()`` threads.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import itertools
 import math
+import os
 from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import NamedTuple
 
 import numpy as np
 import torch
 
 from ..layout.dtypes import dtype_name, to_torch_dtype
 
-__all__ = ["box_sum", "finish", "tensor_digest", "mix", "CHUNK_ELEMENTS", "MASK", "GOLDEN"]
+__all__ = ["box_sum", "finish", "tensor_digest", "mix", "CHUNK_ELEMENTS", "PARALLEL_RUNS", "MASK", "GOLDEN"]
 
 #: Elements hashed at once: the two scratch arrays (uint64, this length) stay in cache.
 CHUNK_ELEMENTS = 1 << 16
+#: A box of at least twice this many runs is hashed by up to ``torch.get_num_threads()`` threads, each
+#: a share of its runs (numpy's loops release the GIL).
+PARALLEL_RUNS = 8
 #: Sums are taken modulo 2^64.
 MASK = (1 << 64) - 1
 #: The index multiplier of keys that do not fit ``i << w | b``: 2^64 / golden ratio, odd.
@@ -149,20 +156,54 @@ def box_sum(values: torch.Tensor, shape: Sequence[int], offsets: Sequence[int],
     sizes = tuple(values.shape)
     split = next(j for j in range(len(sizes)) if math.prod(sizes[j + 1:]) <= CHUNK_ELEMENTS)
     rows = min(sizes[split], max(1, CHUNK_ELEMENTS // math.prod(sizes[split + 1:])))
-    pattern = _pattern((rows, *sizes[split + 1:]), stride[split:], words, step)
-    keys, tmp = np.empty_like(pattern), np.empty_like(pattern)
+    job = _Job(values, tuple(casts), base, stride, _pattern((rows, *sizes[split + 1:]), stride[split:], words, step),
+               words)
+    runs = list(_runs(sizes, split, rows))
+    threads = min(torch.get_num_threads(), len(runs) // PARALLEL_RUNS)
+    if threads < 2:
+        return _hash_runs(job, runs) & MASK
+    share = math.ceil(len(runs) / threads)
+    return sum(_executor(threads).map(functools.partial(_hash_runs, job),
+                                      [runs[k:k + share] for k in range(0, len(runs), share)])) & MASK
+
+
+class _Job(NamedTuple):
+    """What every run of one box needs: its values, casts, first key, strides and index pattern."""
+
+    values: torch.Tensor
+    casts: tuple[str, ...]
+    base: int
+    stride: list[int]
+    pattern: np.ndarray
+    words: int
+
+
+def _hash_runs(job: _Job, runs: Sequence[tuple[tuple[int, ...], int, int]]) -> int:
+    """The sum (not reduced mod 2^64) of the element hashes of ``runs`` of a box, in two scratch buffers."""
+    keys, tmp = np.empty_like(job.pattern), np.empty_like(job.pattern)
     total = 0
-    for lead, start, stop in _runs(sizes, split, rows):
+    for lead, start, stop in runs:
         where: tuple[int | slice, ...] = (*lead, slice(start, stop))
-        run = values[where]
-        for c in casts:
+        run = job.values[where]
+        for c in job.casts:
             run = run.to(to_torch_dtype(c))
-        at = (base + sum(i * s for i, s in zip((*lead, start), stride))) & MASK
+        at = (job.base + sum(i * s for i, s in zip((*lead, start), job.stride))) & MASK
         z = keys[:stop - start]
-        np.add(pattern[:stop - start], np.uint64(at), out=z)
-        np.add(z, _bits(run, words), out=z)
+        np.add(job.pattern[:stop - start], np.uint64(at), out=z)
+        np.add(z, _bits(run, job.words), out=z)
         total += int(np.add.reduce(mix(z, tmp[:stop - start]), axis=None))
-    return total & MASK
+    return total
+
+
+_pools: dict[tuple[int, int], ThreadPoolExecutor] = {}
+
+
+def _executor(threads: int) -> ThreadPoolExecutor:
+    """A pool of ``threads`` hashing threads, made once per process (a forked child makes its own)."""
+    key = (os.getpid(), threads)
+    if key not in _pools:
+        _pools[key] = ThreadPoolExecutor(threads, thread_name_prefix="shardsync-hash")
+    return _pools[key]
 
 
 def finish(total: int, shape: Sequence[int], dtype: str | torch.dtype) -> str:
