@@ -108,6 +108,27 @@ def test_threads_share_a_box_and_give_its_sum(monkeypatch: pytest.MonkeyPatch) -
     assert (shared + rest) & M64 == ref_sum(full.to(torch.bfloat16))
 
 
+@pytest.mark.parametrize("tensor", [
+    arange_tensor((17, 13), step=0.77), arange_tensor((9, 11), step=0.1).to(torch.bfloat16),
+    arange_tensor((5, 7), step=-1.5).double(), (torch.arange(33) - 8).to(torch.int16).reshape(3, 11),
+    torch.arange(24).reshape(4, 6) % 3 == 0, arange_tensor((6, 4), step=0.5).to(torch.float8_e4m3fn),
+    torch.complex(arange_tensor((3, 5)).double(), arange_tensor((3, 5), start=7).double())],
+    ids=lambda t: dtype_name(t.dtype))
+def test_the_device_path_gives_the_host_sums(monkeypatch: pytest.MonkeyPatch, tensor: torch.Tensor) -> None:
+    # the torch code that hashes boxes on an accelerator, run on the CPU: runs of 5 elements, a
+    # column cut (strided) at an offset, a cast, and a target too large for the shifted key
+    shape = tuple(tensor.shape)
+    want = [box_sum(tensor[:, 2:], shape, (0, 2)), box_sum(tensor, (1 << 33, *shape[1:]), (1 << 31, 0))]
+    if tensor.is_floating_point():
+        want.append(box_sum(tensor[1:], shape, (1, 0), casts=("float16",)))
+    monkeypatch.setattr(box_hash, "HOST_DEVICES", ())
+    monkeypatch.setattr(box_hash, "DEVICE_CHUNK_ELEMENTS", 5)
+    got = [box_sum(tensor[:, 2:], shape, (0, 2)), box_sum(tensor, (1 << 33, *shape[1:]), (1 << 31, 0))]
+    if tensor.is_floating_point():
+        got.append(box_sum(tensor[1:], shape, (1, 0), casts=("float16",)))
+    assert got == want
+
+
 def test_a_permuted_box_hashes_its_target_values() -> None:
     src = arange_tensor((4, 6, 5), step=0.5)
     target = src.permute(2, 0, 1)

@@ -18,7 +18,8 @@ So changing any one element always changes the sum; :func:`finish` adds a hash o
 A box is hashed in runs of about :data:`CHUNK_ELEMENTS` elements that stay in cache: the index part of
 the keys of a run is one precomputed pattern (the box's strides times ``K``) plus the run's start, so
 a run costs one add for the index, one for the bits, the eight operations of ``mix`` and a sum, all in
-place in two scratch buffers. A large box is shared among ``torch.get_num_threads()`` threads.
+place in two scratch buffers. A large box is shared among ``torch.get_num_threads()`` threads. A box
+on an accelerator is hashed there, with torch, to the same sum.
 """
 
 from __future__ import annotations
@@ -36,14 +37,18 @@ import numpy as np
 import torch
 
 from ..layout.dtypes import dtype_name, to_torch_dtype
+from .box_hash_device import DEVICE_CHUNK_ELEMENTS, pattern, runs_sum
 
-__all__ = ["box_sum", "finish", "tensor_digest", "mix", "CHUNK_ELEMENTS", "PARALLEL_RUNS", "MASK", "GOLDEN"]
+__all__ = ["box_sum", "finish", "tensor_digest", "mix", "CHUNK_ELEMENTS", "PARALLEL_RUNS", "HOST_DEVICES", "MASK", "GOLDEN"]
 
 #: Elements hashed at once: the two scratch arrays (uint64, this length) stay in cache.
 CHUNK_ELEMENTS = 1 << 16
 #: A box of at least twice this many runs is hashed by up to ``torch.get_num_threads()`` threads, each
 #: a share of its runs (numpy's loops release the GIL).
 PARALLEL_RUNS = 8
+#: Device types whose boxes are hashed with numpy on the host; others (accelerators) are hashed where
+#: they lie, with torch (:mod:`shardsync.exec.box_hash_device`: the same sums).
+HOST_DEVICES = ("cpu",)
 #: Sums are taken modulo 2^64.
 MASK = (1 << 64) - 1
 #: The index multiplier of keys that do not fit ``i << w | b``: 2^64 / golden ratio, odd.
@@ -154,8 +159,13 @@ def box_sum(values: torch.Tensor, shape: Sequence[int], offsets: Sequence[int],
     if values.dim() == 0:
         values, stride = values.reshape(1), [unit]
     sizes = tuple(values.shape)
-    split = next(j for j in range(len(sizes)) if math.prod(sizes[j + 1:]) <= CHUNK_ELEMENTS)
-    rows = min(sizes[split], max(1, CHUNK_ELEMENTS // math.prod(sizes[split + 1:])))
+    host = values.device.type in HOST_DEVICES
+    chunk = CHUNK_ELEMENTS if host else DEVICE_CHUNK_ELEMENTS
+    split = next(j for j in range(len(sizes)) if math.prod(sizes[j + 1:]) <= chunk)
+    rows = min(sizes[split], max(1, chunk // math.prod(sizes[split + 1:])))
+    if not host:  # hashed where it lies, with torch
+        index = pattern((rows, *sizes[split + 1:]), stride[split:], words, step, values.device)
+        return runs_sum(values, casts, base, stride, words, index, list(_runs(sizes, split, rows))) & MASK
     job = _Job(values, tuple(casts), base, stride, _pattern((rows, *sizes[split + 1:]), stride[split:], words, step),
                words)
     runs = list(_runs(sizes, split, rows))
