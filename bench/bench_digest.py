@@ -20,7 +20,8 @@ same layouts every step, as an RL loop does. ``--steps`` interleaved pairs of ``
 verify=False)`` and ``verify=True`` (the order alternates), each timed as the slowest rank's; medians
 and their ratio.
 
-Run: ``.venv/bin/python bench/bench_digest.py`` (writes bench/results/digest.json and digest.md);
+Run: ``.venv/bin/python bench/bench_digest.py`` (writes bench/results/digest.json and digest.md, or
+``--out``);
 ``--mb 8 --layers 1 --rounds 1 --steps 1`` for a quick check that it runs (writes nothing).
 """
 
@@ -187,6 +188,7 @@ def main() -> None:
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--steps", type=int, default=7)
     p.add_argument("--note", default="", help="the conditions (e.g. 'taskset -c 1, other jobs running')")
+    p.add_argument("--out", type=Path, default=RESULTS / "digest.json", help="the JSON (and .md beside it)")
     a = p.parse_args()
     load = os.getloadavg()
     doc = {"date": datetime.datetime.now().isoformat(timespec="seconds"), "torch": torch.__version__,
@@ -195,9 +197,9 @@ def main() -> None:
            "digest": digest_part(a), "verify": verify_part(a)}
     print(json.dumps(doc, indent=1))
     if a.mb >= 256:
-        RESULTS.mkdir(exist_ok=True)
-        (RESULTS / "digest.json").write_text(json.dumps(doc, indent=1) + "\n")
-        (RESULTS / "digest.md").write_text(markdown(doc))
+        a.out.parent.mkdir(parents=True, exist_ok=True)
+        a.out.write_text(json.dumps(doc, indent=1) + "\n")
+        a.out.with_suffix(".md").write_text(markdown(doc))
 
 
 if __name__ == "__main__":
