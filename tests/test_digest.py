@@ -93,21 +93,6 @@ def test_disjoint_boxes_add_up_to_the_whole(cut0: int, cut1: int, chunk: int) ->
     assert sum(parts) & M64 == whole
 
 
-def test_threads_share_a_box_and_give_its_sum(monkeypatch: pytest.MonkeyPatch) -> None:
-    # runs of 7 elements, at least 2 per thread: a column shard of 17 x 13 in 3 threads, cast on the way
-    monkeypatch.setattr(box_hash, "CHUNK_ELEMENTS", 7)
-    monkeypatch.setattr(box_hash, "PARALLEL_RUNS", 2)
-    full = arange_tensor((17, 13), step=0.77)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(3)
-    try:
-        shared = box_sum(full[:, 4:], (17, 13), (0, 4), casts=("bfloat16",))
-    finally:
-        torch.set_num_threads(threads)
-    rest = box_sum(full[:, :4].to(torch.bfloat16), (17, 13), (0, 0))
-    assert (shared + rest) & M64 == ref_sum(full.to(torch.bfloat16))
-
-
 @pytest.mark.parametrize("tensor", [
     arange_tensor((17, 13), step=0.77), arange_tensor((9, 11), step=0.1).to(torch.bfloat16),
     arange_tensor((5, 7), step=-1.5).double(), (torch.arange(33) - 8).to(torch.int16).reshape(3, 11),

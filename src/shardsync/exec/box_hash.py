@@ -18,19 +18,15 @@ So changing any one element always changes the sum; :func:`finish` adds a hash o
 A box is hashed in runs of about :data:`CHUNK_ELEMENTS` elements that stay in cache: the index part of
 the keys of a run is one precomputed pattern (the box's strides times ``K``) plus the run's start, so
 a run costs one add for the index, one for the bits, the eight operations of ``mix`` and a sum, all in
-place in two scratch buffers. A large box is shared among ``torch.get_num_threads()`` threads. A box
-on an accelerator is hashed there, with torch, to the same sum.
+place in two scratch buffers. A box on an accelerator is hashed there, with torch, to the same sum.
 """
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import itertools
 import math
-import os
 from collections.abc import Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from typing import NamedTuple
 
 import numpy as np
@@ -39,13 +35,10 @@ import torch
 from ..layout.dtypes import dtype_name, to_torch_dtype
 from .box_hash_device import DEVICE_CHUNK_ELEMENTS, pattern, runs_sum
 
-__all__ = ["box_sum", "finish", "tensor_digest", "mix", "CHUNK_ELEMENTS", "PARALLEL_RUNS", "HOST_DEVICES", "MASK", "GOLDEN"]
+__all__ = ["box_sum", "finish", "tensor_digest", "mix", "CHUNK_ELEMENTS", "HOST_DEVICES", "MASK", "GOLDEN"]
 
 #: Elements hashed at once: the two scratch arrays (uint64, this length) stay in cache.
 CHUNK_ELEMENTS = 1 << 16
-#: A box of at least twice this many runs is hashed by up to ``torch.get_num_threads()`` threads, each
-#: a share of its runs (numpy's loops release the GIL).
-PARALLEL_RUNS = 8
 #: Device types whose boxes are hashed with numpy on the host; others (accelerators) are hashed where
 #: they lie, with torch (:mod:`shardsync.exec.box_hash_device`: the same sums).
 HOST_DEVICES = ("cpu",)
@@ -168,13 +161,7 @@ def box_sum(values: torch.Tensor, shape: Sequence[int], offsets: Sequence[int],
         return runs_sum(values, casts, base, stride, words, index, list(_runs(sizes, split, rows))) & MASK
     job = _Job(values, tuple(casts), base, stride, _pattern((rows, *sizes[split + 1:]), stride[split:], words, step),
                words)
-    runs = list(_runs(sizes, split, rows))
-    threads = min(torch.get_num_threads(), len(runs) // PARALLEL_RUNS)
-    if threads < 2:
-        return _hash_runs(job, runs) & MASK
-    share = math.ceil(len(runs) / threads)
-    return sum(_executor(threads).map(functools.partial(_hash_runs, job),
-                                      [runs[k:k + share] for k in range(0, len(runs), share)])) & MASK
+    return _hash_runs(job, list(_runs(sizes, split, rows))) & MASK
 
 
 class _Job(NamedTuple):
@@ -203,17 +190,6 @@ def _hash_runs(job: _Job, runs: Sequence[tuple[tuple[int, ...], int, int]]) -> i
         np.add(z, _bits(run, job.words), out=z)
         total += int(np.add.reduce(mix(z, tmp[:stop - start]), axis=None))
     return total
-
-
-_pools: dict[tuple[int, int], ThreadPoolExecutor] = {}
-
-
-def _executor(threads: int) -> ThreadPoolExecutor:
-    """A pool of ``threads`` hashing threads, made once per process (a forked child makes its own)."""
-    key = (os.getpid(), threads)
-    if key not in _pools:
-        _pools[key] = ThreadPoolExecutor(threads, thread_name_prefix="shardsync-hash")
-    return _pools[key]
 
 
 def finish(total: int, shape: Sequence[int], dtype: str | torch.dtype) -> str:
