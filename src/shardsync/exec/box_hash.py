@@ -27,7 +27,6 @@ import hashlib
 import itertools
 import math
 from collections.abc import Iterator, Sequence
-from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -156,38 +155,29 @@ def box_sum(values: torch.Tensor, shape: Sequence[int], offsets: Sequence[int],
     chunk = CHUNK_ELEMENTS if host else DEVICE_CHUNK_ELEMENTS
     split = next(j for j in range(len(sizes)) if math.prod(sizes[j + 1:]) <= chunk)
     rows = min(sizes[split], max(1, chunk // math.prod(sizes[split + 1:])))
+    runs = list(_runs(sizes, split, rows))
     if not host:  # hashed where it lies, with torch
         index = pattern((rows, *sizes[split + 1:]), stride[split:], words, step, values.device)
-        return runs_sum(values, casts, base, stride, words, index, list(_runs(sizes, split, rows))) & MASK
-    job = _Job(values, tuple(casts), base, stride, _pattern((rows, *sizes[split + 1:]), stride[split:], words, step),
-               words)
-    return _hash_runs(job, list(_runs(sizes, split, rows))) & MASK
+        return runs_sum(values, casts, base, stride, words, index, runs) & MASK
+    index_np = _pattern((rows, *sizes[split + 1:]), stride[split:], words, step)
+    return _hash_runs(values, casts, base, stride, words, index_np, runs) & MASK
 
 
-class _Job(NamedTuple):
-    """What every run of one box needs: its values, casts, first key, strides and index pattern."""
-
-    values: torch.Tensor
-    casts: tuple[str, ...]
-    base: int
-    stride: list[int]
-    pattern: np.ndarray
-    words: int
-
-
-def _hash_runs(job: _Job, runs: Sequence[tuple[tuple[int, ...], int, int]]) -> int:
-    """The sum (not reduced mod 2^64) of the element hashes of ``runs`` of a box, in two scratch buffers."""
-    keys, tmp = np.empty_like(job.pattern), np.empty_like(job.pattern)
+def _hash_runs(values: torch.Tensor, casts: Sequence[str], base: int, stride: Sequence[int], words: int,
+               index: np.ndarray, runs: Sequence[tuple[tuple[int, ...], int, int]]) -> int:
+    """The sum (not reduced mod 2^64) of the element hashes of ``runs`` of a box (as
+    :func:`~shardsync.exec.box_hash_device.runs_sum`), in two scratch buffers."""
+    keys, tmp = np.empty_like(index), np.empty_like(index)
     total = 0
     for lead, start, stop in runs:
         where: tuple[int | slice, ...] = (*lead, slice(start, stop))
-        run = job.values[where]
-        for c in job.casts:
+        run = values[where]
+        for c in casts:
             run = run.to(to_torch_dtype(c))
-        at = (job.base + sum(i * s for i, s in zip((*lead, start), job.stride))) & MASK
+        at = (base + sum(i * s for i, s in zip((*lead, start), stride))) & MASK
         z = keys[:stop - start]
-        np.add(job.pattern[:stop - start], np.uint64(at), out=z)
-        np.add(z, _bits(run, job.words), out=z)
+        np.add(index[:stop - start], np.uint64(at), out=z)
+        np.add(z, _bits(run, words), out=z)
         total += int(np.add.reduce(mix(z, tmp[:stop - start]), axis=None))
     return total
 

@@ -69,17 +69,16 @@ def scale_targets(targets: Iterable[TargetSpec], layout: GlobalLayout, pairs: di
         fp8 = [p for p in t.pieces if p.source in pairs]
         if not fp8 or t.dtype not in CODE_DTYPES:
             continue  # no FP8 weight, or cast to values: refused when planned (check_fp8_casts)
-        why = _target_problem(t, fp8, taken)
-        spec = None if why else _scale_target(t, layout, pairs, block)
-        if isinstance(spec, str) or why:
-            problems.append(f"{t.name!r}: {why or spec}")
-        elif spec is not None:
+        spec = _target_problem(t, fp8, taken) or _scale_target(t, layout, pairs, block)
+        if isinstance(spec, str):
+            problems.append(f"{t.name!r}: {spec}")
+        else:
             out.append(spec)
     if problems:
         raise MappingError("block-FP8 weights (codes with *_scale_inv scales) are mapped without a dtype, so "
                            "their scales must follow them:\n  " + "\n  ".join(problems)
-                           + f"\nask for a dtype to dequantise them (dtype=..., --dtype bf16), or cut on block "
-                           f"boundaries")
+                           + "\nask for a dtype to dequantise them (dtype=..., --dtype bf16), or cut on block "
+                           "boundaries")
     return out
 
 
