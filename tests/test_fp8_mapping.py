@@ -18,6 +18,7 @@ from reference import arange_tensor
 from safetensors.torch import load_file, save_file
 from test_fp8 import E4M3, codes, reference, scales
 
+import shardsync
 from shardsync import full_params, load, read_tensors, save_hf
 from shardsync.cli import main
 from shardsync.errors import MappingError
@@ -184,3 +185,10 @@ def test_convert_quantize_through_a_renaming_mapping(tmp_path: Path) -> None:
     back = dict(full_params(Fp8Source(out, block=BLOCK), ["model.up_proj.weight -> up"]))
     q, s = got["model.up_proj.weight"], got["model.up_proj.weight_scale_inv"]
     assert torch.equal(back["up"], dequantize(q, s, BLOCK)) and bool(((back["up"] - w).abs() <= w.abs() / 16 + s.max() / 1024).all())
+
+
+def test_digest_under_a_cutting_mapping_uses_the_checkpoints_block(tmp_path: Path) -> None:
+    held = checkpoint(tmp_path, {"w": (256, 17)})  # blocks of 64 rows: scale rows 0-1 | 2-3
+    got = shardsync.digest(tmp_path, ["w -> top, bot, axis=0", "norm.weight -> n"])
+    assert got["bot_scale_inv"] == shardsync.tensor_digest(held["w_scale_inv"][2:])
+    assert got["top"] == shardsync.tensor_digest(held["w"][:128])
