@@ -30,6 +30,7 @@ bench: $(STAMP)
 	$(PY) bench/bench_plan.py
 	$(PY) bench/bench_sources.py
 	$(PY) bench/bench_convert.py
+	$(PY) bench/bench_digest.py
 	$(PY) bench/bench_scaling.py
 	$(PY) bench/plots.py
 

@@ -22,6 +22,7 @@ from shardsync.layout import ShardedTensor, shard_dim
 from shardsync.layout.dtypes import dtype_name
 
 M64 = (1 << 64) - 1
+GOLDEN = 0x9E3779B97F4A7C15  # 2^64 / golden ratio, odd: the index multiplier of keys that do not fit i << w | b
 
 
 def _mix(z: int) -> int:
@@ -47,7 +48,7 @@ def ref_sum(t: torch.Tensor, numel: int | None = None, base: int = 0) -> int:
     total = 0
     for i, b in enumerate(values):
         index = base * words + i
-        total += _mix(((index << width) | b) if shifted else (_mix(index) ^ b))
+        total += _mix(((index << width) | b) if shifted else (index * GOLDEN + b) & M64)
     return total & M64
 
 
@@ -69,8 +70,9 @@ def test_box_sum_matches_the_reference(tensor: torch.Tensor) -> None:
     assert box_sum(tensor, tuple(tensor.shape), (0,) * tensor.dim()) == ref_sum(tensor)
 
 
-def test_a_target_too_large_for_the_shifted_key_uses_the_mixed_one() -> None:
-    # 2^33 float32 elements do not fit idx << 32; a box of such a target is hashed with mix(idx) ^ bits
+def test_a_target_too_large_for_the_shifted_key_uses_the_golden_one() -> None:
+    # 2^33 float32 elements do not fit idx << 32; a box of such a target is hashed with idx * GOLDEN + bits
+    assert box_hash.GOLDEN == GOLDEN
     values = arange_tensor((6,), step=0.3)
     assert box_sum(values, (1 << 33,), (1 << 32,)) == ref_sum(values, numel=1 << 33, base=1 << 32)
     assert box_sum(values, (6,), (0,)) == ref_sum(values)
@@ -89,6 +91,27 @@ def test_disjoint_boxes_add_up_to_the_whole(cut0: int, cut1: int, chunk: int) ->
     finally:
         box_hash.CHUNK_ELEMENTS = old
     assert sum(parts) & M64 == whole
+
+
+@pytest.mark.parametrize("tensor", [
+    arange_tensor((17, 13), step=0.77), arange_tensor((9, 11), step=0.1).to(torch.bfloat16),
+    arange_tensor((5, 7), step=-1.5).double(), (torch.arange(33) - 8).to(torch.int16).reshape(3, 11),
+    torch.arange(24).reshape(4, 6) % 3 == 0, arange_tensor((6, 4), step=0.5).to(torch.float8_e4m3fn),
+    torch.complex(arange_tensor((3, 5)).double(), arange_tensor((3, 5), start=7).double())],
+    ids=lambda t: dtype_name(t.dtype))
+def test_the_device_path_gives_the_host_sums(monkeypatch: pytest.MonkeyPatch, tensor: torch.Tensor) -> None:
+    # the torch code that hashes boxes on an accelerator, run on the CPU: runs of 5 elements, a
+    # column cut (strided) at an offset, a cast, and a target too large for the shifted key
+    shape = tuple(tensor.shape)
+    want = [box_sum(tensor[:, 2:], shape, (0, 2)), box_sum(tensor, (1 << 33, *shape[1:]), (1 << 31, 0))]
+    if tensor.is_floating_point():
+        want.append(box_sum(tensor[1:], shape, (1, 0), casts=("float16",)))
+    monkeypatch.setattr(box_hash, "HOST_DEVICES", ())
+    monkeypatch.setattr(box_hash, "DEVICE_CHUNK_ELEMENTS", 5)
+    got = [box_sum(tensor[:, 2:], shape, (0, 2)), box_sum(tensor, (1 << 33, *shape[1:]), (1 << 31, 0))]
+    if tensor.is_floating_point():
+        got.append(box_sum(tensor[1:], shape, (1, 0), casts=("float16",)))
+    assert got == want
 
 
 def test_a_permuted_box_hashes_its_target_values() -> None:

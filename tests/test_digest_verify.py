@@ -78,6 +78,19 @@ def test_reshard_verify_names_every_bad_box(corrupt: set[str]) -> None:
         shardsync.reshard(_state(), _dest(), MAP, verify=True)
 
 
+@pytest.mark.parametrize("bad", ["a", "c"])
+def test_verify_checks_each_copy_of_a_target_built_of_several(corrupt: set[str], bad: str) -> None:
+    # local copies are compared bit for bit and the equal ones left out of both sums: the bad one is
+    # still hashed on both sides, in the frame of the destination box
+    state = {"a": arange_tensor((17, 5), step=0.37), "c": arange_tensor((4, 5), start=90)}
+    dst = {"ac": torch.zeros(21, 5)}
+    shardsync.reshard(state, dst, ["a, c -> ac, axis=0"], verify=True)
+    assert torch.equal(dst["ac"], torch.cat([state["a"], state["c"]]))
+    corrupt.add(bad)
+    with pytest.raises(VerifyError, match=r"\['ac'\]: 'ac' box \[0:21, 0:5\] on rank 0"):
+        shardsync.reshard(state, {"ac": torch.zeros(21, 5)}, ["a, c -> ac, axis=0"], verify=True)
+
+
 def test_stream_digests_are_the_senders_and_match_digest() -> None:
     state = {"a": [shard_dim(_state()["a"], 0, r, 2) for r in range(2)], "b": _state()["b"]}
     stream = shardsync.full_params(state, MAP, verify=True)

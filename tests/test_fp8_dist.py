@@ -100,6 +100,13 @@ def _into_fp8_shards(rank: int, world: int, ckpt: str, tmp: str) -> dict[str, An
         if isinstance(value, ShardedTensor):
             want = full[key][value.box.slices()]
             same[key] = torch.equal(value.local.view(torch.uint8), want.view(torch.uint8))
+    names = {new + sfx: old + sfx for old, new in (("rows.weight", "r"), ("cols.weight", "c"))
+             for sfx in ("", "_scale_inv")}
+    renamed = {new: ShardedTensor(torch.zeros_like(dest[old].local), dest[old].global_shape, dest[old].box.offsets)
+               for new, old in names.items()}
+    load(renamed | {"n": torch.zeros(17)}, ckpt, ["rows.weight -> r", "cols.weight -> c", "norm -> n"])
+    for new, value in renamed.items():
+        same["renamed " + new] = torch.equal(value.local.view(torch.uint8), dest[names[new]].local.view(torch.uint8))
     values = {name: shard_dim(arange_tensor(shape, step=0.0137, start=-30), dim, rank, world)
               for name, (shape, dim) in WEIGHTS.items()}
     save_hf(values, Path(tmp) / "fp8", quantize="fp8", max_shard_size=6000)
@@ -112,7 +119,8 @@ def test_tp2_fp8_shards_and_quantised_writes(tmp_path: Path) -> None:
     results = run_ranks(_into_fp8_shards, 2, str(ckpt), str(tmp_path), timeout=600)
     for r in results:
         assert r == {k: True for k in ("rows.weight", "rows.weight_scale_inv", "cols.weight",
-                                       "cols.weight_scale_inv")}
+                                       "cols.weight_scale_inv", "renamed r", "renamed r_scale_inv", "renamed c",
+                                       "renamed c_scale_inv")}
     written = {k: v for f in (tmp_path / "fp8").glob("*.safetensors") for k, v in load_file(str(f)).items()}
     assert len(list((tmp_path / "fp8").glob("*.safetensors"))) > 1  # files split across the two writers
     for name, (shape, _) in WEIGHTS.items():

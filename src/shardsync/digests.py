@@ -31,7 +31,9 @@ from .mapping import MappingLike, resolve
 from .planning.model import Read
 from .planning.reads import build_reads
 from .planning.validate import check_inputs
+from .quant.fp8 import DEFAULT_BLOCK, Block
 from .sources import Source, SourceLike, open_source, spread
+from .sources.fp8 import fp8_block
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -63,10 +65,11 @@ class _Job(NamedTuple):
 
 
 @functools.lru_cache(maxsize=8)
-def _job(gathered: tuple[tuple[LayoutEntry, ...], ...], mapping: ParsedMapping | None) -> _Job:
+def _job(gathered: tuple[tuple[LayoutEntry, ...], ...], mapping: ParsedMapping | None,
+         block: Block = DEFAULT_BLOCK) -> _Job:
     # Cached: a loop that digests the same layout every step resolves and cuts once.
     layout = GlobalLayout.merge(gathered)
-    targets = resolve(mapping, layout)
+    targets = resolve(mapping, layout, fp8_block=block)
     check_inputs(targets, layout)
     reads, copies = build_reads(targets, [()] * len(targets), layout, layout.world_size)
     parts = tuple(Part(ti, c.read, c.piece, t.shape, t.dtype) for ti, t in enumerate(targets)
@@ -76,7 +79,7 @@ def _job(gathered: tuple[tuple[LayoutEntry, ...], ...], mapping: ParsedMapping |
 
 
 def _agreed_job(gathered: list[tuple[tuple[LayoutEntry, ...], str | None]],
-                mapping: ParsedMapping | None) -> _Job:
+                mapping: ParsedMapping | None, block: Block = DEFAULT_BLOCK) -> _Job:
     """The job of the gathered layout, after checking that every rank passed the same mapping and
     that replicas agree."""
     if len({key for _, key in gathered}) > 1:
@@ -84,7 +87,7 @@ def _agreed_job(gathered: list[tuple[tuple[LayoutEntry, ...], str | None]],
                         "of the group")
     per_rank = [entries for entries, _ in gathered]
     check_replicas(per_rank)
-    return _job(tuple(without_values(e) for e in per_rank), mapping)
+    return _job(tuple(without_values(e) for e in per_rank), mapping, block)
 
 
 def _check_state(state: object) -> None:
@@ -143,11 +146,11 @@ def digest(state: SourceLike, mapping: MappingLike | None = None, *,
     rank = ranks.rank if ranks is not None else 0
 
     def mine() -> list[int]:  # inside the phase: a bad mapping or layout fails on every rank together
-        job = _agreed_job(opened.all, opened.mine.mapping)
+        job = _agreed_job(opened.all, opened.mine.mapping, fp8_block(opened.mine.source))
         return local_sums(job.parts, job.reads, job.owners, opened.mine.source, rank, len(job.names))
 
     sums = combine(mine, group)
-    job = _agreed_job(opened.all, opened.mine.mapping)  # cached: the job ``mine`` used
+    job = _agreed_job(opened.all, opened.mine.mapping, fp8_block(opened.mine.source))  # cached: ``mine``'s
     return {n: finish(s, shape, dtype) for n, s, shape, dtype in zip(job.names, sums, job.shapes, job.dtypes)}
 
 

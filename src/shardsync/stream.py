@@ -38,8 +38,9 @@ from .planning import (DEFAULT_BUCKET_BYTES, DEFAULT_MESH_THRESHOLD_BYTES, Plan,
                        StrategyChoice, build_plan, check_options)
 from .planning.mesh import build_topology
 from .sizes import sizes_in
-from .quant.fp8 import DEFAULT_BLOCK, Fp8Quantize, check_fp8_casts
+from .quant.fp8 import DEFAULT_BLOCK, Block, Fp8Quantize, check_fp8_casts
 from .sources import Source, SourceLike, open_source, spread
+from .sources.fp8 import fp8_block
 from .sources.fingerprint import ReplicaCheck, check_replica_mode
 
 if TYPE_CHECKING:
@@ -152,12 +153,12 @@ class _Built(NamedTuple):
 
 @functools.lru_cache(maxsize=8)
 def _planned(gathered: tuple[_RankLayout, ...], mapping: ParsedMapping | None, options: PlanOptions,
-             meshed: bool) -> _Built:
+             meshed: bool, block: Block = DEFAULT_BLOCK) -> _Built:
     """The plan and its fingerprint for a gathered layout. Cached: a training loop that streams the
     same layout every step plans once (a plan is immutable, and equal inputs give equal plans)."""
     layout = GlobalLayout.merge([r.entries for r in gathered])
     topology = build_topology(*zip(*[r.mesh for r in gathered])) if meshed else None
-    targets = resolve(mapping, layout)
+    targets = resolve(mapping, layout, fp8_block=block)
     check_fp8_casts(targets, {k: layout[k].dtype for k in layout.keys()})
     plan = build_plan(targets, layout, options, topology)
     return _Built(plan, plan.fingerprint())
@@ -168,7 +169,7 @@ def release_plans() -> None:
     _planned.cache_clear()
 
 
-def _agree_on_plan(gathered: list[_RankLayout], request: _Request) -> Plan:
+def _agree_on_plan(gathered: list[_RankLayout], request: _Request, block: Block) -> Plan:
     # Every rank plans from the same gathered layout; a caller mistake raises the same error on all
     # ranks, a failure on some ranks a DistributedError, and different arguments a PlanError.
     def build() -> _Built:
@@ -176,7 +177,7 @@ def _agree_on_plan(gathered: list[_RankLayout], request: _Request) -> Plan:
         check_replicas([r.entries for r in gathered])
         # values (fingerprints) change every training step, the layout does not: plan once
         key = tuple(_RankLayout(without_values(r.entries), r.mesh) for r in gathered)
-        return _planned(key, parsed, request.options, request.groups is not None)
+        return _planned(key, parsed, request.options, request.groups is not None, block)
 
     agreed = agree(PLAN_PHASE, build, request.group, share=lambda built: built.fingerprint,
                    unanimous=True)
@@ -212,7 +213,7 @@ def _prepare(request: _Request) -> _Context:
     ranks = GroupRanks.of(request.group) if is_distributed(request.group) else None
     layout = agree(GATHER_PHASE, lambda: _open_source(request, ranks), request.group,
                    share=lambda source: _rank_layout(source, request, ranks), unanimous=True)
-    plan = _agree_on_plan(layout.all, request)
+    plan = _agree_on_plan(layout.all, request, fp8_block(layout.mine))
     source = layout.mine
     device = run_device(request.options.backend, source)
     hosts = [r.host for r in layout.all if r.host is not None]

@@ -20,6 +20,7 @@ from ..layout.meta import GlobalLayout
 from ..mapping import OPTIMIZER_SUFFIXES, SCALAR_SUFFIXES, Mapping, TargetSpec, resolve
 from ..mapping.hints import moe_hint
 from ..mapping.macros import expand_macros, reverse_program
+from ..quant.fp8 import DEFAULT_BLOCK, Block
 from ..sizes import parse_size
 from ..sources import Source
 from ..sources.megatron_config import checkpoint_config
@@ -93,11 +94,12 @@ class MappingFlags:
     sets: tuple[tuple[str, str], ...] = ()
     strict: bool = False
 
-    def resolve(self, layout: GlobalLayout, config_dir: Path | None) -> tuple[Mapping | None, list[TargetSpec]]:
+    def resolve(self, layout: GlobalLayout, config_dir: Path | None,
+                fp8_block: Block = DEFAULT_BLOCK) -> tuple[Mapping | None, list[TargetSpec]]:
         """The mapping (parameters from ``--set``, then ``config_dir``'s config.json) and the targets it
-        gives over ``layout``."""
+        gives over ``layout`` (``fp8_block``: the block of its block-FP8 weights)."""
         mapping = _load_mapping(self.mapping, dict(self.sets), config_dir, self.reverse)
-        return mapping, resolve_targets(mapping, layout, strict=self.strict)
+        return mapping, resolve_targets(mapping, layout, strict=self.strict, fp8_block=fp8_block)
 
 
 def parse_sets(items: Sequence[str] | None) -> dict[str, str]:
@@ -121,8 +123,8 @@ def layout_of(source: Source) -> GlobalLayout:
     return GlobalLayout.merge([source.entries()])
 
 
-def resolve_targets(mapping: Mapping | None, layout: GlobalLayout, *, strict: bool = False
-                    ) -> list[TargetSpec]:
+def resolve_targets(mapping: Mapping | None, layout: GlobalLayout, *, strict: bool = False,
+                    fp8_block: Block = DEFAULT_BLOCK) -> list[TargetSpec]:
     """Resolve the mapping against a source's layout, with the command line's checks.
 
     A mapping that does not fit the source as written but does when run the other way is an error
@@ -134,12 +136,12 @@ def resolve_targets(mapping: Mapping | None, layout: GlobalLayout, *, strict: bo
         UsageError: it resolves only the other way; with ``strict``, unconsumed sources.
     """
     try:
-        targets = resolve(mapping, layout)
+        targets = resolve(mapping, layout, fp8_block=fp8_block)
     except MappingError as exc:
         if mapping is None or not mapping.statements:
             raise
         try:
-            resolve(Mapping(mapping.statements, not mapping.reverse), layout)
+            resolve(Mapping(mapping.statements, not mapping.reverse), layout, fp8_block=fp8_block)
         except MappingError:
             raise exc from None
         fix = "pass --reverse" if not mapping.reverse else "drop --reverse (or pass --no-reverse)"

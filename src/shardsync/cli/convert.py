@@ -30,6 +30,7 @@ from ..mapping import Mapping, TargetSpec
 from ..planning import split_ranges
 from ..quant.fp8 import DEFAULT_BLOCK, Fp8Quantize, written
 from ..sources import Source, dequantized, open_source
+from ..sources.fp8 import fp8_block
 from ..sources.dcp import METADATA_FILE
 from ..sources.select import select_keys
 from ..stream import full_params
@@ -107,7 +108,8 @@ def prepare(cfg: ConvertConfig) -> _Prepared:
     source = select_keys(open_source(cfg.source), cfg.prefix, cfg.keys)
     if cfg.dtype is not None:  # a dtype asks for values: block-FP8 weights are dequantised
         source = dequantized(source, unscaled="cast" if cfg.cast_unscaled_fp8 else "error")
-    mapping, targets = cfg.flags.resolve(layout_of(source), cfg.config_from or source_dir(cfg.source))
+    mapping, targets = cfg.flags.resolve(layout_of(source), cfg.config_from or source_dir(cfg.source),
+                                         fp8_block(source))
     config_from = cfg.config_from
     if cfg.to == "hf" and config_from is None and mapping is None:
         # same names, same model: its config.json and tokenizer files belong with the weights

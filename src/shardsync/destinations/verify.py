@@ -2,7 +2,9 @@
 
 After the transfer, each rank hashes the destination boxes it holds (every replica: each holder checks
 its own copy), and the source side hashes the copies that built them, each read by one of its holders
-(:mod:`shardsync.exec.digests`); one ``all_gather_object`` carries both. Both are taken in the frame
+(:mod:`shardsync.exec.digests`); one ``all_gather_object`` carries both. A copy whose source this rank
+hashes and whose destination box only this rank holds (a local copy) is compared bit for bit instead,
+and left out of both sums when equal (when not, both sides hash it, and the sums differ). Both are taken in the frame
 of the destination box, so no global shape is needed and no tensor data moves. A mismatch raises
 :class:`~shardsync.errors.VerifyError` on every rank, naming each tensor, box and rank.
 """
@@ -12,11 +14,15 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+import torch
+
 from ..dist import agree
 from ..errors import VerifyError
+from ..exec.assemble import arrange
 from ..exec.box_hash import MASK, box_sum
-from ..exec.digests import local_sums, owners, plan_parts
+from ..exec.digests import Part, local_sums, owners, plan_parts
 from ..layout.box import Box
+from ..layout.dtypes import to_torch_dtype
 from ..planning import Plan
 from ..sources import Source
 from .state import Destination
@@ -28,16 +34,53 @@ VERIFY_PHASE = "verify"
 
 #: Most mismatching boxes an error lists (it names every tensor).
 _LISTED = 20
+_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
 def _sums(plan: Plan, boxes: Sequence[tuple[str, Box]], source: Source, dest: Destination,
           rank: int) -> tuple[list[int], dict[int, int]]:
-    """This rank's share of the source sums per plan target, and the sums of the boxes it holds."""
-    sent = local_sums(plan_parts(plan), plan.reads, owners(plan.reads, plan.world_size), source, rank,
+    """This rank's share of the source sums per plan target, and the sums of the boxes it holds.
+
+    A copy that this rank both hashes on the source side and alone holds the destination box of is
+    compared here, bit for bit, and when equal left out of both sums: one pass instead of two hashes.
+    """
+    parts, owner = plan_parts(plan), owners(plan.reads, plan.world_size)
+    by_target: dict[int, list[int]] = {}
+    for i, part in enumerate(parts):
+        by_target.setdefault(part.target, []).append(i)
+    equal = {i for i, part in enumerate(parts) if owner[part.read] == rank
+             and plan.targets[part.target].consumers == (rank,) and _landed(part, plan, boxes, source, dest)}
+    sent = local_sums([p for i, p in enumerate(parts) if i not in equal], plan.reads, owner, source, rank,
                       len(plan.targets))
-    written = {t: box_sum(dest.memory(*boxes[t]), target.shape, (0,) * len(target.shape))
-               for t, target in enumerate(plan.targets) if rank in target.consumers}
+    written = {}
+    for t, target in enumerate(plan.targets):
+        if rank not in target.consumers:
+            continue
+        memory, mine = dest.memory(*boxes[t]), by_target.get(t, [])
+        if not any(i in equal for i in mine):  # hashed whole: one run over the box
+            written[t] = box_sum(memory, target.shape, (0,) * len(target.shape))
+            continue
+        rest = [parts[i].piece.target_box for i in mine if i not in equal]
+        written[t] = sum(box_sum(memory[b.slices()], target.shape, b.offsets) for b in rest) & MASK
     return sent, written
+
+
+def _landed(part: Part, plan: Plan, boxes: Sequence[tuple[str, Box]], source: Source, dest: Destination) -> bool:
+    """Whether the destination holds exactly the bits of ``part``'s source values (cast, arranged)."""
+    read, p = plan.reads[part.read], part.piece
+    view = arrange(source.read(read.source, read.box)[p.source_box.relative_to(read.box).slices()], p)
+    casts = p.casts if p.casts and p.casts[-1] == part.dtype else (*p.casts, part.dtype)
+    for c in casts:
+        view = view.to(to_torch_dtype(c))
+    got = dest.memory(*boxes[part.target])[p.target_box.slices()]
+    return got.dtype == view.dtype and torch.equal(_as_bits(got), _as_bits(view.to(got.device)))
+
+
+def _as_bits(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s bit patterns as integers of its width (NaNs compare by payload, -0.0 differs from 0.0)."""
+    if t.is_complex():
+        t = torch.view_as_real(t)
+    return t.view(_INT[t.element_size()]) if t.dtype != torch.bool else t.view(torch.uint8)
 
 
 def check_written(plan: Plan, boxes: Sequence[tuple[str, Box]], source: Source, dest: Destination,

@@ -1,19 +1,24 @@
 """Layout-independent hashing: the sum, modulo 2^64, of one 64-bit hash per element of a box.
 
-Every element of a target contributes ``mix(key(i, b))``, where ``i`` is its flat index in the target
+Every element of a target contributes ``mix(i * K + b)``, where ``i`` is its flat index in the target
 (row-major, target coordinates), ``b`` the bit pattern of its value in the target dtype, and ``mix``
 the splitmix64 finaliser (a bijection of 64-bit words). The sum over disjoint boxes is the sum over
 the whole target, so any rank can hash the boxes it holds, in any order and any cut, and the ranks
-add their sums (:mod:`shardsync.exec.digests`). ``key`` is injective:
+add their sums (:mod:`shardsync.exec.digests`). The key ``i * K + b`` is injective in ``b`` at each
+index, and injective outright where it can be:
 
-* dtypes of at most 4 bytes (``w`` bits): ``key = i << w | b`` while the target has at most
-  ``2^(64 - w)`` elements (2^32 for 4-byte dtypes, 2^48 for 2-byte ones);
-* otherwise (8-byte elements, or larger targets): ``key = mix(i) ^ b``, injective in ``b`` for a
-  given ``i``;
+* dtypes of at most 4 bytes (``w`` bits): ``K = 2^w`` (the key is ``i << w | b``) while the target
+  has at most ``2^(64 - w)`` elements (2^32 for 4-byte dtypes, 2^48 for 2-byte ones);
+* otherwise (8-byte elements, or larger targets): ``K`` = :data:`GOLDEN`, an odd constant;
 * a 16-byte element (complex128) is two 8-byte words at flat indices ``2i`` and ``2i + 1``.
 
 So changing any one element always changes the sum; :func:`finish` adds a hash of the shape and dtype
 (an all-zero tensor still has a digest that depends on both). See docs/digests.md for the guarantees.
+
+A box is hashed in runs of about :data:`CHUNK_ELEMENTS` elements that stay in cache: the index part of
+the keys of a run is one precomputed pattern (the box's strides times ``K``) plus the run's start, so
+a run costs one add for the index, one for the bits, the eight operations of ``mix`` and a sum, all in
+place in two scratch buffers. A box on an accelerator is hashed there, with torch, to the same sum.
 """
 
 from __future__ import annotations
@@ -27,27 +32,37 @@ import numpy as np
 import torch
 
 from ..layout.dtypes import dtype_name, to_torch_dtype
+from .box_hash_device import DEVICE_CHUNK_ELEMENTS, pattern, runs_sum
 
-__all__ = ["box_sum", "finish", "tensor_digest", "mix", "CHUNK_ELEMENTS", "MASK"]
+__all__ = ["box_sum", "finish", "tensor_digest", "mix", "CHUNK_ELEMENTS", "HOST_DEVICES", "MASK", "GOLDEN"]
 
-#: Elements hashed at once: the temporaries (a few uint64 arrays of this length) stay in cache.
+#: Elements hashed at once: the two scratch arrays (uint64, this length) stay in cache.
 CHUNK_ELEMENTS = 1 << 16
+#: Device types whose boxes are hashed with numpy on the host; others (accelerators) are hashed where
+#: they lie, with torch (:mod:`shardsync.exec.box_hash_device`: the same sums).
+HOST_DEVICES = ("cpu",)
 #: Sums are taken modulo 2^64.
 MASK = (1 << 64) - 1
+#: The index multiplier of keys that do not fit ``i << w | b``: 2^64 / golden ratio, odd.
+GOLDEN = 0x9E3779B97F4A7C15
 _C1, _C2 = np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)
 _S30, _S27, _S31 = np.uint64(30), np.uint64(27), np.uint64(31)
 _INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 _UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 
 
-def mix(z: np.ndarray) -> np.ndarray:
+def mix(z: np.ndarray, tmp: np.ndarray | None = None) -> np.ndarray:
     """The splitmix64 finaliser, in place on a uint64 array (wrapping arithmetic); returns ``z``.
+
+    Args:
+        z: the words to mix.
+        tmp: a scratch array of ``z``'s length (None: one is allocated).
 
     Example:
         >>> hex(int(mix(np.array([1], dtype=np.uint64))[0]))
         '0x5692161d100b05e5'
     """
-    tmp = np.empty_like(z)
+    tmp = np.empty_like(z) if tmp is None else tmp
     for shift, mul in ((_S30, _C1), (_S27, _C2)):
         np.right_shift(z, shift, out=tmp)
         np.bitwise_xor(z, tmp, out=z)
@@ -65,28 +80,43 @@ def _strides(shape: Sequence[int]) -> list[int]:
     return out[::-1]
 
 
-def _chunks(sizes: Sequence[int]) -> Iterator[tuple[tuple[int, ...], int, int, int]]:
-    """Cut a box of ``sizes`` into runs of at most about :data:`CHUNK_ELEMENTS` elements: yields
-    ``(leading indices, split dim, start, stop)``; the run is ``[*leading, start:stop, ...]``."""
-    split = next(j for j in range(len(sizes) + 1) if math.prod(sizes[j:]) <= CHUNK_ELEMENTS)
-    if split == 0:
-        yield (), -1, 0, 0
-        return
-    dim = split - 1
-    rows = max(1, CHUNK_ELEMENTS // math.prod(sizes[split:]))
-    for lead in itertools.product(*(range(s) for s in sizes[:dim])):
-        for start in range(0, sizes[dim], rows):
-            yield lead, dim, start, min(start + rows, sizes[dim])
+def _runs(sizes: Sequence[int], split: int, rows: int) -> Iterator[tuple[tuple[int, ...], int, int]]:
+    """The runs of a box of ``sizes``: ``(leading indices, start, stop)``, the run being
+    ``[*leading, start:stop, ...]`` along dim ``split`` (at most ``rows`` of it)."""
+    for lead in itertools.product(*(range(s) for s in sizes[:split])):
+        for start in range(0, sizes[split], rows):
+            yield lead, start, min(start + rows, sizes[split])
+
+
+def _pattern(sizes: Sequence[int], strides: Sequence[int], words: int, step: int) -> np.ndarray:
+    """The index part of the keys of a run of ``sizes`` with (scaled) ``strides``, relative to its first
+    element, shaped like the run (a last dim of ``words`` when an element is several words)."""
+    index = np.zeros((), dtype=np.uint64)
+    for size, s in zip(sizes, strides):
+        index = np.add.outer(index, np.arange(size, dtype=np.uint64) * np.uint64(s))
+    if words > 1:
+        index = np.add.outer(index, np.arange(words, dtype=np.uint64) * np.uint64(step))
+    return np.ascontiguousarray(index)
 
 
 def _bits(values: torch.Tensor, words: int) -> np.ndarray:
-    """The bit patterns of contiguous ``values`` as unsigned integers of their width, one per word
-    (``words`` per element); the ufuncs that combine them with the uint64 index widen them."""
-    flat = values.reshape(-1)
-    size = flat.element_size() // words
-    if flat.dtype == torch.bool:
-        flat = flat.view(torch.uint8)
-    return flat.view(_INT[size]).cpu().numpy().view(_UINT[size])
+    """The bit patterns of ``values`` as unsigned integers of their width, a view where the strides
+    allow (numpy reads strided data in place: no copy), shaped like ``values`` (a last dim of
+    ``words`` when an element is several words); the add that puts them in the keys widens them."""
+    if words > 1:  # complex128: its two float64 words
+        values = torch.view_as_real(values.contiguous())
+    elif values.dtype == torch.bool:
+        values = values.view(torch.uint8)
+    size = values.element_size()
+    return values.cpu().view(_INT[size]).numpy().view(_UINT[size])
+
+
+def _key_step(dtype: torch.dtype, numel: int) -> tuple[int, int]:
+    """``(words per element, K)`` of a target of ``numel`` elements of ``dtype``."""
+    words = max(1, dtype.itemsize // 8)
+    width = 8 * min(dtype.itemsize, 8)
+    fits = width < 64 and numel * words <= 1 << (64 - width)
+    return words, (1 << width) if fits else GOLDEN
 
 
 def box_sum(values: torch.Tensor, shape: Sequence[int], offsets: Sequence[int],
@@ -110,47 +140,46 @@ def box_sum(values: torch.Tensor, shape: Sequence[int], offsets: Sequence[int],
         True
     """
     dtype = to_torch_dtype(casts[-1]) if casts else values.dtype
-    words = max(1, dtype.itemsize // 8)
-    width = 8 * min(dtype.itemsize, 8)
-    numel = math.prod(shape) * words
-    shifted = width < 64 and numel <= 1 << (64 - width)
-    inv = list(range(values.dim())) if perm is None else [perm.index(d) for d in range(values.dim())]
-    target = _strides(shape)
-    scale = 1 << width if shifted else words  # idx << w is idx * 2^w: folded into the strides
-    base = sum(o * s for o, s in zip(offsets, target)) * scale
-    stride = [(target[inv[d]] * scale) & MASK for d in range(values.dim())]
+    words, step = _key_step(dtype, math.prod(shape))
     if values.numel() == 0:
         return 0
+    unit = words * step  # the key of flat index i starts at i * words * K: K is folded into the strides
+    target = _strides(shape)
+    inv = list(range(values.dim())) if perm is None else [perm.index(d) for d in range(values.dim())]
+    stride = [(target[inv[d]] * unit) & MASK for d in range(values.dim())]
+    base = sum(o * s for o, s in zip(offsets, target)) * unit & MASK
+    if values.dim() == 0:
+        values, stride = values.reshape(1), [unit]
+    sizes = tuple(values.shape)
+    host = values.device.type in HOST_DEVICES
+    chunk = CHUNK_ELEMENTS if host else DEVICE_CHUNK_ELEMENTS
+    split = next(j for j in range(len(sizes)) if math.prod(sizes[j + 1:]) <= chunk)
+    rows = min(sizes[split], max(1, chunk // math.prod(sizes[split + 1:])))
+    runs = list(_runs(sizes, split, rows))
+    if not host:  # hashed where it lies, with torch
+        index = pattern((rows, *sizes[split + 1:]), stride[split:], words, step, values.device)
+        return runs_sum(values, casts, base, stride, words, index, runs) & MASK
+    index_np = _pattern((rows, *sizes[split + 1:]), stride[split:], words, step)
+    return _hash_runs(values, casts, base, stride, words, index_np, runs) & MASK
+
+
+def _hash_runs(values: torch.Tensor, casts: Sequence[str], base: int, stride: Sequence[int], words: int,
+               index: np.ndarray, runs: Sequence[tuple[tuple[int, ...], int, int]]) -> int:
+    """The sum (not reduced mod 2^64) of the element hashes of ``runs`` of a box (as
+    :func:`~shardsync.exec.box_hash_device.runs_sum`), in two scratch buffers."""
+    keys, tmp = np.empty_like(index), np.empty_like(index)
     total = 0
-    for lead, dim, start, stop in _chunks(values.shape):
+    for lead, start, stop in runs:
         where: tuple[int | slice, ...] = (*lead, slice(start, stop))
-        run = values[where] if dim >= 0 else values
+        run = values[where]
         for c in casts:
             run = run.to(to_torch_dtype(c))
-        at = (base + sum(i * s for i, s in zip(lead, stride))) & MASK
-        if dim >= 0:
-            rows = np.arange(start, stop, dtype=np.uint64) * np.uint64(stride[dim]) + np.uint64(at)
-        else:
-            rows = np.array([at], dtype=np.uint64)
-        index = _run_index(rows, values.shape[dim + 1:], stride[dim + 1:], 1 if shifted else words)
-        bits = _bits(run.contiguous(), words)
-        if shifted:
-            np.bitwise_or(index, bits, out=index)
-        else:
-            np.bitwise_xor(mix(index), bits, out=index)
-        total += int(mix(index).sum(dtype=np.uint64))
-    return total & MASK
-
-
-def _run_index(rows: np.ndarray, inner: Sequence[int], strides: Sequence[int], words: int) -> np.ndarray:
-    """The keys' index part of a run (uint64, in the run's element order, ``words`` per element):
-    ``rows`` (that of its first elements along the split dim) plus the inner dims' (scaled strides)."""
-    index = rows
-    for size, s in zip(inner, strides):
-        index = np.add.outer(index, np.arange(size, dtype=np.uint64) * np.uint64(s)).reshape(-1)
-    if words > 1:
-        index = np.add.outer(index, np.arange(words, dtype=np.uint64)).reshape(-1)
-    return np.ascontiguousarray(index)
+        at = (base + sum(i * s for i, s in zip((*lead, start), stride))) & MASK
+        z = keys[:stop - start]
+        np.add(index[:stop - start], np.uint64(at), out=z)
+        np.add(z, _bits(run, words), out=z)
+        total += int(np.add.reduce(mix(z, tmp[:stop - start]), axis=None))
+    return total
 
 
 def finish(total: int, shape: Sequence[int], dtype: str | torch.dtype) -> str:

@@ -16,12 +16,14 @@ from typing import NamedTuple
 
 from ..errors import MappingError
 from ..layout.meta import GlobalLayout, TensorMeta
+from ..quant.fp8 import DEFAULT_BLOCK, Block
 from .macros import expand_macros, reverse_program
 from .parser import attribute_names
 from .pieces import Piece, TargetSpec
 from .program import Mapping, MappingLike
 from .fused import apply_fused
 from .hints import moe_hint, with_moe_hint, with_prefix_hint
+from .scales import fp8_pairs, scale_targets
 from .statements import StatementError, apply_statement
 from .syntax import Diagnostic, Name, Statement, suggest
 from .vtensor import VTensor, source_tensor, to_pieces
@@ -253,11 +255,14 @@ def resolve_program(statements: Sequence[Statement], layout: GlobalLayout, *,
 
 
 def _resolve(program: Mapping, layout: GlobalLayout, dest: GlobalLayout | None, state_suffixes: Sequence[str],
-             scalar_suffixes: Sequence[str]) -> tuple[list[TargetSpec], list[str]]:
-    """Every target, sorted by name, and the source keys passed through unconsumed."""
+             scalar_suffixes: Sequence[str], block: Block = DEFAULT_BLOCK) -> tuple[list[TargetSpec], list[str]]:
+    """Every target, sorted by name, and the source keys passed through unconsumed. The scales of
+    block-FP8 weights are not sources of their own: they follow their weights (:mod:`.scales`)."""
     named = {n.text for st in program.statements for n in st.left + st.right}
-    model_keys, states = _split_state_keys(layout.keys(), named, tuple(state_suffixes),
-                                           tuple(scalar_suffixes))
+    pairs = fp8_pairs(layout, {program.prefix + n for n in named} | named)
+    scales = set(pairs.values())
+    model_keys, states = _split_state_keys([k for k in layout.keys() if k not in scales], named,
+                                           tuple(state_suffixes), tuple(scalar_suffixes))
     stems = {k[:-len(sfx)] for sfx, ks in states.items() for k in ks}
     stems |= {k[len(program.prefix):] for k in stems if program.prefix and k.startswith(program.prefix)}
     outputs, diags, passed = resolve_program(program.statements, layout, dest=dest, reverse=program.reverse,
@@ -268,19 +273,23 @@ def _resolve(program: Mapping, layout: GlobalLayout, dest: GlobalLayout | None, 
         raise MappingError(with_moe_hint(diags, model_keys, program))
     targets = {name: _spec(name, v) for name, v in outputs.items()}
     targets.update(_state_targets(program, layout, states, tuple(scalar_suffixes), outputs))
+    targets.update((t.name, t) for t in scale_targets(targets.values(), layout, pairs, block))
     return [targets[k] for k in sorted(targets)], passed
 
 
 def resolve(mapping: MappingLike | None, layout: GlobalLayout, *, dest: GlobalLayout | None = None,
             reverse: bool | None = None, state_suffixes: Sequence[str] = OPTIMIZER_SUFFIXES,
-            scalar_suffixes: Sequence[str] = SCALAR_SUFFIXES, strict: bool | None = None) -> list[TargetSpec]:
+            scalar_suffixes: Sequence[str] = SCALAR_SUFFIXES, strict: bool | None = None,
+            fp8_block: Block = DEFAULT_BLOCK) -> list[TargetSpec]:
     """Resolve ``mapping`` against ``layout``: every target, sorted by name, as pieces.
 
     Optimizer-state keys ``<key><suffix>`` follow ``<key>``'s mapping (a state key is one whose stem
     is a source key or a name in the program); scalar states are copied whole from the first source
     of each target. With ``mapping=None`` every source key is a target of its own. A mapping that
     leaves sources unconsumed passes them through under their own names and logs a warning listing
-    them (see :func:`unconsumed`); ``strict`` makes that an error.
+    them (see :func:`unconsumed`); ``strict`` makes that an error. A block-FP8 weight (FP8 codes
+    ``W`` with ``W_scale_inv``) is one tensor: the program names ``W`` and its scales follow it
+    (:mod:`shardsync.mapping.scales`).
 
     Args:
         mapping: anything :meth:`Mapping.parse` takes (a shipped mapping's name included), or None.
@@ -290,10 +299,12 @@ def resolve(mapping: MappingLike | None, layout: GlobalLayout, *, dest: GlobalLa
         state_suffixes: suffixes of states shaped like their parameter (Paddle's by default).
         scalar_suffixes: suffixes of scalar states; pass ``()`` for both to treat no key as a state.
         strict: refuse a mapping that leaves sources unconsumed; None: the mapping's own ``strict``.
+        fp8_block: rows x columns of a block of the block-FP8 weights (config.json's
+            ``weight_block_size``), for the pieces that cut them.
 
     Raises:
         MappingError: every problem of the program, each naming statement, column and name; or, when
-            strict, the sources no statement reads.
+            strict, the sources no statement reads; or block-FP8 weights cut through their blocks.
 
     Example:
         >>> from shardsync.layout import GlobalLayout, Box
@@ -302,7 +313,7 @@ def resolve(mapping: MappingLike | None, layout: GlobalLayout, *, dest: GlobalLa
         ['a', 'b']
     """
     program = Mapping.parse(mapping if mapping is not None else [], reverse=reverse)
-    targets, passed = _resolve(program, layout, dest, state_suffixes, scalar_suffixes)
+    targets, passed = _resolve(program, layout, dest, state_suffixes, scalar_suffixes, fp8_block)
     if passed and program.statements:
         shown = ", ".join(map(repr, passed[:10])) + (f" and {len(passed) - 10} more" if len(passed) > 10 else "")
         moe = moe_hint(passed, program)  # a dense mapping on a model with some MoE layers

@@ -15,14 +15,16 @@ import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from ..errors import LayoutError, PlanError
 from ..layout.box import Box
 from ..layout.dtypes import dtype_name, to_torch_dtype
-from ..mapping import TargetSpec
+
+if TYPE_CHECKING:  # the mapping imports this module (its block-FP8 pairs): no import at run time
+    from ..mapping import TargetSpec
 
 __all__ = ["FP8_MAX", "DEFAULT_BLOCK", "SCALE_SUFFIX", "CODE_DTYPES", "DEFAULT_SKIP", "Block", "scale_key",
            "scale_shape", "scale_box", "dequantize", "quantize", "block_size_from_config",
@@ -259,7 +261,7 @@ def check_fp8_casts(targets: Sequence[TargetSpec], source_dtypes: Mapping[str, s
         LayoutError: naming every such target and source, with the fix.
 
     Example:
-        >>> from shardsync.mapping.pieces import Piece
+        >>> from shardsync.mapping import Piece, TargetSpec
         >>> t = TargetSpec("w", (2,), "bfloat16", (Piece("w", Box((0,), (2,)), Box((0,), (2,)), None, ("bfloat16",)),))
         >>> check_fp8_casts([t], {"w": "float8_e4m3fn"})
         Traceback (most recent call last):
@@ -291,7 +293,7 @@ def check_fp8_fills(fills: Iterable[tuple[str, TargetSpec]], source_dtypes: Mapp
         LayoutError: naming every such destination and source, with the fix.
 
     Example:
-        >>> from shardsync.mapping.pieces import Piece
+        >>> from shardsync.mapping import Piece, TargetSpec
         >>> t = TargetSpec("w", (2, 2), "float8_e4m3fn", (Piece("v", Box((0, 0), (2, 2)), Box((0, 0), (2, 2))),))
         >>> check_fp8_fills([("w", t)], {"v": "float32"}, ["w", "w_scale_inv"])
         Traceback (most recent call last):

@@ -18,14 +18,15 @@ import torch
 from ..errors import LayoutError
 from ..layout.box import Box
 from ..layout.meta import LayoutEntry
-from ..quant.fp8 import (CODE_DTYPES, SCALE_SUFFIX, Block, block_size_from_config, check_block, dequantize,
-                         scale_box, scale_key, scale_shape)
+from ..quant.fp8 import (CODE_DTYPES, DEFAULT_BLOCK, SCALE_SUFFIX, Block, block_size_from_config, check_block,
+                         dequantize, scale_box, scale_key, scale_shape)
 from .base import Source
 from .dcp import DcpSource
-from .open import SourceLike, open_source
+from .open import SourceLike, SpreadSource, open_source
 from .safetensors import SafetensorsSource
+from .select import SelectedSource
 
-__all__ = ["Fp8Source", "Unscaled", "dequantized"]
+__all__ = ["Fp8Source", "Unscaled", "dequantized", "fp8_block"]
 
 #: What to do with an FP8 tensor that has no scales: refuse it, cast its codes as values, or keep it as
 #: FP8 (a cast of it is then refused when planned, see :func:`shardsync.quant.check_fp8_casts`).
@@ -148,6 +149,24 @@ def dequantized(source: SourceLike, *, unscaled: Unscaled = "error") -> Source:
     if isinstance(source, Fp8Source):
         return source
     return Fp8Source(source, unscaled=unscaled)
+
+
+def fp8_block(source: Source) -> Block:
+    """The block of ``source``'s block-FP8 weights, for a mapping that cuts them without a dtype: an
+    :class:`Fp8Source`'s own, else ``config.json``'s ``weight_block_size`` of the checkpoint it reads
+    (through the sources that narrow or spread it), else 128 x 128.
+
+    Example:
+        >>> fp8_block(Fp8Source({"w": torch.zeros(2)}, block=(64, 32)))
+        (64, 32)
+    """
+    while isinstance(source, (SpreadSource, SelectedSource)):
+        source = source.inner
+    if isinstance(source, Fp8Source):
+        return source.block
+    if isinstance(source, (SafetensorsSource, DcpSource)):
+        return block_size_from_config(_directory(source.path, source))
+    return DEFAULT_BLOCK
 
 
 def _directory(given: SourceLike, inner: Source) -> Path | None:
