@@ -237,7 +237,7 @@ def test_device_mesh_is_a_group(outcomes: list[dict]) -> None:
     assert o["paddle"] == 2
     assert o["no_tp_dim"] == ("ReplicaError", (
         "group= is a 2-D device mesh with dims ('x', 'y') and mesh_dim=None names none of them; pass "
-        "the TP dim as mesh_dim= (a name or an index), or the 1-D mesh of the TP dim (mesh['tp'])"))
+        "the TP mesh axis as mesh_dim= (a name or an index), or the 1-D mesh of the TP mesh axis (mesh['tp'])"))
 
 
 def test_dtensor_model_selects_every_unsharded_parameter(outcomes: list[dict]) -> None:

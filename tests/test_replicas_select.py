@@ -133,7 +133,7 @@ def _dtensor_worker(rank: int, world: int) -> dict:
         select_replicated(model, include=["q_norm.*"])
     except ReplicaError as exc:
         out["sharded_only"] = "matches only parameters sharded on TP" in str(exc)
-    # 2-D mesh (dp=1, tp=world): only the TP dim's placement decides
+    # 2-D mesh (dp=1, tp=world): only the TP mesh axis's placement decides
     mesh2 = init_device_mesh("cpu", (1, world), mesh_dim_names=("dp", "tp"))
     a = nn.Parameter(distribute_tensor(base.clone(), mesh2, [Shard(0), Replicate()]))
     b = nn.Parameter(distribute_tensor(base.clone(), mesh2, [Replicate(), Shard(1)]))
@@ -169,7 +169,7 @@ def test_dtensor_replicate_vs_shard() -> None:
         assert o["skipped"] == [("q_norm.weight", "sharded on TP (DTensor Shard(dim=1) on mesh dim 'tp')")]
         assert o["sharded_only"] is True
         assert o["2d"] == (None, "DTensor Shard(dim=1) on mesh dim 'tp'", None)
-        assert "has no dim named 'tp'; pass mesh_dim=" in o["no_tp_dim"]
+        assert "has no mesh axis named 'tp'; pass mesh_dim=" in o["no_tp_dim"]
         assert o["rows"] == [("extra", "param", (2, 17), (1,), 0.75)]
         assert o["repaired"] is True
         assert o["grad"][0] == "DTensor" and str(o["grad"][1]) == "(Replicate(),)"

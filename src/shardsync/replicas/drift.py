@@ -218,7 +218,7 @@ def detect_drift(model: nn.Module, optimizer: torch.optim.Optimizer | None = Non
         on_drift: None (just report), ``"warn"`` (log a warning), ``"raise"`` (DriftError on every
             rank) or ``"repair"`` (broadcast the drifting names from ``src``), for rows beyond ``atol``.
         atol: tolerance for ``on_drift``.
-        mesh_dim: TP dim of multi-dim device meshes (of ``group``, and for the default selection).
+        mesh_dim: TP mesh axis of multi-dim device meshes (of ``group``, and for the default selection).
 
     Returns:
         a :class:`DriftReport`, the same on every rank.

@@ -32,7 +32,7 @@ __all__ = ["GroupLike", "SyncMode", "GradMode", "DEFAULT_STATES", "resolve_group
 SIGNATURE_PHASE = "replica sync: optimizer check"
 
 #: What replica APIs take as ``group=``: a process group, a device mesh (1-D, or multi-dim with the
-#: TP dim given by ``mesh_dim``), or None for the default group.
+#: TP mesh axis given by ``mesh_dim``), or None for the default group.
 GroupLike = Union["ProcessGroup", DeviceMesh, None]
 SyncMode = Literal["broadcast", "mean"]
 GradMode = Literal["mean", "sum", "broadcast"]
@@ -40,7 +40,7 @@ DEFAULT_STATES: tuple[str, ...] = ("exp_avg", "exp_avg_sq")
 
 
 def _mesh_group(mesh: DeviceMesh, mesh_dim: int | str | None) -> ProcessGroup:
-    """The process group of ``mesh``'s TP dim: its only dim, ``mesh_dim``, or the dim named "tp"."""
+    """The process group of ``mesh``'s TP mesh axis: its only axis, ``mesh_dim``, or the axis named "tp"."""
     names = tuple(mesh.mesh_dim_names or ())
     if mesh.ndim == 1:
         return mesh.get_group()
@@ -51,23 +51,23 @@ def _mesh_group(mesh: DeviceMesh, mesh_dim: int | str | None) -> ProcessGroup:
     if isinstance(mesh_dim, int) and not isinstance(mesh_dim, bool) and 0 <= mesh_dim < mesh.ndim:
         return mesh.get_group(mesh_dim)
     raise ReplicaError(f"group= is a {mesh.ndim}-D device mesh with dims {names or tuple(range(mesh.ndim))}"
-                       f" and mesh_dim={mesh_dim!r} names none of them; pass the TP dim as mesh_dim= "
-                       "(a name or an index), or the 1-D mesh of the TP dim (mesh['tp'])")
+                       f" and mesh_dim={mesh_dim!r} names none of them; pass the TP mesh axis as mesh_dim= "
+                       "(a name or an index), or the 1-D mesh of the TP mesh axis (mesh['tp'])")
 
 
 def resolve_group(group: GroupLike, mesh_dim: int | str | None = None) -> ProcessGroup | None:
     """The process group behind ``group``; ReplicaError when it cannot be used from this process.
 
     Args:
-        group: a process group, a 1-D device mesh, a multi-dim device mesh (its TP dim is
+        group: a process group, a 1-D device mesh, a multi-dim device mesh (its TP mesh axis is
             ``mesh_dim``, by default the dim named ``"tp"``), or None for the default group.
-        mesh_dim: the TP dim of a multi-dim mesh (name or index).
+        mesh_dim: the TP mesh axis of a multi-dim mesh (name or index).
 
     Returns:
         the process group (None stays None: the default group).
 
     Raises:
-        ReplicaError: no TP dim in a multi-dim mesh, torch.distributed not initialized while a group
+        ReplicaError: no TP mesh axis in a multi-dim mesh, torch.distributed not initialized while a group
             was given, or this process not a member of the group.
 
     Example:

@@ -106,7 +106,7 @@ class Selection:
 
 
 def _tp_mesh_dim(dt: Any, mesh_dim: int | str | None) -> tuple[int, str]:
-    """Index and label of the TP dim of a DTensor's mesh; ReplicaError when it is ambiguous."""
+    """Index and label of the TP mesh axis of a DTensor's mesh; ReplicaError when it is ambiguous."""
     mesh = dt.device_mesh
     names = tuple(mesh.mesh_dim_names or ())
     if mesh_dim is None:
@@ -115,7 +115,7 @@ def _tp_mesh_dim(dt: Any, mesh_dim: int | str | None) -> tuple[int, str]:
         if "tp" in names:
             return names.index("tp"), "'tp'"
         raise ReplicaError(f"a {mesh.ndim}-D device mesh with dims {names or tuple(range(mesh.ndim))} "
-                           "has no dim named 'tp'; pass mesh_dim= (the TP dim's name or index)")
+                           "has no mesh axis named 'tp'; pass mesh_dim= (the TP mesh axis's name or index)")
     if isinstance(mesh_dim, str):
         if mesh_dim not in names:
             raise ReplicaError(f"mesh_dim={mesh_dim!r} is not a dim of the device mesh (dims: "
@@ -239,7 +239,7 @@ def select_replicated(model: nn.Module, *, include: Sequence[str] | str | None =
             model has DTensor parameters, whose placements say what is sharded, so that a plain
             parameter (a module left out of ``parallelize_module``, like an ``lm_head``) or a
             ``Replicate`` DTensor is a replica.
-        mesh_dim: the TP dim of multi-dim device meshes (name or index); by default the only dim of
+        mesh_dim: the TP mesh axis of multi-dim device meshes (name or index); by default the only axis of
             a 1-D mesh, else the dim named ``"tp"``.
 
     Returns:

@@ -91,7 +91,7 @@ class ReplicaSync:
         optimizer: the optimizer that steps the model (or its masters); needed for ``attach()`` and
             optimizer states.
         group: the TP process group, or a device mesh: a 1-D one (``mesh["tp"]``), or a multi-dim one
-            whose TP dim is ``mesh_dim``; None is the default group. With one rank nothing moves.
+            whose TP mesh axis is ``mesh_dim``; None is the default group. With one rank nothing moves.
         selector: a :class:`Selection`, a predicate ``(name, param) -> bool``, or None for
             ``select_replicated(model)``.
         params: ``"broadcast"`` (from ``src``, exact), ``"mean"`` (sum in fp32, then divide), or None
@@ -105,7 +105,7 @@ class ReplicaSync:
         states_mode: how states are synced; None follows ``params``.
         interval: sync every this many optimizer steps.
         bucket_bytes: bucket size limit (in communication bytes): bytes or a size such as ``"4MiB"``.
-        mesh_dim: TP dim (name or index) of multi-dim device meshes: of ``group``, and of the
+        mesh_dim: TP mesh axis (name or index) of multi-dim device meshes: of ``group``, and of the
             DTensors' meshes for the default selection; by default the dim named ``"tp"``.
 
     Raises:
