@@ -18,7 +18,8 @@ from reference import arange_tensor
 
 import shardsync
 from shardsync.errors import FormatError, MappingError
-from shardsync.io import commit, read_tensors, save_safetensors
+from shardsync.io import commit, save_safetensors
+from shardsync.sources import read_tensors
 from shardsync.io.commit import CheckpointNames, scan
 
 NAMES = CheckpointNames()

@@ -20,14 +20,14 @@ from .digests import VerifyReport, digest, verify
 from .exec.box_hash import tensor_digest
 from .errors import (DistributedError, DriftError, FormatError, LayoutError, LoadError, MappingError,
                      PlanError, ReplicaError, ShardsyncError, VerifyError)
-from .io import read_layout, read_tensors, save_safetensors
+from .io import save_safetensors
 from .io.save_hf import save_hf
 from .layout import Box, GlobalLayout, ShardedTensor, from_dtensor, shard_dim
 from .mapping import Mapping, TargetSpec, resolve
 from .mapping.explain import explain
 from .planning import Plan
 from .replicas import DriftReport, ReplicaSync, detect_drift, select_replicated, watch_drift
-from .sources import from_megatron
+from .sources import from_megatron, read_layout, read_tensors
 from .stream import ParamStream, full_params, plan
 
 __all__ = ["Box", "GlobalLayout", "ShardedTensor", "from_dtensor", "shard_dim", "Mapping", "resolve",
