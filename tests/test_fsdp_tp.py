@@ -10,7 +10,8 @@ from typing import Any
 
 import pytest
 import torch
-from dest_helpers import FFN, G, H, HIDDEN, LAYERS, VOCAB, hf_state
+from dest_helpers import hf_state
+from llama_helpers import llama_config, llama_tp_plan
 from multiproc import run_ranks
 
 import shardsync
@@ -18,29 +19,16 @@ import shardsync
 transformers = pytest.importorskip("transformers")
 
 
-def _config() -> Any:
-    return transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=FFN,
-                                    num_hidden_layers=LAYERS, num_attention_heads=H, num_key_value_heads=G,
-                                    tie_word_embeddings=False)
-
-
 def fsdp_tp_llama(names: tuple[str, str]) -> Any:
     """A Llama tensor-parallel on mesh ``"tp"``, then ``fully_shard`` per layer and root on ``"dp"``."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
-    from torch.distributed.tensor import Replicate
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    from torch.distributed.tensor.parallel import parallelize_module
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=names)
     torch.manual_seed(0)  # the same values on every rank before sharding
-    model = transformers.LlamaForCausalLM(_config())
-    plan = {"model.embed_tokens": RowwiseParallel(input_layouts=Replicate()), "lm_head": ColwiseParallel()}
-    for i in range(LAYERS):
-        p = f"model.layers.{i}"
-        plan |= {f"{p}.self_attn.{x}_proj": ColwiseParallel() for x in "qkv"}
-        plan |= {f"{p}.mlp.{x}_proj": ColwiseParallel() for x in ("gate", "up")}
-        plan |= {f"{p}.self_attn.o_proj": RowwiseParallel(), f"{p}.mlp.down_proj": RowwiseParallel()}
-    parallelize_module(model, mesh["tp"], plan)
+    model = transformers.LlamaForCausalLM(llamallama_config())
+    parallelize_module(model, mesh["tp"], llama_tp_plan())
     for layer in model.model.layers:
         fully_shard(layer, mesh=mesh["dp"])
     fully_shard(model, mesh=mesh["dp"])
@@ -73,7 +61,7 @@ def source_worker(rank: int, world: int, names: tuple[str, str]) -> dict[str, An
     want = _full(model)
     got = {k: t.clone() for k, t in shardsync.full_params(state)}
     out["keys"], out["bad stream"] = sorted(got), _bad(got, want)
-    dst = transformers.LlamaForCausalLM(_config())
+    dst = transformers.LlamaForCausalLM(llama_config())
     out["bad reshard"], out["same plan"] = [], []
     first = None
     for step in range(3):
