@@ -11,7 +11,11 @@ namespace, like a notebook:
   it prints, compared line by line (trailing spaces ignored).
 * ```` ```sh ```` blocks: each ``shardsync ...`` line runs as the command line tool, other lines in the
   shell (exit status 0 unless the line ends with ``# exit N``); ``make``/``pip``/``torchrun`` lines
-  are set-up and covered by their own tests (``make demo`` by test_demo.py).
+  are set-up and covered by their own tests (``make demo`` by test_demo.py). A ``shardsync`` line
+  runs in this process (``shardsync.cli.main``, what the command calls; a new interpreter per line
+  cost most of this file's time) unless it needs the shell or a new process: shell syntax (pipes,
+  redirections, variables, globs) or ``--nproc`` (workers) run it as ``python -m shardsync``. The
+  command's own process (entry point, exit status, Ctrl-C) is tested by test_cli*.py.
 """
 
 from __future__ import annotations
@@ -66,6 +70,27 @@ def _as_torchrun(rank: int, world: int, code: str, port: int, cwd: str) -> str:
     return out.getvalue()
 
 
+def _in_process(line: str, argv: list[str]) -> bool:
+    """Whether a ``shardsync`` line can run as ``main(argv)``: no shell syntax, no worker processes."""
+    tokens = list(shlex.shlex(line, posix=True, punctuation_chars=True))
+    shell = any(set(t) <= set("();<>|&") for t in tokens) or set(line) & set("$`*?~")
+    return argv[0] == "shardsync" and not shell and "--nproc" not in argv
+
+
+def _main(argv: list[str], cwd: Path) -> tuple[int, str, str]:
+    from shardsync.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    here = os.getcwd()
+    os.chdir(cwd)  # as the shell runs it (contextlib.chdir is Python 3.11+)
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            status = main(argv)
+    finally:
+        os.chdir(here)
+    return status, out.getvalue(), err.getvalue()
+
+
 def _run_sh(body: str, cwd: Path) -> None:
     for raw in body.splitlines():
         line, _, comment = raw.partition(" #")
@@ -74,14 +99,18 @@ def _run_sh(body: str, cwd: Path) -> None:
             continue
         status = re.match(r"\s*exit (\d+)", comment)
         expect = int(status[1]) if status else 0
-        env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
         argv = shlex.split(line)
-        command: list[str] | str = ([sys.executable, "-m", "shardsync", *argv[1:]]
-                                    if argv[0] == "shardsync" else line)  # other lines: the shell
-        done = subprocess.run(command, cwd=cwd, env=env, shell=isinstance(command, str),
-                              capture_output=True, text=True, timeout=300)
-        assert done.returncode == expect, f"`{line}` exited {done.returncode}:\n{done.stdout}\n{done.stderr}"
-        assert "Traceback" not in done.stderr, done.stderr
+        if _in_process(line, argv):
+            code, out, err = _main(argv[1:], cwd)
+        else:
+            env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+            command: list[str] | str = ([sys.executable, "-m", "shardsync", *argv[1:]]
+                                        if argv[0] == "shardsync" else line)  # other lines: the shell
+            done = subprocess.run(command, cwd=cwd, env=env, shell=isinstance(command, str),
+                                  capture_output=True, text=True, timeout=300)
+            code, out, err = done.returncode, done.stdout, done.stderr
+        assert code == expect, f"`{line}` exited {code}:\n{out}\n{err}"
+        assert "Traceback" not in err, err
 
 
 @pytest.mark.parametrize("path", FILES, ids=[p.name for p in FILES])
