@@ -113,8 +113,11 @@ def _entry(rank: int, world: int, store_dir: str, group_timeout: float, fn: Call
         try:
             if BACKEND == "nccl":
                 torch.cuda.set_device(rank)
+            connect = max(group_timeout, CONNECT_TIMEOUT.total_seconds())  # a busy machine connects slowly
             dist.init_process_group(BACKEND, init_method=f"file://{store_dir}/store", rank=rank,
-                                    world_size=world, timeout=datetime.timedelta(seconds=group_timeout))
+                                    world_size=world, timeout=datetime.timedelta(seconds=connect))
+            if group_timeout < connect:  # the short timeout bounds waits for peers, not the connect
+                dist.distributed_c10d._set_pg_timeout(datetime.timedelta(seconds=group_timeout))
         except BaseException:  # the parent stops the others (left waiting to connect) and retries
             open(os.path.join(out_dir, f"{rank}{INIT_FAILED}"), "w").close()
             raise
@@ -140,7 +143,8 @@ def run_ranks(fn: Callable[..., Any], world: int, *args: Any, timeout: float = 1
     """Run ``fn(rank, world, *args)`` on ``world`` ranks; return results by rank.
 
     ``timeout`` bounds the whole run (every rank shares one deadline); ``group_timeout`` is the
-    process group's timeout, how long a collective waits for a peer.
+    process group's timeout, how long a collective waits for a peer (the group connects under at least
+    :data:`CONNECT_TIMEOUT`, and is shortened to ``group_timeout`` after).
     """
     if BACKEND == "nccl":
         import pytest

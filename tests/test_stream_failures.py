@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import datetime
 import os
 from typing import Any
 
@@ -21,8 +20,6 @@ SHORT_WAIT_STREAM = 5
 
 def _outcome(rank: int, world: int, fail: str) -> tuple:
     state, _, _ = case_tp(rank, world)
-    if fail == "shard vanishes":  # connected under run_ranks' generous timeout; shortened only now
-        dist.distributed_c10d._set_pg_timeout(datetime.timedelta(seconds=SHORT_WAIT_STREAM))
     names = []
     # a shard that vanishes mid-stream fails a send; shared memory published every shard at setup
     transport = "backend" if fail == "shard vanishes" else "auto"
@@ -40,7 +37,7 @@ def _outcome(rank: int, world: int, fail: str) -> tuple:
 
 
 def test_exception_inside_the_stream_is_raised_on_every_rank() -> None:
-    out = run_ranks(_outcome, 2, "shard vanishes", timeout=90)
+    out = run_ranks(_outcome, 2, "shard vanishes", timeout=90, group_timeout=SHORT_WAIT_STREAM)
     for rank in (0, 1):
         kind, phase, failed, text, _ = out[rank]
         assert (kind, phase, failed) == ("DistributedError", "stream", [1]), rank
