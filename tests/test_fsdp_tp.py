@@ -26,7 +26,7 @@ def fsdp_tp_llama(names: tuple[str, str]) -> Any:
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=names)
     torch.manual_seed(0)  # the same values on every rank before sharding
-    model = transformers.LlamaForCausalLM(llamallama_config())
+    model = transformers.LlamaForCausalLM(llama_config())
     parallelize_module(model, mesh["tp"], llama_tp_plan())
     for layer in model.model.layers:
         fully_shard(layer, mesh=mesh["dp"])
