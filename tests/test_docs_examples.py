@@ -6,7 +6,8 @@ namespace, like a notebook:
 * ```` ```python ```` blocks are executed. A block right after the comment ``<!-- ranks: N -->`` runs
   on N spawned processes set up the way ``torchrun --nproc_per_node N`` sets them up (``RANK``,
   ``WORLD_SIZE``, ``MASTER_ADDR``/``MASTER_PORT``), so ``dist.init_process_group("gloo")`` works as
-  written; such a block must be self-contained.
+  written; such a block must be self-contained. The processes of one world size are spawned once
+  for the whole file (:class:`rank_pool.RankPool`); each block makes and ends its own group.
 * A ```` ```text ```` block right after the comment ``<!-- output -->`` is what the python block before
   it prints, compared line by line (trailing spaces ignored).
 * ```` ```sh ```` blocks: each ``shardsync ...`` line runs as the command line tool, other lines in the
@@ -28,11 +29,12 @@ import shlex
 import socket
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from multiproc import run_ranks
+from rank_pool import RankPool
 
 ROOT = Path(__file__).resolve().parent.parent
 #: Pages whose examples another test runs (a page written as one script across ranks), by that test.
@@ -56,17 +58,13 @@ def _free_port() -> int:
 
 
 def _as_torchrun(rank: int, world: int, code: str, port: int, cwd: str) -> str:
-    # run_ranks already joined a group; the example makes its own, as under torchrun
-    import torch.distributed as dist
-    dist.destroy_process_group()
+    # the example makes its own group, as under torchrun (the pool ends one it leaves open)
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     os.chdir(cwd)
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
         exec(compile(code, f"<rank {rank} example>", "exec"), {"__name__": "__main__"})
-    if dist.is_initialized():
-        dist.destroy_process_group()
     return out.getvalue()
 
 
@@ -113,8 +111,18 @@ def _run_sh(body: str, cwd: Path) -> None:
         assert "Traceback" not in err, err
 
 
+@pytest.fixture(scope="module")
+def pools() -> Iterator[dict[int, RankPool]]:
+    """Spawned ranks by world size, shared by every page's examples."""
+    made: dict[int, RankPool] = {}
+    yield made
+    for pool in made.values():
+        pool.close()
+
+
 @pytest.mark.parametrize("path", FILES, ids=[p.name for p in FILES])
-def test_examples_run(path: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_examples_run(path: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                      pools: dict[int, RankPool]) -> None:
     monkeypatch.chdir(tmp_path)
     namespace: dict[str, object] = {"__name__": "__main__"}
     printed = ""
@@ -128,8 +136,9 @@ def test_examples_run(path: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatc
         if lang == "python":
             ranks = re.fullmatch(r"ranks:\s*(\d+)", marker)
             if ranks:
-                outs = run_ranks(_as_torchrun, int(ranks[1]), body, _free_port(), str(tmp_path),
-                                 timeout=240)
+                world = int(ranks[1])
+                pool = pools.setdefault(world, RankPool(world))
+                outs = pool.run(_as_torchrun, body, _free_port(), str(tmp_path), timeout=240)
                 printed = outs[0]
             else:
                 out = io.StringIO()
