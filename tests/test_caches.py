@@ -144,6 +144,12 @@ def _data_failure(rank: int, world: int, verb: str) -> tuple:
     return ("no error",)
 
 
+#: Seconds the peer of the failing rank waits in the data phase before it reads why (the failing rank
+#: records its read error at once; the group connects under a generous timeout first, see run_ranks).
+PEER_WAIT = 10
+
+
 def test_a_data_failure_names_the_verb_as_its_phase() -> None:
     for verb in ("load", "reshard"):
-        assert run_ranks(_data_failure, 2, verb, timeout=240) == [(verb, [1]), (verb, [1])], verb
+        out = run_ranks(_data_failure, 2, verb, timeout=240, group_timeout=PEER_WAIT)
+        assert out == [(verb, [1]), (verb, [1])], verb
