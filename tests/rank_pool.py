@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import queue
+import time
 import traceback
 from collections.abc import Callable
 from typing import Any
@@ -67,9 +68,10 @@ class RankPool:
         for q in self._tasks:
             q.put((fn, args))
         outcomes: dict[int, tuple] = {}
+        deadline = time.monotonic() + timeout  # one deadline for every rank
         try:
             while len(outcomes) < self.world:
-                rank, outcome = self._results.get(timeout=timeout)
+                rank, outcome = self._results.get(timeout=max(0.0, deadline - time.monotonic()))
                 outcomes[rank] = outcome
         except queue.Empty:
             self.close()
