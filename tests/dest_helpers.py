@@ -17,7 +17,7 @@ import torch
 from reference import arange_tensor
 from safetensors import safe_open
 
-from shardsync.io import checkpoint_files, read_layout
+from shardsync.sources import checkpoint_files, read_layout
 from shardsync.mapping import Mapping
 from shardsync.layout import Box, LayoutEntry, ShardedTensor, shard_dim
 

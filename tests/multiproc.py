@@ -9,7 +9,12 @@ state to the rank's GPU. A rank that raises makes
 all ranks raised. Processes still running ``timeout`` seconds after the start (one deadline shared by
 all ranks) are killed: a hang fails the test instead of CI. A rank whose ``init_process_group`` fails
 (gloo failing to connect on loopback, a rare flake of the machine) gets the others killed at once and
-the whole run is started again, once, on a fresh store.
+the whole run is started again, once, on a fresh store; :func:`new_group` does the same for a
+subgroup whose creation fails (gloo connects every pair of its ranks, which can flake on loopback).
+
+Failure tests wait on events, not on clocks: :func:`short_wait_group` connects a group under a
+generous timeout and only then shortens it, so the short timeout bounds the wait for a rank that
+never comes, never the connect of a busy machine.
 """
 
 from __future__ import annotations
@@ -26,7 +31,8 @@ from typing import Any
 
 import torch.multiprocessing as mp
 
-__all__ = ["run_ranks", "run_ranks_one_dies", "RankFailure", "BACKEND", "on_device"]
+__all__ = ["run_ranks", "run_ranks_one_dies", "RankFailure", "BACKEND", "on_device", "new_group",
+           "short_wait_group", "CONNECT_TIMEOUT"]
 
 #: The process group backend of the multi-process tests.
 BACKEND = os.environ.get("SHARDSYNC_TEST_BACKEND", "gloo")
@@ -51,6 +57,38 @@ def on_device(state: dict) -> dict:
     return {k: move(v) for k, v in state.items()}
 
 
+#: How long a group's ranks may take to connect (a busy 2-core machine can take seconds).
+CONNECT_TIMEOUT = datetime.timedelta(seconds=60)
+_out_dir: list[str] = []  # this rank's result folder, set by _entry: where a failed setup is marked
+
+
+def new_group(ranks: list[int] | None = None, timeout: datetime.timedelta = CONNECT_TIMEOUT) -> Any:
+    """``dist.new_group`` that, when the connect fails on this rank, makes ``run_ranks`` start the
+    whole run again on a fresh store (as for a failed ``init_process_group``). Call it on every rank."""
+    import torch.distributed as dist
+
+    try:
+        return dist.new_group(ranks, timeout=timeout)
+    except BaseException:
+        if _out_dir:
+            open(os.path.join(_out_dir[0], f"{os.getpid()}{INIT_FAILED}"), "w").close()
+        raise
+
+
+def short_wait_group(seconds: float, ranks: list[int] | None = None) -> Any:
+    """A new group (every rank calls this) whose collectives give up after ``seconds``: connected
+    under :data:`CONNECT_TIMEOUT` first, then shortened, then a barrier of the whole world so that
+    every rank starts the scenario together (the short clock only runs against a rank that does not
+    come, never against one that is slow to connect)."""
+    import torch.distributed as dist
+
+    group = new_group(ranks)
+    if dist.get_rank() in (ranks if ranks is not None else range(dist.get_world_size())):
+        dist.distributed_c10d._set_pg_timeout(datetime.timedelta(seconds=seconds), group)
+    dist.barrier()
+    return group
+
+
 class RankFailure(Exception):
     """Some rank raised. ``outcomes[r]`` is ``("ok", value)`` or ``("error", exc_type, text)``."""
 
@@ -69,13 +107,17 @@ def _entry(rank: int, world: int, store_dir: str, group_timeout: float, fn: Call
     import torch.distributed as dist
 
     torch.set_num_threads(1)
+    _out_dir[:] = [out_dir]
     result: tuple
     try:
         try:
             if BACKEND == "nccl":
                 torch.cuda.set_device(rank)
+            connect = max(group_timeout, CONNECT_TIMEOUT.total_seconds())  # a busy machine connects slowly
             dist.init_process_group(BACKEND, init_method=f"file://{store_dir}/store", rank=rank,
-                                    world_size=world, timeout=datetime.timedelta(seconds=group_timeout))
+                                    world_size=world, timeout=datetime.timedelta(seconds=connect))
+            if group_timeout < connect:  # the short timeout bounds waits for peers, not the connect
+                dist.distributed_c10d._set_pg_timeout(datetime.timedelta(seconds=group_timeout))
         except BaseException:  # the parent stops the others (left waiting to connect) and retries
             open(os.path.join(out_dir, f"{rank}{INIT_FAILED}"), "w").close()
             raise
@@ -101,7 +143,8 @@ def run_ranks(fn: Callable[..., Any], world: int, *args: Any, timeout: float = 1
     """Run ``fn(rank, world, *args)`` on ``world`` ranks; return results by rank.
 
     ``timeout`` bounds the whole run (every rank shares one deadline); ``group_timeout`` is the
-    process group's timeout, how long a collective waits for a peer.
+    process group's timeout, how long a collective waits for a peer (the group connects under at least
+    :data:`CONNECT_TIMEOUT`, and is shortened to ``group_timeout`` after).
     """
     if BACKEND == "nccl":
         import pytest

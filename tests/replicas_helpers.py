@@ -8,17 +8,18 @@ mark them, so the default selection must leave them out.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from shardsync.errors import ReplicaError
 from shardsync.replicas import tp_sharding
 
 __all__ = ["TinyTP", "REPLICATED", "fill", "gather", "count_collectives", "mixed_precision",
-           "mp_step", "H", "F"]
+           "mp_step", "H", "F", "replica_error"]
 
 H, F, SEQ = 17, 7, 5  # hidden size, per-rank FFN shard, positions
 
@@ -150,3 +151,13 @@ def mp_step(model: nn.Module, masters: dict, opt: torch.optim.Optimizer, x: torc
     with torch.no_grad():
         for p, m in masters.items():
             p.copy_(m)
+
+
+def replica_error(fn: Callable[[], object]) -> tuple[str, str]:
+    """``("ReplicaError", message)`` if ``fn()`` raises one, else ``("no error", "")`` (spawned ranks
+    return it, so each test can assert its own part)."""
+    try:
+        fn()
+    except ReplicaError as exc:
+        return ("ReplicaError", str(exc))
+    return ("no error", "")

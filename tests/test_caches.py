@@ -8,9 +8,10 @@ import datetime
 import os
 import tempfile
 
+import pytest
 import torch
 import torch.distributed as dist
-from multiproc import run_ranks
+from multiproc import new_group, run_ranks
 
 import shardsync
 from shardsync import LayoutError, PlanError, full_params, reshard, shard_dim
@@ -79,36 +80,36 @@ def test_release_in_a_single_process() -> None:
     assert stream_module._planned.cache_info().currsize == 0
 
 
-def _multicast_on_a_subgroup(rank: int, world: int) -> str:
-    sub = dist.new_group([0, 1])  # every rank of the world calls new_group
+def _on_a_subgroup(rank: int, world: int) -> dict[str, object]:
+    """Both subgroup checks in one 3-rank spawn (one connect of the world, one of the subgroup)."""
+    sub = new_group([0, 1])  # every rank of the world calls new_group; a failed connect is retried
     if rank == 2:
-        return "not a member"
+        return {"multicast": "not a member", "p2p": "not a member"}
+    out: dict[str, object] = {}
     try:
         full_params({"w": torch.zeros(3)}, group=sub, strategy="multicast", consumers=0)
+        out["multicast"] = "no error"
     except PlanError as exc:
-        return str(exc)
-    return "no error"
+        out["multicast"] = str(exc)
+    got = dict(full_params({"w": shard_dim(torch.arange(7.0), 0, rank, 2)}, group=sub, strategy="p2p",
+                           consumers=0))
+    out["p2p"] = torch.equal(got["w"], torch.arange(7.0)) if rank == 0 else got == {}
+    return out
 
 
-def test_multicast_is_refused_on_a_subgroup() -> None:
-    out = run_ranks(_multicast_on_a_subgroup, 3, timeout=240)
+@pytest.fixture(scope="module")
+def on_a_subgroup() -> list[dict[str, object]]:
+    return run_ranks(_on_a_subgroup, 3, timeout=240)
+
+
+def test_multicast_is_refused_on_a_subgroup(on_a_subgroup: list[dict[str, object]]) -> None:
     want = ("strategy='multicast' broadcasts on subgroups, which every rank of the whole world must create, "
             "and this group has 2 of the 3 ranks; use strategy='p2p' (or 'auto') on a subgroup")
-    assert out == [want, want, "not a member"]
+    assert [o["multicast"] for o in on_a_subgroup] == [want, want, "not a member"]
 
 
-def test_the_strategy_the_error_names_works_on_a_subgroup() -> None:
-    out = run_ranks(_p2p_on_a_subgroup, 3, "p2p", timeout=240)
-    assert out == [True, True, "not a member"]
-
-
-def _p2p_on_a_subgroup(rank: int, world: int, strategy: str) -> object:
-    sub = dist.new_group([0, 1])
-    if rank == 2:
-        return "not a member"
-    got = dict(full_params({"w": shard_dim(torch.arange(7.0), 0, rank, 2)}, group=sub, strategy=strategy,
-                           consumers=0))
-    return torch.equal(got["w"], torch.arange(7.0)) if rank == 0 else got == {}
+def test_the_strategy_the_error_names_works_on_a_subgroup(on_a_subgroup: list[dict[str, object]]) -> None:
+    assert [o["p2p"] for o in on_a_subgroup] == [True, True, "not a member"]
 
 
 class _FailingSource:
@@ -143,6 +144,12 @@ def _data_failure(rank: int, world: int, verb: str) -> tuple:
     return ("no error",)
 
 
+#: Seconds the peer of the failing rank waits in the data phase before it reads why (the failing rank
+#: records its read error at once; the group connects under a generous timeout first, see run_ranks).
+PEER_WAIT = 10
+
+
 def test_a_data_failure_names_the_verb_as_its_phase() -> None:
     for verb in ("load", "reshard"):
-        assert run_ranks(_data_failure, 2, verb, timeout=240) == [(verb, [1]), (verb, [1])], verb
+        out = run_ranks(_data_failure, 2, verb, timeout=240, group_timeout=PEER_WAIT)
+        assert out == [(verb, [1]), (verb, [1])], verb

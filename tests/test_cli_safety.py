@@ -21,7 +21,8 @@ from safetensors.torch import save_file
 
 import shardsync
 from shardsync.cli import main
-from shardsync.io import read_tensors, save_safetensors
+from shardsync.io import save_safetensors
+from shardsync.sources import read_tensors
 from shardsync.layout import shard_dim
 from shardsync.sources.dcp_metadata import read_metadata
 

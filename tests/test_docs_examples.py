@@ -6,12 +6,17 @@ namespace, like a notebook:
 * ```` ```python ```` blocks are executed. A block right after the comment ``<!-- ranks: N -->`` runs
   on N spawned processes set up the way ``torchrun --nproc_per_node N`` sets them up (``RANK``,
   ``WORLD_SIZE``, ``MASTER_ADDR``/``MASTER_PORT``), so ``dist.init_process_group("gloo")`` works as
-  written; such a block must be self-contained.
+  written; such a block must be self-contained. The processes of one world size are spawned once
+  for the whole file (:class:`rank_pool.RankPool`); each block makes and ends its own group.
 * A ```` ```text ```` block right after the comment ``<!-- output -->`` is what the python block before
   it prints, compared line by line (trailing spaces ignored).
 * ```` ```sh ```` blocks: each ``shardsync ...`` line runs as the command line tool, other lines in the
   shell (exit status 0 unless the line ends with ``# exit N``); ``make``/``pip``/``torchrun`` lines
-  are set-up and covered by their own tests (``make demo`` by test_demo.py).
+  are set-up and covered by their own tests (``make demo`` by test_demo.py). A ``shardsync`` line
+  runs in this process (``shardsync.cli.main``, what the command calls; a new interpreter per line
+  cost most of this file's time) unless it needs the shell or a new process: shell syntax (pipes,
+  redirections, variables, globs) or ``--nproc`` (workers) run it as ``python -m shardsync``. The
+  command's own process (entry point, exit status, Ctrl-C) is tested by test_cli*.py.
 """
 
 from __future__ import annotations
@@ -24,11 +29,12 @@ import shlex
 import socket
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from multiproc import run_ranks
+from rank_pool import RankPool
 
 ROOT = Path(__file__).resolve().parent.parent
 #: Pages whose examples another test runs (a page written as one script across ranks), by that test.
@@ -52,18 +58,35 @@ def _free_port() -> int:
 
 
 def _as_torchrun(rank: int, world: int, code: str, port: int, cwd: str) -> str:
-    # run_ranks already joined a group; the example makes its own, as under torchrun
-    import torch.distributed as dist
-    dist.destroy_process_group()
+    # the example makes its own group, as under torchrun (the pool ends one it leaves open)
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     os.chdir(cwd)
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
         exec(compile(code, f"<rank {rank} example>", "exec"), {"__name__": "__main__"})
-    if dist.is_initialized():
-        dist.destroy_process_group()
     return out.getvalue()
+
+
+def _in_process(line: str, argv: list[str]) -> bool:
+    """Whether a ``shardsync`` line can run as ``main(argv)``: no shell syntax, no worker processes."""
+    tokens = list(shlex.shlex(line, posix=True, punctuation_chars=True))
+    shell = any(set(t) <= set("();<>|&") for t in tokens) or set(line) & set("$`*?~")
+    return argv[0] == "shardsync" and not shell and "--nproc" not in argv
+
+
+def _main(argv: list[str], cwd: Path) -> tuple[int, str, str]:
+    from shardsync.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    here = os.getcwd()
+    os.chdir(cwd)  # as the shell runs it (contextlib.chdir is Python 3.11+)
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            status = main(argv)
+    finally:
+        os.chdir(here)
+    return status, out.getvalue(), err.getvalue()
 
 
 def _run_sh(body: str, cwd: Path) -> None:
@@ -74,18 +97,32 @@ def _run_sh(body: str, cwd: Path) -> None:
             continue
         status = re.match(r"\s*exit (\d+)", comment)
         expect = int(status[1]) if status else 0
-        env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
         argv = shlex.split(line)
-        command: list[str] | str = ([sys.executable, "-m", "shardsync", *argv[1:]]
-                                    if argv[0] == "shardsync" else line)  # other lines: the shell
-        done = subprocess.run(command, cwd=cwd, env=env, shell=isinstance(command, str),
-                              capture_output=True, text=True, timeout=300)
-        assert done.returncode == expect, f"`{line}` exited {done.returncode}:\n{done.stdout}\n{done.stderr}"
-        assert "Traceback" not in done.stderr, done.stderr
+        if _in_process(line, argv):
+            code, out, err = _main(argv[1:], cwd)
+        else:
+            env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+            command: list[str] | str = ([sys.executable, "-m", "shardsync", *argv[1:]]
+                                        if argv[0] == "shardsync" else line)  # other lines: the shell
+            done = subprocess.run(command, cwd=cwd, env=env, shell=isinstance(command, str),
+                                  capture_output=True, text=True, timeout=300)
+            code, out, err = done.returncode, done.stdout, done.stderr
+        assert code == expect, f"`{line}` exited {code}:\n{out}\n{err}"
+        assert "Traceback" not in err, err
+
+
+@pytest.fixture(scope="module")
+def pools() -> Iterator[dict[int, RankPool]]:
+    """Spawned ranks by world size, shared by every page's examples."""
+    made: dict[int, RankPool] = {}
+    yield made
+    for pool in made.values():
+        pool.close()
 
 
 @pytest.mark.parametrize("path", FILES, ids=[p.name for p in FILES])
-def test_examples_run(path: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_examples_run(path: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                      pools: dict[int, RankPool]) -> None:
     monkeypatch.chdir(tmp_path)
     namespace: dict[str, object] = {"__name__": "__main__"}
     printed = ""
@@ -99,8 +136,9 @@ def test_examples_run(path: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatc
         if lang == "python":
             ranks = re.fullmatch(r"ranks:\s*(\d+)", marker)
             if ranks:
-                outs = run_ranks(_as_torchrun, int(ranks[1]), body, _free_port(), str(tmp_path),
-                                 timeout=240)
+                world = int(ranks[1])
+                pool = pools.setdefault(world, RankPool(world))
+                outs = pool.run(_as_torchrun, body, _free_port(), str(tmp_path), timeout=240)
                 printed = outs[0]
             else:
                 out = io.StringIO()

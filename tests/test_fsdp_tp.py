@@ -5,12 +5,12 @@ reference; the vocab (17) and ffn (20) sizes split unevenly."""
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from dest_helpers import FFN, G, H, HIDDEN, LAYERS, VOCAB, hf_state
+from dest_helpers import hf_state
+from llama_helpers import llama_config, llama_tp_plan
 from multiproc import run_ranks
 
 import shardsync
@@ -18,29 +18,16 @@ import shardsync
 transformers = pytest.importorskip("transformers")
 
 
-def _config() -> Any:
-    return transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=FFN,
-                                    num_hidden_layers=LAYERS, num_attention_heads=H, num_key_value_heads=G,
-                                    tie_word_embeddings=False)
-
-
 def fsdp_tp_llama(names: tuple[str, str]) -> Any:
     """A Llama tensor-parallel on mesh ``"tp"``, then ``fully_shard`` per layer and root on ``"dp"``."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
-    from torch.distributed.tensor import Replicate
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    from torch.distributed.tensor.parallel import parallelize_module
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=names)
     torch.manual_seed(0)  # the same values on every rank before sharding
-    model = transformers.LlamaForCausalLM(_config())
-    plan = {"model.embed_tokens": RowwiseParallel(input_layouts=Replicate()), "lm_head": ColwiseParallel()}
-    for i in range(LAYERS):
-        p = f"model.layers.{i}"
-        plan |= {f"{p}.self_attn.{x}_proj": ColwiseParallel() for x in "qkv"}
-        plan |= {f"{p}.mlp.{x}_proj": ColwiseParallel() for x in ("gate", "up")}
-        plan |= {f"{p}.self_attn.o_proj": RowwiseParallel(), f"{p}.mlp.down_proj": RowwiseParallel()}
-    parallelize_module(model, mesh["tp"], plan)
+    model = transformers.LlamaForCausalLM(llama_config())
+    parallelize_module(model, mesh["tp"], llama_tp_plan())
     for layer in model.model.layers:
         fully_shard(layer, mesh=mesh["dp"])
     fully_shard(model, mesh=mesh["dp"])
@@ -73,7 +60,7 @@ def source_worker(rank: int, world: int, names: tuple[str, str]) -> dict[str, An
     want = _full(model)
     got = {k: t.clone() for k, t in shardsync.full_params(state)}
     out["keys"], out["bad stream"] = sorted(got), _bad(got, want)
-    dst = transformers.LlamaForCausalLM(_config())
+    dst = transformers.LlamaForCausalLM(llama_config())
     out["bad reshard"], out["same plan"] = [], []
     first = None
     for step in range(3):
@@ -93,10 +80,20 @@ def load_worker(rank: int, world: int, names: tuple[str, str], path: str) -> dic
     return {"bad": _bad(_full(model), shardsync.read_tensors(path)), "in place": before == after}
 
 
-@pytest.mark.parametrize("names", [("dp", "tp"), ("tp", "dp")])
-def test_fsdp_over_tp_llama_streams_and_reshards_exactly(names: tuple[str, str]) -> None:
-    records = run_ranks(source_worker, 4, names, timeout=600)
-    for rank, r in enumerate(records):
+def fsdp_tp_worker(rank: int, world: int, names: tuple[str, str], path: str) -> dict[str, Any]:
+    """Both 4-rank checks of one mesh order in one spawn: the model as a source, then as a destination."""
+    return {"source": source_worker(rank, world, names), "load": load_worker(rank, world, names, path)}
+
+
+@pytest.fixture(scope="module", params=[("dp", "tp"), ("tp", "dp")], ids=["dp-tp", "tp-dp"])
+def fsdp_tp(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    path = tmp_path_factory.mktemp("hf")
+    shardsync.save_safetensors(hf_state().items(), path)
+    return run_ranks(fsdp_tp_worker, 4, request.param, str(path), timeout=900)
+
+
+def test_fsdp_over_tp_llama_streams_and_reshards_exactly(fsdp_tp: list[dict[str, Any]]) -> None:
+    for rank, r in enumerate(r["source"] for r in fsdp_tp):
         assert any("_StridedShard(dim=0, sf=2)" in p for p in r["placements"]), r["placements"]
         assert r["keys"] == sorted(hf_state()), rank
         assert r["bad stream"] == [], (rank, r["bad stream"])
@@ -104,10 +101,8 @@ def test_fsdp_over_tp_llama_streams_and_reshards_exactly(names: tuple[str, str])
         assert r["same plan"] == [True, True, True], rank
 
 
-@pytest.mark.parametrize("names", [("dp", "tp"), ("tp", "dp")])
-def test_hf_checkpoint_loads_into_fsdp_over_tp_llama(names: tuple[str, str], tmp_path: Path) -> None:
-    shardsync.save_safetensors(hf_state().items(), tmp_path)
-    for rank, r in enumerate(run_ranks(load_worker, 4, names, str(tmp_path), timeout=600)):
+def test_hf_checkpoint_loads_into_fsdp_over_tp_llama(fsdp_tp: list[dict[str, Any]]) -> None:
+    for rank, r in enumerate(r["load"] for r in fsdp_tp):
         assert r["bad"] == [] and r["in place"], (rank, r)
 
 
@@ -134,8 +129,18 @@ def strided_worker(rank: int, world: int) -> dict[str, Any]:
             "load": torch.equal(dst.full_tensor(), full)}
 
 
-def test_strided_shard_with_several_boxes_per_rank() -> None:
-    r0, r1 = run_ranks(strided_worker, 2, timeout=300)
+def dtensor_worker(rank: int, world: int) -> dict[str, Any]:
+    """The 2-rank checks in one spawn: a strided 1-D mesh, then DTensors that are refused."""
+    return {"strided": strided_worker(rank, world), "refused": refused_worker(rank, world)}
+
+
+@pytest.fixture(scope="module")
+def on_two() -> list[dict[str, Any]]:
+    return run_ranks(dtensor_worker, 2, timeout=300)
+
+
+def test_strided_shard_with_several_boxes_per_rank(on_two: list[dict[str, Any]]) -> None:
+    r0, r1 = (r["strided"] for r in on_two)
     assert r0["boxes"] == ["[0:5, 0:3]", "[9:13, 0:3]"] and r1["boxes"] == ["[5:9, 0:3]", "[13:17, 0:3]"]
     for r in (r0, r1):
         assert r["reference"] and r["stream"] and r["load"], r
@@ -160,8 +165,8 @@ def refused_worker(rank: int, world: int) -> dict[str, str]:
     return out
 
 
-def test_unsupported_dtensors_fail_on_every_rank() -> None:
-    for rank, r in enumerate(run_ranks(refused_worker, 2, timeout=300)):
+def test_unsupported_dtensors_fail_on_every_rank(on_two: list[dict[str, Any]]) -> None:
+    for rank, r in enumerate(r["refused"] for r in on_two):
         assert "'w': DTensor placement Partial(sum) is not supported; use Shard, _StridedShard or Replicate" \
             in r["partial"], (rank, r)
         assert "the local tensor is [4, 2], the placements give [3, 2]" in r["wrong"], (rank, r)

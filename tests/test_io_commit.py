@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from crash_helpers import Crasher
 from reference import arange_tensor
 from safetensors.torch import load_file, save_file
 
@@ -65,28 +66,21 @@ def save(new: dict[str, torch.Tensor], d: Path, limit: int, writer: str = "save_
         save_safetensors(list(new.items()), d, max_shard_bytes=limit, overwrite=True)
 
 
-def save_in_child(new: dict[str, torch.Tensor], d: Path, limit: int, kill_at: int, writer: str) -> int:
-    """Save in a forked process that SIGKILLs itself right after stage ``kill_at`` (a shard or index
-    file just written is first cut to half its size: a crash in the middle of that write)."""
-    pid = os.fork()
-    if pid == 0:  # the child never returns into pytest
-        calls = [0]
+def save_killed_at(new: dict[str, torch.Tensor], d: Path, limit: int, kill_at: int, writer: str) -> None:
+    """Save, SIGKILLing this process right after stage ``kill_at`` (a shard or index file just written
+    is first cut to half its size: a crash in the middle of that write). Runs in a crash child."""
+    calls = [0]
 
-        def hook(stage: str) -> None:
-            if calls[0] == kill_at:
-                if stage.startswith("wrote "):
-                    tmp = d / stage.split(" ", 1)[1]
-                    os.truncate(tmp, tmp.stat().st_size // 2)
-                os.kill(os.getpid(), signal.SIGKILL)
-            calls[0] += 1
+    def hook(stage: str) -> None:
+        if calls[0] == kill_at:
+            if stage.startswith("wrote "):
+                tmp = d / stage.split(" ", 1)[1]
+                os.truncate(tmp, tmp.stat().st_size // 2)
+            os.kill(os.getpid(), signal.SIGKILL)
+        calls[0] += 1
 
-        commit.stage_hook = hook
-        try:
-            save(new, d, limit, writer)
-        finally:
-            os._exit(0)
-    _, status = os.waitpid(pid, 0)
-    return status
+    commit.stage_hook = hook
+    save(new, d, limit, writer)
 
 
 def stages_of(old_dir: Path, tmp: Path, new: dict[str, torch.Tensor], limit: int,
@@ -115,7 +109,8 @@ CASES = [(name, "save_safetensors") for name in sorted(TRANSITIONS)] + [("sharde
 
 
 @pytest.mark.parametrize("name, writer", CASES)
-def test_killed_at_every_stage_leaves_old_or_new(tmp_path: Path, name: str, writer: str) -> None:
+def test_killed_at_every_stage_leaves_old_or_new(tmp_path: Path, name: str, writer: str,
+                                                  crasher: Crasher) -> None:
     old, old_limit, new, new_limit = TRANSITIONS[name]
     template = tmp_path / "template"
     foreign = foreign_files(template)
@@ -127,7 +122,7 @@ def test_killed_at_every_stage_leaves_old_or_new(tmp_path: Path, name: str, writ
     for k in range(len(stages)):
         d = tmp_path / f"kill{k}"
         shutil.copytree(template, d)
-        status = save_in_child(new, d, new_limit, k, writer)
+        status = crasher.run(save_killed_at, new, d, new_limit, k, writer)
         assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL, stages[k]
         assert same(load_checkpoint(d), new if k >= commit_at else old), f"killed after {stages[k]!r}"
         assert {f: (d / f).read_bytes() for f in FOREIGN} == foreign, stages[k]

@@ -102,7 +102,7 @@ def test_writer_closed_twice(tmp_path: Path) -> None:
 
 
 def test_reader_layout_from_headers_and_tensors(tmp_path: Path) -> None:
-    from shardsync.io import checkpoint_files, read_layout, read_tensors
+    from shardsync.sources import checkpoint_files, read_layout, read_tensors
 
     tensors = [(f"w{i}", arange_tensor((3, i + 1), torch.bfloat16)) for i in range(4)]
     save_safetensors(tensors, tmp_path, max_shard_bytes=20)

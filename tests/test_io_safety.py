@@ -1,10 +1,10 @@
 """Nothing is ever lost: what the reader would read is a checkpoint, nothing is removed before every
 check passed, empty paths are refused, and a save killed at any instant (SIGKILL, in a spawned
-process) leaves bytes only under names the writer chose, which the next save removes."""
+process) leaves bytes only under names the writer chose, which the next save removes. The killed
+saves run in children of :class:`crash_helpers.Crasher` (never a fork of pytest)."""
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 import random
 import signal
@@ -14,11 +14,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from crash_helpers import Crasher
 from reference import arange_tensor
 
 import shardsync
 from shardsync.errors import FormatError, MappingError
-from shardsync.io import commit, read_tensors, save_safetensors
+from shardsync.io import commit, save_safetensors
+from shardsync.sources import read_tensors
 from shardsync.io.commit import CheckpointNames, scan
 
 NAMES = CheckpointNames()
@@ -74,7 +76,7 @@ def test_overwrite_of_index_less_set(tmp_path: Path, limit: int) -> None:
 
 
 def _save_and_die(d: str, limit: int, kill_at: int) -> None:
-    """In a spawned process: save, SIGKILLing this process right after commit stage ``kill_at``."""
+    """In a crash child: save, SIGKILLing this process right after commit stage ``kill_at``."""
     calls = [0]
 
     def hook(stage: str) -> None:
@@ -86,7 +88,7 @@ def _save_and_die(d: str, limit: int, kill_at: int) -> None:
     save_safetensors(list(checkpoint(4, 7).items()), d, max_shard_bytes=limit, overwrite=True)
 
 
-def test_overwrite_of_index_less_set_killed_at_every_stage(tmp_path: Path) -> None:
+def test_overwrite_of_index_less_set_killed_at_every_stage(tmp_path: Path, crasher: Crasher) -> None:
     """Two files over three without an index: the new files must stay unseen until the commit."""
     old, new = index_less_set(tmp_path / "template"), checkpoint(4, 7)
     stages: list[str] = []
@@ -99,14 +101,11 @@ def test_overwrite_of_index_less_set_killed_at_every_stage(tmp_path: Path) -> No
         commit.stage_hook = None
     commit_at = stages.index("committed")
     assert "indexed the old files" in stages[:commit_at]
-    ctx = mp.get_context("spawn")
     for k in range(len(stages)):
         d = tmp_path / f"kill{k}"
         index_less_set(d)
-        child = ctx.Process(target=_save_and_die, args=(str(d), 150, k))
-        child.start()
-        child.join(120)
-        assert child.exitcode == -signal.SIGKILL, stages[k]
+        status = crasher.run(_save_and_die, str(d), 150, k)
+        assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL, stages[k]
         assert same(read_tensors(d), new if k >= commit_at else old), f"killed after {stages[k]!r}"
         save_safetensors(list(new.items()), d, max_shard_bytes=150, overwrite=True)
         assert same(read_tensors(d), new)
@@ -156,7 +155,7 @@ def test_empty_output_path_is_refused(tmp_path: Path, monkeypatch: pytest.Monkey
 
 
 def _save_watched(d: str, writer: str) -> None:
-    """In a spawned process: save 6 files of 4 MiB; a thread SIGKILLs the process as soon as any
+    """In a crash child: save 6 files of 4 MiB; a thread SIGKILLs the process as soon as any
     file named ``.tmp*`` (safetensors' own temporary file) exists under ``d``."""
     def watch() -> None:
         while True:
@@ -187,27 +186,24 @@ def _after_kill_then_save(d: Path, old: dict[str, torch.Tensor], writer: str) ->
 
 
 @pytest.mark.parametrize("writer", ["save_safetensors", "save_hf"])
-def test_killed_while_safetensors_writes_its_own_temp_file(tmp_path: Path, writer: str) -> None:
+def test_killed_while_safetensors_writes_its_own_temp_file(tmp_path: Path, writer: str,
+                                                            crasher: Crasher) -> None:
     old = checkpoint(2, 5)
     shardsync.save_hf(old, tmp_path)
-    child = mp.get_context("spawn").Process(target=_save_watched, args=(str(tmp_path), writer))
-    child.start()
-    child.join(120)
-    assert child.exitcode == -signal.SIGKILL
+    status = crasher.run(_save_watched, str(tmp_path), writer)
+    assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL
     assert any(p.name.endswith(".dir.tmp") for p in tmp_path.iterdir())  # killed mid-file
     _after_kill_then_save(tmp_path, old, writer)
 
 
-def test_killed_at_random_instants(tmp_path: Path) -> None:
+def test_killed_at_random_instants(tmp_path: Path, crasher: Crasher) -> None:
     rng = random.Random(19)
     old = checkpoint(2, 5)
-    ctx = mp.get_context("spawn")
     for k in range(6):
         d = tmp_path / f"kill{k}"
         shardsync.save_hf(old, d)
-        child = ctx.Process(target=_save_big, args=(str(d), "save_safetensors"))
-        child.start()
-        time.sleep(rng.uniform(1.0, 4.0))  # the child imports torch first, then saves for about a second
-        os.kill(child.pid, signal.SIGKILL)
-        child.join(60)
+        pid = crasher.start(_save_big, str(d), "save_safetensors")
+        time.sleep(rng.uniform(0.0, 1.0))  # the child saves at once (torch is imported) for about a second
+        os.kill(pid, signal.SIGKILL)
+        crasher.wait(pid)
         _after_kill_then_save(d, old, "save_safetensors")

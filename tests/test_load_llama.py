@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from dest_helpers import FFN, G, H, HIDDEN, LAYERS, VOCAB, SliceSource, hf_state
+from dest_helpers import LAYERS, SliceSource, hf_state
+from llama_helpers import llama_config, llama_tp_plan
 from multiproc import run_ranks
 
 import shardsync
@@ -16,32 +17,20 @@ import shardsync
 transformers = pytest.importorskip("transformers")
 
 
-def _config() -> object:
-    return transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=FFN,
-                                    num_hidden_layers=LAYERS, num_attention_heads=H, num_key_value_heads=G,
-                                    tie_word_embeddings=False)
-
-
 def _worker(rank: int, world: int, path: str) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import DTensor, Replicate
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.parallel import parallelize_module
 
     torch.manual_seed(rank)
-    model = transformers.LlamaForCausalLM(_config())
-    plan = {"model.embed_tokens": RowwiseParallel(input_layouts=Replicate()), "lm_head": ColwiseParallel()}
-    for i in range(LAYERS):
-        p = f"model.layers.{i}"
-        plan |= {f"{p}.self_attn.{x}_proj": ColwiseParallel() for x in "qkv"}
-        plan |= {f"{p}.mlp.{x}_proj": ColwiseParallel() for x in ("gate", "up")}
-        plan |= {f"{p}.self_attn.o_proj": RowwiseParallel(), f"{p}.mlp.down_proj": RowwiseParallel()}
-    parallelize_module(model, init_device_mesh("cpu", (world,)), plan)
+    model = transformers.LlamaForCausalLM(llama_config())
+    parallelize_module(model, init_device_mesh("cpu", (world,)), llama_tp_plan())
     params = dict(model.named_parameters())
     before = {k: (p.to_local() if isinstance(p, DTensor) else p).data_ptr() for k, p in params.items()}
     source = SliceSource(path)
     result = shardsync.load(model, source)
     local = {k: (p.to_local() if isinstance(p, DTensor) else p) for k, p in params.items()}
-    ref = transformers.LlamaForCausalLM(_config())
+    ref = transformers.LlamaForCausalLM(llama_config())
     ref.load_state_dict(shardsync.read_tensors(path))
     full = {k: (p.full_tensor() if isinstance(p, DTensor) else p).detach() for k, p in params.items()}
     return {"bad": [k for k, p in ref.named_parameters() if not torch.equal(full[k], p.detach())],

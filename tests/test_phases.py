@@ -1,25 +1,27 @@
 """The cross-rank phase wrappers: a failure on one rank is raised on every rank, naming the culprit.
 
-One spawn of 4 ranks runs every scenario in turn, each on a fresh group with a short timeout (a group
-whose collective failed is left behind); the scenario where a rank dies comes last.
+One spawn of 4 ranks runs every scenario in turn, each on a fresh group (a group whose collective
+failed is left behind); the scenario where a rank dies comes last. No scenario races a clock: a group
+is connected under a generous timeout; only where the peers must wait out a rank that does not come is
+it shortened (:func:`multiproc.short_wait_group`), and a rank told to fail records its failure before
+its peers start waiting.
 """
 
 from __future__ import annotations
 
-import datetime
 import os
 from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
-from multiproc import run_ranks_one_dies
+from multiproc import new_group, run_ranks_one_dies, short_wait_group
 
 from shardsync.dist import Agreed, abandon, agree, data_phase, transport_errors
 from shardsync.errors import DistributedError, PlanError
 from shardsync.roll_call import TransportFailure, is_transport_failure
 
-TIMEOUT = datetime.timedelta(seconds=2)  # how long a collective of a scenario waits for a peer
+SHORT_WAIT = 2  # seconds a collective waits for a peer that does not come
 
 
 def _caught(fn: Any) -> tuple:
@@ -55,25 +57,31 @@ def _scenarios(rank: int, world: int) -> dict[str, Any]:
         return rank
     out["raises"] = _caught(lambda: agree("check", bad))
 
-    tail = dist.new_group([1, 2, 3], timeout=TIMEOUT)  # group ranks 0..2 are global ranks 1..3
+    tail = new_group([1, 2, 3])  # group ranks 0..2 are global ranks 1..3; every member calls agree
     if rank > 0:
         out["tail"] = _caught(lambda: agree("check tail", lambda: bad() * 0, tail))
 
-    g = dist.new_group(timeout=TIMEOUT)
+    g = short_wait_group(SHORT_WAIT)
     if rank != 2:  # rank 2 never enters the phase
         out["missing"] = _caught(lambda: agree("gather layout", lambda: rank, g))
     dist.barrier()
 
-    g = dist.new_group(timeout=TIMEOUT)
-    if rank == 2:
+    g = short_wait_group(SHORT_WAIT)
+    if rank == 2:  # it says why it will not come before the others start waiting for it
         abandon("gather layout", g, PlanError("strategy 'bogus' is unknown"))
-    else:
+    dist.barrier()
+    if rank != 2:
         out["abandoned"] = _caught(lambda: agree("gather layout", lambda: rank, g))
     dist.barrier()
 
-    out["local RuntimeError"] = _caught(lambda: _moving(dist.new_group(timeout=TIMEOUT), rank, "copy"))
+    g = short_wait_group(SHORT_WAIT)
+    if rank == 1:  # fails (and records it) first; the others then wait out the one that left
+        out["local RuntimeError"] = _caught(lambda: _moving(g, rank, "copy"))
     dist.barrier()
-    out["dies"] = _caught(lambda: _moving(dist.new_group(timeout=TIMEOUT), rank, "die"))
+    if rank != 1:
+        out["local RuntimeError"] = _caught(lambda: _moving(g, rank, "copy"))
+    dist.barrier()
+    out["dies"] = _caught(lambda: _moving(new_group(), rank, "die"))  # found gone: nothing to wait out
     return out
 
 

@@ -24,7 +24,7 @@ from shardsync import save_hf
 from shardsync.cli import main
 from shardsync.errors import FormatError, MappingError
 from shardsync.files import FileStamp, check_unchanged, file_kind, open_regular, read_bounded
-from shardsync.io import read_layout
+from shardsync.sources import read_layout
 from shardsync.mapping import Mapping
 from shardsync.sources import DcpSource, open_source
 

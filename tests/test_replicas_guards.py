@@ -8,18 +8,10 @@ from __future__ import annotations
 import pytest
 import torch
 from multiproc import run_ranks
-from replicas_helpers import REPLICATED, TinyTP, fill
+from replicas_helpers import REPLICATED, TinyTP, fill, replica_error
 
 from shardsync.errors import ReplicaError
 from shardsync.replicas import ReplicaSync
-
-
-def _error(fn) -> tuple[str, str]:
-    try:
-        fn()
-    except ReplicaError as exc:
-        return ("ReplicaError", str(exc))
-    return ("no error", "")
 
 
 def test_a_second_sync_on_the_same_model_or_optimizer_is_refused() -> None:
@@ -46,7 +38,7 @@ def _sum_once(rank: int, world: int) -> dict:
     opt = torch.optim.SGD(model.parameters(), lr=0.0)
     sync = ReplicaSync(model, opt, grads="sum", params=None)
     handle = sync.attach()
-    refused = _error(lambda: ReplicaSync(model, opt, grads="sum", params=None).attach())
+    refused = replica_error(lambda: ReplicaSync(model, opt, grads="sum", params=None).attach())
     for p in model.parameters():
         p.grad = torch.ones_like(p)
     opt.step()
@@ -66,9 +58,9 @@ def _group_on_one_rank(rank: int, world: int) -> dict:
         opt.add_param_group({"params": [torch.zeros(3, requires_grad=True)]})
     for p in model.parameters():
         p.grad = torch.ones_like(p)
-    out = {"step": _error(opt.step)}
+    out = {"step": replica_error(opt.step)}
     opt.param_groups[1:] = []  # rank 1 takes it back: both agree again and the sync works
-    out["after"] = _error(sync.sync_grads)
+    out["after"] = replica_error(sync.sync_grads)
     return out
 
 

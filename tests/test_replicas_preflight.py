@@ -63,7 +63,7 @@ def _preflight_worker(rank: int, world: int) -> dict:
 
 
 def test_mismatches_raise_on_every_rank() -> None:
-    out = run_ranks(_preflight_worker, 2, timeout=60, group_timeout=10)
+    out = run_ranks(_preflight_worker, 2, timeout=240, group_timeout=10)
     assert out[0] == out[1]
     o = out[0]
     assert o["selection"][0] == "LayoutError"

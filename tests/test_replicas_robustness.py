@@ -10,24 +10,15 @@ import traceback
 import pytest
 import torch
 from multiproc import run_ranks
-from replicas_helpers import REPLICATED, H, TinyTP, fill, gather
+from replicas_helpers import REPLICATED, H, TinyTP, fill, gather, replica_error
 from torch import nn
 
-from shardsync.errors import ReplicaError
 from shardsync.paddle import add_extra_synchronization
 from shardsync.replicas import DEFAULT_WHAT, ReplicaSync, detect_drift, select_replicated, tp_sharding
 
 
 def _base(p: torch.Tensor, scale: float = 0.25) -> torch.Tensor:
     return ((torch.arange(p.numel(), dtype=torch.float32) % 11 - 5) * scale).reshape(p.shape)
-
-
-def _error(fn) -> tuple[str, str]:
-    try:
-        fn()
-    except ReplicaError as exc:
-        return ("ReplicaError", str(exc))
-    return ("no error", "")
 
 
 def _frozen(rank: int, world: int) -> dict:
@@ -37,8 +28,8 @@ def _frozen(rank: int, world: int) -> dict:
     model.norm.weight.requires_grad_(rank == 0)
     model.blocks[1].ln.bias.requires_grad_(rank == 1)
     opt = torch.optim.SGD(model.parameters(), lr=1.0)
-    out = {"sync": _error(lambda: ReplicaSync(model, opt, grads="mean")),
-           "paddle": _error(lambda: add_extra_synchronization(model, opt, sync_grad=True))}
+    out = {"sync": replica_error(lambda: ReplicaSync(model, opt, grads="mean")),
+           "paddle": replica_error(lambda: add_extra_synchronization(model, opt, sync_grad=True))}
     model.norm.weight.requires_grad_(True)
     model.blocks[1].ln.bias.requires_grad_(True)
     model.pos_embedding.requires_grad_(False)  # frozen on every rank: fine, and never stepped
@@ -120,7 +111,7 @@ def _mesh_as_group(rank: int, world: int) -> dict:
     model = TinyTP()
     opt = torch.optim.SGD(model.parameters())
     out["paddle"] = add_extra_synchronization(model, opt, mesh).world
-    out["no_tp_dim"] = _error(lambda: ReplicaSync(model, None, group=mesh3))
+    out["no_tp_dim"] = replica_error(lambda: ReplicaSync(model, None, group=mesh3))
     return out
 
 

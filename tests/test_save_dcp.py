@@ -12,6 +12,7 @@ from unittest import mock
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from crash_helpers import Crasher
 from multiproc import run_ranks
 from reference import arange_tensor
 
@@ -115,23 +116,22 @@ def test_path_that_is_a_file(tmp_path: Path) -> None:
         shardsync.save({"w": torch.zeros(2)}, tmp_path / "f")
 
 
+def save_killed_before(new: dict[str, torch.Tensor], path: Path, kill_before: str) -> None:
+    """Save, dying by SIGKILL just before the .metadata rename, or just after it (in a crash child)."""
+    def die(*args: object) -> None:
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    target = ("rename", dcp_writer._ReplacingFileSystem) if kill_before == "commit" else (
+        "_remove_old_generation", dcp_writer)
+    with mock.patch.object(target[1], target[0], die):
+        shardsync.save(new, path, overwrite=True)
+
+
 @pytest.mark.parametrize("kill_before", ["commit", "removal"])
-def test_killed_save_leaves_old_or_new(tmp_path: Path, kill_before: str) -> None:
+def test_killed_save_leaves_old_or_new(tmp_path: Path, kill_before: str, crasher: Crasher) -> None:
     old, new = {"w": arange_tensor((17, 3))}, {"w": arange_tensor((17, 3), start=1000)}
     shardsync.save(old, tmp_path)
-    pid = os.fork()
-    if pid == 0:  # the child dies by SIGKILL just before the .metadata rename, or just after it
-        def die(*args: object) -> None:
-            os.kill(os.getpid(), signal.SIGKILL)
-
-        target = ("rename", dcp_writer._ReplacingFileSystem) if kill_before == "commit" else (
-            "_remove_old_generation", dcp_writer)
-        try:
-            with mock.patch.object(target[1], target[0], die):
-                shardsync.save(new, tmp_path, overwrite=True)
-        finally:
-            os._exit(0)
-    _, status = os.waitpid(pid, 0)
+    status = crasher.run(save_killed_before, new, tmp_path, kill_before)
     assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL
     assert torch.equal(load_full(tmp_path, old)["w"], (old if kill_before == "commit" else new)["w"])
     assert len(list(tmp_path.glob("*.distcp"))) == 2  # both generations

@@ -13,7 +13,8 @@ from safetensors.torch import save_file
 
 import shardsync
 from shardsync.errors import FormatError, LayoutError
-from shardsync.io import read_layout, save_safetensors
+from shardsync.io import save_safetensors
+from shardsync.sources import read_layout
 from shardsync.layout.box import Box
 from shardsync.sources import SafetensorsSource, open_source
 

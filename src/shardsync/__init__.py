@@ -2,7 +2,8 @@
 
 Stream full (mapped) tensors out of sharded state (:func:`full_params`), write checkpoints (HuggingFace
 safetensors with :func:`save_hf`, torch DCP with :func:`save`) and read them, and keep tensor-parallel
-replicas in sync (:mod:`shardsync.replicas`).
+replicas in sync (:mod:`shardsync.replicas`). Paddle-compatible entry points live in
+:mod:`shardsync.paddle` only.
 """
 
 from __future__ import annotations
@@ -26,22 +27,21 @@ from .digests import VerifyReport, digest, verify
 from .exec.box_hash import tensor_digest
 from .errors import (DistributedError, DriftError, FormatError, LayoutError, LoadError, MappingError,
                      PlanError, ReplicaError, ShardsyncError, VerifyError)
-from .io import read_layout, read_tensors, save_safetensors
+from .io import save_safetensors
 from .io.save_hf import save_hf
 from .layout import Box, GlobalLayout, ShardedTensor, from_dtensor, shard_dim
 from .mapping import Mapping, TargetSpec, resolve
 from .mapping.explain import explain
-from .paddle import add_extra_synchronization, full_param
 from .planning import Plan
 from .replicas import DriftReport, ReplicaSync, detect_drift, select_replicated, watch_drift
-from .sources import from_megatron
+from .sources import from_megatron, read_layout, read_tensors
 from .stream import ParamStream, full_params, plan
 
 __all__ = ["Box", "GlobalLayout", "ShardedTensor", "from_dtensor", "shard_dim", "Mapping", "resolve",
            "explain", "full_params", "from_megatron", "plan", "Plan", "ParamStream", "TargetSpec",
-           "full_param", "save_safetensors", "read_layout",
+           "save_safetensors", "read_layout",
            "read_tensors", "select_replicated", "ReplicaSync", "detect_drift", "watch_drift",
-           "add_extra_synchronization", "DriftReport", "ShardsyncError", "MappingError", "LayoutError",
+           "DriftReport", "ShardsyncError", "MappingError", "LayoutError",
            "PlanError", "FormatError", "DistributedError", "ReplicaError", "DriftError", "save_hf", "save",
            "load", "reshard", "LoadResult", "LoadError", "digest", "verify", "VerifyReport",
            "VerifyError", "tensor_digest", "release"]
@@ -51,10 +51,22 @@ if TYPE_CHECKING:
     from .io.dcp_writer import save
 
 
+# Paddle-compatible names that were once exported here; they live in shardsync.paddle only (issue 18)
+_MOVED_TO_PADDLE = frozenset({"full_param", "add_extra_synchronization"})
+
+
 def __getattr__(name: str) -> Any:
     # torch.distributed.checkpoint (with DTensor) costs about a third of the import: load it on first use
     if name == "save":
         from .io.dcp_writer import save
 
         return save
+    if name in _MOVED_TO_PADDLE:
+        import warnings
+
+        from . import paddle
+
+        warnings.warn(f"shardsync.{name} is deprecated: import it from shardsync.paddle "
+                      f"(from shardsync.paddle import {name})", DeprecationWarning, stacklevel=2)
+        return getattr(paddle, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

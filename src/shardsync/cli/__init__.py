@@ -18,13 +18,10 @@ interrupted (Ctrl-C, one line).
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
-import signal
 import sys
-import threading
 import traceback
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Literal, TextIO
 
@@ -33,6 +30,7 @@ from ..layout.meta import GlobalLayout
 from ..mapping.explain import describe_targets
 from ..exec.memory import tune_allocator
 from ..sources import open_source
+from ..startup import noting_interrupts
 from .args import commands, parser
 from .common import (MappingFlags, command_logging, dtype_flag, parse_sets, size_flag, source_dir,
                      workers_flag)
@@ -183,36 +181,6 @@ _COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
     "plan": _plan, "diff": _diff, "explain": _explain, "verify": _verify}
 
 
-class _Interrupted:
-    """Whether SIGINT arrived while the command ran (truthy once it did)."""
-
-    def __init__(self) -> None:
-        self.seen = False
-
-    def __bool__(self) -> bool:
-        return self.seen
-
-
-@contextlib.contextmanager
-def _noting_interrupts() -> Iterator[_Interrupted]:
-    """Note SIGINT while the command runs (and raise KeyboardInterrupt, as Python's own handler does)."""
-    noted = _Interrupted()
-    if threading.current_thread() is not threading.main_thread() or \
-            signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
-        yield noted
-        return
-
-    def handler(signum: int, frame: object) -> None:
-        noted.seen = True
-        raise KeyboardInterrupt
-
-    signal.signal(signal.SIGINT, handler)
-    try:
-        yield noted
-    finally:
-        signal.signal(signal.SIGINT, signal.default_int_handler)
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``shardsync`` command; returns the exit status.
 
@@ -230,7 +198,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return exc.code if isinstance(exc.code, int) else 0
     command = args.command
     tune_allocator()  # this process owns its allocator: keep freed memory warm (docs/performance.md)
-    with command_logging(command, quiet=args.quiet, debug=args.debug), _noting_interrupts() as interrupted:
+    with command_logging(command, quiet=args.quiet, debug=args.debug), noting_interrupts() as interrupted:
         try:
             return _COMMANDS[command](args)
         except WorkerFailed as exc:

@@ -10,39 +10,30 @@ Exit status 0: equal (within ``--atol``); 1: they differ.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
 
 from ..layout.box import Box
 from ..layout.dtypes import dtype_name
-from ..sources import open_source
 from ..stream import full_params
-from .common import MappingFlags, layout_of, progress_bar, source_dir
-from .table import Row, fold, json_text
+from .common import layout_of, progress_bar
+from .table import SHOWN, Comparison, Row, fold, folded_list
 
 __all__ = ["DiffConfig", "DiffReport", "TensorDiff", "compare", "max_abs_diff", "run_diff"]
 
 #: Elements compared at once (bounds the temporaries of the comparison).
 CHUNK_ELEMENTS = 1 << 22
-#: Differences listed in the text output (``--json`` lists all).
-SHOWN = 20
 
 
 @dataclass(frozen=True)
-class DiffConfig:
+class DiffConfig(Comparison):
     """``shardsync diff``: the two checkpoints, the mapping applied to ``a``, the tolerance."""
 
-    a: Path
-    b: Path
-    flags: MappingFlags = MappingFlags()
     atol: float = 0.0
     ignore_dtype: bool = False
     memory_budget: int | None = None
-    as_json: bool = False
     progress: bool = True
 
 
@@ -104,8 +95,7 @@ def compare(cfg: DiffConfig) -> DiffReport:
     Raises:
         FormatError: either path is not a checkpoint; MappingError: the mapping does not fit ``a``.
     """
-    source_a, source_b = open_source(cfg.a), open_source(cfg.b)
-    mapping, resolved = cfg.flags.resolve(layout_of(source_a), source_dir(cfg.a))
+    source_a, source_b, mapping, resolved = cfg.open()
     targets = {t.name: t for t in resolved}
     layout_b = layout_of(source_b)
     report = DiffReport(sorted(set(targets) - set(layout_b.keys())),
@@ -139,17 +129,13 @@ def _one(name: str, a: torch.Tensor, shape_b: tuple[int, ...], dtype_b: str, b: 
     return TensorDiff(name, status, tuple(a.shape), shape_b, dtype_a, dtype_b, worst)
 
 
-def _folded(names: Iterable[str]) -> str:
-    return ", ".join(f[0] for f, _ in fold([Row((n,)) for n in names]))
-
-
 def _number(x: float | None) -> Any:
     return x if x is None or math.isfinite(x) else "inf"
 
 
 def document(report: DiffReport, cfg: DiffConfig) -> dict[str, Any]:
     """The JSON document ``diff --json`` prints."""
-    return {"a": str(cfg.a), "b": str(cfg.b), "equal": report.equal, "atol": cfg.atol,
+    return {**cfg.header(), "equal": report.equal, "atol": cfg.atol,
             "only_in_a": report.only_in_a, "only_in_b": report.only_in_b,
             "tensors": {t.name: {"status": t.status, "shape_a": list(t.shape_a), "shape_b": list(t.shape_b),
                                  "dtype_a": t.dtype_a, "dtype_b": t.dtype_b,
@@ -177,9 +163,9 @@ def text(report: DiffReport, cfg: DiffConfig) -> str:
     """The lines ``diff`` prints."""
     lines = []
     if report.only_in_a:
-        lines.append(f"only in A ({len(report.only_in_a)}): {_folded(report.only_in_a)}")
+        lines.append(f"only in A ({len(report.only_in_a)}): {folded_list(report.only_in_a)}")
     if report.only_in_b:
-        lines.append(f"only in B ({len(report.only_in_b)}): {_folded(report.only_in_b)}")
+        lines.append(f"only in B ({len(report.only_in_b)}): {folded_list(report.only_in_b)}")
     differ = [t for t in report.tensors if t.status != "equal"]
     found = _lines(differ, cfg.atol)
     lines += found[:SHOWN]
@@ -199,5 +185,4 @@ def text(report: DiffReport, cfg: DiffConfig) -> str:
 def run_diff(cfg: DiffConfig) -> tuple[str, int]:
     """What ``shardsync diff`` prints, and its exit status (0 equal, 1 different)."""
     report = compare(cfg)
-    out = json_text(document(report, cfg)) if cfg.as_json else text(report, cfg)
-    return out, 0 if report.equal else 1
+    return cfg.output(lambda: document(report, cfg), lambda: text(report, cfg)), 0 if report.equal else 1

@@ -4,19 +4,29 @@ their layer number (and ``layers.{0..31}.experts.{0..7}.w`` for a full grid of t
 A number is a whole dot-separated component of a name (``layers.3.w``; not ``fc1`` nor ``w_0``).
 Numbers that move together in one row's names (a target and the source it is built from, even when
 they are offset, as pipeline stages renumber layers) fold together.
+
+The two commands that compare checkpoints name by name (``diff``, ``verify``) share their config
+(:class:`Comparison`) and their folded name lists (:func:`folded_list`, at most :data:`SHOWN` a line).
 """
 
 from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
+from ..mapping import Mapping, TargetSpec
+from ..sources import Source, open_source
+from .common import MappingFlags, layout_of, source_dir
 from .messages import printable
 
-__all__ = ["Row", "fold", "render", "render_ints", "json_text"]
+__all__ = ["Row", "fold", "render", "render_ints", "json_text", "SHOWN", "folded_list", "Comparison"]
+
+#: Names (or lines) listed in a text output before "... more" (``--json`` lists all).
+SHOWN = 20
 
 _NUMBER = re.compile(r"(?:(?<=\.)|^)\d+(?=\.|$)")
 
@@ -195,3 +205,51 @@ def json_text(doc: object) -> str:
         return "[" + ", ".join(x.strip() for x in (m[1] or "").split(",") if x.strip()) + "]"
 
     return _NUMBER_LIST.sub(one_line, text)
+
+
+def folded_list(names: Iterable[str], shown: int = SHOWN) -> str:
+    """Names folded by their numbers, comma-separated, the first ``shown`` of them.
+
+    Example:
+        >>> folded_list(["norm", *(f"layers.{i}.w" for i in range(4))])
+        'layers.{0..3}.w, norm'
+        >>> folded_list(["a", "b", "c"], shown=2)
+        'a, b, ... (1 more)'
+    """
+    folded = [names[0] for names, _ in fold([Row((n,)) for n in names])]
+    more = f", ... ({len(folded) - shown} more)" if len(folded) > shown else ""
+    return ", ".join(folded[:shown]) + more
+
+
+@dataclass(frozen=True)
+class Comparison:
+    """Two checkpoints compared name by name, ``a`` through a mapping (the config of ``diff`` and
+    ``verify``; each adds its own options).
+
+    Example:
+        >>> Comparison(Path("a"), Path("b")).header()
+        {'a': 'a', 'b': 'b'}
+    """
+
+    a: Path
+    b: Path
+    flags: MappingFlags = MappingFlags()
+    as_json: bool = False
+
+    def open(self) -> tuple[Source, Source, Mapping | None, list[TargetSpec]]:
+        """Both sources, and the mapping with the targets it gives over ``a``.
+
+        Raises:
+            FormatError: either path is not a checkpoint; MappingError: the mapping does not fit ``a``.
+        """
+        source_a, source_b = open_source(self.a), open_source(self.b)
+        mapping, targets = self.flags.resolve(layout_of(source_a), source_dir(self.a))
+        return source_a, source_b, mapping, targets
+
+    def header(self) -> dict[str, Any]:
+        """The paths, as the JSON documents start."""
+        return {"a": str(self.a), "b": str(self.b)}
+
+    def output(self, document: Callable[[], object], text: Callable[[], str]) -> str:
+        """``document()`` as JSON with ``--json``, else ``text()``."""
+        return json_text(document()) if self.as_json else text()

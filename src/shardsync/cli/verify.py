@@ -11,41 +11,23 @@ how much they differ.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from ..digests import VerifyReport, verify
-from ..sources import open_source
-from .common import MappingFlags, layout_of, source_dir
-from .table import Row, fold, json_text
+from .table import Comparison, folded_list
 
 __all__ = ["VerifyConfig", "run_verify", "document", "text"]
 
-#: Names listed per line in the text output (``--json`` lists all).
-SHOWN = 20
-
 
 @dataclass(frozen=True)
-class VerifyConfig:
-    """``shardsync verify``: the two checkpoints and the mapping applied to ``a``."""
-
-    a: Path
-    b: Path
-    flags: MappingFlags = MappingFlags()
-    as_json: bool = False
-
-
-def _folded(names: Iterable[str]) -> str:
-    folded = [f[0] for f, _ in fold([Row((n,)) for n in names])]
-    more = f", ... ({len(folded) - SHOWN} more)" if len(folded) > SHOWN else ""
-    return ", ".join(folded[:SHOWN]) + more
+class VerifyConfig(Comparison):
+    """``shardsync verify``: the two checkpoints and the mapping applied to ``a`` (no options of its own)."""
 
 
 def document(report: VerifyReport, cfg: VerifyConfig) -> dict[str, Any]:
     """The JSON document ``verify --json`` prints: ``ok``, and per tensor its status and digests."""
-    return {"a": str(cfg.a), "b": str(cfg.b), **json.loads(report.to_json())}
+    return {**cfg.header(), **json.loads(report.to_json())}
 
 
 def text(report: VerifyReport) -> str:
@@ -54,7 +36,7 @@ def text(report: VerifyReport) -> str:
     for what, names in (("different", report.different), ("only in A", report.only_a),
                         ("only in B", report.only_b)):
         if names:
-            lines.append(f"{what} ({len(names)}): {_folded(names)}")
+            lines.append(f"{what} ({len(names)}): {folded_list(names)}")
     if report.ok:
         lines.append(f"equal: {len(report.equal)} tensors, every digest matches")
     else:
@@ -69,8 +51,6 @@ def run_verify(cfg: VerifyConfig) -> tuple[str, int]:
     Raises:
         FormatError: either path is not a checkpoint; MappingError: the mapping does not fit ``a``.
     """
-    source_a, source_b = open_source(cfg.a), open_source(cfg.b)
-    mapping, _ = cfg.flags.resolve(layout_of(source_a), source_dir(cfg.a))
+    source_a, source_b, mapping, _ = cfg.open()
     report = verify(source_a, source_b, mapping)
-    out = json_text(document(report, cfg)) if cfg.as_json else text(report)
-    return out, 0 if report.ok else 1
+    return cfg.output(lambda: document(report, cfg), lambda: text(report)), 0 if report.ok else 1

@@ -5,7 +5,15 @@
 * :func:`add_extra_synchronization` - Paddle's tensor-parallel extra synchronization, on
   :class:`~shardsync.replicas.ReplicaSync`; :func:`paddle_filter` applies Paddle's selection rules.
 
-``full_param`` and ``add_extra_synchronization`` are also importable from :mod:`shardsync` itself.
+They live here only: ``full_param`` is one letter from :func:`shardsync.full_params`, so the top level
+does not export it. ``shardsync.full_param`` and ``shardsync.add_extra_synchronization`` still resolve,
+with a :class:`DeprecationWarning` naming this module.
+
+Example:
+    >>> from shardsync.paddle import full_param
+    >>> full_param.__module__
+    'shardsync.paddle.stream'
+
 """
 
 from __future__ import annotations

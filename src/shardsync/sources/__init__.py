@@ -4,7 +4,9 @@ In-memory state (:class:`LocalSource`), Hugging Face safetensors checkpoints
 (:class:`SafetensorsSource`), torch Distributed Checkpoints (:class:`DcpSource`), Megatron
 ``dist_checkpointing`` checkpoints (:class:`MegatronDistSource`, per layer), and block-FP8 weights
 read as values (:class:`Fp8Source`);
-:func:`open_source` picks one for a state dict, a Source or a path.
+:func:`open_source` picks one for a state dict, a Source or a path. Whole-checkpoint reads of small
+safetensors checkpoints: :func:`read_layout`, :func:`read_tensors` and :func:`checkpoint_files`
+(:mod:`shardsync.sources.safetensors_reader`). Writers live in :mod:`shardsync.io`.
 """
 
 from __future__ import annotations
@@ -18,7 +20,8 @@ from .megatron import from_megatron
 from .megatron_dist import MegatronDistSource
 from .open import SourceLike, assign_boxes, open_source, spread
 from .safetensors import SafetensorsSource
+from .safetensors_reader import checkpoint_files, read_layout, read_tensors
 
 __all__ = ["Source", "LocalSource", "SafetensorsSource", "DcpSource", "MegatronDistSource", "SourceLike",
            "open_source", "assign_boxes", "spread", "from_megatron", "Fp8Source", "dequantized",
-           "QuantizedSource"]
+           "QuantizedSource", "checkpoint_files", "read_layout", "read_tensors"]

@@ -11,8 +11,8 @@ import os
 import torch
 
 from ..layout.meta import GlobalLayout
-from ..sources.safetensors import SafetensorsSource
-from ..sources.safetensors_files import checkpoint_files
+from .safetensors import SafetensorsSource
+from .safetensors_files import checkpoint_files
 
 __all__ = ["checkpoint_files", "read_layout", "read_tensors"]
 
