@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from .. import phases
 from ..dist import agree
 from ..errors import VerifyError
 from ..exec.box_hash import MASK, box_sum
@@ -19,18 +20,18 @@ from ..exec.digests import local_sums, owners, plan_parts
 from ..layout.box import Box
 from ..planning import Plan
 from ..sources import Source
-from .state import Destination
+from .state import Shards
 
 __all__ = ["check_written", "VERIFY_PHASE"]
 
 #: The agreed phase that compares the written boxes with the source's.
-VERIFY_PHASE = "verify"
+VERIFY_PHASE = phases.VERIFY
 
 #: Most mismatching boxes an error lists (it names every tensor).
 _LISTED = 20
 
 
-def _sums(plan: Plan, boxes: Sequence[tuple[str, Box]], source: Source, dest: Destination,
+def _sums(plan: Plan, boxes: Sequence[tuple[str, Box]], source: Source, dest: Shards,
           rank: int) -> tuple[list[int], dict[int, int]]:
     """This rank's share of the source sums per plan target, and the sums of the boxes it holds."""
     sent = local_sums(plan_parts(plan), plan.reads, owners(plan.reads, plan.world_size), source, rank,
@@ -40,7 +41,7 @@ def _sums(plan: Plan, boxes: Sequence[tuple[str, Box]], source: Source, dest: De
     return sent, written
 
 
-def check_written(plan: Plan, boxes: Sequence[tuple[str, Box]], source: Source, dest: Destination,
+def check_written(plan: Plan, boxes: Sequence[tuple[str, Box]], source: Source, dest: Shards,
                   rank: int, group: Any) -> None:
     """Compare every destination box the plan wrote with the source's values for it; on every rank.
 

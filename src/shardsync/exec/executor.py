@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from .. import phases
 from ..dist import data_phase
 from ..layout.dtypes import to_torch_dtype
 from ..mapping.pieces import Piece
@@ -39,7 +40,7 @@ __all__ = ["execute", "STREAM_PHASE"]
 log = logging.getLogger(__name__)
 
 #: Name of the data phase, as it appears in errors.
-STREAM_PHASE = "stream"
+STREAM_PHASE = phases.STREAM
 
 
 def _step_tag(k: int) -> int:
