@@ -16,7 +16,7 @@ from __future__ import annotations
 from types import MappingProxyType
 from typing import Final
 
-__all__ = ["PHASES", "CHECK", "GATHER", "PLAN", "STREAM", "LOAD", "RESHARD", "SAVE_DCP", "DIGEST",
+__all__ = ["PHASES", "CHECK", "GATHER", "PLAN", "STREAM", "LOAD", "RESHARD", "DIGEST",
            "RECEIVED", "VERIFY", "DIGEST_GATHER", "SHM_PUBLISH", "SHM_OPEN", "SAVE_HF_CHECK",
            "SAVE_HF_MOVE", "SAVE_HF_WRITE", "SAVE_HF_COMMIT", "DCP_CHECK", "DCP_VALIDATE",
            "DCP_REMOVE_OLD", "SAVE_DCP_CHECK",
@@ -32,7 +32,6 @@ PHASES: Final = MappingProxyType({
     "STREAM": "stream",
     "LOAD": "load",
     "RESHARD": "reshard",
-    "SAVE_DCP": "save_dcp",
     # checks of what moved
     "DIGEST": "digest",
     "RECEIVED": "verify received",
@@ -66,7 +65,6 @@ PLAN: Final = PHASES["PLAN"]
 STREAM: Final = PHASES["STREAM"]
 LOAD: Final = PHASES["LOAD"]
 RESHARD: Final = PHASES["RESHARD"]
-SAVE_DCP: Final = PHASES["SAVE_DCP"]
 DIGEST: Final = PHASES["DIGEST"]
 RECEIVED: Final = PHASES["RECEIVED"]
 VERIFY: Final = PHASES["VERIFY"]

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import os
 import time
 import weakref
 from collections.abc import Callable, Hashable, Iterator, Sequence
@@ -48,7 +49,7 @@ from .mapping import MappingLike
 from .options import Options
 from .planning import Plan, PlanOptions
 from .planning.mesh import Topology, build_topology
-from .sources import Source, SourceLike, open_source, spread
+from .sources import FileSource, Source, SourceLike, open_path, open_source, spread
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -172,6 +173,12 @@ class Prepared:
     rank: int
     device: torch.device
     seconds: float
+    files: FileSource | None = None  # the source this call opened from a path: closed with the call
+
+    def close(self) -> None:
+        """Close the files this call opened (a no-op for a source the caller passed)."""
+        if self.files is not None:
+            self.files.close()
 
 
 class _RankLayout(NamedTuple):
@@ -189,6 +196,11 @@ class _RankLayout(NamedTuple):
 class _Opened(NamedTuple):
     source: Source
     layout: _RankLayout
+    files: FileSource | None  # opened here from a path: closed when the call ends
+
+    def close(self) -> None:
+        if self.files is not None:
+            self.files.close()
 
 
 class _Last(NamedTuple):
@@ -227,7 +239,8 @@ def release_plans() -> None:
 
 
 def _open(call: Call, ranks: GroupRanks | None) -> _Opened:
-    source = call.destination.adapt(open_source(call.source, call.options.replica_check))
+    files = open_path(call.source) if isinstance(call.source, (str, os.PathLike)) else None
+    source = call.destination.adapt(files or open_source(call.source, call.options.replica_check))
     if ranks is not None and call.destination.spreads:
         source = spread(source, ranks.rank, ranks.world)
     backend = call.options.plan.backend
@@ -238,7 +251,7 @@ def _open(call: Call, ranks: GroupRanks | None) -> _Opened:
     if call.groups is not None:  # a single process is a 1 x 1 mesh
         place = local_mesh_info(call.groups, ranks) if ranks is not None else MeshPlace((0,), (0,))
     layout = _RankLayout(tuple(source.entries()), tuple(call.destination.entries()), place, host)
-    return _Opened(source, layout)
+    return _Opened(source, layout, files)
 
 
 def _inputs(call: Call, layout: _RankLayout) -> Any:
@@ -318,21 +331,27 @@ def prepare(call: Call) -> Prepared:
     planned: Planned | None = None
     hosts: list[HostChoice] = []
     last = _last.get(_group_key(call.group)) if ranks is not None else None
-    if ranks is not None and last is not None:
-        planned, hosts = _fast_path(call, ranks, opened, inputs, last)
-    if planned is None or opened is None:
-        gathered = agree(phases.GATHER, lambda: opened if opened is not None else _open(call, ranks), call.group,
-                         share=lambda o: o.layout, unanimous=True)
-        opened = gathered.mine
-        hosts = hosts or [r.host for r in gathered.all if r.host is not None]
-        planned = _agree_on_plan(gathered.all, call)
-        if ranks is not None:  # on every rank, so that every rank takes the same path next time
-            _last[_group_key(call.group)] = _Last(inputs, planned, _replicated(gathered.all))
-    backend = call.options.plan.backend
-    chosen = choose_transport(planned.plan, ranks, call.groups, hosts, backend, call.options.plan.memory_budget)
+    try:
+        if ranks is not None and last is not None:
+            planned, hosts = _fast_path(call, ranks, opened, inputs, last)
+        if planned is None or opened is None:
+            gathered = agree(phases.GATHER, lambda: opened if opened is not None else _open(call, ranks),
+                             call.group, share=lambda o: o.layout, unanimous=True)
+            opened = gathered.mine
+            hosts = hosts or [r.host for r in gathered.all if r.host is not None]
+            planned = _agree_on_plan(gathered.all, call)
+            if ranks is not None:  # on every rank, so that every rank takes the same path next time
+                _last[_group_key(call.group)] = _Last(inputs, planned, _replicated(gathered.all))
+        backend = call.options.plan.backend
+        chosen = choose_transport(planned.plan, ranks, call.groups, hosts, backend,
+                                  call.options.plan.memory_budget)
+    except BaseException:
+        if opened is not None:
+            opened.close()
+        raise
     return Prepared(call, planned, chosen.plan, opened.source, chosen.transport, chosen.kind,
                     ranks.rank if ranks is not None else 0, run_device(backend, opened.source),
-                    time.perf_counter() - start)
+                    time.perf_counter() - start, opened.files)
 
 
 def execute_into(prepared: Prepared, stats: Stats) -> Iterator[tuple[str, torch.Tensor]]:
@@ -358,11 +377,17 @@ def run(call: Call, sink: Sink[R]) -> R:
     """
     try:
         prepared = prepare(call)
+    except BaseException:
+        sink.abort()
+        raise
+    try:
         sink.start(prepared)
         stats = Stats()
         for name, tensor in execute_into(prepared, stats):
             sink.take(name, tensor)
     except BaseException:
         sink.abort()
+        prepared.close()
         raise
+    prepared.close()  # every read is done; the sink may still write (and commit)
     return sink.finish(prepared, stats)

@@ -29,7 +29,7 @@ from .layout.meta import LayoutEntry
 from .mapping import Mapping as ParsedMapping
 from .mapping import MappingLike, resolve
 from .options import Options
-from .pipeline import Call, Planned, execute_into, first_phase, prepare
+from .pipeline import Call, Planned, Prepared, execute_into, first_phase, prepare
 from .planning import (DEFAULT_BUCKET_BYTES, DEFAULT_MESH_THRESHOLD_BYTES, Plan, PlanOptions, SplitBy,
                        StrategyChoice, build_plan)
 from .planning.mesh import Topology
@@ -170,6 +170,13 @@ class ParamStream:
     def _run(self) -> Generator[tuple[str, torch.Tensor], None, None]:
         prepared = prepare(self._call)
         self.plan = prepared.plan
+        try:
+            yield from self._targets(prepared)
+        finally:
+            prepared.close()  # the files it opened from a path
+        log.debug("full_params done: %s", self.stats.summary())
+
+    def _targets(self, prepared: Prepared) -> Generator[tuple[str, torch.Tensor], None, None]:
         targets = execute_into(prepared, self.stats)
         group = self._call.group
         if self._call.options.verify:
@@ -187,7 +194,6 @@ class ParamStream:
         except GeneratorExit:
             self._finish(targets, taken, prepared.rank)
             raise
-        log.debug("full_params done: %s", self.stats.summary())
 
     def _finish(self, targets: Iterator[tuple[str, torch.Tensor]], taken: int, rank: int) -> None:
         """The caller left before the end: run the remaining steps (collectives) anyway, so no peer is
@@ -307,4 +313,6 @@ def plan(state: SourceLike, mapping: MappingLike | None = None, *,
         >>> p.strategy, p.order
         ('bucketed', ('b', 'w'))
     """
-    return prepare(_call(state, mapping, group, mesh, consumers, **options)).plan
+    prepared = prepare(_call(state, mapping, group, mesh, consumers, **options))
+    prepared.close()
+    return prepared.plan

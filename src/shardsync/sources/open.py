@@ -21,7 +21,7 @@ from ..layout.box import Box
 from ..layout.dtypes import itemsize
 from ..layout.meta import LayoutEntry
 from ..layout.sharded import StateValue
-from .base import Source
+from .base import FileSource, Source
 from .dcp import METADATA_FILE, DcpSource
 from .fingerprint import ReplicaCheck
 from .local import LocalSource
@@ -29,7 +29,7 @@ from .modules import state_of
 from .megatron_dist import MegatronDistSource, is_megatron_dist
 from .safetensors import SafetensorsSource
 
-__all__ = ["SourceLike", "open_source", "assign_boxes", "spread", "SpreadSource"]
+__all__ = ["SourceLike", "open_source", "open_path", "assign_boxes", "spread", "SpreadSource"]
 
 #: What every verb reads from: a state dict, a module (its state dict), a Source, a checkpoint path, or
 #: None (nothing on this rank).
@@ -57,7 +57,7 @@ def open_source(x: SourceLike, replica_check: ReplicaCheck = "sampled") -> Sourc
         'LocalSource'
     """
     if isinstance(x, (str, os.PathLike)):
-        return _open_path(Path(x))
+        return open_path(x)
     if x is None or isinstance(x, (Mapping, torch.nn.Module)):
         return LocalSource(state_of(x, "the source"), replica_check)
     if isinstance(x, Source):
@@ -66,7 +66,20 @@ def open_source(x: SourceLike, replica_check: ReplicaCheck = "sampled") -> Sourc
                       f"(e.g. SafetensorsSource, DcpSource), an nn.Module, or a path to {_WHAT}")
 
 
-def _open_path(p: Path) -> Source:
+def open_path(path: str | os.PathLike) -> FileSource:
+    """The source of the checkpoint at ``path``, by its format (see :func:`open_source`); the caller
+    closes it when done.
+
+    Raises:
+        FormatError: ``path`` does not exist or is not a checkpoint (the message says what is).
+
+    Example:
+        >>> open_path("/nonexistent")
+        Traceback (most recent call last):
+        ...
+        shardsync.errors.FormatError: /nonexistent does not exist
+    """
+    p = Path(path)
     if p.is_dir():
         if is_megatron_dist(p):
             return MegatronDistSource(p)
