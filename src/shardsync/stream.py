@@ -92,9 +92,10 @@ def _call(state: Any, mapping: MappingLike | None, group: ProcessGroup | None, m
         raise PlanError(f"global rank {torch.distributed.get_rank()} is not in the group it passed; call "
                         "this on the group's ranks only")
     try:
-        if not isinstance(state, (Mapping, Source, str, os.PathLike, torch.nn.Module)):
+        if state is not None and not isinstance(state, (Mapping, Source, str, os.PathLike, torch.nn.Module)):
             raise LayoutError(f"state must be a mapping of names to tensors, a Source, a module or a "
-                              f"checkpoint path, got {type(state).__name__}; pass model.state_dict() or a dict")
+                              f"checkpoint path, got {type(state).__name__}; pass model.state_dict() or a dict "
+                              "(None: nothing on this rank)")
         groups = mesh_groups(mesh) if mesh is not None else None
         opts = Options.of(group, meshed=mesh is not None, consumers=_consumer_ranks(consumers), **options)
     except ShardsyncError as exc:
@@ -223,7 +224,7 @@ def full_params(state: SourceLike, mapping: MappingLike | None = None, *,
     Args:
         state: this rank's state dict (values are tensors (full or replicated), ShardedTensor, DTensor,
             or lists of ShardedTensor; keys are strings), an ``nn.Module`` (its tensors, read in
-            place), a :class:`~shardsync.sources.Source`, or a checkpoint path (safetensors file or directory,
+            place), a :class:`~shardsync.sources.Source`, None (nothing on this rank), or a checkpoint path (safetensors file or directory,
             or torch DCP directory; see :func:`~shardsync.sources.open_source`). Every rank of a
             group sees a checkpoint's files: each reads its own share of the boxes.
         mapping: None (every source is a target) or a mapping program (statements, text, dict, path).
