@@ -236,3 +236,27 @@ def test_a_quantised_weight_and_its_scales_keep_one_writer() -> None:
     assert files.files == (("a.weight",), ("a.weight_scale_inv", "b.bias"), ("c.bias",))
     assert files.writers == (0, 0, 1)
 
+
+
+# -- sources the verbs open, they close ----------------------------------------------------------------
+
+def test_a_checkpoint_opened_from_a_path_is_closed_by_the_verb(tmp_path: Path,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    from shardsync.sources import SafetensorsSource
+
+    shardsync.save_hf({"w": arange_tensor((4, 3)), "b": arange_tensor((5,))}, tmp_path / "ck")
+    closed: list[str] = []
+    real = SafetensorsSource.close
+    monkeypatch.setattr(SafetensorsSource, "close", lambda self: (closed.append("x"), real(self))[1])
+    assert [n for n, _ in shardsync.full_params(tmp_path / "ck")] == ["b", "w"] and len(closed) == 1
+    stream = shardsync.full_params(tmp_path / "ck")
+    for _ in stream:
+        break
+    stream.close()  # left early: closed all the same
+    assert len(closed) == 2
+    shardsync.load({"w": torch.zeros(4, 3), "b": torch.zeros(5)}, tmp_path / "ck")
+    shardsync.plan(tmp_path / "ck")
+    assert len(closed) == 4
+    source = SafetensorsSource(tmp_path / "ck")  # a source the caller opened is the caller's to close
+    _ = [t for _, t in shardsync.full_params(source)]
+    assert len(closed) == 4
