@@ -82,6 +82,11 @@ class Destination(Protocol):
     4. ``into(planned)`` once before data moves: the memory target ``t`` is written into, or None for
        fresh memory (yielded to the consumer).
 
+    The verbs' destinations: :class:`~shardsync.stream.ToConsumers` (``full_params``, ``plan``),
+    :class:`~shardsync.destinations.InPlace` (``load``, ``reshard``), and the sinks
+    :class:`~shardsync.io.save_hf.Files` (``save_hf``) and :class:`~shardsync.io.save_dcp.DcpFiles`
+    (``save_dcp``).
+
     Attributes:
         phase: the name of the data phase (:mod:`shardsync.phases`).
         spreads: True: a source every rank sees (files) is read once, each rank its share of the
