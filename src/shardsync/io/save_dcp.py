@@ -102,12 +102,16 @@ class DcpFiles(ToConsumers):
             self.bar.update(sum(t.numel() * t.element_size() for _, t in pieces))
 
     def finish(self, prepared: Prepared, stats: Stats) -> Metadata:
-        self.abort()  # the bar: the stream is done
+        self._close_bar()  # the stream is done
         from .dcp_writer import save  # local: torch.distributed.checkpoint is slow to import
 
         return save(self.state, self.path, group=prepared.call.group, overwrite=self.overwrite)
 
     def abort(self) -> None:
+        self.state.clear()
+        self._close_bar()
+
+    def _close_bar(self) -> None:
         if self.bar is not None:
             self.bar.close()
             self.bar = None
