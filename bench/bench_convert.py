@@ -158,7 +158,7 @@ def route_shardsync_mapped(ckpt: str, out: str) -> float:
 def _shardsync_rank(rank: int, ckpt: str, out: str, max_shard_size: str) -> float:
     import shardsync
 
-    return _timed(rank, lambda: shardsync.save_hf(ckpt, out, max_shard_size=max_shard_size))
+    return _timed(rank, lambda: shardsync.save_hf(ckpt, out, max_file_size=max_shard_size))
 
 
 def route_shardsync_2ranks(ckpt: str, out: str) -> float:

@@ -61,7 +61,7 @@ class Checkpoints:
 def build(root: Path) -> Checkpoints:
     s = state()
     shardsync.save_hf(s, root / "single")
-    shardsync.save_hf(s, root / "sharded", max_shard_size=400)
+    shardsync.save_hf(s, root / "sharded", max_file_size=400)
     tp = {k: [shard_dim(v, 0, r, 2) for r in range(2)] if v.ndim == 2 else v for k, v in s.items()}
     shardsync.save(tp, root / "dcp")
     (root / "m.txt").write_text(MAPPING)

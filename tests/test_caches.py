@@ -15,9 +15,8 @@ from multiproc import new_group, run_ranks
 
 import shardsync
 from shardsync import LayoutError, PlanError, full_params, reshard, shard_dim
-from shardsync.destinations import transfer
 from shardsync.exec import multicast, registry, shm
-from shardsync import stream as stream_module
+from shardsync import pipeline
 
 
 def _source(rank: int) -> dict:
@@ -51,14 +50,13 @@ def _fast_path_and_caches(rank: int, world: int, store: str) -> dict:
     dist.destroy_process_group()
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=60))
-    out["fresh slot"] = transfer._last.get(dist.distributed_c10d._get_default_group()) is None
+    out["fresh slot"] = pipeline._last.get(dist.distributed_c10d._get_default_group()) is None
     dst = _dest()
     out["exact after re-init"] = _exact(dst) if reshard(src, dst) and _exact(dst) else False
     _ = [t for _, t in full_params(src, strategy="broadcast")]
     shardsync.release()
-    out["released"] = (len(transfer._last), len(multicast._subgroups), len(shm._caches),
-                       len(registry._shm_plans), stream_module._planned.cache_info().currsize,
-                       transfer._prepare.cache_info().currsize)
+    out["released"] = (len(pipeline._last), len(multicast._subgroups), len(shm._caches),
+                       len(registry._shm_plans), pipeline._planned.cache_info().currsize)
     return out
 
 
@@ -70,14 +68,14 @@ def test_fast_path_checks_replicas_and_caches_follow_the_group() -> None:
         assert o["fast"] and o["exact"] and o["fresh slot"] and o["exact after re-init"], (rank, o)
         assert o["drift"].startswith("replicas differ:\n  'norm': ranks [0] vs ranks [1] hold box [0:5] with "
                                     "different values"), (rank, o["drift"])
-        assert o["released"] == (0, 0, 0, 0, 0, 0), rank
+        assert o["released"] == (0, 0, 0, 0, 0), rank
 
 
 def test_release_in_a_single_process() -> None:
     _ = [t for _, t in full_params({"w": torch.zeros(3)}, "w -> v")]
-    assert stream_module._planned.cache_info().currsize > 0
+    assert pipeline._planned.cache_info().currsize > 0
     shardsync.release()
-    assert stream_module._planned.cache_info().currsize == 0
+    assert pipeline._planned.cache_info().currsize == 0
 
 
 def _on_a_subgroup(rank: int, world: int) -> dict[str, object]:

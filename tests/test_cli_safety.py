@@ -78,7 +78,7 @@ def test_convert_keeps_an_index_less_set(ck: Checkpoints, tmp_path: Path,
                                          capsys: pytest.CaptureFixture[str]) -> None:
     old = {f"w{i}": arange_tensor((17,), start=100 * i) for i in range(5)}
     out = tmp_path / "out"
-    shardsync.save_hf(old, out, max_shard_size=150)
+    shardsync.save_hf(old, out, max_file_size=150)
     (out / "model.safetensors.index.json").unlink()
     before = snapshot(out)
     status, line = one_line(capsys, ["convert", str(ck.single), str(out)])
@@ -225,7 +225,7 @@ def corrupt(tmp_path_factory: pytest.TempPathFactory) -> Path:
     _dcp_variant(r, "missing_chunk", _edit_metadata(_drop_chunk))
     _dcp_variant(r, "past_end", _edit_metadata(_offset_past_end))
     _dcp_variant(r, "missing_file", lambda d, files: files[0].unlink())
-    shardsync.save_hf({"w": arange_tensor((17,)), "v": arange_tensor((7,))}, r / "deep_index", max_shard_size=40)
+    shardsync.save_hf({"w": arange_tensor((17,)), "v": arange_tensor((7,))}, r / "deep_index", max_file_size=40)
     (r / "deep_index/model.safetensors.index.json").write_text('{"weight_map": ' + DEEP + "}")
     (r / "deep.json").write_text('{"aoa_statements": ' + DEEP + "}")
     (r / "deep.yaml").write_text("aoa_statements: " + DEEP + "\n")
@@ -235,7 +235,7 @@ def corrupt(tmp_path_factory: pytest.TempPathFactory) -> Path:
     for name, config in (("cfg_deep", DEEP), ("cfg_list", "[1, 2]"), ("cfg_str", '"x"')):
         shardsync.save_hf({"w": arange_tensor((17,))}, r / name)
         (r / name / "config.json").write_text(config)
-    shardsync.save_hf({"w": arange_tensor((17,)), "v": arange_tensor((7,))}, r / "out_list", max_shard_size=40)
+    shardsync.save_hf({"w": arange_tensor((17,)), "v": arange_tensor((7,))}, r / "out_list", max_file_size=40)
     (r / "out_list/model.safetensors.index.json").write_text('{"weight_map": ["a"]}')
     shardsync.save_hf({"w": arange_tensor((17,))}, r / "src")
     return r

@@ -10,7 +10,8 @@ from shardsync.errors import LayoutError
 from shardsync.layout import Box, GlobalLayout, LayoutEntry, ShardedTensor, shard_dim
 from shardsync.sources import LocalSource
 from shardsync.sources.fingerprint import SAMPLE_SIZE, fingerprints, sample_positions
-from shardsync.stream import _planned, full_params
+from shardsync.pipeline import _planned
+from shardsync.stream import full_params
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.bool, torch.int8,
           torch.uint8, torch.int32, torch.int64, torch.uint16, torch.complex64, torch.float8_e4m3fn]

@@ -262,7 +262,7 @@ def test_save_hf_quantize_reads_back(tmp_path: Path) -> None:
     (tmp_path / "model").mkdir()
     (tmp_path / "model" / "config.json").write_text(json.dumps({"torch_dtype": "float32"}))
     out = tmp_path / "out"
-    save_hf(state, out, quantize="fp8", config_from=tmp_path / "model", max_shard_size=40_000)
+    save_hf(state, out, quantize="fp8", config_from=tmp_path / "model", max_file_size=40_000)
     written = {k: v for f in sorted(out.glob("*.safetensors")) for k, v in load_file(str(f)).items()}
     linear = ["model.layers.0.mlp.up_proj.weight", "model.layers.0.self_attn.q_proj.weight"]
     assert sorted(written) == sorted([*state, *(n + "_scale_inv" for n in linear)])

@@ -62,7 +62,7 @@ def _stream_and_save(rank: int, world: int, tmp: str) -> dict[str, Any]:
     want = {name: reference(full[name], full[name + "_scale_inv"], BLOCK) for name in WEIGHTS}
     got = dict(full_params(Fp8Source(tp_state(rank, world), block=BLOCK)))
     out: dict[str, Any] = {"names": sorted(got), "exact": {n: torch.equal(got[n], want[n]) for n in WEIGHTS}}
-    save_hf(Fp8Source(tp_state(rank, world), block=BLOCK), Path(tmp) / "bf16", dtype="bf16", max_shard_size=6000)
+    save_hf(Fp8Source(tp_state(rank, world), block=BLOCK), Path(tmp) / "bf16", dtype="bf16", max_file_size=6000)
     try:
         list(full_params(Fp8Source(tp_state(rank, world, drop=True), block=BLOCK)))
     except ShardsyncError as exc:
@@ -109,7 +109,7 @@ def _into_fp8_shards(rank: int, world: int, ckpt: str, tmp: str) -> dict[str, An
         same["renamed " + new] = torch.equal(value.local.view(torch.uint8), dest[names[new]].local.view(torch.uint8))
     values = {name: shard_dim(arange_tensor(shape, step=0.0137, start=-30), dim, rank, world)
               for name, (shape, dim) in WEIGHTS.items()}
-    save_hf(values, Path(tmp) / "fp8", quantize="fp8", max_shard_size=6000)
+    save_hf(values, Path(tmp) / "fp8", quantize="fp8", max_file_size=6000)
     return same
 
 

@@ -61,7 +61,7 @@ def foreign_files(d: Path) -> dict[str, bytes]:
 
 def save(new: dict[str, torch.Tensor], d: Path, limit: int, writer: str = "save_safetensors") -> None:
     if writer == "save_hf":
-        shardsync.save_hf(new, d, max_shard_size=limit, overwrite=True)
+        shardsync.save_hf(new, d, max_file_size=limit, overwrite=True)
     else:
         save_safetensors(list(new.items()), d, max_shard_bytes=limit, overwrite=True)
 

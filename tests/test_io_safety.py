@@ -127,7 +127,7 @@ def _with_leftovers(d: Path) -> dict[str, bytes]:
 
 @pytest.mark.parametrize("bad", [
     dict(mapping="layers.0.w -> a\nlayers.9.w -> b"),  # a source that does not exist
-    dict(max_shard_size="5 parsecs"),
+    dict(max_file_size="5 parsecs"),
     dict(extra_files=["no/such/config.json"]),
 ])
 def test_save_hf_removes_nothing_before_every_check_passed(tmp_path: Path, bad: dict) -> None:
@@ -169,7 +169,7 @@ def _save_watched(d: str, writer: str) -> None:
 def _save_big(d: str, writer: str) -> None:
     new = checkpoint(6, 0, numel=2**20)
     if writer == "save_hf":
-        shardsync.save_hf(new, d, max_shard_size=2**22, overwrite=True)
+        shardsync.save_hf(new, d, max_file_size=2**22, overwrite=True)
     else:
         save_safetensors(list(new.items()), d, max_shard_bytes=2**22, overwrite=True)
 

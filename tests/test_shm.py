@@ -77,7 +77,7 @@ def _errors(rank: int, world: int) -> dict[str, str]:
 
 def _two_hosts(rank: int, world: int) -> tuple:
     """Each rank claims a host of its own: auto moves data over gloo, shm says why it cannot."""
-    import shardsync.stream as stream_module
+    import shardsync.pipeline as stream_module
 
     real = stream_module.host_info
     stream_module.host_info = lambda *a, **k: real(*a, **k)._replace(hostname=f"node{rank}")

@@ -82,7 +82,7 @@ def test_load_and_reshard_take_size_strings() -> None:
 
 
 def test_save_hf_takes_the_same_sizes(tmp_path: Path) -> None:
-    save_hf(_state(), tmp_path, max_shard_size="100B", memory_budget="64MiB")
+    save_hf(_state(), tmp_path, max_file_size="100B", memory_budget="64MiB")
     assert sorted(p.name for p in tmp_path.glob("*.safetensors")) == [
         "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"]
     files = [load_file(str(p)) for p in sorted(tmp_path.glob("*.safetensors"))]

@@ -129,7 +129,7 @@ def test_plan_inspection_and_paddle_entry() -> None:
 
 
 def test_plans_are_cached_per_layout_mapping_and_options() -> None:
-    from shardsync.stream import _planned
+    from shardsync.pipeline import _planned
 
     state = {"w": torch.arange(12.0).reshape(4, 3), "b": torch.ones(3)}
     _planned.cache_clear()
@@ -183,15 +183,16 @@ def test_every_argument_error_is_reported_at_once() -> None:
         "  bucket_bytes=0: use a positive number of bytes")
 
 
-def test_a_module_instead_of_its_state_says_what_to_pass() -> None:
+def test_a_module_is_streamed_like_its_state() -> None:
     net = torch.nn.Linear(3, 2)
-    with pytest.raises(LayoutError, match=r"^got a module \(Linear\), not its state; pass "
-                                          r"model.state_dict\(\)$"):
-        full_params(net)
-    with pytest.raises(LayoutError, match=r"state must be a mapping of names to tensors, a Source or a checkpoint path, got list"):
+    with pytest.raises(LayoutError, match=r"state must be a mapping of names to tensors, a Source, a module or a "
+                                          r"checkpoint path, got list"):
         full_params([torch.zeros(2)])
-    got = dict(full_params(net.state_dict()))
+    got = dict(full_params(net))
     assert list(got) == ["bias", "weight"] and torch.equal(got["weight"], net.weight.detach())
+    tied = torch.nn.Sequential(torch.nn.Embedding(5, 3), torch.nn.Linear(3, 5, bias=False))
+    tied[1].weight = tied[0].weight  # a tied key is streamed once, through the first
+    assert [n for n, _ in full_params(tied)] == ["0.weight"]
 
 
 def test_meta_tensors_are_refused_by_key() -> None:

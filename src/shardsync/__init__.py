@@ -1,8 +1,11 @@
 """shardsync: move model weights between parallel layouts.
 
-Stream full (mapped) tensors out of sharded state (:func:`full_params`), write checkpoints (HuggingFace
-safetensors with :func:`save_hf`, torch DCP with :func:`save`) and read them, and keep tensor-parallel
-replicas in sync (:mod:`shardsync.replicas`). Paddle-compatible entry points live in
+Stream full (mapped) tensors out of sharded state (:func:`full_params`), fill sharded state in place
+(:func:`load`, :func:`reshard`), write checkpoints through a mapping (HuggingFace safetensors with
+:func:`save_hf`, torch DCP with :func:`save_dcp`; this rank's shards as they are with :func:`save`)
+and read them, and keep tensor-parallel replicas in sync (:mod:`shardsync.replicas`). Every verb
+runs the one protocol of :mod:`shardsync.pipeline` (phases named in :mod:`shardsync.phases`,
+options in :class:`shardsync.options.Options`). Paddle-compatible entry points live in
 :mod:`shardsync.paddle` only.
 """
 
@@ -28,6 +31,7 @@ from .exec.box_hash import tensor_digest
 from .errors import (DistributedError, DriftError, FormatError, LayoutError, LoadError, MappingError,
                      PlanError, ReplicaError, ShardsyncError, VerifyError)
 from .io import save_safetensors
+from .io.save_dcp import save_dcp
 from .io.save_hf import save_hf
 from .layout import Box, GlobalLayout, ShardedTensor, from_dtensor, shard_dim
 from .mapping import Mapping, TargetSpec, resolve
@@ -43,6 +47,7 @@ __all__ = ["Box", "GlobalLayout", "ShardedTensor", "from_dtensor", "shard_dim", 
            "read_tensors", "select_replicated", "ReplicaSync", "detect_drift", "watch_drift",
            "DriftReport", "ShardsyncError", "MappingError", "LayoutError",
            "PlanError", "FormatError", "DistributedError", "ReplicaError", "DriftError", "save_hf", "save",
+           "save_dcp",
            "load", "reshard", "LoadResult", "LoadError", "digest", "verify", "VerifyReport",
            "VerifyError", "tensor_digest", "release"]
 __version__ = "0.1.0"

@@ -24,15 +24,13 @@ def release() -> None:
         >>> _ = [t for _, t in shardsync.full_params({"w": torch.zeros(3)})]
         >>> shardsync.release()
     """
-    from .destinations.transfer import release_plans
     from .exec.memory import release_memory
     from .exec.multicast import release_subgroups
     from .exec.registry import release_shm_plans
     from .exec.shm import release_all
-    from .stream import release_plans as release_stream_plans
+    from .pipeline import release_plans
 
     release_plans()
-    release_stream_plans()
     release_shm_plans()
     release_subgroups()
     release_all()

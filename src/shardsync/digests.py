@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
+from . import phases
 from .dist import GroupRanks, agree, is_distributed
 from .errors import LayoutError, PlanError
 from .exec.box_hash import finish
@@ -41,7 +42,7 @@ if TYPE_CHECKING:
 __all__ = ["digest", "verify", "VerifyReport", "DIGEST_GATHER_PHASE"]
 
 #: The agreed phase that gathers the layout and the mappings (the sums are added in ``"digest"``).
-DIGEST_GATHER_PHASE = "digest: gather layout"
+DIGEST_GATHER_PHASE = phases.DIGEST_GATHER
 
 
 class _Opened(NamedTuple):

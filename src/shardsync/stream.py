@@ -1,134 +1,113 @@
 """Stream full (mapped) tensors out of sharded state: :func:`full_params` and :func:`plan`.
 
-The protocol, on every rank of the group: gather the layout (one ``all_gather_object``) -> resolve the
-mapping into targets -> plan (split, consumers, reads, strategy, steps, memory) -> validate and agree
-that every rank built the same plan (a second ``all_gather_object``) -> execute, yielding targets as
-they complete. With no process group (or a group of one) the same path runs locally with no
-collectives. Arguments are checked when :func:`full_params` is called; everything else happens while
-the stream is iterated.
+Both run the one protocol of :mod:`shardsync.pipeline` (fast path or gather the layout -> resolve ->
+plan, cached by layout -> agree -> choose the transport -> execute) into :class:`ToConsumers`, the
+destination "whole tensors, yielded to the ranks that consume them". With no process group (or a
+group of one) the same path runs locally with no collectives. Arguments are checked when
+:func:`full_params` is called; everything else happens while the stream is iterated.
 """
 
 from __future__ import annotations
 
-import functools
 import logging
 import os
-import time
 import weakref
-from collections.abc import Generator, Iterator, Mapping, Sequence
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal, NamedTuple, Union
+from collections.abc import Generator, Hashable, Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Literal, Union
 
 import torch
-import torch.distributed as dist
 
-from .dist import GroupRanks, abandon, agree, group_size, is_distributed
+from . import phases
+from .dist import abandon, is_distributed
 from .errors import LayoutError, PlanError, ShardsyncError
-from .exec import (MeshGroups, MeshLike, MeshPlace, Stats, Transport, choose_transport, execute,
-                   local_mesh_info, mesh_groups, run_device)
+from .exec import MeshLike, Stats, mesh_groups
 from .exec.digests import checked, plan_digests
-from .exec.hosts import host_info
-from .exec.memory import REUSE_MODES, Reuse
-from .exec.shm import HostChoice, TransportChoice, cached_token, check_transport
+from .exec.memory import Reuse
+from .exec.shm import TransportChoice
 from .layout import GlobalLayout
-from .layout.meta import LayoutEntry, check_replicas, without_values
+from .layout.meta import LayoutEntry
 from .mapping import Mapping as ParsedMapping
 from .mapping import MappingLike, resolve
+from .options import Options
+from .pipeline import Call, Planned, Prepared, execute_into, first_phase, prepare
 from .planning import (DEFAULT_BUCKET_BYTES, DEFAULT_MESH_THRESHOLD_BYTES, Plan, PlanOptions, SplitBy,
-                       StrategyChoice, build_plan, check_options)
-from .planning.mesh import build_topology
-from .sizes import sizes_in
-from .quant.fp8 import DEFAULT_BLOCK, Block, Fp8Quantize, check_fp8_casts
-from .sources import Source, SourceLike, open_source, spread
+                       StrategyChoice, build_plan)
+from .planning.mesh import Topology
+from .quant.fp8 import DEFAULT_BLOCK, check_fp8_casts
+from .sources import Source, SourceLike
+from .sources.fingerprint import ReplicaCheck
 from .sources.fp8 import fp8_block
-from .sources.fingerprint import ReplicaCheck, check_replica_mode
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
 
-__all__ = ["full_params", "plan", "ParamStream", "Consumers", "TransportChoice", "GATHER_PHASE", "PLAN_PHASE",
-           "release_plans"]
+__all__ = ["full_params", "plan", "ParamStream", "ToConsumers", "Consumers", "TransportChoice",
+           "GATHER_PHASE", "PLAN_PHASE"]
 
 log = logging.getLogger(__name__)
 
 #: Who receives targets: every rank, one rank, or ranks that split the targets among them.
 Consumers = Union[Literal["all"], int, Sequence[int]]
-#: Names of the agreed phases, as they appear in errors (the data phase is ``exec.STREAM_PHASE``).
-GATHER_PHASE, PLAN_PHASE = "gather layout", "plan"
+#: Names of the agreed phases, as they appear in errors (see :mod:`shardsync.phases`).
+GATHER_PHASE, PLAN_PHASE = phases.GATHER, phases.PLAN
 
 
-class _RankLayout(NamedTuple):
-    """What one rank contributes to the gathered layout: its shards, its place in the mesh, and its
-    host with its ``transport=`` choice (left out of the plan's cache key)."""
+class ToConsumers:
+    """The destination "whole targets, each yielded on the ranks that consume it" (a
+    :class:`~shardsync.pipeline.Destination`): new tensors, so no destination layout; a checkpoint
+    every rank sees is read once, each rank its share of the boxes.
 
-    entries: tuple[LayoutEntry, ...]
-    mesh: MeshPlace | None
-    host: HostChoice | None = None
+    Example:
+        >>> ToConsumers().entries(), ToConsumers.phase
+        ((), 'stream')
+    """
+
+    phase = phases.STREAM
+    spreads = True
+
+    def __init__(self) -> None:
+        # the block of the source's block-FP8 weights, which a mapping may cut (set by adapt)
+        self.settings: Hashable = ("whole targets", DEFAULT_BLOCK)
+
+    def adapt(self, source: Source) -> Source:
+        self.settings = ("whole targets", fp8_block(source))
+        return source
+
+    def entries(self) -> Sequence[LayoutEntry]:
+        return ()
+
+    @staticmethod
+    def plan(mapping: ParsedMapping | None, layout: GlobalLayout, dest: GlobalLayout, options: PlanOptions,
+             topology: Topology | None, settings: Hashable) -> Planned:
+        """Resolve the mapping into targets and plan them for their consumers."""
+        assert isinstance(settings, tuple)
+        targets = resolve(mapping, layout, fp8_block=settings[1])
+        check_fp8_casts(targets, {k: layout[k].dtype for k in layout.keys()})
+        plan = build_plan(targets, layout, options, topology)
+        return Planned(plan, plan.fingerprint())
+
+    def into(self, planned: Planned) -> None:
+        return None
 
 
-@dataclass(frozen=True)
-class _Request:
-    """The checked arguments of one call."""
-
-    state: SourceLike
-    mapping: MappingLike | None
-    group: ProcessGroup | None
-    groups: MeshGroups | None
-    options: PlanOptions
-    transport: TransportChoice = "auto"
-    reuse: Reuse = "dropped"
-    replica_check: ReplicaCheck = "sampled"
-    verify: bool = False
-    quantize: Fp8Quantize | None = None
-
-
-@dataclass(frozen=True)
-class _Context:
-    plan: Plan
-    source: Source
-    transport: Transport
-    rank: int
-    device: torch.device
-    kind: str  # how data moves, for stats: "local", "shm", or the backend's name
-
-
-def _request(state: Any, mapping: MappingLike | None, group: ProcessGroup | None, mesh: MeshLike | None,
-             consumers: Consumers, transport: Any = "auto", reuse: Any = "dropped",
-             replica_check: Any = "sampled", verify: bool = False,
-             quantize: tuple[Any, Any, Any] = (None, DEFAULT_BLOCK, None), **options: Any) -> _Request:
-    """Check the arguments on this rank, before anything runs (a caller mistake raises here)."""
-    if group is not None and dist.is_initialized() and dist.get_rank(group) < 0:
-        raise PlanError(f"global rank {dist.get_rank()} is not in the group it passed; call this on the "
-                        "group's ranks only")
+def _call(state: Any, mapping: MappingLike | None, group: ProcessGroup | None, mesh: MeshLike | None,
+          consumers: Consumers, **options: Any) -> Call:
+    """Check the arguments on this rank, before anything runs (a caller mistake raises here, and the
+    peers already waiting in the first phase learn why)."""
+    if group is not None and is_distributed() and torch.distributed.get_rank(group) < 0:
+        raise PlanError(f"global rank {torch.distributed.get_rank()} is not in the group it passed; call "
+                        "this on the group's ranks only")
     try:
-        if isinstance(state, torch.nn.Module):
-            raise LayoutError(f"got a module ({type(state).__name__}), not its state; pass "
-                              "model.state_dict()")
-        if not isinstance(state, (Mapping, Source, str, os.PathLike)):
-            raise LayoutError(f"state must be a mapping of names to tensors, a Source or a checkpoint "
-                              f"path, got {type(state).__name__}; pass model.state_dict() or a dict")
-        check_transport(transport)
-        if reuse not in REUSE_MODES:
-            raise PlanError(f"reuse={reuse!r}: use one of {list(REUSE_MODES)}")
-        check_replica_mode(replica_check)
-        _check_multicast(options.get("strategy"), group)
+        if state is not None and not isinstance(state, (Mapping, Source, str, os.PathLike, torch.nn.Module)):
+            raise LayoutError(f"state must be a mapping of names to tensors, a Source, a module or a "
+                              f"checkpoint path, got {type(state).__name__}; pass model.state_dict() or a dict "
+                              "(None: nothing on this rank)")
         groups = mesh_groups(mesh) if mesh is not None else None
-        opts = PlanOptions(consumers=_consumer_ranks(consumers), backend=_backend(group),
-                           **sizes_in(options))
-        check_options(opts, group_size(group), meshed=mesh is not None)
-        fp8 = Fp8Quantize.of(*quantize)
+        opts = Options.of(group, meshed=mesh is not None, consumers=_consumer_ranks(consumers), **options)
     except ShardsyncError as exc:
-        abandon(GATHER_PHASE, group, exc)  # peers already waiting in the phase learn why
+        abandon(first_phase(group), group, exc)
         raise
-    return _Request(state, mapping, group, groups, opts, transport, reuse, replica_check, bool(verify), fp8)
-
-
-def _check_multicast(strategy: object, group: ProcessGroup | None) -> None:
-    # its subgroups are made by new_group, which every rank of the world must call
-    if strategy == "multicast" and is_distributed(group) and group_size(group) != dist.get_world_size():
-        raise PlanError(f"strategy='multicast' broadcasts on subgroups, which every rank of the whole world "
-                        f"must create, and this group has {group_size(group)} of the "
-                        f"{dist.get_world_size()} ranks; use strategy='p2p' (or 'auto') on a subgroup")
+    return Call(state, mapping, ToConsumers(), opts, group, groups)
 
 
 def _consumer_ranks(consumers: object) -> tuple[int, ...] | None:
@@ -140,86 +119,6 @@ def _consumer_ranks(consumers: object) -> tuple[int, ...] | None:
     if isinstance(consumers, Sequence) and not isinstance(consumers, str):
         return tuple(consumers)
     raise PlanError(f"consumers={consumers!r}: use 'all', a rank, or a list of ranks")
-
-
-def _backend(group: ProcessGroup | None) -> str:
-    return str(dist.get_backend(group)) if is_distributed(group) else "none"
-
-
-class _Built(NamedTuple):
-    plan: Plan
-    fingerprint: str
-
-
-@functools.lru_cache(maxsize=8)
-def _planned(gathered: tuple[_RankLayout, ...], mapping: ParsedMapping | None, options: PlanOptions,
-             meshed: bool, block: Block = DEFAULT_BLOCK) -> _Built:
-    """The plan and its fingerprint for a gathered layout. Cached: a training loop that streams the
-    same layout every step plans once (a plan is immutable, and equal inputs give equal plans)."""
-    layout = GlobalLayout.merge([r.entries for r in gathered])
-    topology = build_topology(*zip(*[r.mesh for r in gathered])) if meshed else None
-    targets = resolve(mapping, layout, fp8_block=block)
-    check_fp8_casts(targets, {k: layout[k].dtype for k in layout.keys()})
-    plan = build_plan(targets, layout, options, topology)
-    return _Built(plan, plan.fingerprint())
-
-
-def release_plans() -> None:
-    """Forget the plans :func:`full_params` cached (see :func:`shardsync.release`)."""
-    _planned.cache_clear()
-
-
-def _agree_on_plan(gathered: list[_RankLayout], request: _Request, block: Block) -> Plan:
-    # Every rank plans from the same gathered layout; a caller mistake raises the same error on all
-    # ranks, a failure on some ranks a DistributedError, and different arguments a PlanError.
-    def build() -> _Built:
-        parsed = None if request.mapping is None else ParsedMapping.parse(request.mapping)
-        check_replicas([r.entries for r in gathered])
-        # values (fingerprints) change every training step, the layout does not: plan once
-        key = tuple(_RankLayout(without_values(r.entries), r.mesh) for r in gathered)
-        return _planned(key, parsed, request.options, request.groups is not None, block)
-
-    agreed = agree(PLAN_PHASE, build, request.group, share=lambda built: built.fingerprint,
-                   unanimous=True)
-    if len(set(agreed.all)) > 1:
-        raise PlanError(f"ranks built different plans (fingerprints by rank: {agreed.all}); pass the "
-                        "same mapping and options on every rank of the group")
-    return agreed.mine.plan
-
-
-def _open_source(request: _Request, ranks: GroupRanks | None) -> Source:
-    """This rank's source, opened once inside the agreed phase. Files every rank sees are spread:
-    each rank reads its own share of the boxes."""
-    source = open_source(request.state, request.replica_check)
-    return spread(source, ranks.rank, ranks.world) if ranks is not None else source
-
-
-def _rank_layout(source: Source, request: _Request, ranks: GroupRanks | None) -> _RankLayout:
-    groups = request.groups
-    device = run_device(request.options.backend, source).type
-    host = ((host_info(cached_token(request.group), device), request.transport) if ranks is not None
-            else None)
-    if groups is None:
-        place = None
-    elif ranks is None:  # a single process is a 1 x 1 mesh
-        place = MeshPlace((0,), (0,))
-    else:
-        place = local_mesh_info(groups, ranks)
-    return _RankLayout(tuple(source.entries()), place, host)
-
-
-def _prepare(request: _Request) -> _Context:
-    """Gather the layout -> resolve, plan, validate and agree -> pick the transport."""
-    ranks = GroupRanks.of(request.group) if is_distributed(request.group) else None
-    layout = agree(GATHER_PHASE, lambda: _open_source(request, ranks), request.group,
-                   share=lambda source: _rank_layout(source, request, ranks), unanimous=True)
-    plan = _agree_on_plan(layout.all, request, fp8_block(layout.mine))
-    source = layout.mine
-    device = run_device(request.options.backend, source)
-    hosts = [r.host for r in layout.all if r.host is not None]
-    chosen = choose_transport(plan, ranks, request.groups, hosts, request.options.backend,
-                              request.options.memory_budget)
-    return _Context(chosen.plan, source, chosen.transport, ranks.rank if ranks else 0, device, chosen.kind)
 
 
 class ParamStream:
@@ -247,8 +146,8 @@ class ParamStream:
         (['b', 'w'], 2, 0)
     """
 
-    def __init__(self, request: _Request) -> None:
-        self._request = request
+    def __init__(self, call: Call) -> None:
+        self._call = call
         # weak: dropping the caller's iterator (``break`` out of a for loop) must close it
         self._iterator: weakref.ref[Generator[tuple[str, torch.Tensor], None, None]] | None = None
         self.plan: Plan | None = None
@@ -276,17 +175,21 @@ class ParamStream:
             iterator.close()
 
     def _run(self) -> Generator[tuple[str, torch.Tensor], None, None]:
-        start = time.perf_counter()
-        ctx = _prepare(self._request)
-        self.plan = ctx.plan
-        self.stats.plan_seconds = time.perf_counter() - start
-        self.stats.transport = ctx.kind
-        targets = execute(ctx.plan, ctx.source, ctx.transport, ctx.rank, self.stats,
-                          group=self._request.group, device=ctx.device, reuse=self._request.reuse)
-        if self._request.verify:
-            self.digests = plan_digests(ctx.plan, ctx.source, ctx.rank, self._request.group)
-            targets = checked(targets, self.digests, ctx.rank, self._request.group)
-        fp8 = self._request.quantize
+        prepared = prepare(self._call)
+        self.plan = prepared.plan
+        try:
+            yield from self._targets(prepared)
+        finally:
+            prepared.close()  # the files it opened from a path
+        log.debug("full_params done: %s", self.stats.summary())
+
+    def _targets(self, prepared: Prepared) -> Generator[tuple[str, torch.Tensor], None, None]:
+        targets = execute_into(prepared, self.stats)
+        group = self._call.group
+        if self._call.options.verify:
+            self.digests = plan_digests(prepared.plan, prepared.source, prepared.rank, group)
+            targets = checked(targets, self.digests, prepared.rank, group)
+        fp8 = self._call.options.quantize
         taken = 0
         try:
             for name, tensor in targets:
@@ -296,14 +199,13 @@ class ParamStream:
                     yield from fp8.split(name, tensor)
                 taken += 1
         except GeneratorExit:
-            self._finish(targets, taken, ctx.rank)
+            self._finish(targets, taken, prepared.rank)
             raise
-        log.debug("full_params done: %s", self.stats.summary())
 
     def _finish(self, targets: Iterator[tuple[str, torch.Tensor]], taken: int, rank: int) -> None:
         """The caller left before the end: run the remaining steps (collectives) anyway, so no peer is
         left waiting in one this rank never enters."""
-        if not is_distributed(self._request.group):
+        if not is_distributed(self._call.group):
             return
         mine = sum(1 for t in self.plan.targets if rank in t.consumers) if self.plan else 0
         log.warning("full_params: the caller stopped iterating after %d of %d targets; finishing this "
@@ -326,9 +228,9 @@ def full_params(state: SourceLike, mapping: MappingLike | None = None, *,
     """Stream full (mapped) tensors out of sharded state; call on every rank of the group.
 
     Args:
-        state: this rank's state dict (``model.state_dict()``, not the model: values are tensors (full
-            or replicated), ShardedTensor, DTensor, or lists of ShardedTensor; keys are strings), a
-            :class:`~shardsync.sources.Source`, or a checkpoint path (safetensors file or directory,
+        state: this rank's state dict (values are tensors (full or replicated), ShardedTensor, DTensor,
+            or lists of ShardedTensor; keys are strings), an ``nn.Module`` (its tensors, read in
+            place), a :class:`~shardsync.sources.Source`, None (nothing on this rank), or a checkpoint path (safetensors file or directory,
             or torch DCP directory; see :func:`~shardsync.sources.open_source`). Every rank of a
             group sees a checkpoint's files: each reads its own share of the boxes.
         mapping: None (every source is a target) or a mapping program (statements, text, dict, path).
@@ -378,7 +280,7 @@ def full_params(state: SourceLike, mapping: MappingLike | None = None, *,
         PlanError: bad arguments (raised here, by this call; a size string that cannot be read is a
             FormatError); while iterating, a memory budget that
             cannot be met, or ranks that built different plans.
-        LayoutError: a module instead of its state (raised here); while iterating, holes, conflicting
+        LayoutError: a state of no accepted kind (raised here); while iterating, holes, conflicting
             overlaps, shape/dtype disagreements, meta tensors, keys that are not strings, FP8 codes
             cast to another dtype without their scales (read them through ``Fp8Source``).
         FormatError: (while iterating) a checkpoint path that is missing, incomplete or corrupt.
@@ -397,12 +299,12 @@ def full_params(state: SourceLike, mapping: MappingLike | None = None, *,
         ...     print(name, tuple(tensor.shape), torch.equal(tensor, full.T))
         w_t (2, 17) True
     """
-    return ParamStream(_request(state, mapping, group, mesh, consumers, transport, reuse, replica_check,
-                                strategy=strategy,
-                                num_splits=num_splits, split_index=split_index, split_by=split_by,
-                                bucket_bytes=bucket_bytes, memory_budget=memory_budget,
-                                mesh_threshold_bytes=mesh_threshold_bytes, copy=copy, verify=verify,
-                                quantize=(quantize, quantize_block, quantize_patterns)))
+    return ParamStream(_call(state, mapping, group, mesh, consumers, strategy=strategy, num_splits=num_splits,
+                             split_index=split_index, split_by=split_by, bucket_bytes=bucket_bytes,
+                             memory_budget=memory_budget, mesh_threshold_bytes=mesh_threshold_bytes, copy=copy,
+                             transport=transport, reuse=reuse, replica_check=replica_check, verify=verify,
+                             quantize=quantize, quantize_block=quantize_block,
+                             quantize_patterns=quantize_patterns))
 
 
 def plan(state: SourceLike, mapping: MappingLike | None = None, *,
@@ -418,6 +320,6 @@ def plan(state: SourceLike, mapping: MappingLike | None = None, *,
         >>> p.strategy, p.order
         ('bucketed', ('b', 'w'))
     """
-    quantize = (options.pop("quantize", None), options.pop("quantize_block", DEFAULT_BLOCK),
-                options.pop("quantize_patterns", None))  # checked; the plan is the same either way
-    return _prepare(_request(state, mapping, group, mesh, consumers, quantize=quantize, **options)).plan
+    prepared = prepare(_call(state, mapping, group, mesh, consumers, **options))
+    prepared.close()
+    return prepared.plan

@@ -2,7 +2,8 @@
 
 The protocol: open the source and resolve the mapping against its layout (headers only; a bad path or
 mapping fails here, before anything is read) -> check the output -> with ``--nproc N``, start N workers
-through torch's launcher, each running the rest on its part -> stream the targets and write them.
+through torch's launcher, each running the rest on its part -> write with the library's savers
+(:func:`~shardsync.save_hf`, :func:`~shardsync.save_dcp`), the same calls as the API.
 
 Memory: ``--to hf`` holds what the streamer holds (at most ``--memory-budget``) plus the files being
 written (about three files of ``--max-shard-size``); ``--to dcp`` holds each worker's share of the
@@ -24,17 +25,17 @@ import torch
 
 from ..dist import group_rank, group_size
 from ..io.commit import CheckpointNames, scan
+from ..io.save_dcp import save_dcp
 from ..io.save_hf import save_hf
 from ..layout.dtypes import itemsize, to_torch_dtype
 from ..mapping import Mapping, TargetSpec
 from ..planning import split_ranges
-from ..quant.fp8 import DEFAULT_BLOCK, Fp8Quantize, written
+from ..quant.fp8 import DEFAULT_BLOCK
 from ..sources import Source, dequantized, open_source
 from ..sources.fp8 import fp8_block
 from ..sources.dcp import METADATA_FILE
 from ..sources.select import select_keys
-from ..stream import full_params
-from .common import MappingFlags, layout_of, progress_bar, source_dir
+from .common import MappingFlags, layout_of, source_dir
 from .messages import UsageError
 from .units import human_bytes, human_rate, human_seconds
 
@@ -178,7 +179,7 @@ def write(cfg: ConvertConfig, prepared: _Prepared, group: Any) -> Converted:
     progress = cfg.progress and group_rank(group) == 0
     if cfg.to == "hf":
         result = save_hf(prepared.source, cfg.out, prepared.mapping, group=group,
-                         max_shard_size=cfg.max_shard_size or "5GB", dtype=cfg.dtype,
+                         max_file_size=cfg.max_shard_size or "5GB", dtype=cfg.dtype,
                          config_from=prepared.config_from, overwrite=cfg.overwrite, progress=progress,
                          memory_budget=cfg.memory_budget, quantize=cfg.quantize,
                          quantize_block=cfg.quantize_block, cast_unscaled_fp8=cfg.cast_unscaled_fp8)
@@ -224,28 +225,10 @@ def _stream_budget(cfg: ConvertConfig, targets: list[TargetSpec], world: int) ->
 def _write_dcp(cfg: ConvertConfig, prepared: _Prepared, group: Any, progress: bool,
                start: float) -> Converted:
     world = group_size(group)
-    budget = _stream_budget(cfg, prepared.targets, world)
-    stream = full_params(prepared.source, prepared.mapping, group=group, copy=False, split_by="bytes",
-                         consumers=tuple(range(world)) if world > 1 else "all", memory_budget=budget)
-    state: dict[str, torch.Tensor] = {}
-    fp8 = Fp8Quantize.of(cfg.quantize, cfg.quantize_block)
-    bar = progress_bar(progress, "convert")
-    try:
-        for name, tensor in stream:
-            if bar is not None and bar.total is None and stream.plan is not None:
-                mine = set(stream.plan.targets_of(group_rank(group)))
-                bar.total = sum(_out_bytes(t, cfg.dtype) for t in prepared.targets if t.name in mine)
-            pieces = written(name, tensor, fp8, cfg.dtype)
-            state.update(pieces)
-            if bar is not None:
-                bar.update(sum(t.numel() * t.element_size() for _, t in pieces))
-    finally:
-        if bar is not None:
-            bar.close()
-    from ..io.dcp_writer import save  # local: torch.distributed.checkpoint is slow to import
-
-    metadata = save(state, cfg.out, group=group, overwrite=cfg.overwrite)
+    metadata = save_dcp(prepared.source, cfg.out, prepared.mapping, group=group, dtype=cfg.dtype,
+                        overwrite=cfg.overwrite, progress=progress,
+                        memory_budget=_stream_budget(cfg, prepared.targets, world), quantize=cfg.quantize,
+                        quantize_block=cfg.quantize_block, cast_unscaled_fp8=cfg.cast_unscaled_fp8)
     files = {info.relative_path for info in (metadata.storage_data or {}).values()}
     nbytes = sum(_out_bytes(t, cfg.dtype) for t in prepared.targets)
     return Converted(len(prepared.targets), nbytes, len(files), time.perf_counter() - start, world)
-

@@ -44,6 +44,7 @@ _FLAGS = [(re.compile(p), r) for p, r in (
     (r"\bmemory_budget=", "--memory-budget "),
     (r"\bmemory_budget\b", "--memory-budget"),
     (r"\bmax_shard_size=", "--max-shard-size "),
+    (r"\bmax_file_size=", "--max-shard-size "),
     (r"\bmax_shard_size\b", "--max-shard-size"),
     (r"\bextra_files or config_from\b", "--config-from"),
     (r"\bconfig_from=", "--config-from "),

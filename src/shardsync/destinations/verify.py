@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from .. import phases
 from ..dist import agree
 from ..errors import VerifyError
 from ..exec.assemble import arrange
@@ -25,19 +26,19 @@ from ..layout.box import Box
 from ..layout.dtypes import to_torch_dtype
 from ..planning import Plan
 from ..sources import Source
-from .state import Destination
+from .state import Shards
 
 __all__ = ["check_written", "VERIFY_PHASE"]
 
 #: The agreed phase that compares the written boxes with the source's.
-VERIFY_PHASE = "verify"
+VERIFY_PHASE = phases.VERIFY
 
 #: Most mismatching boxes an error lists (it names every tensor).
 _LISTED = 20
 _INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
-def _sums(plan: Plan, boxes: Sequence[tuple[str, Box]], source: Source, dest: Destination,
+def _sums(plan: Plan, boxes: Sequence[tuple[str, Box]], source: Source, dest: Shards,
           rank: int) -> tuple[list[int], dict[int, int]]:
     """This rank's share of the source sums per plan target, and the sums of the boxes it holds.
 
@@ -65,7 +66,7 @@ def _sums(plan: Plan, boxes: Sequence[tuple[str, Box]], source: Source, dest: De
     return sent, written
 
 
-def _landed(part: Part, plan: Plan, boxes: Sequence[tuple[str, Box]], source: Source, dest: Destination) -> bool:
+def _landed(part: Part, plan: Plan, boxes: Sequence[tuple[str, Box]], source: Source, dest: Shards) -> bool:
     """Whether the destination holds exactly the bits of ``part``'s source values (cast, arranged)."""
     read, p = plan.reads[part.read], part.piece
     view = arrange(source.read(read.source, read.box)[p.source_box.relative_to(read.box).slices()], p)
@@ -83,7 +84,7 @@ def _as_bits(t: torch.Tensor) -> torch.Tensor:
     return t.view(_INT[t.element_size()]) if t.dtype != torch.bool else t.view(torch.uint8)
 
 
-def check_written(plan: Plan, boxes: Sequence[tuple[str, Box]], source: Source, dest: Destination,
+def check_written(plan: Plan, boxes: Sequence[tuple[str, Box]], source: Source, dest: Shards,
                   rank: int, group: Any) -> None:
     """Compare every destination box the plan wrote with the source's values for it; on every rank.
 

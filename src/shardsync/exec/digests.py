@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from .. import phases
 from ..dist import agree
 from ..errors import VerifyError
 from ..planning.model import Plan, Read
@@ -32,7 +33,7 @@ __all__ = ["Part", "owners", "plan_parts", "local_sums", "combine", "plan_digest
            "DIGEST_PHASE", "RECEIVE_PHASE"]
 
 #: The agreed phase that adds every rank's sums, and the one that compares what consumers received.
-DIGEST_PHASE, RECEIVE_PHASE = "digest", "verify received"
+DIGEST_PHASE, RECEIVE_PHASE = phases.DIGEST, phases.RECEIVED
 
 
 @dataclass(frozen=True, slots=True)

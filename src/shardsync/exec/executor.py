@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from .. import phases
 from ..dist import data_phase
 from ..layout.dtypes import to_torch_dtype
 from ..mapping.pieces import Piece
@@ -40,7 +41,7 @@ __all__ = ["execute", "STREAM_PHASE"]
 log = logging.getLogger(__name__)
 
 #: Name of the data phase, as it appears in errors.
-STREAM_PHASE = "stream"
+STREAM_PHASE = phases.STREAM
 
 
 def _step_tag(k: int) -> int:
@@ -245,9 +246,9 @@ def execute(plan: Plan, source: Source, transport: Transport, rank: int, stats: 
     :class:`~shardsync.errors.DistributedError` naming ``phase`` (``stream``; ``load`` and ``reshard``
     name their own); a rank that stops
     iterating makes the others fail within the group timeout. ``reuse`` says when the memory of a
-    yielded target may hold a later one (see :data:`~shardsync.exec.memory.Reuse`). A transport with
-    a ``setup(io, stats)`` method has it called before the data phase (it runs its own agreed
-    phases), one with a ``close(stats)`` method has it called after the last step, inside the phase.
+    yielded target may hold a later one (see :data:`~shardsync.exec.memory.Reuse`). The transport's
+    ``setup(io, stats)`` is called before the data phase (it may run agreed phases of its own), its
+    ``close(stats)`` after the last step, inside the phase.
 
     Example:
         >>> for name, tensor in execute(plan, LocalSource(state), transport, rank, Stats()):  # doctest: +SKIP
@@ -259,9 +260,7 @@ def execute(plan: Plan, source: Source, transport: Transport, rank: int, stats: 
     reused = pool.reused if pool is not None else 0
     inflight: deque[tuple[int, Step, Pending]] = deque()
     start = time.perf_counter()
-    setup = getattr(transport, "setup", None)
-    if setup is not None:
-        setup(run, stats)
+    transport.setup(run, stats)
     with data_phase(phase, group):
         for k, step in enumerate(plan.steps):
             inflight.append((k, step, run.start(k, step, transport)))
@@ -272,9 +271,7 @@ def execute(plan: Plan, source: Source, transport: Transport, rank: int, stats: 
                     start = time.perf_counter() - stats.seconds  # time spent in the caller not counted
                     if pool is not None and reuse == "until-next" and into is None:
                         pool.release(item[1])
-        close = getattr(transport, "close", None)
-        if close is not None:
-            close(stats)
+        transport.close(stats)
     run.cache.clear()
     stats.reused_blocks = pool.reused - reused if pool is not None else 0
     stats.seconds = time.perf_counter() - start

@@ -12,7 +12,7 @@ from ..errors import PlanError
 from ..planning.mesh import Topology
 from ..planning.model import Step
 from .stats import Stats
-from .transport import PacketIO, Pending, Posted, Received, landing
+from .transport import PacketIO, Pending, Plain, Posted, Received, landing
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -95,7 +95,7 @@ def local_mesh_info(groups: MeshGroups, ranks: GroupRanks) -> MeshPlace:
     return MeshPlace(members(groups.horizontal), members(groups.vertical))
 
 
-class MeshTransport:
+class MeshTransport(Plain):
     """``mesh_hv`` and ``mesh_global`` steps over a 2-D mesh.
 
     ``mesh_hv``: each column's read is broadcast down the column from its sender (the vertical group),

@@ -19,7 +19,7 @@ import torch.distributed as dist
 from ..dist import GroupRanks
 from ..planning.model import Packet, Plan, Step
 from .stats import Stats
-from .transport import P2PTransport, PacketIO, Pending, Posted, broadcast_packet
+from .transport import P2PTransport, PacketIO, Pending, Plain, Posted, broadcast_packet
 
 __all__ = ["MulticastTransport", "multicast_members", "release_subgroups"]
 
@@ -56,7 +56,7 @@ def release_subgroups() -> None:
     _subgroups.clear()
 
 
-class MulticastTransport:
+class MulticastTransport(Plain):
     """``p2p`` steps as batched point-to-point messages; ``multicast`` steps as one async broadcast
     per packet on the subgroup of its members (ranks outside it skip the packet).
 

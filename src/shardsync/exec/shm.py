@@ -43,6 +43,7 @@ from typing import Any, Literal
 import torch
 import torch.distributed as dist
 
+from .. import phases
 from ..dist import GroupRanks, agree, transport_errors
 from ..layout.dtypes import to_torch_dtype
 from ..planning.model import Costs, Packet, Plan, Step
@@ -353,8 +354,8 @@ class ShmTransport:
         stats.collectives += SETUP_COLLECTIVES
         self.kept.token = ""  # until every rank has set up
         try:
-            tables = agree("shm publish", lambda: self._publish(io, stats), self.ranks.group)
-            agree("shm open", lambda: self._open(tables.all), self.ranks.group)
+            tables = agree(phases.SHM_PUBLISH, lambda: self._publish(io, stats), self.ranks.group)
+            agree(phases.SHM_OPEN, lambda: self._open(tables.all), self.ranks.group)
             self.kept.token = self.token
         finally:
             for path in self.paths:  # mapped by every reader, or failed on every rank: names go

@@ -25,7 +25,7 @@ from ..planning.model import Packet, Read, Step
 from .stats import Stats
 
 
-__all__ = ["Transport", "Pending", "PacketIO", "Received", "Posted", "unpack",
+__all__ = ["Transport", "Plain", "Pending", "PacketIO", "Received", "Posted", "unpack",
            "BroadcastTransport", "P2PTransport", "LocalTransport", "broadcast_packet"]
 
 
@@ -120,10 +120,12 @@ def unpack(buf: torch.Tensor, packet: Packet, reads: Sequence[Read]) -> dict[int
 class Transport(Protocol):
     """Moves the packets of plan steps.
 
-    Call sequence: once the plan is agreed, every rank of the group calls :meth:`start` once per step
-    of the plan, in plan order - also ranks with nothing to send or receive in that step, and also for
-    ``local`` steps (which move nothing) - and later ``wait()`` on each returned :class:`Pending`, in
-    the same order. Collectives are issued in packet order, so all ranks match them. Senders take
+    Call sequence: once the plan is agreed, every rank of the group calls :meth:`setup` once (before
+    the data phase: a transport may run agreed phases of its own there), then :meth:`start` once per
+    step of the plan, in plan order - also ranks with nothing to send or receive in that step, and
+    also for ``local`` steps (which move nothing) - and later ``wait()`` on each returned
+    :class:`Pending`, in the same order, then :meth:`close` once after the last step (inside the data
+    phase). Transports with nothing to set up or close inherit :class:`Plain`'s no-ops. Collectives are issued in packet order, so all ranks match them. Senders take
     their bytes from ``io.fill``; receivers land packets where ``io.sink`` says or in ``io.buffer``.
     Implementations count ``bytes_sent``, ``bytes_received`` and ``collectives`` in ``stats``.
 
@@ -132,9 +134,33 @@ class Transport(Protocol):
         ...     transport.start(step, io, stats).wait()
     """
 
+    def setup(self, io: PacketIO, stats: Stats) -> None:
+        """Before the first step, on every rank."""
+        ...
+
     def start(self, step: Step, io: PacketIO, stats: Stats) -> Pending:
         """Post ``step``'s packets; the returned handle's ``wait()`` gives what this rank received."""
         ...
+
+    def close(self, stats: Stats) -> None:
+        """After the last step, on every rank."""
+        ...
+
+
+class Plain:
+    """The :class:`Transport` members of a transport that sets nothing up and holds nothing after the
+    last step.
+
+    Example:
+        >>> Plain().setup(None, None), Plain().close(None)
+        (None, None)
+    """
+
+    def setup(self, io: PacketIO, stats: Stats) -> None:
+        """Nothing to set up."""
+
+    def close(self, stats: Stats) -> None:
+        """Nothing to release."""
 
 
 def broadcast_packet(pk: Packet, io: PacketIO, stats: Stats, posted: Posted, ranks: GroupRanks,
@@ -157,7 +183,7 @@ def broadcast_packet(pk: Packet, io: PacketIO, stats: Stats, posted: Posted, ran
     stats.collectives += 1
 
 
-class BroadcastTransport:
+class BroadcastTransport(Plain):
     """``broadcast`` and ``bucketed`` steps: one async broadcast per packet over the whole group.
 
     Example:
@@ -174,7 +200,7 @@ class BroadcastTransport:
         return posted
 
 
-class P2PTransport:
+class P2PTransport(Plain):
     """``p2p`` steps: every packet is one message from its sender to its receiver; all messages of a
     step are posted together (``batch_isend_irecv``), so no pair waits on another.
 
@@ -204,7 +230,7 @@ class P2PTransport:
         return posted
 
 
-class LocalTransport:
+class LocalTransport(Plain):
     """A single process: steps carry no packets (every read is local), so nothing moves.
 
     Example:

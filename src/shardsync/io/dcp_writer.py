@@ -30,6 +30,7 @@ from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, Metadat
                                                    TensorProperties)
 from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
 
+from .. import phases
 from ..dist import abandon, agree, group_rank, is_distributed
 from ..errors import FormatError, LayoutError, ShardsyncError
 from ..layout.box import Box
@@ -223,18 +224,18 @@ def save(state: Mapping[str, StateValue], path: str | os.PathLike, *, group: Any
     """
     if not isinstance(state, Mapping):  # before the first phase: the peers waiting in it learn why
         error = _not_a_state(state)
-        abandon("save: check", group, error)
+        abandon(phases.DCP_CHECK, group, error)
         raise error
     where = output_dir(path, "path")
     source = LocalSource(state)
-    gathered = agree("save: check", lambda: _check(where, overwrite, source), group, unanimous=True).all
+    gathered = agree(phases.DCP_CHECK, lambda: _check(where, overwrite, source), group, unanimous=True).all
 
     def validate() -> None:
         problems = _layout_problems(GlobalLayout.merge(gathered))
         if problems:
             raise LayoutError("cannot save this state as one checkpoint:\n  " + "\n  ".join(problems))
 
-    agree("save: validate layout", validate, group, unanimous=True)
+    agree(phases.DCP_VALIDATE, validate, group, unanimous=True)
     writer = _TaggedWriter(where, new_tag())
     try:
         with warnings.catch_warnings():
@@ -245,6 +246,6 @@ def save(state: Mapping[str, StateValue], path: str | os.PathLike, *, group: Any
         error = _first_failure(exc, where)  # before the removal frees the space it ran out of
         remove_partial(where, writer.tag)
         raise error from exc
-    agree("save: remove the old generation",
+    agree(phases.DCP_REMOVE_OLD,
           lambda: _remove_old_generation(where, metadata) if group_rank(group) == 0 else None, group)
     return metadata

@@ -2,13 +2,13 @@
 own files in parallel, committed crash-safely by rank 0.
 
 The protocol, on every rank of the group: check the options and the directory (``agree``; nothing is
-removed yet) -> stream the targets with ``full_params``, each rank
-receiving a contiguous part (``consumers`` = every rank, split by bytes) and handing each file whose
-first target it receives to its writer thread as soon as the file is complete -> move the targets of
-files that straddle two ranks' parts to their writer -> ``agree`` that every rank wrote its files ->
-rank 0 copies the extra files and commits (removes leftovers of killed saves, renames, index last;
-:mod:`shardsync.io.commit`) ->
-``agree`` on the result.
+removed yet) -> the orchestrator (:mod:`shardsync.pipeline`) into :class:`Files`, the destination
+"files": the plan packs the targets into files (independent of the number of ranks), gives each file
+a writer (contiguous runs of files, balanced by bytes) and makes that writer the consumer of every
+target of the file, so each rank receives exactly the targets of its own files and hands each file
+to its writer thread as soon as it is complete -> ``agree`` that every rank wrote its files -> rank 0
+copies the extra files and commits (removes leftovers of killed saves, renames, index last;
+:mod:`shardsync.io.commit`) -> ``agree`` on the result.
 """
 
 from __future__ import annotations
@@ -17,31 +17,38 @@ import logging
 import math
 import os
 import sys
+import warnings
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Hashable, Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 import torch
-import torch.distributed as dist
 
-from ..dist import GroupRanks, agree, data_phase, group_rank, group_size
-from ..errors import PlanError
+from .. import phases
+from ..dist import abandon, agree, group_rank, group_size
+from ..errors import PlanError, ShardsyncError
+from ..exec import Stats
+from ..layout import GlobalLayout
 from ..layout.dtypes import dtype_name, itemsize, to_torch_dtype
-from ..mapping import MappingLike
-from ..planning import TargetPlan
-from ..quant.fp8 import DEFAULT_BLOCK, Fp8Quantize, quantization_config, written
-from ..sources.fp8 import dequantized
-from ..stream import full_params
+from ..layout.meta import LayoutEntry
+from ..mapping import Mapping, MappingLike, resolve
+from ..options import Options
+from ..pipeline import Call, Planned, Prepared, run
+from ..planning import PlanOptions, TargetPlan, build_plan
+from ..planning.mesh import Topology
+from ..quant.fp8 import DEFAULT_BLOCK, Block, Fp8Quantize, check_fp8_casts, quantization_config, written
+from ..sources import Source, SourceLike
+from ..sources.fp8 import dequantized, fp8_block
 from .commit import (CheckpointNames, DirectoryState, commit, new_tag, output_dir, prepare_directory,
                      remove_files, remove_uncommitted)
-from .file_plan import FilePlan, output_dtype, plan_files
+from .file_plan import FilePlan, file_owners, output_dtype, plan_files
 from .hf_files import copy_files, extra_files
 from .safetensors_writer import WriteResult, parse_size, work_dir, write_shard
 
-__all__ = ["save_hf"]
+__all__ = ["save_hf", "Files", "progress_bar"]
 
 log = logging.getLogger(__name__)
 #: Files a rank may have queued for its writer thread before it waits (bounds memory to about this
@@ -60,7 +67,6 @@ class _Job:
     limit: int
     dtype: torch.dtype | None
     extras: tuple[Path, ...]
-    memory_budget: int | None
     fp8: Fp8Quantize | None = None
     cast_unscaled_fp8: bool = False
 
@@ -68,26 +74,23 @@ class _Job:
         return self.dir / self.names.temp(self.tag, f"{file + 1:05d}")
 
 
-def _check(out_dir: str | os.PathLike, max_shard_size: int | str, dtype: Any,
+def _check(out: str | os.PathLike, max_file_size: int | str, dtype: Any,
            extras: Iterable[str | os.PathLike] | None, config_from: str | os.PathLike | None,
-           overwrite: bool, memory_budget: int | str | None,
-           quantize: tuple[Any, Any, Any] = (None, DEFAULT_BLOCK, None), cast_unscaled_fp8: bool = False) -> _Job:
-    directory = output_dir(out_dir, "out_dir")
+           overwrite: bool, fp8: Fp8Quantize | None = None, cast_unscaled_fp8: bool = False) -> _Job:
+    directory = output_dir(out, "path")
     names = CheckpointNames("model")
-    limit = parse_size(max_shard_size)
-    budget = None if memory_budget is None else parse_size(memory_budget)
+    limit = parse_size(max_file_size)
     cast = None if dtype is None else to_torch_dtype(dtype)
     if cast is not None and not cast.is_floating_point:
         raise PlanError(f"dtype={dtype!r} is not a floating dtype; give e.g. torch.bfloat16 or 'bf16'")
-    fp8 = Fp8Quantize.of(*quantize)
     files = extra_files(extras, config_from, names)
     old = prepare_directory(directory, names, overwrite)  # leftovers are removed at the commit
-    return _Job(directory, names, old, new_tag(old.committed + old.leftovers), limit, cast, files,
-                budget, fp8, cast_unscaled_fp8)
+    return _Job(directory, names, old, new_tag(old.committed + old.leftovers), limit, cast, files, fp8,
+                cast_unscaled_fp8)
 
 
 class _PartWriter:
-    """One rank's share: writes its files as their targets arrive, keeps targets other ranks write."""
+    """One rank's share: writes its files as their targets arrive (it receives only those)."""
 
     def __init__(self, job: _Job, rank: int, progress: Any) -> None:
         self.job, self.rank, self.bar = job, rank, progress
@@ -95,7 +98,6 @@ class _PartWriter:
         self.targets: tuple[TargetPlan, ...] | None = None  # the stream's targets, once it started
         self.file_of: dict[str, int] = {}
         self.pending: dict[int, dict[str, torch.Tensor]] = {}
-        self.outgoing: dict[str, torch.Tensor] = {}
         self.written: list[Path] = []
         self.error: BaseException | None = None  # the first failure; the stream is still drained
         # Files are written by a thread, so this rank keeps serving the stream meanwhile (otherwise
@@ -118,12 +120,9 @@ class _PartWriter:
     def _keep(self, name: str, tensor: torch.Tensor) -> None:
         assert self.plan is not None
         f = self.file_of[name]
-        if self.plan.writers[f] != self.rank:
-            self.outgoing[name] = tensor
-        else:
-            self.pending.setdefault(f, {})[name] = tensor.detach().cpu()
-            if len(self.pending[f]) == len(self.plan.files[f]):
-                self.write(f)
+        self.pending.setdefault(f, {})[name] = tensor.detach().cpu()
+        if len(self.pending[f]) == len(self.plan.files[f]):
+            self.write(f)
         if self.bar is not None:
             self.bar.update(tensor.numel() * tensor.element_size())
 
@@ -145,7 +144,7 @@ class _PartWriter:
         self.error = self.error or error
 
     def finish(self) -> None:
-        """Write the files still open (those that waited for moved targets, an empty checkpoint)."""
+        """Write the files still open (an empty checkpoint's one file)."""
         assert self.plan is not None
         done = {p.name for p in self.written}
         for f in self.plan.files_of(self.rank):
@@ -158,60 +157,6 @@ class _PartWriter:
         while self.in_flight:
             self._wait_oldest()
         self.pool.shutdown()
-
-
-def _device(group: Any) -> torch.device:
-    if dist.get_backend(group) == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
-def _exchange(part: _PartWriter, group: Any) -> None:
-    """Send targets to the writers of their files (point to point; only boundary files need it)."""
-    assert part.plan is not None
-    ranks = GroupRanks.of(group)
-    ops, incoming = [], {}
-    for m in part.plan.moves:
-        if m.src == part.rank:
-            # a target this rank failed to take is sent as zeros so that the writer is not left
-            # waiting; the save fails in the next phase anyway
-            tensor = part.outgoing.pop(m.name, None)
-            if tensor is None:
-                tensor = torch.zeros(m.shape, dtype=to_torch_dtype(m.dtype), device=_device(group))
-            ops.append(dist.P2POp(dist.isend, tensor.contiguous(), ranks.to_global(m.dst), group))
-        elif m.dst == part.rank:
-            incoming[m.name] = torch.empty(m.shape, dtype=to_torch_dtype(m.dtype), device=_device(group))
-            ops.append(dist.P2POp(dist.irecv, incoming[m.name], ranks.to_global(m.src), group))
-    with data_phase("save_hf: move targets to their file's writer", group):
-        for work in dist.batch_isend_irecv(ops) if ops else []:
-            work.wait()
-    for name, tensor in incoming.items():
-        f = part.file_of[name]
-        part.pending.setdefault(f, {})[name] = tensor.cpu()
-
-
-def _write_part(part: _PartWriter, source: Any, mapping: MappingLike | None, group: Any) -> None:
-    world = group_size(group)
-    if part.job.dtype is not None:  # a dtype asks for values: block-FP8 weights are dequantised
-        source = dequantized(source, unscaled="cast" if part.job.cast_unscaled_fp8 else "error")
-    stream = full_params(source, mapping, group=group, copy=False, split_by="bytes",
-                         consumers=tuple(range(world)) if world > 1 else "all",
-                         memory_budget=part.job.memory_budget)
-    for name, tensor in stream:
-        try:
-            if part.plan is None:
-                part.start(stream.plan)
-            part.take(name, tensor)
-        except Exception as exc:  # reported in the next phase; this rank keeps serving the stream
-            part.error = part.error or exc
-    try:
-        if part.plan is None:  # this rank received nothing
-            part.start(stream.plan)
-        if world > 1:
-            _exchange(part, group)
-        part.finish()
-    except Exception as exc:
-        part.error = part.error or exc
 
 
 def _quantization(job: _Job, targets: Iterable[TargetPlan]) -> dict[str, Any] | None | Literal["keep"]:
@@ -239,7 +184,13 @@ def _commit(job: _Job, plan: FilePlan, quantization: dict[str, Any] | None | Lit
     return WriteResult(files, index, sum(len(f) for f in plan.files), plan.total_bytes)
 
 
-def _progress_bar(enabled: bool, rank: int) -> Any:
+def progress_bar(enabled: bool, rank: int, desc: str) -> Any:
+    """A tqdm bar in bytes on rank 0 for a writer (None when disabled, on other ranks, or without tqdm).
+
+    Example:
+        >>> progress_bar(False, 0, "save_hf") is None
+        True
+    """
     if not enabled or rank != 0:
         return None
     try:
@@ -247,16 +198,118 @@ def _progress_bar(enabled: bool, rank: int) -> Any:
     except ImportError:
         log.warning("progress=True needs tqdm (pip install tqdm); writing without a progress bar")
         return None
-    return tqdm(unit="B", unit_scale=True, unit_divisor=1000, desc="save_hf", file=sys.stderr)
+    return tqdm(unit="B", unit_scale=True, unit_divisor=1000, desc=desc, file=sys.stderr)
 
 
-def save_hf(source: Any, out_dir: str | os.PathLike, mapping: MappingLike | None = None, *,
-            group: Any = None, max_shard_size: int | str = "5GB", dtype: torch.dtype | str | None = None,
+class _Packing(NamedTuple):
+    """What the files' plan depends on besides the targets (part of the plan cache's key)."""
+
+    limit: int
+    cast: torch.dtype | None
+    fp8: Fp8Quantize | None
+    world: int
+    block: Block = DEFAULT_BLOCK  # of the source's block-FP8 weights (a mapping may cut them)
+
+
+class Files:
+    """The destination "safetensors files" of :func:`save_hf` (a :class:`~shardsync.pipeline.Sink`).
+
+    The plan gives every file one writer and makes it the consumer of the file's targets
+    (:func:`~shardsync.io.file_plan.file_owners`); each rank writes its files as they complete, and
+    rank 0 commits once every rank has written.
+
+    Example:
+        >>> import tempfile
+        >>> from shardsync.pipeline import Call, run
+        >>> from shardsync.options import Options
+        >>> with tempfile.TemporaryDirectory() as d:
+        ...     files = Files(_check(d, "5GB", None, None, None, False), rank=0, world=1)
+        ...     run(Call({"w": torch.ones(2)}, None, files, Options()), files).num_tensors
+        1
+    """
+
+    phase = phases.STREAM
+    spreads = True
+
+    def __init__(self, job: _Job, *, rank: int, world: int, progress: bool = False) -> None:
+        self.job, self.rank = job, rank
+        self.settings: Hashable = _Packing(job.limit, job.dtype, job.fp8, world)
+        self.part = _PartWriter(job, rank, progress_bar(progress, rank, "save_hf"))
+
+    def adapt(self, source: Source) -> Source:
+        assert isinstance(self.settings, _Packing)
+        self.settings = self.settings._replace(block=fp8_block(source))
+        if self.job.dtype is None:
+            return source
+        # a dtype asks for values: block-FP8 weights are dequantised
+        return dequantized(source, unscaled="cast" if self.job.cast_unscaled_fp8 else "error")
+
+    def entries(self) -> Sequence[LayoutEntry]:
+        return ()
+
+    @staticmethod
+    def plan(mapping: Mapping | None, layout: GlobalLayout, dest: GlobalLayout, options: PlanOptions,
+             topology: Topology | None, settings: Hashable) -> Planned:
+        """Resolve, pack into files, and plan each target to its file's writer."""
+        assert isinstance(settings, _Packing)
+        limit, cast, fp8, world, block = settings
+        targets = sorted(resolve(mapping, layout, fp8_block=block), key=lambda t: t.name)
+        check_fp8_casts(targets, {k: layout[k].dtype for k in layout.keys()})
+        owners = file_owners(targets, limit, cast, fp8, world)
+        plan = build_plan(targets, layout, replace(options, destinations=owners), topology)
+        return Planned(plan, plan.fingerprint())
+
+    def into(self, planned: Planned) -> None:
+        return None
+
+    def start(self, prepared: Prepared) -> None:
+        self.part.start(prepared.plan)
+
+    def take(self, name: str, tensor: torch.Tensor) -> None:
+        try:
+            self.part.take(name, tensor)
+        except Exception as exc:  # reported in the next phase; this rank keeps serving the stream
+            self.part.error = self.part.error or exc
+
+    def finish(self, prepared: Prepared, stats: Stats) -> WriteResult:
+        group = prepared.call.group
+        try:
+            try:
+                self.part.finish()
+            except Exception as exc:
+                self.part.error = self.part.error or exc
+            agree(phases.SAVE_HF_WRITE, lambda: _raise(self.part.error), group)
+        except BaseException:
+            self.abort()
+            raise
+        self._close_bar()
+        plan = self.part.plan
+        assert plan is not None and self.part.targets is not None
+        quantization = _quantization(self.job, self.part.targets)
+        result = agree(phases.SAVE_HF_COMMIT,
+                       lambda: _commit(self.job, plan, quantization) if self.rank == 0 else None, group).all[0]
+        assert result is not None  # rank 0's result, sent to every rank
+        return result
+
+    def abort(self) -> None:
+        self.part.close()
+        remove_files(self.job.dir, [n for p in self.part.written for n in (p.name, work_dir(p).name)])
+        self._close_bar()
+
+    def _close_bar(self) -> None:
+        if self.part.bar is not None:
+            self.part.bar.close()
+            self.part.bar = None
+
+
+def save_hf(source: SourceLike, path: str | os.PathLike | None = None, mapping: MappingLike | None = None, *,
+            group: Any = None, max_file_size: int | str | None = None, dtype: torch.dtype | str | None = None,
             extra_files: Iterable[str | os.PathLike] | None = None,
             config_from: str | os.PathLike | None = None, overwrite: bool = False,
             progress: bool = False, memory_budget: int | str | None = None,
             quantize: Literal["fp8"] | None = None, quantize_block: tuple[int, int] = DEFAULT_BLOCK,
-            quantize_patterns: Iterable[str] | None = None, cast_unscaled_fp8: bool = False) -> WriteResult:
+            quantize_patterns: Iterable[str] | None = None, cast_unscaled_fp8: bool = False,
+            out_dir: str | os.PathLike | None = None, max_shard_size: int | str | None = None) -> WriteResult:
     """Write ``source``, mapped, as a HuggingFace safetensors checkpoint; call on every rank.
 
     Every rank writes the files whose tensors it receives, in parallel; rank 0 writes the index last,
@@ -264,19 +317,20 @@ def save_hf(source: Any, out_dir: str | os.PathLike, mapping: MappingLike | None
     A failure on any rank raises on every rank and leaves the directory as it was.
 
     Args:
-        source: what :func:`shardsync.full_params` streams from (this rank's state dict).
-        out_dir: the checkpoint directory (created if missing; on a file system every rank shares).
+        source: this rank's state dict, module, Source or checkpoint path (as for
+            :func:`shardsync.full_params`).
+        path: the checkpoint directory (created if missing; on a file system every rank shares).
         mapping: None (every source is a target) or a mapping program.
         group: process group; None: the default group when torch.distributed is up, else one process.
-        max_shard_size: most bytes per file, as HuggingFace reads it (``"5GB"``, ``"500MB"``, an int);
-            a larger tensor gets a file of its own.
+        max_file_size: most bytes per file, as HuggingFace reads its ``max_shard_size`` (``"5GB"``,
+            the default; ``"500MB"``, an int); a larger tensor gets a file of its own.
         dtype: cast floating targets to this dtype (``torch.bfloat16``, ``"bf16"``); block-FP8 weights
             of the source are dequantised first, and their scales are not written (docs/fp8.md).
-        extra_files: paths copied into ``out_dir`` as they are (``config.json``, tokenizer files).
+        extra_files: paths copied into ``path`` as they are (``config.json``, tokenizer files).
         config_from: a model directory whose ``config.json``, ``generation_config.json`` and tokenizer
-            files are copied, so that ``from_pretrained(out_dir)`` works as it is. Without it (and
+            files are copied, so that ``from_pretrained(path)`` works as it is. Without it (and
             without a ``config.json`` among ``extra_files``) a warning says that it will not.
-        overwrite: replace a checkpoint already in ``out_dir`` (other files there are never touched).
+        overwrite: replace a checkpoint already in ``path`` (other files there are never touched).
         progress: a progress bar (bytes, rate, ETA) on rank 0; needs tqdm.
         memory_budget: most bytes the streamer holds at once on any rank (int or ``"2GB"``).
         quantize: ``"fp8"``: write the selected targets as block FP8, codes (``float8_e4m3fn``) and
@@ -286,13 +340,14 @@ def save_hf(source: Any, out_dir: str | os.PathLike, mapping: MappingLike | None
         quantize_patterns: regular expressions of the targets to quantise; None: the Linear weights.
         cast_unscaled_fp8: with ``dtype``, cast FP8 tensors that have no scales as if their codes were
             values (otherwise an error naming them).
+        out_dir, max_shard_size: deprecated names of ``path`` and ``max_file_size`` (they warn).
 
     Returns:
         the committed files and totals (the same on every rank).
 
     Raises:
-        FormatError: ``out_dir`` holds a checkpoint (and not ``overwrite``), bad sizes or extra files.
-        ValueError: a non-floating ``dtype``; (PlanError) bad ``quantize`` options.
+        FormatError: ``path`` holds a checkpoint (and not ``overwrite``), bad sizes or extra files.
+        PlanError: a non-floating ``dtype``, bad ``quantize`` options (raised by the call).
         LayoutError: with ``dtype``, FP8 tensors without scales, or scales that do not fit their weight.
         DistributedError: a rank failed (raised on every rank, naming it).
 
@@ -302,34 +357,43 @@ def save_hf(source: Any, out_dir: str | os.PathLike, mapping: MappingLike | None
         ...     save_hf({"w": torch.ones(2, 3)}, d, dtype="bf16").files[0].name
         'model.safetensors'
     """
-    rank = group_rank(group)
-    quantize_args = (quantize, quantize_block, None if quantize_patterns is None else tuple(quantize_patterns))
-    job = agree("save_hf: check options", lambda: _check(out_dir, max_shard_size, dtype, extra_files,
-                                                           config_from, overwrite, memory_budget,
-                                                           quantize=quantize_args,
-                                                           cast_unscaled_fp8=cast_unscaled_fp8),
-                group, unanimous=True).all[0]
-    part = _PartWriter(job, rank, _progress_bar(progress, rank))
+    path, max_file_size = _renamed(path, out_dir, max_file_size, max_shard_size)
+    rank, world = group_rank(group), group_size(group)
     try:
-        _write_part(part, source, mapping, group)
-        agree("save_hf: write files", lambda: _raise(part.error), group)
-    except BaseException:
-        part.close()
-        remove_files(job.dir, [name for p in part.written for name in (p.name, work_dir(p).name)])
+        opts = Options.of(group, strategy="p2p", copy=False, memory_budget=memory_budget)
+        patterns = None if quantize_patterns is None else tuple(quantize_patterns)
+        fp8 = Fp8Quantize.of(quantize, quantize_block, patterns)
+    except ShardsyncError as exc:
+        abandon(phases.SAVE_HF_CHECK, group, exc)
         raise
-    finally:
-        if part.bar is not None:
-            part.bar.close()
-    plan = part.plan
-    assert plan is not None and part.targets is not None
-    quantization = _quantization(job, part.targets)
-    result = agree("save_hf: commit", lambda: _commit(job, plan, quantization) if rank == 0 else None,
-                   group).all[0]
-    assert result is not None  # rank 0's result, sent to every rank
+    job = agree(phases.SAVE_HF_CHECK, lambda: _check(path, max_file_size, dtype, extra_files, config_from,
+                                                      overwrite, fp8, cast_unscaled_fp8),
+                group, unanimous=True).all[0]
+    files = Files(job, rank=rank, world=world, progress=progress)
+    result = run(Call(source, mapping, files, opts, group), files)
     if rank == 0 and not any(f.name == "config.json" for f in job.extras):
         log.warning("save_hf: %s has no config.json, so from_pretrained will not load it; pass "
                     "config_from=<the model's directory> (command line: --config-from DIR)", job.dir)
     return result
+
+
+def _renamed(path: Any, out_dir: Any, size: Any, max_shard_size: Any) -> tuple[Any, Any]:
+    """``path`` and ``max_file_size``, taking the deprecated ``out_dir=`` and ``max_shard_size=``."""
+    if out_dir is not None:
+        warnings.warn("save_hf(out_dir=...) is deprecated; pass path=... (or the directory as the second "
+                      "argument)", DeprecationWarning, stacklevel=3)
+        if path is not None:
+            raise PlanError("save_hf: pass path= only (out_dir= is its deprecated name)")
+        path = out_dir
+    if path is None:
+        raise PlanError("save_hf: pass the checkpoint directory, save_hf(source, path)")
+    if max_shard_size is not None:
+        warnings.warn("save_hf(max_shard_size=...) is deprecated; pass max_file_size=... (the same sizes)",
+                      DeprecationWarning, stacklevel=3)
+        if size is not None:
+            raise PlanError("save_hf: pass max_file_size= only (max_shard_size= is its deprecated name)")
+        size = max_shard_size
+    return path, "5GB" if size is None else size
 
 
 def _raise(error: BaseException | None) -> None:

@@ -22,6 +22,7 @@ from typing import Literal
 import torch
 from torch import nn
 
+from .. import phases
 from ..errors import ReplicaError
 from ..dist import agree
 from ..replicas.preflight import DEFAULT_STATES, GroupLike, SyncMode, resolve_group
@@ -99,7 +100,7 @@ def add_extra_synchronization(model: nn.Module, optimizer: torch.optim.Optimizer
         if problems:
             raise ReplicaError("add_extra_synchronization:\n  " + "\n  ".join(problems))
 
-    agree("add_extra_synchronization: arguments", validate, group, unanimous=True)
+    agree(phases.PADDLE_ARGUMENTS, validate, group, unanimous=True)
     mode: SyncMode = "mean" if sync_mode == "average" else "broadcast"
     sync = ReplicaSync(model, optimizer, group, selector=params_filter_fn,
                        params=mode if sync_param else None, src=src_rank,

@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from .. import phases
 from ..errors import ReplicaError
 from ..dist import agree, data_phase, group_rank, group_size, is_distributed, transport_errors
 from ..layout import to_torch_dtype
@@ -122,7 +123,7 @@ def _exact_diffs(indices: Sequence[int], agreed: Sequence[Entry], by_name: dict[
         comm = torch.float64 if dt == torch.float64 or not dt.is_floating_point else torch.float32
         groups.setdefault((agreed[i].device, comm), []).append(i)
     out: dict[int, float] = {}
-    with data_phase("drift check: exact differences", group):
+    with data_phase(phases.DRIFT_EXACT, group):
         for (device_type, comm), members in groups.items():
             local_ts = [get_tensor(by_name[agreed[i].name], agreed[i].kind, optimizer) for i in members]
             device = next((t.device for t in local_ts if t is not None), torch.device(device_type))
@@ -242,7 +243,7 @@ def detect_drift(model: nn.Module, optimizer: torch.optim.Optimizer | None = Non
         selection = resolve_selector(model, selector, mesh_dim)
         return resolve_replicated(model, selection.names, optimizer, master_params)
 
-    views = agree("drift check: fingerprints", local_replicated, group,
+    views = agree(phases.DRIFT_FINGERPRINTS, local_replicated, group,
                   share=lambda found: _local_view(found, tuple(what), optimizer), unanimous=True)
     per_rank = views.all
     check_same("drift check", [[e for e, _ in view] for view in per_rank], presence=False)

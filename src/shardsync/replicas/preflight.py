@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh  # imported by torch.distributed anyway
 
+from .. import phases
 from ..dist import agree, data_phase, is_distributed
 from ..errors import FormatError, ReplicaError
 from ..exec import run_device
@@ -29,7 +30,7 @@ __all__ = ["GroupLike", "SyncMode", "GradMode", "DEFAULT_STATES", "resolve_group
            "optimizer_signature", "check_signatures", "SIGNATURE_PHASE"]
 
 #: The phase of :func:`check_signatures`, as errors name it.
-SIGNATURE_PHASE = "replica sync: optimizer check"
+SIGNATURE_PHASE = phases.SYNC_SIGNATURE
 
 #: What replica APIs take as ``group=``: a process group, a device mesh (1-D, or multi-dim with the
 #: TP mesh axis given by ``mesh_dim``), or None for the default group.

@@ -31,6 +31,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from .. import phases
 from ..errors import ReplicaError
 from ..dist import agree, group_rank, group_size, is_distributed
 from ..sizes import parse_size
@@ -148,7 +149,7 @@ class ReplicaSync:
             selection = resolve_selector(model, selector, mesh_dim)
             return selection, resolve_replicated(model, selection.names, optimizer, master_params)
 
-        agreed = agree("replica sync: preflight", preflight, group,
+        agreed = agree(phases.SYNC_PREFLIGHT, preflight, group,
                        share=lambda found: layout_entries(found[1], optimizer), unanimous=True)
         check_same("replica sync preflight", agreed.all)
         check_requires_grad("replica sync preflight", agreed.all)
@@ -185,7 +186,7 @@ class ReplicaSync:
             return resolve_replicated(self.model, self.selection.names, self.optimizer,
                                       self._master_params)
 
-        agreed = agree("replica sync: optimizer changed", rescan, self.group,
+        agreed = agree(phases.SYNC_OPTIMIZER_CHANGED, rescan, self.group,
                        share=lambda found: layout_entries(found, self.optimizer), unanimous=True)
         check_same("replica sync: optimizer changed", agreed.all)
         check_requires_grad("replica sync: optimizer changed", agreed.all)
@@ -221,7 +222,7 @@ class ReplicaSync:
         """Agree once on which optimizer states exist (after the optimizer has stepped)."""
         if self._states_fixed or not self.states or self.optimizer is None:
             return
-        per_rank = agree("replica sync: optimizer states",
+        per_rank = agree(phases.SYNC_OPTIMIZER_STATES,
                          lambda: describe(self._replicated, self.states, self.optimizer), self.group).all
         check_same("replica sync: optimizer states", per_rank)
         for key in [k for k in self._agreed if k[1] in self.states]:

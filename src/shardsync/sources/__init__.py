@@ -11,17 +11,17 @@ safetensors checkpoints: :func:`read_layout`, :func:`read_tensors` and :func:`ch
 
 from __future__ import annotations
 
-from .base import Source
+from .base import FileSource, Source
 from .dcp import DcpSource
 from .fp8 import Fp8Source, dequantized
 from .fp8_quantized import QuantizedSource
 from .local import LocalSource
 from .megatron import from_megatron
 from .megatron_dist import MegatronDistSource
-from .open import SourceLike, assign_boxes, open_source, spread
+from .open import SourceLike, assign_boxes, open_path, open_source, spread
 from .safetensors import SafetensorsSource
 from .safetensors_reader import checkpoint_files, read_layout, read_tensors
 
-__all__ = ["Source", "LocalSource", "SafetensorsSource", "DcpSource", "MegatronDistSource", "SourceLike",
+__all__ = ["Source", "FileSource", "open_path", "LocalSource", "SafetensorsSource", "DcpSource", "MegatronDistSource", "SourceLike",
            "open_source", "assign_boxes", "spread", "from_megatron", "Fp8Source", "dequantized",
            "QuantizedSource", "checkpoint_files", "read_layout", "read_tensors"]

@@ -14,7 +14,7 @@ import torch
 from ..layout.box import Box
 from ..layout.meta import LayoutEntry
 
-__all__ = ["Source"]
+__all__ = ["Source", "FileSource"]
 
 
 @runtime_checkable
@@ -45,4 +45,24 @@ class Source(Protocol):
 
     def device(self) -> torch.device:
         """Where :meth:`read` returns tensors."""
+        ...
+
+
+@runtime_checkable
+class FileSource(Source, Protocol):
+    """A source read from checkpoint files that every rank of a group sees (what
+    :func:`~shardsync.sources.open_path` opens).
+
+    Call sequence: :class:`Source`'s, then ``close()`` once by whoever opened it (the verbs close a
+    source they opened from a path when the call ends); a read after ``close()`` reopens what it needs.
+
+    Attributes:
+        shared: True: every rank sees the same data at the same path, so ranks can split the reading
+            (:func:`~shardsync.sources.spread`).
+    """
+
+    shared: bool
+
+    def close(self) -> None:
+        """Release open files and mappings."""
         ...

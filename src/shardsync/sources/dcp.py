@@ -82,6 +82,9 @@ class DcpSource:
     #: every rank sees the same data at the same path
     shared = True
 
+    def close(self) -> None:
+        """Nothing to release: torch's reader opens each data file for the reads that need it."""
+
     def __init__(self, path: str | os.PathLike, *, prefix: str = "") -> None:
         from torch.distributed.checkpoint import FileSystemReader
         from torch.distributed.checkpoint.metadata import TensorStorageMetadata

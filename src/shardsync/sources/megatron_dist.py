@@ -127,6 +127,9 @@ class MegatronDistSource:
     #: every rank sees the same data at the same path
     shared = True
 
+    def close(self) -> None:
+        """Nothing to release: torch's reader opens each data file for the reads that need it."""
+
     def __init__(self, path: str | os.PathLike, *, norms: Literal["te", "local"] = "te") -> None:
         if norms not in ("te", "local"):
             raise LayoutError(f"norms={norms!r}: use 'te' (the checkpoint's Transformer Engine names) or "

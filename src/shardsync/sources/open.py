@@ -21,17 +21,19 @@ from ..layout.box import Box
 from ..layout.dtypes import itemsize
 from ..layout.meta import LayoutEntry
 from ..layout.sharded import StateValue
-from .base import Source
+from .base import FileSource, Source
 from .dcp import METADATA_FILE, DcpSource
 from .fingerprint import ReplicaCheck
 from .local import LocalSource
+from .modules import state_of
 from .megatron_dist import MegatronDistSource, is_megatron_dist
 from .safetensors import SafetensorsSource
 
-__all__ = ["SourceLike", "open_source", "assign_boxes", "spread", "SpreadSource"]
+__all__ = ["SourceLike", "open_source", "open_path", "assign_boxes", "spread", "SpreadSource"]
 
-#: What the streaming functions accept as input: a state dict, a Source, or a checkpoint path.
-SourceLike = Union[Mapping[str, StateValue], Source, str, os.PathLike]
+#: What every verb reads from: a state dict, a module (its state dict), a Source, a checkpoint path, or
+#: None (nothing on this rank).
+SourceLike = Union[Mapping[str, StateValue], torch.nn.Module, Source, str, os.PathLike, None]
 
 _WHAT = ("a .safetensors file, a *.safetensors.index.json, a directory of safetensors files, a "
          "torch DCP checkpoint directory (one holding .metadata), or a Megatron dist_checkpointing "
@@ -40,30 +42,44 @@ _WHAT = ("a .safetensors file, a *.safetensors.index.json, a directory of safete
 
 def open_source(x: SourceLike, replica_check: ReplicaCheck = "sampled") -> Source:
     """The Source for ``x``: a state dict becomes a :class:`LocalSource` (fingerprinting its shards
-    per ``replica_check``), a Source is kept, a path is opened by its format (a Megatron
+    per ``replica_check``), and so do a module (its tensors, read in place; see
+    :func:`~shardsync.sources.modules.module_state`) and None (nothing on this rank); a Source is kept, a path is opened by its format (a Megatron
     ``dist_checkpointing`` directory has ``metadata.json`` and ``common.pt``, read per layer by
     :class:`~shardsync.sources.MegatronDistSource`; a DCP directory has ``.metadata``; else
     safetensors).
 
     Raises:
         FormatError: a path that does not exist or is not a checkpoint (the message says what is).
-        LayoutError: ``x`` is none of these.
+        LayoutError: ``x`` is none of these, or a Megatron-style module (pass ``from_megatron(model)``).
 
     Example:
         >>> type(open_source({"w": torch.zeros(2)})).__name__
         'LocalSource'
     """
     if isinstance(x, (str, os.PathLike)):
-        return _open_path(Path(x))
-    if isinstance(x, Mapping):
-        return LocalSource(x, replica_check)
+        return open_path(x)
+    if x is None or isinstance(x, (Mapping, torch.nn.Module)):
+        return LocalSource(state_of(x, "the source"), replica_check)
     if isinstance(x, Source):
         return x
     raise LayoutError(f"cannot read weights from a {type(x).__name__}; pass a state dict, a Source "
-                      f"(e.g. SafetensorsSource, DcpSource), or a path to {_WHAT}")
+                      f"(e.g. SafetensorsSource, DcpSource), an nn.Module, or a path to {_WHAT}")
 
 
-def _open_path(p: Path) -> Source:
+def open_path(path: str | os.PathLike) -> FileSource:
+    """The source of the checkpoint at ``path``, by its format (see :func:`open_source`); the caller
+    closes it when done.
+
+    Raises:
+        FormatError: ``path`` does not exist or is not a checkpoint (the message says what is).
+
+    Example:
+        >>> open_path("/nonexistent")
+        Traceback (most recent call last):
+        ...
+        shardsync.errors.FormatError: /nonexistent does not exist
+    """
+    p = Path(path)
     if p.is_dir():
         if is_megatron_dist(p):
             return MegatronDistSource(p)
