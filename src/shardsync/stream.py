@@ -65,13 +65,19 @@ class ToConsumers:
     phase = phases.STREAM
     spreads = True
 
+    kind = "whole targets"
+
     def __init__(self) -> None:
-        # the block of the source's block-FP8 weights, which a mapping may cut (set by adapt)
-        self.settings: Hashable = ("whole targets", DEFAULT_BLOCK)
+        # with the block of the source's block-FP8 weights, which a mapping may cut (set by adapt)
+        self.settings: Hashable = (self.kind, DEFAULT_BLOCK)
 
     def adapt(self, source: Source) -> Source:
-        self.settings = ("whole targets", fp8_block(source))
+        self.note_block(source)
         return source
+
+    def note_block(self, source: Source) -> None:
+        """Plan with the block of ``source``'s block-FP8 weights (``config.json``'s, or 128 x 128)."""
+        self.settings = (self.kind, fp8_block(source))
 
     def entries(self) -> Sequence[LayoutEntry]:
         return ()

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Hashable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -71,17 +71,19 @@ class DcpFiles(ToConsumers):
         ['w']
     """
 
-    settings: Hashable = "dcp files"
+    kind = "dcp files"
 
     def __init__(self, path: Path, *, rank: int, dtype: torch.dtype | None = None,
                  fp8: Fp8Quantize | None = None, overwrite: bool = False, progress: bool = False,
                  cast_unscaled_fp8: bool = False) -> None:
+        super().__init__()
         self.path, self.rank, self.dtype, self.fp8, self.overwrite = path, rank, dtype, fp8, overwrite
         self.cast_unscaled_fp8 = cast_unscaled_fp8
         self.state: dict[str, torch.Tensor] = {}
         self.bar = progress_bar(progress, rank, "save_dcp")
 
     def adapt(self, source: Source) -> Source:
+        self.note_block(source)
         if self.dtype is None:
             return source
         # a dtype asks for values: block-FP8 weights are dequantised
