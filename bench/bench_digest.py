@@ -45,7 +45,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import shardsync
-from shardsync.layout import ShardedTensor
+from shardsync.layout import LocalShard
 
 sys.path.insert(0, str(Path(__file__).parent))
 import workload  # noqa: E402  (bench/workload.py, beside this file)
@@ -92,13 +92,13 @@ def read_files(path: Path, buffer: bytearray) -> None:
                 pass
 
 
-def column_shards(state: dict[str, torch.Tensor]) -> dict[str, list[ShardedTensor]]:
+def column_shards(state: dict[str, torch.Tensor]) -> dict[str, list[LocalShard]]:
     """Each tensor as two column shards that are views into it (strided boxes)."""
     out = {}
     for k, t in state.items():
         half = t.shape[1] // 2
-        out[k] = [ShardedTensor(t[:, :half], tuple(t.shape), (0, 0)),
-                  ShardedTensor(t[:, half:], tuple(t.shape), (0, half))]
+        out[k] = [LocalShard(t[:, :half], tuple(t.shape), (0, 0)),
+                  LocalShard(t[:, half:], tuple(t.shape), (0, half))]
     return out
 
 
@@ -122,7 +122,7 @@ def digest_part(a: argparse.Namespace) -> dict[str, Any]:
             "x read": {k: v / seconds["read"] for k, v in seconds.items() if k != "read"}}
 
 
-def _shards(layers: int, rank: int, world: int, flip: bool) -> dict[str, ShardedTensor]:
+def _shards(layers: int, rank: int, world: int, flip: bool) -> dict[str, LocalShard]:
     """This rank's shards of the workload: each along its tensor-parallel dim, or the other one."""
     out = {}
     for key, full in workload.full_weights(layers).items():
@@ -130,7 +130,7 @@ def _shards(layers: int, rank: int, world: int, flip: bool) -> dict[str, Sharded
         t = torch.from_numpy(full)
         size = t.shape[dim] // world
         local = t.narrow(dim, rank * size, size).clone()
-        out[key] = ShardedTensor(local if not flip else torch.zeros_like(local), tuple(t.shape),
+        out[key] = LocalShard(local if not flip else torch.zeros_like(local), tuple(t.shape),
                                  tuple(rank * size if d == dim else 0 for d in range(t.dim())))
     return out
 

@@ -154,15 +154,15 @@ def _dcp_files(dstate: dict, rank: int, tmp: str) -> Iterator[tuple[str, torch.T
 def _variants(rank: int, world: int, tmp: str) -> dict[str, Callable[[], Iterator]]:
     from torch.distributed._state_dict_utils import _gather_state_dict
 
-    from shardsync import ShardedTensor
+    from shardsync import LocalShard
     from shardsync.stream import full_params
 
     weights = W.full_weights()
     local_np = {k: W.local_shard(w, k, rank, world) for k, w in weights.items()}
-    state = {k: ShardedTensor(torch.from_numpy(loc), weights[k].shape, off) for k, (loc, off) in local_np.items()}
+    state = {k: LocalShard(torch.from_numpy(loc), weights[k].shape, off) for k, (loc, off) in local_np.items()}
     local = {k: torch.from_numpy(loc) for k, (loc, _) in local_np.items()}
     dstate = _dtensors(weights, rank, world)
-    shared = {k: ShardedTensor(torch.from_numpy(loc.copy()).share_memory_(), weights[k].shape, off)
+    shared = {k: LocalShard(torch.from_numpy(loc.copy()).share_memory_(), weights[k].shape, off)
               for k, (loc, off) in local_np.items()}
     return {
         "shardsync shm": lambda: full_params(state, W.MAPPING),

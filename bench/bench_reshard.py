@@ -49,7 +49,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import shardsync
-from shardsync import ShardedTensor
+from shardsync import LocalShard
 
 __all__ = ["main", "mapping", "hf_model", "megatron_state", "inference_cut", "inference_state", "CUTS"]
 
@@ -95,9 +95,9 @@ def hf_model(a: argparse.Namespace) -> dict[str, torch.Tensor]:
     return {k: _filled(s, i) for i, (k, s) in enumerate(sorted(shapes.items()))}
 
 
-def _part(x: torch.Tensor, dim: int, rank: int, world: int) -> ShardedTensor:
+def _part(x: torch.Tensor, dim: int, rank: int, world: int) -> LocalShard:
     s = shardsync.shard_dim(x, dim, rank, world)
-    return ShardedTensor(s.local.clone(), s.global_shape, s.global_offset)
+    return LocalShard(s.local.clone(), s.global_shape, s.global_offset)
 
 
 def megatron_state(hf: dict[str, torch.Tensor], a: argparse.Namespace, rank: int) -> dict[str, Any]:
@@ -147,12 +147,12 @@ def inference_state(hf: dict[str, torch.Tensor], cut: str, worker: int) -> dict[
             lo, hi = (0, edge) if worker == 0 else (edge, x.shape[dim])
             shape, offset = list(x.shape), [0, 0]
             shape[dim], offset[dim] = hi - lo, lo
-            out[k] = ShardedTensor(torch.zeros(shape), x.shape, offset)
+            out[k] = LocalShard(torch.zeros(shape), x.shape, offset)
     return out
 
 
 def _local(v: Any) -> torch.Tensor:
-    return v.local if isinstance(v, ShardedTensor) else v
+    return v.local if isinstance(v, LocalShard) else v
 
 
 def _slowest(seconds: float) -> float:
@@ -201,11 +201,11 @@ def run_cut(rank: int, a: argparse.Namespace, hf: dict[str, torch.Tensor], progr
         for name, full in shardsync.full_params(src or {}, program):
             if dst is not None:
                 v = dst[name]
-                _local(v).copy_(full[v.box.slices()] if isinstance(v, ShardedTensor) else full)
+                _local(v).copy_(full[v.box.slices()] if isinstance(v, LocalShard) else full)
 
     first, result = _timed(lambda: shardsync.reshard(src, dst, program))
     bad = [] if dst is None else [k for k, v in dst.items() if not torch.equal(
-        _local(v), hf[k][v.box.slices()] if isinstance(v, ShardedTensor) else hf[k])]
+        _local(v), hf[k][v.box.slices()] if isinstance(v, LocalShard) else hf[k])]
     mine = 0 if dst is None else sum(_local(v).numel() * 4 for v in dst.values())
     variants: dict[str, Callable[[], Any]] = {
         "reshard": lambda: shardsync.reshard(src, dst, program),

@@ -49,21 +49,21 @@ STRATEGIES = ("broadcast", "bucketed", "p2p", "mesh2d")
 
 
 def _state(layers: int, rank: int, world: int) -> tuple[dict, dict, dict]:
-    from shardsync import ShardedTensor
+    from shardsync import LocalShard
 
     weights = W.full_weights(layers)
     parts = {k: W.local_shard(w, k, rank, world) for k, w in weights.items()}
-    state = {k: ShardedTensor(torch.from_numpy(loc), weights[k].shape, off) for k, (loc, off) in parts.items()}
+    state = {k: LocalShard(torch.from_numpy(loc), weights[k].shape, off) for k, (loc, off) in parts.items()}
     return state, {k: torch.from_numpy(loc) for k, (loc, _) in parts.items()}, W.reference(weights)
 
 
 def _variants(state: dict, local: dict, world: int) -> dict[str, Callable[[], Iterator]]:
-    from shardsync import ShardedTensor
+    from shardsync import LocalShard
     from shardsync.stream import full_params
 
     if world == 1:
         return {"local": lambda: full_params(state, W.MAPPING)}
-    shared = {k: ShardedTensor(v.local.clone().share_memory_(), v.global_shape, v.global_offset)
+    shared = {k: LocalShard(v.local.clone().share_memory_(), v.global_shape, v.global_offset)
               for k, v in state.items()}
     out: dict[str, Callable[[], Iterator]] = {"shm": lambda: full_params(state, W.MAPPING),
                                               "shm, shards shared": lambda: full_params(shared, W.MAPPING)}

@@ -36,13 +36,13 @@ STRATEGIES = ("broadcast", "bucketed", "p2p", "mesh2d", "auto")
 
 
 def _state(layers: int, rank: int, world: int, device: torch.device) -> tuple[dict, dict]:
-    from shardsync import ShardedTensor
+    from shardsync import LocalShard
 
     weights = W.full_weights(layers)
     state = {}
     for k, w in weights.items():
         loc, off = W.local_shard(w, k, rank, world) if world > 1 else (w, (0,) * w.ndim)
-        state[k] = ShardedTensor(torch.from_numpy(loc).to(device), w.shape, off)
+        state[k] = LocalShard(torch.from_numpy(loc).to(device), w.shape, off)
     return state, W.reference(weights)
 
 

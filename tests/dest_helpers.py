@@ -19,7 +19,7 @@ from safetensors import safe_open
 
 from shardsync.sources import checkpoint_files, read_layout
 from shardsync.mapping import Mapping
-from shardsync.layout import Box, LayoutEntry, ShardedTensor, shard_dim
+from shardsync.layout import Box, LayoutEntry, LocalShard, shard_dim
 
 __all__ = ["LAYERS", "H", "G", "D", "HIDDEN", "FFN", "VOCAB", "MAPPING", "hf_state", "megatron_full",
            "megatron_shards", "hf_shards", "SliceSource", "shard", "HF_DIMS", "MEGATRON_DIMS"]
@@ -88,25 +88,25 @@ def _dim(key: str, dims: dict[str, int | None]) -> int | None:
 
 
 def shard(full: dict[str, torch.Tensor], dims: dict[str, int | None], rank: int, world: int,
-          ) -> dict[str, torch.Tensor | ShardedTensor]:
+          ) -> dict[str, torch.Tensor | LocalShard]:
     """``rank``'s tensor-parallel shards of ``full`` (cloned: a destination must own its memory)."""
-    out: dict[str, torch.Tensor | ShardedTensor] = {}
+    out: dict[str, torch.Tensor | LocalShard] = {}
     for k, x in full.items():
         d = _dim(k, dims)
         if d is None:
             out[k] = x.clone()
         else:
             s = shard_dim(x, d, rank, world)
-            out[k] = ShardedTensor(s.local.clone(), s.global_shape, s.global_offset)
+            out[k] = LocalShard(s.local.clone(), s.global_shape, s.global_offset)
     return out
 
 
 def megatron_shards(hf: dict[str, torch.Tensor], rank: int, tp: int,
-                    ) -> dict[str, torch.Tensor | ShardedTensor]:
+                    ) -> dict[str, torch.Tensor | LocalShard]:
     return shard(megatron_full(hf, tp), MEGATRON_DIMS, rank, tp)
 
 
-def hf_shards(hf: dict[str, torch.Tensor], rank: int, tp: int) -> dict[str, torch.Tensor | ShardedTensor]:
+def hf_shards(hf: dict[str, torch.Tensor], rank: int, tp: int) -> dict[str, torch.Tensor | LocalShard]:
     return shard(hf, HF_DIMS, rank, tp)
 
 

@@ -39,18 +39,18 @@ BACKEND = os.environ.get("SHARDSYNC_TEST_BACKEND", "gloo")
 
 
 def on_device(state: dict) -> dict:
-    """``state`` with its tensors (and ShardedTensor shards) on this rank's GPU under NCCL, else as is."""
+    """``state`` with its tensors (and LocalShard shards) on this rank's GPU under NCCL, else as is."""
     if BACKEND != "nccl":
         return state
     import torch
 
-    from shardsync.layout import ShardedTensor
+    from shardsync.layout import LocalShard
 
     dev = torch.device("cuda", torch.cuda.current_device())
 
     def move(v: Any) -> Any:
-        if isinstance(v, ShardedTensor):
-            return ShardedTensor(v.local.to(dev), v.global_shape, v.global_offset)
+        if isinstance(v, LocalShard):
+            return LocalShard(v.local.to(dev), v.global_shape, v.global_offset)
         plain = isinstance(v, torch.Tensor) and type(v).__name__ != "DTensor"  # DTensors: on their mesh
         return v.to(dev) if plain else v
 

@@ -18,7 +18,7 @@ from shardsync import VerifyReport, digest, verify
 from shardsync.errors import LayoutError, MappingError
 from shardsync.exec import box_hash
 from shardsync.exec.box_hash import box_sum, finish, tensor_digest
-from shardsync.layout import ShardedTensor, shard_dim
+from shardsync.layout import LocalShard, shard_dim
 from shardsync.layout.dtypes import dtype_name
 
 M64 = (1 << 64) - 1
@@ -136,9 +136,9 @@ def test_digest_is_the_same_for_every_layout() -> None:
     want = {"w": tensor_digest(full)}
     layouts = {
         "whole": {"w": full},
-        "rows 5 + 12": {"w": [ShardedTensor(full[:5], (17, 6), (0, 0)), ShardedTensor(full[5:], (17, 6), (5, 0))]},
+        "rows 5 + 12": {"w": [LocalShard(full[:5], (17, 6), (0, 0)), LocalShard(full[5:], (17, 6), (5, 0))]},
         "columns": {"w": [shard_dim(full, 1, r, 3) for r in range(3)]},
-        "grid": {"w": [ShardedTensor(full[r0:r1, c0:c1], (17, 6), (r0, c0))
+        "grid": {"w": [LocalShard(full[r0:r1, c0:c1], (17, 6), (r0, c0))
                        for r0, r1 in ((0, 9), (9, 17)) for c0, c1 in ((0, 1), (1, 6))]},
     }
     assert {name: digest(state) for name, state in layouts.items()} == {name: want for name in layouts}
@@ -148,7 +148,7 @@ def test_digest_under_a_mapping_is_the_digest_of_the_dense_targets() -> None:
     # Megatron TP=2 shards (fused QKV, blocked gate/up, transposes) -> HF names; reference: the HF state
     hf = hf_state()
     per_rank = [megatron_shards(hf, r, 2) for r in range(2)]
-    state = {k: [per_rank[0][k], per_rank[1][k]] if isinstance(per_rank[0][k], ShardedTensor) else per_rank[0][k]
+    state = {k: [per_rank[0][k], per_rank[1][k]] if isinstance(per_rank[0][k], LocalShard) else per_rank[0][k]
              for k in per_rank[0]}
     assert digest(state, MAPPING) == {k: tensor_digest(v) for k, v in sorted(hf.items())}
 

@@ -20,7 +20,7 @@ from shardsync.cli import main
 from shardsync.errors import VerifyError
 from shardsync.exec import executor
 from shardsync.exec.box_hash import tensor_digest
-from shardsync.layout import ShardedTensor, shard_dim
+from shardsync.layout import LocalShard, shard_dim
 from shardsync.mapping.pieces import Piece
 
 
@@ -45,8 +45,8 @@ def _state() -> dict[str, torch.Tensor]:
 
 
 def _dest() -> dict[str, Any]:
-    return {"a_t": [ShardedTensor(torch.zeros(2, 17), (5, 17), (0, 0)),
-                    ShardedTensor(torch.zeros(3, 17), (5, 17), (2, 0))],
+    return {"a_t": [LocalShard(torch.zeros(2, 17), (5, 17), (0, 0)),
+                    LocalShard(torch.zeros(3, 17), (5, 17), (2, 0))],
             "b_t": torch.zeros(3, 7)}
 
 

@@ -10,7 +10,7 @@ import shardsync.exec.assemble as assemble
 from shardsync.errors import LayoutError
 from shardsync.exec import Stats, cast_into, copy_piece
 from shardsync.sources import LocalSource
-from shardsync.layout import Box, ShardedTensor
+from shardsync.layout import Box, LocalShard
 from shardsync.mapping import Piece
 
 CHAINS = [("bfloat16", "float32"), ("float16", "bfloat16"), ("float16", "float64", "bfloat16"),
@@ -52,7 +52,7 @@ def test_copy_piece_permutes_and_casts_in_one_copy() -> None:
 
 def test_local_source_reads_the_right_shard_in_place() -> None:
     full = arange_tensor((17, 3))
-    shards = [ShardedTensor(full[:9], (17, 3), (0, 0)), ShardedTensor(full[9:], (17, 3), (9, 0))]
+    shards = [LocalShard(full[:9], (17, 3), (0, 0)), LocalShard(full[9:], (17, 3), (9, 0))]
     src = LocalSource({"w": shards, "b": full})
     view = src.read("w", Box((10, 1), (3, 2)))
     assert torch.equal(view, full[10:13, 1:3]) and view.data_ptr() == full[10:, 1:].data_ptr()

@@ -7,7 +7,7 @@ import torch
 from reference import arange_tensor
 
 from shardsync.errors import LayoutError
-from shardsync.layout import Box, GlobalLayout, LayoutEntry, ShardedTensor, shard_dim
+from shardsync.layout import Box, GlobalLayout, LayoutEntry, LocalShard, shard_dim
 from shardsync.sources import LocalSource
 from shardsync.sources.fingerprint import SAMPLE_SIZE, fingerprints, sample_positions
 from shardsync.pipeline import _planned
@@ -72,7 +72,7 @@ def test_plain_per_rank_shards_are_a_layout_error_naming_key_and_ranks() -> None
         GlobalLayout.merge(per_rank)
     msg = str(info.value)
     assert "'proj.weight': ranks [0] vs ranks [1] vs ranks [2] hold box [0:6, 0:7]" in msg
-    assert "this looks like a per-rank shard: wrap it in ShardedTensor, or use " \
+    assert "this looks like a per-rank shard: wrap it in LocalShard, or use " \
            "shardsync.from_megatron(model)" in msg
     assert "'norm'" not in msg
 
@@ -110,7 +110,7 @@ def test_entries_without_fingerprints_are_not_compared() -> None:
 
 def test_list_of_shards_and_sharded_tensors_get_fingerprints() -> None:
     t = arange_tensor((4, 2))
-    halves = [ShardedTensor(t[:2], (4, 2), (0, 0)), ShardedTensor(t[2:], (4, 2), (2, 0))]
+    halves = [LocalShard(t[:2], (4, 2), (0, 0)), LocalShard(t[2:], (4, 2), (2, 0))]
     entries = local_entries({"a": halves, "b": t})
     assert [e.key for e in entries] == ["a", "a", "b"]
     assert len({e.fingerprint for e in entries}) == 3 and all(e.fingerprint for e in entries)

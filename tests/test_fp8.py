@@ -19,7 +19,7 @@ from safetensors.torch import load_file, save_file
 from shardsync import full_params, load, plan, save_hf
 from shardsync.cli import main
 from shardsync.errors import LayoutError, PlanError
-from shardsync.layout import Box, ShardedTensor
+from shardsync.layout import Box, LocalShard
 from shardsync.quant import dequantize, quantize, scale_shape
 from shardsync.sources import Fp8Source, LocalSource
 from shardsync.sources.fp8_quantized import QuantizedSource
@@ -186,7 +186,7 @@ def test_scales_without_their_weight_are_an_error() -> None:
 
 
 def test_quantising_a_shard_that_cuts_blocks_names_it() -> None:
-    shard = ShardedTensor(torch.ones(64, 17), (300, 17), (64, 0))
+    shard = LocalShard(torch.ones(64, 17), (300, 17), (64, 0))
     with pytest.raises(LayoutError, match=r"'w'.*cuts blocks of \[128, 128\]"):
         QuantizedSource(LocalSource({"w": shard}), {"w"}).entries()
 

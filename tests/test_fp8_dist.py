@@ -20,7 +20,7 @@ from test_fp8 import SHAPES, codes, fp8_checkpoint, reference, scales
 from shardsync import full_params, load, save_hf
 from shardsync.cli import main
 from shardsync.errors import ShardsyncError
-from shardsync.layout import Box, ShardedTensor, shard_dim
+from shardsync.layout import Box, LocalShard, shard_dim
 from shardsync.quant import quantize, scale_box, scale_shape
 from shardsync.sources import Fp8Source
 
@@ -37,14 +37,14 @@ def full_fp8() -> dict[str, torch.Tensor]:
     return out
 
 
-def scale_shard(full: dict[str, torch.Tensor], name: str, box: Box, drop_last: bool = False) -> ShardedTensor:
+def scale_shard(full: dict[str, torch.Tensor], name: str, box: Box, drop_last: bool = False) -> LocalShard:
     """The scales of the blocks ``box`` touches (``drop_last``: one block short, to provoke the error)."""
     s = full[name + "_scale_inv"]
     need = scale_box(box, BLOCK)
     if drop_last:
         need = Box(need.offsets, (need.sizes[0], need.sizes[1] - 1) if WEIGHTS[name][1] else
                    (need.sizes[0] - 1, need.sizes[1]))
-    return ShardedTensor(s[need.slices()].clone(), s.shape, need.offsets)
+    return LocalShard(s[need.slices()].clone(), s.shape, need.offsets)
 
 
 def tp_state(rank: int, world: int, drop: bool = False) -> dict[str, Any]:
@@ -97,12 +97,12 @@ def _into_fp8_shards(rank: int, world: int, ckpt: str, tmp: str) -> dict[str, An
     load(dest, ckpt)
     same = {}
     for key, value in dest.items():
-        if isinstance(value, ShardedTensor):
+        if isinstance(value, LocalShard):
             want = full[key][value.box.slices()]
             same[key] = torch.equal(value.local.view(torch.uint8), want.view(torch.uint8))
     names = {new + sfx: old + sfx for old, new in (("rows.weight", "r"), ("cols.weight", "c"))
              for sfx in ("", "_scale_inv")}
-    renamed = {new: ShardedTensor(torch.zeros_like(dest[old].local), dest[old].global_shape, dest[old].box.offsets)
+    renamed = {new: LocalShard(torch.zeros_like(dest[old].local), dest[old].global_shape, dest[old].box.offsets)
                for new, old in names.items()}
     load(renamed | {"n": torch.zeros(17)}, ckpt, ["rows.weight -> r", "cols.weight -> c", "norm -> n"])
     for new, value in renamed.items():

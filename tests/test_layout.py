@@ -8,7 +8,7 @@ from multiproc import run_ranks
 from reference import arange_tensor
 
 from shardsync.errors import LayoutError
-from shardsync.layout import (Box, GlobalLayout, ShardedTensor, dtype_name, local_layout, local_shards,
+from shardsync.layout import (Box, GlobalLayout, LocalShard, dtype_name, local_layout, local_shards,
                               shard_dim, to_torch_dtype)
 
 
@@ -35,9 +35,9 @@ def test_shard_dim_like_torch_chunk(n: int, world: int, sizes: list[int]) -> Non
 
 def test_sharded_tensor_checks_bounds_naming_the_key() -> None:
     with pytest.raises(LayoutError, match=r"'w': shard at offset \[3, 0\].*does not fit.*\[4, 2\]"):
-        ShardedTensor(torch.zeros(2, 2), (4, 2), (3, 0), key="w")
+        LocalShard(torch.zeros(2, 2), (4, 2), (3, 0), key="w")
     with pytest.raises(LayoutError, match="same number of dims"):
-        ShardedTensor(torch.zeros(2, 2), (4,), (0, 0))
+        LocalShard(torch.zeros(2, 2), (4,), (0, 0))
     assert issubclass(LayoutError, ValueError)
 
 
@@ -48,7 +48,7 @@ def test_local_shards_forms_and_errors() -> None:
     assert [s.box for s in local_shards("a", two)] == [Box((0, 0), (2, 2)), Box((2, 0), (2, 2))]
     with pytest.raises(LayoutError, match="'a': unsupported state value int"):
         local_shards("a", 3)  # type: ignore[arg-type]
-    bad = [two[0], ShardedTensor(torch.zeros(1, 2), (5, 2), (4, 0))]
+    bad = [two[0], LocalShard(torch.zeros(1, 2), (5, 2), (4, 0))]
     with pytest.raises(LayoutError, match="disagree on global shape"):
         local_shards("a", bad)
 

@@ -15,7 +15,7 @@ from multiproc import run_ranks
 from reference import arange_tensor, assemble
 
 import shardsync
-from shardsync import LayoutError, LoadError, ShardedTensor, load
+from shardsync import LayoutError, LoadError, LocalShard, load
 from shardsync.layout import Box
 from shardsync.mapping import Piece, TargetSpec
 from shardsync.planning.destinations import restrict_target
@@ -89,8 +89,8 @@ def test_untouched_dropped_and_star_on_the_destination_side() -> None:
 
 def test_list_of_shards_on_one_rank_each_filled() -> None:
     full = arange_tensor((17, 3))
-    mine = [ShardedTensor(torch.zeros(5, 3), (17, 3), (0, 0)),
-            ShardedTensor(torch.zeros(4, 3), (17, 3), (13, 0))]
+    mine = [LocalShard(torch.zeros(5, 3), (17, 3), (0, 0)),
+            LocalShard(torch.zeros(4, 3), (17, 3), (13, 0))]
     load({"w": mine}, {"w": full})
     assert torch.equal(mine[0].local, full[:5]) and torch.equal(mine[1].local, full[13:])
 
@@ -142,12 +142,12 @@ def _uneven(full: dict[str, torch.Tensor], rank: int) -> dict[str, Any]:
         off[d] = bounds[rank]
         size = list(x.shape)
         size[d] = bounds[rank + 1] - bounds[rank]
-        out[k] = ShardedTensor(torch.zeros(size, dtype=torch.bfloat16), x.shape, off)
+        out[k] = LocalShard(torch.zeros(size, dtype=torch.bfloat16), x.shape, off)
     return out
 
 
 def _local(v: Any) -> torch.Tensor:
-    return v.local if isinstance(v, ShardedTensor) else v
+    return v.local if isinstance(v, LocalShard) else v
 
 
 def _nbytes(state: dict[str, Any], itemsize: int = 4) -> int:
@@ -183,14 +183,14 @@ def _load_worker(rank: int, world: int, path: str) -> dict:
 def _cut_like(full: dict[str, torch.Tensor], shards: dict[str, Any]) -> dict[str, torch.Tensor]:
     out = {}
     for k, v in shards.items():
-        out[k] = full[k][v.box.slices()] if isinstance(v, ShardedTensor) else full[k]
+        out[k] = full[k][v.box.slices()] if isinstance(v, LocalShard) else full[k]
     return out
 
 
 def test_megatron_tp2_to_hf_to_tp4_tp1_uneven_and_replicated(tmp_path: Path) -> None:
     hf = hf_state()
     tp2 = [megatron_shards(hf, r, 2) for r in range(2)]
-    both = {k: [tp2[0][k], tp2[1][k]] if isinstance(tp2[0][k], ShardedTensor) else tp2[0][k] for k in tp2[0]}
+    both = {k: [tp2[0][k], tp2[1][k]] if isinstance(tp2[0][k], LocalShard) else tp2[0][k] for k in tp2[0]}
     shardsync.save_safetensors(shardsync.full_params(both, MAPPING), tmp_path)
     back = shardsync.read_tensors(tmp_path)
     assert sorted(back) == sorted(hf) and all(torch.equal(back[k], hf[k]) for k in hf)
@@ -219,8 +219,8 @@ def test_fused_qkv_reblocked_for_the_destination_shard_count() -> None:
     def blocked(t: int) -> torch.Tensor:  # Megatron's older layout: [Q_r | K_r | V_r] per TP rank r
         return torch.cat([x for r in range(t) for x in (q.chunk(t)[r], k.chunk(t)[r], v.chunk(t)[r])])
 
-    src = [ShardedTensor(x, (32, 3), (16 * r, 0)) for r, x in enumerate(blocked(2).chunk(2))]
-    dst = [ShardedTensor(torch.zeros(8, 3), (32, 3), (8 * r, 0)) for r in range(4)]
+    src = [LocalShard(x, (32, 3), (16 * r, 0)) for r, x in enumerate(blocked(2).chunk(2))]
+    dst = [LocalShard(torch.zeros(8, 3), (32, 3), (8 * r, 0)) for r in range(4)]
     load({"w4": dst}, {"w2": src},
          ["w2 -> w4, fused_qkv_old, num_heads=8, num_key_value_groups=4, axis=0"])
     assert torch.equal(torch.cat([s.local for s in dst]), blocked(4))

@@ -9,7 +9,7 @@ import torch
 from multiproc import run_ranks
 
 import shardsync
-from shardsync import ShardedTensor, shard_dim
+from shardsync import LocalShard, shard_dim
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
@@ -34,7 +34,7 @@ def test_dcp_tp2_loads_into_tp4(tmp_path: Path) -> None:
     # the TP=2 shards of both ranks, saved from one process (boxes of any shape become DCP chunks)
     state = {"qkv": [shard_dim(full["qkv"], 0, r, 2) for r in range(2)],
              "o": [shard_dim(full["o"], 1, r, 2) for r in range(2)]}
-    assert all(isinstance(s, ShardedTensor) for shards in state.values() for s in shards)
+    assert all(isinstance(s, LocalShard) for shards in state.values() for s in shards)
     shardsync.save(state, tmp_path / "dcp")
     results = run_ranks(_load_tp4, 4, str(tmp_path / "dcp"))
     assert [exact for exact, _ in results] == [True] * 4

@@ -10,7 +10,7 @@ from multiproc import run_ranks
 from reference import arange_tensor
 
 import shardsync
-from shardsync import ShardedTensor
+from shardsync import LocalShard
 
 E, HID, DIM = 4, 7, 5  # experts, expert hidden dim, model dim (odd, so misplacement shows)
 # torchtitan names -> HuggingFace Qwen3-MoE / DeepSeek per-expert names; w1 gate, w3 up, w2 down
@@ -32,11 +32,11 @@ def _shards(full: dict[str, torch.Tensor], rank: int) -> dict[str, object]:
     out: dict[str, object] = {"layers.0.moe.router.gate.weight": full["layers.0.moe.router.gate.weight"].clone()}
     for w in ("w1", "w3"):
         x = full[f"layers.0.moe.experts.{w}"]
-        out[f"layers.0.moe.experts.{w}"] = ShardedTensor(x[rank * per:(rank + 1) * per].clone(), tuple(x.shape),
+        out[f"layers.0.moe.experts.{w}"] = LocalShard(x[rank * per:(rank + 1) * per].clone(), tuple(x.shape),
                                                          (rank * per, 0, 0))
     x = full["layers.0.moe.experts.w2"]
     lo, hi = W2_COLS[rank]
-    out["layers.0.moe.experts.w2"] = ShardedTensor(x[:, :, lo:hi].clone(), tuple(x.shape), (0, 0, lo))
+    out["layers.0.moe.experts.w2"] = LocalShard(x[:, :, lo:hi].clone(), tuple(x.shape), (0, 0, lo))
     return out
 
 
@@ -61,12 +61,12 @@ def _worker(rank: int, world: int) -> dict:
         if "gate_proj" in t.name or "up_proj" in t.name:
             holders[t.name] = sorted({h for c in t.copies for h in plan.reads[c.read].holders})
     out["holders"] = holders
-    dst = {k: ShardedTensor(torch.zeros_like(v.local), v.global_shape, v.global_offset)
-           if isinstance(v, ShardedTensor) else torch.zeros_like(v) for k, v in state.items()}
+    dst = {k: LocalShard(torch.zeros_like(v.local), v.global_shape, v.global_offset)
+           if isinstance(v, LocalShard) else torch.zeros_like(v) for k, v in state.items()}
     shardsync.load(dst, want, TITAN_TO_HF, reverse=True)  # HF per-expert -> the EP/ETP-sharded experts
     out["load bad"] = [k for k, v in dst.items() if not torch.equal(
-        v.local if isinstance(v, ShardedTensor) else v,
-        state[k].local if isinstance(state[k], ShardedTensor) else state[k])]  # type: ignore[union-attr]
+        v.local if isinstance(v, LocalShard) else v,
+        state[k].local if isinstance(state[k], LocalShard) else state[k])]  # type: ignore[union-attr]
     return out
 
 

@@ -14,7 +14,7 @@ from reference import arange_tensor
 
 import shardsync
 from shardsync.errors import LayoutError, LoadError
-from shardsync.layout import Box, ShardedTensor
+from shardsync.layout import Box, LocalShard
 from shardsync.mapping import Mapping, shipped_parameters
 
 H, G, D, HID, FFN, SHARED, EXPERTS, VOCAB, ROWS, LAYERS = 4, 2, 2, 6, 5, 7, 3, 11, 16, 2
@@ -142,12 +142,12 @@ EMB = ["embedding.word_embeddings.weight -> model.embed_tokens.weight, axis=0, k
 def test_padded_rows_of_each_tp_shard_are_left_as_they_are() -> None:
     hf = {"model.embed_tokens.weight": arange_tensor((VOCAB, 3), start=1)}
     full = torch.full((ROWS, 3), -1.0)
-    shards = [ShardedTensor(full[:8], (ROWS, 3), (0, 0)), ShardedTensor(full[8:], (ROWS, 3), (8, 0))]
+    shards = [LocalShard(full[:8], (ROWS, 3), (0, 0)), LocalShard(full[8:], (ROWS, 3), (8, 0))]
     result = shardsync.load({"embedding.word_embeddings.weight": shards}, hf, EMB, reverse=True)
     assert torch.equal(full[:VOCAB], hf["model.embed_tokens.weight"]) and bool((full[VOCAB:] == -1).all())
     assert sorted(t.name for t in result.plan.targets) == ["embedding.word_embeddings.weight[0:8, 0:3]",
                                                            "embedding.word_embeddings.weight[8:11, 0:3]"]
-    only_padding = {"embedding.word_embeddings.weight": ShardedTensor(torch.zeros(4, 3), (ROWS, 3), (12, 0))}
+    only_padding = {"embedding.word_embeddings.weight": LocalShard(torch.zeros(4, 3), (ROWS, 3), (12, 0))}
     shardsync.load(only_padding, hf, EMB, reverse=True)  # a rank holding only padding rows receives nothing
 
 
@@ -201,7 +201,7 @@ def test_local_experts_get_their_global_ids() -> None:
                            "decoder.layers.2.mlp.experts.local_experts.2.linear_fc2.weight",
                            "decoder.layers.2.mlp.experts.local_experts.3.linear_fc2.weight"]
     e3 = state["decoder.layers.2.mlp.experts.local_experts.3.linear_fc2.weight"]
-    assert isinstance(e3, ShardedTensor) and bool((e3.local == 1.0).all())  # local expert 1
+    assert isinstance(e3, LocalShard) and bool((e3.local == 1.0).all())  # local expert 1
 
 
 def test_experts_are_placed_by_their_own_tp_group() -> None:
@@ -219,7 +219,7 @@ def test_experts_are_placed_by_their_own_tp_group() -> None:
     finally:
         megatron.group_rank, megatron.group_size = real_rank, real_size  # type: ignore[assignment]
     expert = state["experts.local_experts.2.linear_fc2.weight"]
-    assert isinstance(expert, ShardedTensor) and expert.box == Box((0, 4), (2, 4)) and expert.global_shape == (2, 8)
+    assert isinstance(expert, LocalShard) and expert.box == Box((0, 4), (2, 4)) and expert.global_shape == (2, 8)
 
 
 def test_the_last_stage_copy_of_tied_embeddings_is_left_out() -> None:

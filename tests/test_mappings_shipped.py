@@ -15,7 +15,7 @@ from reference import arange_tensor
 
 import shardsync
 from shardsync.errors import MappingError
-from shardsync.layout import GlobalLayout, ShardedTensor, local_layout
+from shardsync.layout import GlobalLayout, LocalShard, local_layout
 from shardsync.mapping import Mapping, resolve, shipped, shipped_mappings, shipped_parameters, unconsumed
 
 H, G, D, HID, FFN, VOCAB, LAYERS = 4, 2, 2, 6, 5, 11, 2  # 4 heads in 2 groups of head dim 2
@@ -23,13 +23,13 @@ PER = H // G
 PARAMS = {"num_heads": H, "num_key_value_groups": G, "vocab_size": VOCAB}
 
 
-def tp2(t: torch.Tensor, dim: int) -> list[ShardedTensor]:
+def tp2(t: torch.Tensor, dim: int) -> list[LocalShard]:
     """Both TP=2 shards of ``t`` (cut along ``dim``), held by this one process."""
     assert t.shape[dim] % 2 == 0, "Megatron's shards are equal"
     half = t.shape[dim] // 2
     offsets = [[0] * t.dim(), [0] * t.dim()]
     offsets[1][dim] = half
-    return [ShardedTensor(t.narrow(dim, i * half, half), t.shape, offsets[i]) for i in range(2)]
+    return [LocalShard(t.narrow(dim, i * half, half), t.shape, offsets[i]) for i in range(2)]
 
 
 def megatron(*, rows: int = VOCAB, qkv_bias: bool = False, tied: bool = False, te: bool = False,

@@ -16,7 +16,7 @@ from reference import arange_tensor
 
 import shardsync
 from shardsync.errors import LayoutError
-from shardsync.layout import Box, ShardedTensor
+from shardsync.layout import Box, LocalShard
 from shardsync.sources.megatron import from_megatron, partition_of, tp_shards
 
 DOC = Path(__file__).parent.parent / "docs" / "megatron.md"
@@ -99,7 +99,7 @@ def test_from_megatron_one_process_keeps_keys_views_and_skips_extra_state() -> N
     model.proj.bias.is_distributed, model.proj.bias.split_axis = True, 0  # Paddle-style mark
     state = from_megatron(model)
     assert list(state) == ["attn.norm", "attn.table", "proj.weight", "proj.bias"]
-    assert isinstance(state["proj.weight"], ShardedTensor) and state["proj.weight"].global_shape == (6, 4)
+    assert isinstance(state["proj.weight"], LocalShard) and state["proj.weight"].global_shape == (6, 4)
     assert state["proj.weight"].local.data_ptr() == model.proj.weight.data_ptr()
     assert isinstance(state["attn.norm"], torch.Tensor) and not state["attn.norm"].requires_grad
     got = dict(shardsync.full_params(state))
@@ -129,7 +129,7 @@ def test_gated_fc1_reads_as_gate_then_up_whatever_its_stride_attribute() -> None
     plain = torch.nn.Module()
     plain.linear_fc1 = torch.nn.Linear(3, 8, bias=False)  # not gated: stride 1 stays one shard
     mark(plain.linear_fc1.weight, 0)
-    assert isinstance(from_megatron(plain)["linear_fc1.weight"], ShardedTensor)
+    assert isinstance(from_megatron(plain)["linear_fc1.weight"], LocalShard)
 
 
 class Layer(torch.nn.Module):
@@ -333,7 +333,7 @@ def test_megatron_core_gpt_exports_to_hf_bit_exact(tmp_path: Path) -> None:
         assert msg is not None, rank
         assert ("'decoder.layers.0.self_attention.linear_proj.weight': ranks [0] vs ranks [1] hold box "
                 "[0:64, 0:32] with different values") in msg
-        assert "this looks like a per-rank shard: wrap it in ShardedTensor, or use " \
+        assert "this looks like a per-rank shard: wrap it in LocalShard, or use " \
                "shardsync.from_megatron(model)" in msg
         assert "layernorm" not in msg  # replicas agree
 

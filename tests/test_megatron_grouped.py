@@ -15,7 +15,7 @@ from test_mappings_moe import EXPERTS, PARAMS, assert_same, hf_moe, megatron_moe
 
 import shardsync
 import shardsync.sources.megatron as megatron
-from shardsync.layout import ShardedTensor
+from shardsync.layout import LocalShard
 from shardsync.mapping import Mapping
 
 E, HID, FFN, TP, EP = 4, 6, 6, 2, 2  # 4 experts, 2 per EP rank; ffn 6 = 3 rows per TP rank
@@ -70,10 +70,10 @@ def placed(layer: torch.nn.Module, tp: int, monkeypatch: pytest.MonkeyPatch) -> 
 
 
 def all_ranks(hf: dict[str, list[torch.Tensor]], monkeypatch: pytest.MonkeyPatch,
-              ) -> tuple[list[torch.nn.Module], dict[str, list[ShardedTensor]]]:
+              ) -> tuple[list[torch.nn.Module], dict[str, list[LocalShard]]]:
     """Every (EP, TP) rank's layer, and their shards together (one process holds them all)."""
     layers = [moe_layer(hf, ep, tp) for ep in range(EP) for tp in range(TP)]
-    state: dict[str, list[ShardedTensor]] = {}
+    state: dict[str, list[LocalShard]] = {}
     for i, layer in enumerate(layers):
         for key, value in placed(layer, i % TP, monkeypatch).items():
             state.setdefault(key, []).extend(value if isinstance(value, list) else [value])
@@ -97,7 +97,7 @@ def test_views_share_the_parameters_memory(monkeypatch: pytest.MonkeyPatch) -> N
     base = layer.experts.weight1.untyped_storage().data_ptr()
     assert all(s.local.untyped_storage().data_ptr() == base for s in state["experts.weight1"])
     down = state["experts.weight2"]
-    assert isinstance(down, ShardedTensor) and down.global_offset == (2, 0, 3)  # experts 2, 3; ffn rows 3:6
+    assert isinstance(down, LocalShard) and down.global_offset == (2, 0, 3)  # experts 2, 3; ffn rows 3:6
 
 
 @pytest.mark.parametrize("name, qwen", [("megatron-mixtral-grouped", False), ("megatron-qwen2-moe-grouped", True)])
@@ -137,7 +137,7 @@ def test_load_writes_each_ranks_grouped_weights_in_place(monkeypatch: pytest.Mon
         with torch.no_grad():
             layer.experts.weight1.zero_()
             layer.experts.weight2.zero_()
-    dst: dict[str, list[ShardedTensor]] = {}
+    dst: dict[str, list[LocalShard]] = {}
     for i, layer in enumerate(fresh):
         for key, value in placed(layer, i % TP, monkeypatch).items():
             dst.setdefault("decoder.layers.0.mlp." + key, []).extend(value if isinstance(value, list) else [value])

@@ -33,7 +33,7 @@ from test_mappings_moe import LAYERS, PARAMS, assert_same, hf_moe, megatron_moe
 
 import shardsync
 import shardsync.sources.megatron as megatron
-from shardsync.layout import Box, ShardedTensor
+from shardsync.layout import Box, LocalShard
 from shardsync.mapping import Mapping
 from shardsync.sources.megatron_te import te_grouped_experts
 
@@ -107,10 +107,10 @@ def ranks(tp_size: int) -> list[tuple[int, int]]:
 
 
 def every_rank(layers: dict[tuple[int, int, int], torch.nn.Module], monkeypatch: pytest.MonkeyPatch,
-               ) -> dict[str, list[ShardedTensor]]:
+               ) -> dict[str, list[LocalShard]]:
     """The shards of every rank's layers together, under ``decoder.layers.<i>.mlp.`` (one process
     holds them all)."""
-    state: dict[str, list[ShardedTensor]] = {}
+    state: dict[str, list[LocalShard]] = {}
     for (i, _, _), layer in layers.items():
         for key, value in placed(layer, monkeypatch).items():
             if key.startswith("router."):
@@ -130,7 +130,7 @@ def test_weights_get_global_ids_and_the_dims_of_their_role(monkeypatch: pytest.M
                                                            (2 * FFN, HID))
     assert torch.equal(up_r.local, experts_hf(0)["up"][3][3:])
     down = state["experts.linear_fc2.weight2"]  # TE says dim 0; the row-parallel fc2 is split along 1
-    assert isinstance(down, ShardedTensor) and down.box == Box((0, 3), (HID, 3))
+    assert isinstance(down, LocalShard) and down.box == Box((0, 3), (HID, 3))
     assert down.local.data_ptr() == layer.experts.linear_fc2.weight0.data_ptr()  # a view, nothing copied
 
 
@@ -145,7 +145,7 @@ def test_biases_follow_their_linear(monkeypatch: pytest.MonkeyPatch) -> None:
     state = placed(layer, monkeypatch)
     assert [s.box for s in state["experts.linear_fc1.bias1"]] == [Box((0,), (3,)), Box((6,), (3,))]
     assert isinstance(state["experts.linear_fc2.bias0"], torch.Tensor) and \
-        not isinstance(state["experts.linear_fc2.bias0"], ShardedTensor)  # not split: a replica
+        not isinstance(state["experts.linear_fc2.bias0"], LocalShard)  # not split: a replica
     assert parts[id(layer.experts.linear_fc2.bias0)] is None
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import warnings
 
 import pytest
+import torch
 
 import shardsync
 import shardsync.paddle
@@ -35,3 +36,14 @@ def test_new_place_and_other_names_do_not_warn() -> None:
 def test_unknown_name_is_still_an_attribute_error() -> None:
     with pytest.raises(AttributeError, match="full_paramz"):
         shardsync.full_paramz  # type: ignore[attr-defined]  # noqa: B018
+
+
+def test_sharded_tensor_is_the_deprecated_name_of_local_shard() -> None:
+    import shardsync.layout
+
+    for module in (shardsync, shardsync.layout):
+        with pytest.warns(DeprecationWarning, match="shardsync.ShardedTensor is deprecated: it is shardsync.LocalShard"):
+            cls = module.ShardedTensor
+        assert cls is shardsync.LocalShard
+    shard = shardsync.LocalShard(torch.arange(3.0), (5,), (2,))
+    assert isinstance(shard, cls) and shard.box == shardsync.Box((2,), (3,))

@@ -12,7 +12,7 @@ from reference import arange_tensor
 
 import shardsync
 from shardsync.errors import LayoutError
-from shardsync.layout import GlobalLayout, ShardedTensor
+from shardsync.layout import GlobalLayout, LocalShard
 from shardsync.layout.meta import check_replicas
 from shardsync.sources import LocalSource
 from shardsync.sources import fingerprint as fp
@@ -91,7 +91,7 @@ def _worker(rank: int, world: int) -> dict:
         except LayoutError as exc:
             out[mode] = ("LayoutError", str(exc))
     for verb in ("load", "reshard"):
-        dst = {"w": ShardedTensor(torch.zeros(N // 2 + rank), (N,), (0 if rank == 0 else N // 2,))}
+        dst = {"w": LocalShard(torch.zeros(N // 2 + rank), (N,), (0 if rank == 0 else N // 2,))}
         try:
             getattr(shardsync, verb)(*(({"w": mine}, dst) if verb == "reshard" else (dst, {"w": mine})),
                                      replica_check="exact")

@@ -10,11 +10,11 @@ import torch
 from dest_helpers import HIDDEN, LAYERS, MAPPING, hf_shards, hf_state, megatron_shards
 from multiproc import run_ranks
 
-from shardsync import DistributedError, LoadError, ShardedTensor, reshard
+from shardsync import DistributedError, LoadError, LocalShard, reshard
 
 
 def _local(v: Any) -> torch.Tensor:
-    return v.local if isinstance(v, ShardedTensor) else v
+    return v.local if isinstance(v, LocalShard) else v
 
 
 def _bad(got: dict[str, Any], want: dict[str, Any]) -> list[str]:

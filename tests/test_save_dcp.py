@@ -17,7 +17,7 @@ from multiproc import run_ranks
 from reference import arange_tensor
 
 import shardsync
-from shardsync import ShardedTensor, shard_dim
+from shardsync import LocalShard, shard_dim
 from shardsync.errors import FormatError, LayoutError
 from shardsync.io import dcp_writer
 
@@ -28,9 +28,9 @@ def full_state(start: int = 0) -> dict[str, torch.Tensor]:
             "experts": arange_tensor((6, 10), start=start), "step": torch.tensor(start + 7)}
 
 
-def boxes(t: torch.Tensor, *spec: tuple[tuple[int, int], tuple[int, int]]) -> list[ShardedTensor]:
+def boxes(t: torch.Tensor, *spec: tuple[tuple[int, int], tuple[int, int]]) -> list[LocalShard]:
     """Shards of ``t`` at ``((row, col), (rows, cols))``."""
-    return [ShardedTensor(t[r:r + h, c:c + w], t.shape, (r, c)) for (r, c), (h, w) in spec]
+    return [LocalShard(t[r:r + h, c:c + w], t.shape, (r, c)) for (r, c), (h, w) in spec]
 
 
 def rank_state(rank: int, start: int = 0) -> dict:

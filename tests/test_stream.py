@@ -7,7 +7,7 @@ import torch
 from reference import arange_tensor
 
 from shardsync.errors import LayoutError, MappingError, PlanError
-from shardsync.layout import ShardedTensor, shard_dim
+from shardsync.layout import LocalShard, shard_dim
 from shardsync.paddle import full_param
 from shardsync.stream import full_params, plan
 
@@ -15,7 +15,7 @@ QKV = "qkv -> q, k, v, fused_qkv_old, num_heads=4, num_key_value_groups=2, axis=
 FFN = "gu -> gate, up, fused_ffn, axis=0"
 
 
-def shards(full: torch.Tensor, dim: int, n: int) -> list[ShardedTensor]:
+def shards(full: torch.Tensor, dim: int, n: int) -> list[LocalShard]:
     """All ``n`` shards of ``full`` along ``dim``, held by this one process."""
     return [shard_dim(full, dim, r, n) for r in range(n)]
 
@@ -109,7 +109,7 @@ def test_errors_and_once_only() -> None:
 
 def test_outputs_do_not_track_gradients() -> None:
     p = torch.nn.Parameter(arange_tensor((3, 4)))
-    halves = [ShardedTensor(p[:2], (3, 4), (0, 0)), ShardedTensor(p[2:], (3, 4), (2, 0))]
+    halves = [LocalShard(p[:2], (3, 4), (0, 0)), LocalShard(p[2:], (3, 4), (2, 0))]
     (name, t), = full_params({"p": halves})
     assert not t.requires_grad and t.grad_fn is None and torch.equal(t, p.detach())
 
@@ -200,8 +200,8 @@ def test_meta_tensors_are_refused_by_key() -> None:
     with pytest.raises(LayoutError, match=r"^'lazy' is a meta tensor \(a shape without data\), so there "
                                           r"is nothing to stream; materialise it first"):
         list(full_params(state))
-    halves = [ShardedTensor(torch.empty(2, 3, device="meta"), (4, 3), (0, 0)),
-              ShardedTensor(arange_tensor((2, 3)), (4, 3), (2, 0))]
+    halves = [LocalShard(torch.empty(2, 3, device="meta"), (4, 3), (0, 0)),
+              LocalShard(arange_tensor((2, 3)), (4, 3), (2, 0))]
     with pytest.raises(LayoutError, match=r"^'half' is a meta tensor"):
         list(full_params({"half": halves}))
 

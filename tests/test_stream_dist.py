@@ -14,7 +14,7 @@ from multiproc import BACKEND, on_device, run_ranks
 from reference import arange_tensor
 
 from shardsync.errors import DistributedError, LayoutError, PlanError
-from shardsync.layout import ShardedTensor, shard_dim
+from shardsync.layout import LocalShard, shard_dim
 from shardsync.stream import full_params
 
 H, G, D, FFN = 8, 4, 2, 8  # query heads, kv heads, head dim, ffn width: qkv has (H + 2G) * D rows
@@ -134,7 +134,7 @@ def _catch(fn: Any) -> str:
 
 def _errors(rank: int, world: int) -> dict[str, str]:
     full = arange_tensor((17, 3))
-    holes = {"w": ShardedTensor(full[:5], (17, 3), (0, 0))} if rank == 0 else {}
+    holes = {"w": LocalShard(full[:5], (17, 3), (0, 0))} if rank == 0 else {}
     bad_map = ["nope -> x"] if rank == 1 else None
     return {"holes": _catch(lambda: list(full_params(holes))),
             "shape": _catch(lambda: list(full_params({"w": torch.zeros(3 + rank)}))),

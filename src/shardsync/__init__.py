@@ -33,7 +33,7 @@ from .errors import (DistributedError, DriftError, FormatError, LayoutError, Loa
 from .io import save_safetensors
 from .io.save_dcp import save_dcp
 from .io.save_hf import save_hf
-from .layout import Box, GlobalLayout, ShardedTensor, from_dtensor, shard_dim
+from .layout import Box, GlobalLayout, LocalShard, from_dtensor, shard_dim
 from .mapping import Mapping, TargetSpec, resolve
 from .mapping.explain import explain
 from .planning import Plan
@@ -41,7 +41,7 @@ from .replicas import DriftReport, ReplicaSync, detect_drift, select_replicated,
 from .sources import from_megatron, read_layout, read_tensors
 from .stream import ParamStream, full_params, plan
 
-__all__ = ["Box", "GlobalLayout", "ShardedTensor", "from_dtensor", "shard_dim", "Mapping", "resolve",
+__all__ = ["Box", "GlobalLayout", "LocalShard", "from_dtensor", "shard_dim", "Mapping", "resolve",
            "explain", "full_params", "from_megatron", "plan", "Plan", "ParamStream", "TargetSpec",
            "save_safetensors", "read_layout",
            "read_tensors", "select_replicated", "ReplicaSync", "detect_drift", "watch_drift",
@@ -74,4 +74,8 @@ def __getattr__(name: str) -> Any:
         warnings.warn(f"shardsync.{name} is deprecated: import it from shardsync.paddle "
                       f"(from shardsync.paddle import {name})", DeprecationWarning, stacklevel=2)
         return getattr(paddle, name)
+    if name == "ShardedTensor":  # renamed: torch has a class of that name (issue 18)
+        from .layout import sharded
+
+        return getattr(sharded, name)  # warns
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -110,7 +110,7 @@ def digest(state: SourceLike, mapping: MappingLike | None = None, *,
     target. Not a cryptographic MAC: it detects corruption and bugs, not a forger (docs/digests.md).
 
     Args:
-        state: this rank's state dict (tensors, ShardedTensor, DTensor, lists of ShardedTensor), a
+        state: this rank's state dict (tensors, LocalShard, DTensor, lists of LocalShard), a
             :class:`~shardsync.sources.Source`, or a checkpoint path (safetensors or DCP; every rank
             of a group hashes its own share of the files).
         mapping: None (every source is a target) or a mapping program; its transposes, splits,

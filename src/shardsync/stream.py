@@ -234,8 +234,8 @@ def full_params(state: SourceLike, mapping: MappingLike | None = None, *,
     """Stream full (mapped) tensors out of sharded state; call on every rank of the group.
 
     Args:
-        state: this rank's state dict (values are tensors (full or replicated), ShardedTensor, DTensor,
-            or lists of ShardedTensor; keys are strings), an ``nn.Module`` (its tensors, read in
+        state: this rank's state dict (values are tensors (full or replicated), LocalShard, DTensor,
+            or lists of LocalShard; keys are strings), an ``nn.Module`` (its tensors, read in
             place), a :class:`~shardsync.sources.Source`, None (nothing on this rank), or a checkpoint path (safetensors file or directory,
             or torch DCP directory; see :func:`~shardsync.sources.open_source`). Every rank of a
             group sees a checkpoint's files: each reads its own share of the boxes.

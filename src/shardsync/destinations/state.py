@@ -11,7 +11,7 @@ from ..errors import LayoutError
 from ..layout.box import Box
 from ..layout.dtypes import dtype_name
 from ..layout.meta import LayoutEntry
-from ..layout.sharded import ShardedTensor, StateValue, local_shards
+from ..layout.sharded import LocalShard, StateValue, local_shards
 from ..sources.modules import state_of
 
 __all__ = ["Shards", "DestinationLike", "self_overlapping"]
@@ -44,12 +44,12 @@ class Shards:
     """This rank's shards of the destination, by key; targets are written into their memory.
 
     Args:
-        dst: a state dict (tensors, ShardedTensor, DTensor, lists of ShardedTensor), an ``nn.Module``
+        dst: a state dict (tensors, LocalShard, DTensor, lists of LocalShard), an ``nn.Module``
             (its state dict: parameters and buffers written in place), or None (nothing here).
 
     Example:
         >>> w = torch.zeros(2)
-        >>> d = Shards({"w": ShardedTensor(w, (4,), (2,))})
+        >>> d = Shards({"w": LocalShard(w, (4,), (2,))})
         >>> d.entries()[0].box, d.memory("w", Box((2,), (2,))).data_ptr() == w.data_ptr()
         (Box(offsets=(2,), sizes=(2,)), True)
 
@@ -60,7 +60,7 @@ class Shards:
 
     def __init__(self, dst: DestinationLike) -> None:
         state = state_of(dst, "the destination")
-        self.shards: dict[str, list[ShardedTensor]] = {k: local_shards(k, v) for k, v in state.items()}
+        self.shards: dict[str, list[LocalShard]] = {k: local_shards(k, v) for k, v in state.items()}
         aliased = sorted({k for k, shards in self.shards.items() for s in shards if self_overlapping(s.local)})
         if aliased:
             raise LayoutError(f"destination tensors {aliased} have elements that share memory (made by "

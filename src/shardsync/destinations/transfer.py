@@ -192,8 +192,8 @@ def load(dst: DestinationLike, source: SourceLike, mapping: MappingLike | None =
     rank holding them (replicas share the sending).
 
     Args:
-        dst: this rank's destination: a state dict (tensors, ShardedTensor, DTensor, lists of
-            ShardedTensor), an ``nn.Module`` (parameters and buffers written in place, no
+        dst: this rank's destination: a state dict (tensors, LocalShard, DTensor, lists of
+            LocalShard), an ``nn.Module`` (parameters and buffers written in place, no
             re-allocation), or None when this rank holds none of it.
         source: a :class:`~shardsync.sources.Source`, or this rank's live state (state dict or module)
             on the group, or None.

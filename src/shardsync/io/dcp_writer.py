@@ -1,6 +1,6 @@
 """``save``: a sharded checkpoint in torch's DCP format, written by ``torch.distributed.checkpoint.save``.
 
-Every rank's shards (tensors, ShardedTensor boxes of any shape - uneven included -, DTensor) become
+Every rank's shards (tensors, LocalShard boxes of any shape - uneven included -, DTensor) become
 DCP write items with one chunk per box, through DCP's own extension points: a ``SavePlanner`` that
 plans the boxes, and a ``FileSystemWriter`` whose data files carry a generation tag
 (``__<tag>_<rank>_0.distcp``). DCP dedups replicas, validates the chunks, writes each rank's file and
@@ -35,7 +35,7 @@ from ..dist import abandon, agree, group_rank, is_distributed
 from ..errors import FormatError, LayoutError, ShardsyncError
 from ..layout.box import Box
 from ..layout.meta import GlobalLayout
-from ..layout.sharded import ShardedTensor, StateValue
+from ..layout.sharded import LocalShard, StateValue
 from ..planning.validate import layout_problems, shard_boxes, tiling_problems
 from ..sources import LocalSource
 from ..sources.dcp_metadata import read_metadata
@@ -58,13 +58,13 @@ class BoxSavePlanner(DefaultSavePlanner):
     -> ``finish_plan`` -> ``resolve_data`` per item.
 
     Example:
-        >>> p = BoxSavePlanner({"w": [ShardedTensor(torch.zeros(2, 3), (5, 3), (2, 0))]})
+        >>> p = BoxSavePlanner({"w": [LocalShard(torch.zeros(2, 3), (5, 3), (2, 0))]})
         >>> p.set_up_planner({}, None, True)
         >>> [(i.type.name, list(i.tensor_data.chunk.offsets)) for i in p.create_local_plan().items]
         [('SHARD', [2, 0])]
     """
 
-    def __init__(self, shards: Mapping[str, list[ShardedTensor]]) -> None:
+    def __init__(self, shards: Mapping[str, list[LocalShard]]) -> None:
         super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
         self.by_index = {(key, s.global_offset): s for key in sorted(shards) for s in shards[key]
                          if not s.box.empty or Box.full(s.global_shape).empty}
@@ -81,7 +81,7 @@ class BoxSavePlanner(DefaultSavePlanner):
         return self.by_index[(index.fqn, tuple(index.offset or ()))].local
 
 
-def _write_item(key: str, s: ShardedTensor) -> WriteItem:
+def _write_item(key: str, s: LocalShard) -> WriteItem:
     kind = WriteItemType.TENSOR if s.box == Box.full(s.global_shape) else WriteItemType.SHARD
     chunk = ChunkStorageMetadata(torch.Size(s.global_offset), torch.Size(s.local.shape))
     return WriteItem(MetadataIndex(key, s.global_offset), kind,
@@ -151,7 +151,7 @@ def _not_a_state(state: object) -> LayoutError:
     if isinstance(state, torch.nn.Module):
         return megatron_module_error(state, "the state") or LayoutError(
             "save takes a state dict, not a torch.nn.Module: pass model.state_dict()")
-    return LayoutError(f"save takes a state dict (tensors, ShardedTensor, DTensor), not a "
+    return LayoutError(f"save takes a state dict (tensors, LocalShard, DTensor), not a "
                        f"{type(state).__name__}")
 def remove_partial(path: Path, tag: str | None = None) -> None:
     """Remove what an interrupted save left in ``path``: torch's ``.metadata.tmp`` and the data files
@@ -198,7 +198,7 @@ def save(state: Mapping[str, StateValue], path: str | os.PathLike, *, group: Any
     on one process, DTensors on another mesh), and :mod:`shardsync` sources read it back.
 
     Args:
-        state: this rank's state dict (tensors, ShardedTensor or lists of them, DTensor). Replicas
+        state: this rank's state dict (tensors, LocalShard or lists of them, DTensor). Replicas
             (the same box on several ranks) are written once.
         path: the checkpoint directory (created if missing).
         group: process group; None: the default group when torch.distributed is up, else one process.
@@ -216,7 +216,7 @@ def save(state: Mapping[str, StateValue], path: str | os.PathLike, *, group: Any
     Example:
         >>> import tempfile
         >>> with tempfile.TemporaryDirectory() as d:
-        ...     _ = save({"w": ShardedTensor(torch.ones(2), (2,), (0,))}, d)
+        ...     _ = save({"w": LocalShard(torch.ones(2), (2,), (0,))}, d)
         ...     out = {"w": torch.zeros(2)}
         ...     dcp.load(out, checkpoint_id=d, no_dist=True)
         ...     out["w"].tolist()

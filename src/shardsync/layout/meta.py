@@ -56,7 +56,7 @@ def _replica_problems(per_rank: Sequence[Iterable[EntryLike]]) -> list[str]:
         groups = " vs ".join(f"ranks {ranks}" for ranks in sorted(prints.values()))
         whole = box.offsets == (0,) * len(box.offsets) and box.sizes == shapes[key]
         fix = ("a plain tensor is taken as a replica, and this looks like a per-rank shard: wrap it in "
-               "ShardedTensor, or use shardsync.from_megatron(model)" if whole else
+               "LocalShard, or use shardsync.from_megatron(model)" if whole else
                "ranks holding the same box of a key are taken as replicas: check the global offsets "
                "(do pipeline stages or expert-parallel ranks reuse the same names?)")
         kind = "exact digests" if any(p.startswith(EXACT_PREFIX) for p in prints) else "sampled fingerprints"

@@ -1,4 +1,8 @@
-"""ShardedTensor: this rank's piece of a global tensor, and helpers to make and read them."""
+"""LocalShard: this rank's piece of a global tensor, and helpers to make and read them.
+
+``ShardedTensor``, its name before, still works (a DeprecationWarning): torch has a class of that
+name (``torch.distributed._shard.ShardedTensor``, a tensor of all ranks' shards), which this is not.
+"""
 
 from __future__ import annotations
 
@@ -13,12 +17,12 @@ from .dtypes import dtype_name
 from .meta import LayoutEntry
 from .placements import Split, shard_boxes
 
-__all__ = ["ShardedTensor", "StateValue", "shard_dim", "from_dtensor", "dtensor_shards", "local_shards",
+__all__ = ["LocalShard", "StateValue", "shard_dim", "from_dtensor", "dtensor_shards", "local_shards",
            "local_layout"]
 
 
-class ShardedTensor:
-    """This rank's shard of a global tensor.
+class LocalShard:
+    """This rank's shard of a global tensor (called ``ShardedTensor`` before: a deprecated alias).
 
     Args:
         local: the shard's data.
@@ -30,7 +34,7 @@ class ShardedTensor:
         LayoutError: rank counts differ, or the shard does not fit in the global shape.
 
     Example:
-        >>> t = ShardedTensor(torch.zeros(2, 3), (4, 3), (2, 0))
+        >>> t = LocalShard(torch.zeros(2, 3), (4, 3), (2, 0))
         >>> t.box
         Box(offsets=(2, 0), sizes=(2, 3))
     """
@@ -64,15 +68,15 @@ class ShardedTensor:
         return self.local.dtype
 
     def __repr__(self) -> str:
-        return (f"ShardedTensor(local={list(self.local.shape)} {self.local.dtype}, "
+        return (f"LocalShard(local={list(self.local.shape)} {self.local.dtype}, "
                 f"global_shape={list(self.global_shape)}, global_offset={list(self.global_offset)})")
 
 
 #: What a state dict may hold per key: a full tensor, one shard, or several shards of one tensor.
-StateValue = Union[torch.Tensor, ShardedTensor, Sequence[ShardedTensor]]
+StateValue = Union[torch.Tensor, LocalShard, Sequence[LocalShard]]
 
 
-def shard_dim(tensor: torch.Tensor, dim: int, rank: int, world: int) -> ShardedTensor:
+def shard_dim(tensor: torch.Tensor, dim: int, rank: int, world: int) -> LocalShard:
     """Cut ``rank``'s shard of a full tensor along ``dim``, like ``torch.chunk``.
 
     Pieces are ``ceil(n / world)`` long; the last ranks get the smaller pieces (possibly empty).
@@ -90,10 +94,10 @@ def shard_dim(tensor: torch.Tensor, dim: int, rank: int, world: int) -> ShardedT
     stop = min(start + step, n)
     offset = [0] * tensor.dim()
     offset[dim] = start
-    return ShardedTensor(tensor.narrow(dim, start, stop - start), tensor.shape, offset)
+    return LocalShard(tensor.narrow(dim, start, stop - start), tensor.shape, offset)
 
 
-def dtensor_shards(dt: Any, *, key: str = "<tensor>") -> list[ShardedTensor]:
+def dtensor_shards(dt: Any, *, key: str = "<tensor>") -> list[LocalShard]:
     """This rank's region of a DTensor as ShardedTensors, each a view of ``dt.to_local()``.
 
     ``Shard`` and ``Replicate`` placements give one box; ``_StridedShard`` (FSDP2 ``fully_shard`` over
@@ -117,7 +121,7 @@ def dtensor_shards(dt: Any, *, key: str = "<tensor>") -> list[ShardedTensor]:
     coordinate = dt.device_mesh.get_coordinate()
     local = dt.to_local()
     if coordinate is None:  # this rank is not in the mesh: it holds nothing
-        return [ShardedTensor(local.new_empty((0,) * dt.dim()), tuple(dt.shape), tuple(dt.shape))]
+        return [LocalShard(local.new_empty((0,) * dt.dim()), tuple(dt.shape), tuple(dt.shape))]
     splits = [Split(p.dim, dt.device_mesh.size(m), coordinate[m],
                     int(p.split_factor) if isinstance(p, _StridedShard) else 1)
               for m, p in enumerate(dt.placements) if isinstance(p, (Shard, _StridedShard))]
@@ -126,12 +130,12 @@ def dtensor_shards(dt: Any, *, key: str = "<tensor>") -> list[ShardedTensor]:
     if held != tuple(local.shape):
         raise LayoutError(f"{key!r}: DTensor {list(dt.shape)} with placements {list(dt.placements)}: the "
                           f"local tensor is {list(local.shape)}, the placements give {list(held)}")
-    return [ShardedTensor(local[loc.slices()], tuple(dt.shape), glob.offsets, key=key)
+    return [LocalShard(local[loc.slices()], tuple(dt.shape), glob.offsets, key=key)
             for glob, loc in boxes]
 
 
-def from_dtensor(dt: Any) -> ShardedTensor:
-    """This rank's shard of a DTensor as one ShardedTensor (see :func:`dtensor_shards`).
+def from_dtensor(dt: Any) -> LocalShard:
+    """This rank's shard of a DTensor as one LocalShard (see :func:`dtensor_shards`).
 
     Raises:
         LayoutError: the shard is several boxes (``_StridedShard``); use :func:`dtensor_shards`.
@@ -143,7 +147,7 @@ def from_dtensor(dt: Any) -> ShardedTensor:
     return shards[0]
 
 
-def local_shards(key: str, value: StateValue) -> list[ShardedTensor]:
+def local_shards(key: str, value: StateValue) -> list[LocalShard]:
     """Normalise one state-dict value into the shards this rank holds.
 
     Raises:
@@ -167,14 +171,14 @@ def local_shards(key: str, value: StateValue) -> list[ShardedTensor]:
     return shards
 
 
-def _normalise(key: str, value: StateValue) -> list[ShardedTensor]:
+def _normalise(key: str, value: StateValue) -> list[LocalShard]:
     if type(value).__name__ == "DTensor":
         return dtensor_shards(value, key=key)
-    if isinstance(value, ShardedTensor):
+    if isinstance(value, LocalShard):
         return [value]
     if isinstance(value, torch.Tensor):
-        return [ShardedTensor(value, tuple(value.shape), (0,) * value.dim(), key=key)]
-    if isinstance(value, (list, tuple)) and value and all(isinstance(v, ShardedTensor) for v in value):
+        return [LocalShard(value, tuple(value.shape), (0,) * value.dim(), key=key)]
+    if isinstance(value, (list, tuple)) and value and all(isinstance(v, LocalShard) for v in value):
         shapes = {v.global_shape for v in value}
         dtypes = {v.dtype for v in value}
         if len(shapes) > 1 or len(dtypes) > 1:
@@ -182,7 +186,7 @@ def _normalise(key: str, value: StateValue) -> list[ShardedTensor]:
                               f"dtype: {sorted(map(list, shapes))}, {sorted(map(str, dtypes))}")
         return list(value)
     raise LayoutError(f"{key!r}: unsupported state value {type(value).__name__}; use a torch.Tensor, "
-                      "a ShardedTensor, a DTensor, or a list of ShardedTensor")
+                      "a LocalShard, a DTensor, or a list of LocalShard")
 
 
 def local_layout(state: Mapping[str, StateValue]) -> list[LayoutEntry]:
@@ -195,3 +199,14 @@ def local_layout(state: Mapping[str, StateValue]) -> list[LayoutEntry]:
     shards = {key: local_shards(key, value) for key, value in state.items()}  # checks keys first
     return [LayoutEntry(key, s.global_shape, dtype_name(s.dtype), s.box)
             for key in sorted(shards) for s in shards[key]]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "ShardedTensor":
+        import warnings
+
+        warnings.warn("shardsync.ShardedTensor is deprecated: it is shardsync.LocalShard (this rank's shard "
+                      "of a global tensor; torch's ShardedTensor is another class)", DeprecationWarning,
+                      stacklevel=2)
+        return LocalShard
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

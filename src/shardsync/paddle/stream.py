@@ -1,7 +1,7 @@
 """``full_param`` with FlexCheckpoint's keyword names, on :func:`shardsync.full_params`.
 
 Code written for ``paddle.distributed.flex_checkpoint.dcp.full_param`` ports by changing the import and
-the tensor type (``ShardedWeight`` -> :class:`~shardsync.layout.ShardedTensor`; objects with Paddle's
+the tensor type (``ShardedWeight`` -> :class:`~shardsync.layout.LocalShard`; objects with Paddle's
 ``local_tensor``/``global_shape``/``global_offset`` attributes are accepted as they are).
 
 Differences from Paddle 3.3.1, on purpose: ``num_splits``/``shard_idx`` are honoured on the
@@ -15,7 +15,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from ..errors import PlanError
-from ..layout import ShardedTensor, StateValue
+from ..layout import LocalShard, StateValue
 from ..planning import DEFAULT_MESH_THRESHOLD_BYTES
 from ..stream import ParamStream, full_params
 
@@ -29,7 +29,7 @@ PADDLE_KEYWORDS = ("process_group", "h_group", "v_group", "num_splits", "shard_i
 def _value(key: str, v: Any) -> StateValue:
     # Paddle's ShardedWeight carries local_tensor, global_shape, global_offset.
     if hasattr(v, "local_tensor") and hasattr(v, "global_shape") and hasattr(v, "global_offset"):
-        return ShardedTensor(v.local_tensor, v.global_shape, v.global_offset, key=key)
+        return LocalShard(v.local_tensor, v.global_shape, v.global_offset, key=key)
     return v
 
 
@@ -37,7 +37,7 @@ def full_param(sharded_state_dict: Mapping[str, Any], aoa_config: Any = None, **
     """Stream full parameters like Paddle's ``full_param``; returns an iterable of ``(name, tensor)``.
 
     Args:
-        sharded_state_dict: key -> ShardedTensor (or tensor, DTensor, ShardedWeight-like object).
+        sharded_state_dict: key -> LocalShard (or tensor, DTensor, ShardedWeight-like object).
         aoa_config: Paddle's mapping dict ``{"aoa_statements": [...], "aoa_config_reverse": bool}``,
             or anything :func:`shardsync.full_params` takes as ``mapping``.
         **kwargs: ``process_group``; ``h_group`` and ``v_group`` together (2-D mesh path);

@@ -1,4 +1,4 @@
-"""Live in-memory state as a source: tensors, ShardedTensor, DTensor or lists of ShardedTensor."""
+"""Live in-memory state as a source: tensors, LocalShard, DTensor or lists of LocalShard."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from ..errors import LayoutError
 from ..layout.box import Box
 from ..layout.dtypes import dtype_name
 from ..layout.meta import LayoutEntry
-from ..layout.sharded import ShardedTensor, StateValue, local_shards
+from ..layout.sharded import LocalShard, StateValue, local_shards
 from .fingerprint import ReplicaCheck, check_replica_mode, fingerprints
 
 __all__ = ["LocalSource"]
@@ -20,7 +20,7 @@ class LocalSource:
     """This rank's shards, by key, read in place.
 
     Args:
-        state: the state dict (values: tensor, ShardedTensor, DTensor or list of ShardedTensor).
+        state: the state dict (values: tensor, LocalShard, DTensor or list of LocalShard).
         replica_check: how :meth:`entries` fingerprints each shard for the replica check:
             ``"sampled"`` (16 elements), ``"exact"`` (every byte) or ``"off"``.
 
@@ -34,7 +34,7 @@ class LocalSource:
         check_replica_mode(replica_check)
         self.replica_check: ReplicaCheck = replica_check
         #: key -> this rank's shards, normalised once (also what the layout is gathered from)
-        self.shards: dict[str, list[ShardedTensor]] = {k: local_shards(k, v) for k, v in state.items()}
+        self.shards: dict[str, list[LocalShard]] = {k: local_shards(k, v) for k, v in state.items()}
 
     def entries(self) -> list[LayoutEntry]:
         """This rank's layout entries, sorted by key, each with the fingerprint of its shard (checked
@@ -44,7 +44,7 @@ class LocalSource:
         return [LayoutEntry(key, s.global_shape, dtype_name(s.dtype), s.box, fp)
                 for (key, s), fp in zip(shards, prints)]
 
-    def find(self, key: str, box: Box) -> ShardedTensor | None:
+    def find(self, key: str, box: Box) -> LocalShard | None:
         """A local shard of ``key`` containing ``box``, or None."""
         for s in self.shards.get(key, ()):
             if s.box.contains(box):

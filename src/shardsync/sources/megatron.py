@@ -37,19 +37,19 @@ import torch
 
 from ..dist import group_rank, group_size
 from ..errors import LayoutError
-from ..layout.sharded import ShardedTensor, StateValue
+from ..layout.sharded import LocalShard, StateValue
 from .megatron_te import te_grouped_experts
 
 __all__ = ["from_megatron", "tp_shards", "partition_of", "megatron_module_error"]
 
 
 def tp_shards(local: torch.Tensor, dim: int, rank: int, world: int, stride: int = 1, *,
-              key: str = "<tensor>") -> list[ShardedTensor]:
+              key: str = "<tensor>") -> list[LocalShard]:
     """This rank's shard of a tensor Megatron splits along ``dim`` over ``world`` ranks.
 
     The global tensor is ``local`` * ``world`` long along ``dim`` (Megatron's shards are equal). With
     ``stride`` s the local tensor is s blocks; block k is chunk ``k * world + rank`` of the global
-    tensor cut into ``world * s`` chunks, so it becomes its own ShardedTensor (views, no copy).
+    tensor cut into ``world * s`` chunks, so it becomes its own LocalShard (views, no copy).
 
     Args:
         local: the rank's tensor.
@@ -85,7 +85,7 @@ def tp_shards(local: torch.Tensor, dim: int, rank: int, world: int, stride: int 
     for k in range(stride):
         offset = [0] * local.dim()
         offset[dim] = (k * world + rank) * block
-        shards.append(ShardedTensor(local.narrow(dim, k * block, block), shape, offset, key=key))
+        shards.append(LocalShard(local.narrow(dim, k * block, block), shape, offset, key=key))
     return shards
 
 
@@ -172,7 +172,7 @@ def _expert_groups(model: torch.nn.Module) -> dict[int, tuple[int, int]]:
 
 
 def _grouped_views(experts: torch.nn.Module, first: int, total: int, rank: int, world: int,
-                   ) -> dict[int, list[ShardedTensor]]:
+                   ) -> dict[int, list[LocalShard]]:
     """A ``GroupedMLP``'s ``weight1`` / ``weight2`` as shards of ``[experts, 2 ffn, hidden]`` and
     ``[experts, hidden, ffn]`` (the per-expert HF weights stacked), by parameter id.
 
@@ -185,20 +185,20 @@ def _grouped_views(experts: torch.nn.Module, first: int, total: int, rank: int, 
     fc1 = w1.detach().view(local, hidden, -1).transpose(1, 2)   # [local, 2 ffn / tp, hidden]
     fc2 = w2.detach().view(local, -1, hidden).transpose(1, 2)   # [local, hidden, ffn / tp]
     gated = 2 if getattr(getattr(experts, "config", None), "gated_linear_unit", False) else 1
-    views: dict[int, list[ShardedTensor]] = {id(w1): [], id(w2): []}
+    views: dict[int, list[LocalShard]] = {id(w1): [], id(w2): []}
     for shard in tp_shards(fc1, 1, rank, world, gated, key="weight1"):
-        views[id(w1)].append(ShardedTensor(shard.local, (total, *shard.global_shape[1:]),
+        views[id(w1)].append(LocalShard(shard.local, (total, *shard.global_shape[1:]),
                                            (first, *shard.global_offset[1:])))
     (down,) = tp_shards(fc2, 2, rank, world, key="weight2")
-    views[id(w2)].append(ShardedTensor(down.local, (total, *down.global_shape[1:]),
+    views[id(w2)].append(LocalShard(down.local, (total, *down.global_shape[1:]),
                                        (first, *down.global_offset[1:])))
     return views
 
 
-def _grouped_experts(model: torch.nn.Module, rank: int, world: int) -> dict[int, list[ShardedTensor]]:
+def _grouped_experts(model: torch.nn.Module, rank: int, world: int) -> dict[int, list[LocalShard]]:
     """The placed views of every ``GroupedMLP`` of the model's MoE layers (:func:`_grouped_views`),
     each split over its experts' own TP group where they have one."""
-    views: dict[int, list[ShardedTensor]] = {}
+    views: dict[int, list[LocalShard]] = {}
     for module in model.modules():
         ids, experts = getattr(module, "local_expert_indices", None), getattr(module, "experts", None)
         if not isinstance(ids, list) or not ids or not isinstance(experts, torch.nn.Module) or \
@@ -277,7 +277,7 @@ def from_megatron(model: torch.nn.Module | Sequence[torch.nn.Module], group: Any
 
     Parameters and persistent buffers marked tensor-parallel (Megatron's ``tensor_model_parallel``,
     ``partition_dim``, ``partition_stride``; Paddle's ``is_distributed``, ``split_axis``) become
-    :class:`ShardedTensor` views of this rank's shard; other tensors stay plain (replicas, checked
+    :class:`LocalShard` views of this rank's shard; other tensors stay plain (replicas, checked
     when the layout is gathered); ``_extra_state`` and other non-tensor entries are skipped. Layers of
     a pipeline stage get their global numbers (from Megatron's ``layer_number``), the local experts of
     an expert-parallel rank theirs (from the ``MoELayer``'s ``local_expert_indices``; each expert is
@@ -294,7 +294,7 @@ def from_megatron(model: torch.nn.Module | Sequence[torch.nn.Module], group: Any
             use their own group (``experts.tp_group``) where they have one.
 
     Returns:
-        key -> tensor, ShardedTensor or list of ShardedTensor (stride > 1), in state-dict order.
+        key -> tensor, LocalShard or list of LocalShard (stride > 1), in state-dict order.
 
     Raises:
         LayoutError: a parallel tensor without a usable dim or stride, this rank outside ``group``, or
@@ -304,7 +304,7 @@ def from_megatron(model: torch.nn.Module | Sequence[torch.nn.Module], group: Any
         >>> lin = torch.nn.Linear(3, 4, bias=False)
         >>> lin.weight.tensor_model_parallel, lin.weight.partition_dim = True, 0
         >>> from_megatron(lin)     # one process: the whole group
-        {'weight': ShardedTensor(local=[4, 3] torch.float32, global_shape=[4, 3], global_offset=[0, 0])}
+        {'weight': LocalShard(local=[4, 3] torch.float32, global_shape=[4, 3], global_offset=[0, 0])}
     """
     rank, world = _tp_group(group)
     state: dict[str, StateValue] = {}

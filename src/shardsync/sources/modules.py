@@ -67,5 +67,5 @@ def state_of(value: object, what: str) -> Mapping[str, StateValue]:
         return module_state(value)
     if isinstance(value, Mapping):
         return value
-    raise LayoutError(f"{what} is a {type(value).__name__}; pass a state dict (tensors, ShardedTensor, "
+    raise LayoutError(f"{what} is a {type(value).__name__}; pass a state dict (tensors, LocalShard, "
                       "DTensor), an nn.Module, a Source, or None for nothing on this rank")
