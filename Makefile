@@ -6,6 +6,8 @@ STAMP  := $(VENV)/.installed-stamp
 TORCH  := torch==2.13.0
 
 PEERS  := bench/.peers-venv
+# ruff (lint and format) runs over these in `make test`, next to mypy
+LINTED := src tests bench examples scripts
 
 .PHONY: test demo bench bench-peers gpu-check clean
 
@@ -15,6 +17,8 @@ $(STAMP): pyproject.toml Makefile
 	touch $(STAMP)
 
 test: $(STAMP)
+	$(PY) -m ruff check $(LINTED)
+	$(PY) -m ruff format --check $(LINTED)
 	$(PY) -m mypy
 	$(PY) -m pytest -q -p no:cacheprovider
 

@@ -49,20 +49,22 @@ HIDDEN, FFN, VOCAB, HEADS, GROUPS = 1024, 2816, 8192, 16, 4
 HEAD = HIDDEN // HEADS
 ROUNDS = 3
 RESULTS = Path(__file__).parent / "results"
-MAPPING = "\n".join([
-    "embedding.word_embeddings.weight -> model.embed_tokens.weight",
-    "decoder.final_layernorm.weight -> model.norm.weight",
-    "output_layer.weight -> lm_head.weight",
-    "decoder.layers.$L.self_attention.linear_qkv.weight -> model.layers.$L.self_attn.q_proj.weight, "
-    "model.layers.$L.self_attn.k_proj.weight, model.layers.$L.self_attn.v_proj.weight, fused_qkv, "
-    f"num_heads={HEADS}, num_key_value_groups={GROUPS}, axis=0",
-    "decoder.layers.$L.self_attention.linear_proj.weight -> model.layers.$L.self_attn.o_proj.weight",
-    "decoder.layers.$L.mlp.linear_fc1.weight -> model.layers.$L.mlp.gate_proj.weight, "
-    "model.layers.$L.mlp.up_proj.weight, fused_ffn, axis=0, tp=1",
-    "decoder.layers.$L.mlp.linear_fc2.weight -> model.layers.$L.mlp.down_proj.weight",
-    "decoder.layers.$L.input_layernorm.weight -> model.layers.$L.input_layernorm.weight",
-    "decoder.layers.$L.pre_mlp_layernorm.weight -> model.layers.$L.post_attention_layernorm.weight",
-])
+MAPPING = "\n".join(
+    [
+        "embedding.word_embeddings.weight -> model.embed_tokens.weight",
+        "decoder.final_layernorm.weight -> model.norm.weight",
+        "output_layer.weight -> lm_head.weight",
+        "decoder.layers.$L.self_attention.linear_qkv.weight -> model.layers.$L.self_attn.q_proj.weight, "
+        "model.layers.$L.self_attn.k_proj.weight, model.layers.$L.self_attn.v_proj.weight, fused_qkv, "
+        f"num_heads={HEADS}, num_key_value_groups={GROUPS}, axis=0",
+        "decoder.layers.$L.self_attention.linear_proj.weight -> model.layers.$L.self_attn.o_proj.weight",
+        "decoder.layers.$L.mlp.linear_fc1.weight -> model.layers.$L.mlp.gate_proj.weight, "
+        "model.layers.$L.mlp.up_proj.weight, fused_ffn, axis=0, tp=1",
+        "decoder.layers.$L.mlp.linear_fc2.weight -> model.layers.$L.mlp.down_proj.weight",
+        "decoder.layers.$L.input_layernorm.weight -> model.layers.$L.input_layernorm.weight",
+        "decoder.layers.$L.pre_mlp_layernorm.weight -> model.layers.$L.post_attention_layernorm.weight",
+    ]
+)
 
 
 def full_state() -> dict[str, tuple[torch.Tensor, int | None]]:
@@ -72,7 +74,8 @@ def full_state() -> dict[str, tuple[torch.Tensor, int | None]]:
     out: dict[str, tuple[torch.Tensor, int | None]] = {
         "embedding.word_embeddings.weight": (randn(VOCAB, HIDDEN), 0),
         "decoder.final_layernorm.weight": (randn(HIDDEN), None),
-        "output_layer.weight": (randn(VOCAB, HIDDEN), 0)}
+        "output_layer.weight": (randn(VOCAB, HIDDEN), 0),
+    }
     for i in range(LAYERS):
         p = f"decoder.layers.{i}."
         out[p + "self_attention.linear_qkv.weight"] = (randn((HEADS + 2 * GROUPS) * HEAD, HIDDEN), 0)
@@ -85,6 +88,7 @@ def full_state() -> dict[str, tuple[torch.Tensor, int | None]]:
 
 
 # -- running on 2 gloo ranks -------------------------------------------------------------------------
+
 
 def _rank_entry(rank: int, store: str, fn: Callable[..., Any], args: tuple, out: str) -> None:
     import torch.distributed as dist
@@ -129,6 +133,7 @@ def _timed(rank: int, work: Callable[[], None]) -> float:
 
 # -- the checkpoint ------------------------------------------------------------------------------------
 
+
 def _write_tp2(rank: int, path: str) -> None:
     import shardsync
     from shardsync.layout import shard_dim
@@ -138,6 +143,7 @@ def _write_tp2(rank: int, path: str) -> None:
 
 
 # -- the routes (each runs in a child process: `bench_convert.py --route NAME CKPT OUT`) -----------------
+
 
 def route_shardsync(ckpt: str, out: str) -> float:
     import shardsync
@@ -300,19 +306,20 @@ def child(route: str, ckpt: str, out: str) -> None:
 
 # -- the parent ----------------------------------------------------------------------------------------
 
+
 def _run(route: str, ckpt: Path, out: Path) -> dict[str, float]:
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir()
-    run = subprocess.run([sys.executable, __file__, "--route", route, str(ckpt), str(out)], check=True,
-                         capture_output=True, text=True)
+    run = subprocess.run(
+        [sys.executable, __file__, "--route", route, str(ckpt), str(out)], check=True, capture_output=True, text=True
+    )
     return json.loads(run.stdout.strip().splitlines()[-1])
 
 
 def _cli(ckpt: Path, out: Path, *flags: str) -> float:
     shutil.rmtree(out, ignore_errors=True)
     t0 = time.perf_counter()
-    subprocess.run([sys.executable, "-m", "shardsync", "convert", str(ckpt), str(out), "-q", *flags],
-                   check=True)
+    subprocess.run([sys.executable, "-m", "shardsync", "convert", str(ckpt), str(out), "-q", *flags], check=True)
     return time.perf_counter() - t0
 
 
@@ -353,7 +360,9 @@ def measure() -> dict[str, Any]:
     med = {r: statistics.median(v) for r, v in times.items()}
     fastest_torch = min(TORCH_ROUTES, key=med.__getitem__)
     return {
-        "checkpoint_bytes": nbytes, "rounds": ROUNDS, "threads_per_process": 1,
+        "checkpoint_bytes": nbytes,
+        "rounds": ROUNDS,
+        "threads_per_process": 1,
         "seconds": {r: round(v, 3) for r, v in med.items()},
         "gbps": {r: round(nbytes / v / 1e9, 3) for r, v in med.items()},
         "peak_rss_mb": {r: round(max(v) / 1e6) for r, v in peaks.items()},
@@ -372,20 +381,29 @@ def markdown(runs: list[dict[str, Any]]) -> str:
     head = ["| route | " + " | ".join(cols) + " |", "|---|" + "---|---|" * len(runs)]
     rows = []
     for route in ROUTES:
-        cells = [f"{r['seconds'][route]} ({r['gbps'][route]}) | {r['peak_rss_mb'][route]} "
-                 f"({r['rss_growth_mb'][route]})" for r in runs]
+        cells = [
+            f"{r['seconds'][route]} ({r['gbps'][route]}) | {r['peak_rss_mb'][route]} ({r['rss_growth_mb'][route]})"
+            for r in runs
+        ]
         rows.append(f"| {route} | " + " | ".join(cells) + " |")
-    lines = [f"TP=2 DCP checkpoint of {runs[0]['checkpoint_bytes'] / 1e9:.3f} GB (2 .distcp files) to HF "
-             f"safetensors on disk; medians of {runs[0]['rounds']} interleaved rounds, 1 thread per process; "
-             "peak RSS of the child process (2 ranks: the larger), growth = peak - RSS after imports.", "",
-             *head, *rows, ""]
+    lines = [
+        f"TP=2 DCP checkpoint of {runs[0]['checkpoint_bytes'] / 1e9:.3f} GB (2 .distcp files) to HF "
+        f"safetensors on disk; medians of {runs[0]['rounds']} interleaved rounds, 1 thread per process; "
+        "peak RSS of the child process (2 ranks: the larger), growth = peak - RSS after imports.",
+        "",
+        *head,
+        *rows,
+        "",
+    ]
     for i, r in enumerate(runs):
-        lines.append(f"- run {i + 1} ({r['uptime']}): shardsync at {r['speedup_vs_fastest_torch']}x the "
-                     f"speed of the fastest torch route ({r['fastest_torch_route']}), 2 ranks "
-                     f"{r['speedup_2ranks_vs_fastest_torch']}x; {r['ratio_vs_save_file']}x the time of "
-                     f"save_file ({r['ratio_vs_save_file_fsync']}x with its fsync); the command end to end: "
-                     f"{r['cli_wall_seconds']['cli_nproc1']} s, --nproc 2: "
-                     f"{r['cli_wall_seconds']['cli_nproc2']} s")
+        lines.append(
+            f"- run {i + 1} ({r['uptime']}): shardsync at {r['speedup_vs_fastest_torch']}x the "
+            f"speed of the fastest torch route ({r['fastest_torch_route']}), 2 ranks "
+            f"{r['speedup_2ranks_vs_fastest_torch']}x; {r['ratio_vs_save_file']}x the time of "
+            f"save_file ({r['ratio_vs_save_file_fsync']}x with its fsync); the command end to end: "
+            f"{r['cli_wall_seconds']['cli_nproc1']} s, --nproc 2: "
+            f"{r['cli_wall_seconds']['cli_nproc2']} s"
+        )
     lines.append("- goal: >= 3x the speed of the fastest torch route, <= 2x the time of save_file")
     return "\n".join(lines) + "\n"
 
@@ -395,7 +413,7 @@ def main() -> None:
     for _ in range(int(os.environ.get("BENCH_RUNS", "2"))):
         uptime = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
         result = measure()
-        result["uptime"] = uptime[uptime.find("load"):]
+        result["uptime"] = uptime[uptime.find("load") :]
         runs.append(result)
         print(json.dumps(result))
     RESULTS.mkdir(exist_ok=True)

@@ -37,15 +37,15 @@ HEAD = HIDDEN // HEADS
 MAPPING = [
     "layers.$LAYER_ID.qkv -> model.layers.$LAYER_ID.q_proj, model.layers.$LAYER_ID.k_proj, "
     f"model.layers.$LAYER_ID.v_proj, fused_qkv, num_heads={HEADS}, num_key_value_groups={GROUPS}, axis=0",
-    "layers.$LAYER_ID.fc1 -> model.layers.$LAYER_ID.gate_proj, model.layers.$LAYER_ID.up_proj, "
-    "fused_ffn, axis=0",
+    "layers.$LAYER_ID.fc1 -> model.layers.$LAYER_ID.gate_proj, model.layers.$LAYER_ID.up_proj, fused_ffn, axis=0",
     "layers.$LAYER_ID.fc2^T -> model.layers.$LAYER_ID.down_proj_t",
     "layers.$LAYER_ID.proj -> model.layers.$LAYER_ID.o_proj",
     "layers.$LAYER_ID.norm -> model.layers.$LAYER_ID.norm",
 ]
 # The same without the transpose: every copy is then contiguous rows, so memcpy is a true ceiling.
-MAPPING_NO_TRANSPOSE = [s.replace("fc2^T -> model.layers.$LAYER_ID.down_proj_t",
-                                  "fc2 -> model.layers.$LAYER_ID.down_proj") for s in MAPPING]
+MAPPING_NO_TRANSPOSE = [
+    s.replace("fc2^T -> model.layers.$LAYER_ID.down_proj_t", "fc2 -> model.layers.$LAYER_ID.down_proj") for s in MAPPING
+]
 RESULTS = Path(__file__).parent / "results"
 
 
@@ -109,12 +109,21 @@ def measure() -> None:
     ours, ref = shardsync_export(state), hand_written(state)
     for i in range(LAYERS):
         p = f"model.layers.{i}."
-        pairs = [("q_proj", "q"), ("k_proj", "k"), ("v_proj", "v"), ("gate_proj", "g"), ("up_proj", "u"),
-                 ("down_proj_t", "d"), ("o_proj", "o"), ("norm", "n")]
+        pairs = [
+            ("q_proj", "q"),
+            ("k_proj", "k"),
+            ("v_proj", "v"),
+            ("gate_proj", "g"),
+            ("up_proj", "u"),
+            ("down_proj_t", "d"),
+            ("o_proj", "o"),
+            ("norm", "n"),
+        ]
         assert all(torch.equal(ours[p + a], ref[f"{b}{i}"]) for a, b in pairs)
     del ours, ref
-    times = rounds({"memcpy": memcpy, "hand": hand_written, "ours": shardsync_export,
-                    "ours_nt": shardsync_no_transpose}, state)
+    times = rounds(
+        {"memcpy": memcpy, "hand": hand_written, "ours": shardsync_export, "ours_nt": shardsync_no_transpose}, state
+    )
     t_mem, t_hand, t_ours = (statistics.median(times[k]) for k in ("memcpy", "hand", "ours"))
     vs_mem = statistics.median(m / o for m, o in zip(times["memcpy"], times["ours"]))
     vs_hand = statistics.median(h / o for h, o in zip(times["hand"], times["ours"]))
@@ -125,8 +134,11 @@ def measure() -> None:
     shared = sum(t.data_ptr() == state[n].data_ptr() for n, t in ident)
     gbs = lambda t: nbytes / t / 1e9  # noqa: E731
     res = {
-        "state_bytes": nbytes, "threads": 1, "rounds": 7,
-        "memcpy_ceiling_gbps": round(gbs(t_mem), 3), "hand_written_gbps": round(gbs(t_hand), 3),
+        "state_bytes": nbytes,
+        "threads": 1,
+        "rounds": 7,
+        "memcpy_ceiling_gbps": round(gbs(t_mem), 3),
+        "hand_written_gbps": round(gbs(t_hand), 3),
         "shardsync_gbps": round(gbs(t_ours), 3),
         "ratio_vs_memcpy_ceiling": round(vs_mem, 3),
         "ratio_vs_hand_written": round(vs_hand, 3),
@@ -147,14 +159,17 @@ def main() -> None:
         env = dict(os.environ, SHARDSYNC_BENCH_CHILD="1")
         if tunables:
             env["GLIBC_TUNABLES"] = tunables
-        run = subprocess.run([sys.executable, __file__], env=env, check=True, capture_output=True,
-                             text=True)
+        run = subprocess.run([sys.executable, __file__], env=env, check=True, capture_output=True, text=True)
         results[mode] = json.loads(run.stdout.strip().splitlines()[-1])
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "export.json").write_text(json.dumps(results, indent=2) + "\n")
-    md = [f"state {results['cold']['state_bytes'] / 1e9:.3f} GB fp32, 1 thread, 7 interleaved rounds; "
-          "GB/s from median times, ratios are medians of per-round ratios (target: >= 0.7x the ceiling).",
-          "", "| measure | cold allocator | warm allocator |", "|---|---|---|"]
+    md = [
+        f"state {results['cold']['state_bytes'] / 1e9:.3f} GB fp32, 1 thread, 7 interleaved rounds; "
+        "GB/s from median times, ratios are medians of per-round ratios (target: >= 0.7x the ceiling).",
+        "",
+        "| measure | cold allocator | warm allocator |",
+        "|---|---|---|",
+    ]
     md += [f"| {k} | {results['cold'][k]} | {results['warm'][k]} |" for k in results["cold"]]
     (RESULTS / "export.md").write_text("\n".join(md) + "\n")
     print("\n".join(md))

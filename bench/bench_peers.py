@@ -59,6 +59,7 @@ MIB = 1 << 20
 
 # -- one process ------------------------------------------------------------------------------------
 
+
 def _targets(stream: Iterator[tuple[str, torch.Tensor]], ref: dict | None) -> int:
     n = 0
     for name, t in stream:
@@ -89,11 +90,18 @@ def job_single(variant: str, repeats: int) -> dict[str, float]:
     if variant == "tuned":
         tune_allocator()
     reuse = "dropped" if variant == "dropped" else "never"
-    out = {variant: _best(lambda check: _check_count(_targets(full_params(state, W.MAPPING, reuse=reuse),
-                                                              ref if check else None), ref), repeats)}
+    out = {
+        variant: _best(
+            lambda check: _check_count(
+                _targets(full_params(state, W.MAPPING, reuse=reuse), ref if check else None), ref
+            ),
+            repeats,
+        )
+    }
     if variant == "dropped":  # the ceilings, in the same process
-        srcs = [torch.from_numpy(w).reshape(-1) for w in ref.values() if w.flags.c_contiguous] + \
-               [torch.from_numpy(w.copy()).reshape(-1) for w in ref.values() if not w.flags.c_contiguous]
+        srcs = [torch.from_numpy(w).reshape(-1) for w in ref.values() if w.flags.c_contiguous] + [
+            torch.from_numpy(w.copy()).reshape(-1) for w in ref.values() if not w.flags.c_contiguous
+        ]
         warm = [torch.empty_like(s) for s in srcs]
         out["memcpy warm"] = _best(lambda _: [d.copy_(s) for d, s in zip(warm, srcs)] and None, repeats)
         out["memcpy fresh"] = _best(lambda _: [torch.empty_like(s).copy_(s) for s in srcs] and None, repeats)
@@ -106,6 +114,7 @@ def _check_count(n: int, ref: dict) -> None:
 
 
 # -- two gloo processes -----------------------------------------------------------------------------
+
 
 def _dtensors(state_np: dict, rank: int, world: int) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
@@ -162,8 +171,10 @@ def _variants(rank: int, world: int, tmp: str) -> dict[str, Callable[[], Iterato
     state = {k: LocalShard(torch.from_numpy(loc), weights[k].shape, off) for k, (loc, off) in local_np.items()}
     local = {k: torch.from_numpy(loc) for k, (loc, _) in local_np.items()}
     dstate = _dtensors(weights, rank, world)
-    shared = {k: LocalShard(torch.from_numpy(loc.copy()).share_memory_(), weights[k].shape, off)
-              for k, (loc, off) in local_np.items()}
+    shared = {
+        k: LocalShard(torch.from_numpy(loc.copy()).share_memory_(), weights[k].shape, off)
+        for k, (loc, off) in local_np.items()
+    }
     return {
         "shardsync shm": lambda: full_params(state, W.MAPPING),
         "shardsync shm, shards in shared memory": lambda: full_params(shared, W.MAPPING),
@@ -184,8 +195,10 @@ def _ceilings(ref: dict, world: int) -> dict[str, float]:
         dist.barrier()
         best = min(best, time.perf_counter() - t0)
     receive = W.total_bytes(ref) * (world - 1) // world
-    srcs = [torch.from_numpy(w).reshape(-1) if w.flags.c_contiguous else torch.from_numpy(w.copy()).reshape(-1)
-            for w in ref.values()]
+    srcs = [
+        torch.from_numpy(w).reshape(-1) if w.flags.c_contiguous else torch.from_numpy(w.copy()).reshape(-1)
+        for w in ref.values()
+    ]
     warm = [torch.empty_like(s) for s in srcs]
     copy = float("inf")
     for _ in range(3):
@@ -195,14 +208,17 @@ def _ceilings(ref: dict, world: int) -> dict[str, float]:
             d.copy_(s)
         dist.barrier()
         copy = min(copy, time.perf_counter() - t0)
-    return {"ceiling: gloo broadcast of the received bytes": receive / (64 * MIB / best),
-            "ceiling: memcpy of every target, both ranks at once": copy}
+    return {
+        "ceiling: gloo broadcast of the received bytes": receive / (64 * MIB / best),
+        "ceiling: memcpy of every target, both ranks at once": copy,
+    }
 
 
 def _worker(rank: int, world: int, store: str, out: str, repeats: int, tmp: str) -> None:
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=600))
+    dist.init_process_group(
+        "gloo", init_method=f"file://{store}", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=600)
+    )
     ref = W.reference(W.full_weights())
     variants = _variants(rank, world, tmp)
     res: dict[str, float] = {name: float("inf") for name in variants}
@@ -232,6 +248,7 @@ def job_pair(repeats: int) -> dict[str, float]:
 
 # -- Paddle (its own venv) --------------------------------------------------------------------------
 
+
 def job_paddle(mode: str, repeats: int) -> dict[str, float]:
     script = HERE / "peers" / "paddle_full_param.py"
     env = os.environ | {"OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
@@ -240,20 +257,31 @@ def job_paddle(mode: str, repeats: int) -> dict[str, float]:
         out = os.path.join(tmp, "res")
         args = [str(script), "--mode", mode, "--repeats", str(repeats + 1), "--out", out]
         if mode != "single":
-            args = ["-m", "paddle.distributed.launch", "--nproc_per_node", "2", "--log_dir",
-                    os.path.join(tmp, "log"), *args]
+            args = [
+                "-m",
+                "paddle.distributed.launch",
+                "--nproc_per_node",
+                "2",
+                "--log_dir",
+                os.path.join(tmp, "log"),
+                *args,
+            ]
         run = subprocess.run([str(PEERS_PY), *args], env=env, capture_output=True, text=True, timeout=600)
         if run.returncode != 0:
             logs = "".join(p.read_text()[-2000:] for p in Path(tmp).glob("log/workerlog.*"))
             raise RuntimeError(f"paddle {mode} failed:\n{run.stderr[-3000:]}\n{logs}")
         secs = [json.loads(Path(f"{out}.{r}").read_text())["seconds"] for r in range(1 if mode == "single" else 2)]
     best = min(max(per) for per in zip(*(s[1:] for s in secs)))  # slowest rank, best pass
-    label = {"single": "Paddle full_param", "group": "Paddle full_param, single group",
-             "mesh": "Paddle full_param, 2-D mesh (h_group, v_group)"}[mode]
+    label = {
+        "single": "Paddle full_param",
+        "group": "Paddle full_param, single group",
+        "mesh": "Paddle full_param, 2-D mesh (h_group, v_group)",
+    }[mode]
     return {label: best}
 
 
 # -- driver and report ------------------------------------------------------------------------------
+
 
 def _run_job(name: str, repeats: int) -> dict[str, float]:
     """Each job in a fresh process: allocator state and caches never carry over."""
@@ -271,18 +299,30 @@ TWO = ["pair", "paddle-group", "paddle-mesh"]
 
 #: (row, world, what the ratio is against) - the order of the table.
 ROWS = [
-    ("dropped", 1), ("never", 1), ("tuned", 1), ("Paddle full_param", 1), ("memcpy warm", 1),
+    ("dropped", 1),
+    ("never", 1),
+    ("tuned", 1),
+    ("Paddle full_param", 1),
+    ("memcpy warm", 1),
     ("memcpy fresh", 1),
-    ("shardsync shm", 2), ("shardsync shm, shards in shared memory", 2), ("shardsync gloo", 2), ("Paddle full_param, single group", 2),
-    ("Paddle full_param, 2-D mesh (h_group, v_group)", 2), ("torch DCP _gather_state_dict", 2),
-    ("torch DCP save + dcp_to_torch_save", 2), ("naive all_gather", 2),
+    ("shardsync shm", 2),
+    ("shardsync shm, shards in shared memory", 2),
+    ("shardsync gloo", 2),
+    ("Paddle full_param, single group", 2),
+    ("Paddle full_param, 2-D mesh (h_group, v_group)", 2),
+    ("torch DCP _gather_state_dict", 2),
+    ("torch DCP save + dcp_to_torch_save", 2),
+    ("naive all_gather", 2),
     ("ceiling: gloo broadcast of the received bytes", 2),
     ("ceiling: memcpy of every target, both ranks at once", 2),
 ]
-LABELS = {"dropped": "shardsync (reuse='dropped', default)", "never": "shardsync (reuse='never')",
-          "tuned": "shardsync (reuse='never', tune_allocator())",
-          "memcpy warm": "ceiling: memcpy of every target into touched memory",
-          "memcpy fresh": "memcpy of every target into fresh memory"}
+LABELS = {
+    "dropped": "shardsync (reuse='dropped', default)",
+    "never": "shardsync (reuse='never')",
+    "tuned": "shardsync (reuse='never', tune_allocator())",
+    "memcpy warm": "ceiling: memcpy of every target into touched memory",
+    "memcpy fresh": "memcpy of every target into fresh memory",
+}
 
 
 def _ratios(rounds: list[dict[str, float]], ours: str, other: str) -> float:
@@ -291,22 +331,32 @@ def _ratios(rounds: list[dict[str, float]], ours: str, other: str) -> float:
 
 def report(rounds: list[dict[str, float]], doc: dict[str, Any]) -> str:
     ours = {1: "dropped", 2: "shardsync shm"}
-    lines = [f"# shardsync vs peers ({doc['date']})", "",
-             f"Workload: {doc['workload']}. Machine: {doc['machine']}; load average before / after: "
-             f"{doc['load_before']} / {doc['load_after']}. {len(rounds)} interleaved rounds, each job "
-             f"the best of {doc['repeats']} passes in a fresh process; seconds are medians over the "
-             "rounds, ratios medians of per-round ratios (x = row's time / shardsync's: above 1, "
-             "shardsync is faster; for a ceiling, how far shardsync is from it is 1 / x).", "",
-             "| world | variant | s (median) | s (best) | x vs shardsync |", "|---|---|---|---|---|"]
+    lines = [
+        f"# shardsync vs peers ({doc['date']})",
+        "",
+        f"Workload: {doc['workload']}. Machine: {doc['machine']}; load average before / after: "
+        f"{doc['load_before']} / {doc['load_after']}. {len(rounds)} interleaved rounds, each job "
+        f"the best of {doc['repeats']} passes in a fresh process; seconds are medians over the "
+        "rounds, ratios medians of per-round ratios (x = row's time / shardsync's: above 1, "
+        "shardsync is faster; for a ceiling, how far shardsync is from it is 1 / x).",
+        "",
+        "| world | variant | s (median) | s (best) | x vs shardsync |",
+        "|---|---|---|---|---|",
+    ]
     for key, world in ROWS:
         if key not in rounds[0]:
             continue
         secs = [r[key] for r in rounds]
         x = _ratios(rounds, ours[world], key)
-        lines.append(f"| {world} | {LABELS.get(key, key)} | {statistics.median(secs):.3f} | {min(secs):.3f} | "
-                     f"{x:.2f} |")
-    lines += ["", "Targets (issue 11): >= 2.5x Paddle single-process, >= 4x Paddle's 2-D mesh path, within "
-              "2x of the ceilings measured in the same run.", ""]
+        lines.append(
+            f"| {world} | {LABELS.get(key, key)} | {statistics.median(secs):.3f} | {min(secs):.3f} | {x:.2f} |"
+        )
+    lines += [
+        "",
+        "Targets (issue 11): >= 2.5x Paddle single-process, >= 4x Paddle's 2-D mesh path, within "
+        "2x of the ceilings measured in the same run.",
+        "",
+    ]
     return "\n".join(lines) + "\n"
 
 
@@ -327,15 +377,18 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         return res
     if not PEERS_PY.exists():
         raise SystemExit(f"{PEERS_PY} is missing: run `make bench-peers` (it creates the peers' venv)")
-    doc: dict[str, Any] = {"date": datetime.datetime.now().isoformat(timespec="seconds"),
-                           "machine": f"{platform.node()}, {os.cpu_count()} CPUs, torch {torch.__version__}",
-                           "workload": f"{W.LAYERS} layers, hidden {W.HIDDEN}, ffn {W.FFN}, fp32, "
-                                       f"{W.total_bytes(W.full_weights()) / 1e9:.3f} GB, TP=2",
-                           "repeats": args.repeats, "load_before": _load()}
+    doc: dict[str, Any] = {
+        "date": datetime.datetime.now().isoformat(timespec="seconds"),
+        "machine": f"{platform.node()}, {os.cpu_count()} CPUs, torch {torch.__version__}",
+        "workload": f"{W.LAYERS} layers, hidden {W.HIDDEN}, ffn {W.FFN}, fp32, "
+        f"{W.total_bytes(W.full_weights()) / 1e9:.3f} GB, TP=2",
+        "repeats": args.repeats,
+        "load_before": _load(),
+    }
     jobs, rounds = ONE + TWO, []
     for k in range(args.rounds):
         res: dict[str, float] = {}
-        for name in jobs[k % len(jobs):] + jobs[:k % len(jobs)]:
+        for name in jobs[k % len(jobs) :] + jobs[: k % len(jobs)]:
             res |= _run_job(name, args.repeats)
         rounds.append(res)
         print(f"round {k}: " + ", ".join(f"{n} {s:.3f}" for n, s in res.items()), file=sys.stderr, flush=True)

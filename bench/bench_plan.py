@@ -137,9 +137,14 @@ def measure() -> dict:
         for n in SHARDS:
             layout = make(n)
             seconds, plan = best_of(layout, mapping, collect=True)
-            row = {"shards": n, "pieces": plan.pieces, "reads": len(plan.reads), "seconds": round(seconds, 4),
-                   "us_per_shard": round(seconds / n * 1e6, 1),
-                   "seconds_gc_off": round(best_of(layout, mapping, collect=False)[0], 4)}
+            row = {
+                "shards": n,
+                "pieces": plan.pieces,
+                "reads": len(plan.reads),
+                "seconds": round(seconds, 4),
+                "us_per_shard": round(seconds / n * 1e6, 1),
+                "seconds_gc_off": round(best_of(layout, mapping, collect=False)[0], 4),
+            }
             if n <= SCAN_UP_TO:
                 scan_seconds, scan_plan = scanned(layout, mapping)
                 assert scan_plan == plan, f"{case} {n}: the scanning planner built another plan"
@@ -147,29 +152,40 @@ def measure() -> dict:
                 row["speedup_vs_scan"] = round(scan_seconds / seconds, 1)
             rows_out.append(row)
             print(case, row, flush=True)
-        fit = {key: round(exponent([(r["shards"], r[key]) for r in rows_out]), 2)
-               for key in ("seconds", "seconds_gc_off")}
-        out["cases"][case] = {"exponent": fit["seconds"], "exponent_gc_off": fit["seconds_gc_off"],
-                              "rows": rows_out}
+        fit = {
+            key: round(exponent([(r["shards"], r[key]) for r in rows_out]), 2) for key in ("seconds", "seconds_gc_off")
+        }
+        out["cases"][case] = {"exponent": fit["seconds"], "exponent_gc_off": fit["seconds_gc_off"], "rows": rows_out}
     return out
 
 
 def markdown(res: dict) -> str:
-    md = [f"resolve + build_plan, one key, {res['ranks']} ranks, every rank receives it; best of "
-          f"{res['repeats']}. `k`: fitted exponent of time ~ shards^k (1 linear, 2 quadratic). GC off: the "
-          "same with Python's cyclic GC disabled. Scan: the same planner checking every shard on every "
-          f"lookup (same plan), measured up to {SCAN_UP_TO} shards.", "",
-          "| case | shards | pieces | reads | seconds | us/shard | GC off | scan seconds | speedup |",
-          "|---|---|---|---|---|---|---|---|---|"]
+    md = [
+        f"resolve + build_plan, one key, {res['ranks']} ranks, every rank receives it; best of "
+        f"{res['repeats']}. `k`: fitted exponent of time ~ shards^k (1 linear, 2 quadratic). GC off: the "
+        "same with Python's cyclic GC disabled. Scan: the same planner checking every shard on every "
+        f"lookup (same plan), measured up to {SCAN_UP_TO} shards.",
+        "",
+        "| case | shards | pieces | reads | seconds | us/shard | GC off | scan seconds | speedup |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
     for case, c in res["cases"].items():
-        md += [f"| {case} | {r['shards']} | {r['pieces']} | {r['reads']} | {r['seconds']} | {r['us_per_shard']} | "
-               f"{r['seconds_gc_off']} | {r.get('scan_seconds', '')} | {r.get('speedup_vs_scan', '')} |"
-               for r in c["rows"]]
+        md += [
+            f"| {case} | {r['shards']} | {r['pieces']} | {r['reads']} | {r['seconds']} | {r['us_per_shard']} | "
+            f"{r['seconds_gc_off']} | {r.get('scan_seconds', '')} | {r.get('speedup_vs_scan', '')} |"
+            for r in c["rows"]
+        ]
     md += ["", "| case | k | k, GC off |", "|---|---|---|"]
     md += [f"| {case} | {c['exponent']} | {c['exponent_gc_off']} |" for case, c in res["cases"].items()]
     tiny = res["tensors"]
-    md += ["", f"`shardsync.plan` of n tiny tensors in one process, mapping `{TENSORS_MAPPING[0]}`; best of "
-           f"3; k = {tiny['exponent']}.", "", "| tensors | seconds | us/tensor |", "|---|---|---|"]
+    md += [
+        "",
+        f"`shardsync.plan` of n tiny tensors in one process, mapping `{TENSORS_MAPPING[0]}`; best of "
+        f"3; k = {tiny['exponent']}.",
+        "",
+        "| tensors | seconds | us/tensor |",
+        "|---|---|---|",
+    ]
     md += [f"| {r['tensors']} | {r['seconds']} | {r['us_per_tensor']} |" for r in tiny["rows"]]
     return "\n".join(md) + "\n"
 

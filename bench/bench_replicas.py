@@ -36,15 +36,28 @@ RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 
 #: name -> (description, ReplicaSync kwargs, phase, per-tensor kinds, per-tensor mode)
 SCENARIOS: dict[str, tuple[str, dict[str, Any], str, tuple[str, ...], str]] = {
-    "params_broadcast": ("param + fp32 master, broadcast (Paddle's default)",
-                         {"params": "broadcast", "optimizer_states": ()}, "params",
-                         ("param", "master"), "broadcast"),
-    "grads_mean": ("grads, mean (SUM then divide)", {"params": None, "grads": "mean"}, "grads",
-                   ("grad",), "mean"),
-    "repair_broadcast": ("param + master + exp_avg + exp_avg_sq, broadcast", {"params": "broadcast"},
-                         "params", ("param", "master", "exp_avg", "exp_avg_sq"), "broadcast"),
-    "repair_mean": ("master + exp_avg + exp_avg_sq mean, param re-derived (per tensor: param too)",
-                    {"params": "mean"}, "params", ("param", "master", "exp_avg", "exp_avg_sq"), "mean"),
+    "params_broadcast": (
+        "param + fp32 master, broadcast (Paddle's default)",
+        {"params": "broadcast", "optimizer_states": ()},
+        "params",
+        ("param", "master"),
+        "broadcast",
+    ),
+    "grads_mean": ("grads, mean (SUM then divide)", {"params": None, "grads": "mean"}, "grads", ("grad",), "mean"),
+    "repair_broadcast": (
+        "param + master + exp_avg + exp_avg_sq, broadcast",
+        {"params": "broadcast"},
+        "params",
+        ("param", "master", "exp_avg", "exp_avg_sq"),
+        "broadcast",
+    ),
+    "repair_mean": (
+        "master + exp_avg + exp_avg_sq mean, param re-derived (per tensor: param too)",
+        {"params": "mean"},
+        "params",
+        ("param", "master", "exp_avg", "exp_avg_sq"),
+        "mean",
+    ),
 }
 
 
@@ -68,6 +81,7 @@ def _setup(layers: int, hidden: int) -> tuple[nn.Module, dict, torch.optim.Optim
 
 def _per_tensor(tensors: list[torch.Tensor], mode: str, world: int) -> Callable[[], None]:
     """Paddle's approach: one broadcast, or one all_reduce SUM + scale, per tensor."""
+
     def run() -> None:
         for t in tensors:
             if mode == "broadcast":
@@ -75,6 +89,7 @@ def _per_tensor(tensors: list[torch.Tensor], mode: str, world: int) -> Callable[
             else:
                 dist.all_reduce(t)
                 t.div_(world)
+
     return run
 
 
@@ -82,8 +97,13 @@ def _tensors(model: nn.Module, masters: dict, opt: Any, kinds: tuple[str, ...]) 
     out = []
     for p in model.parameters():
         m = masters[p]
-        pick = {"param": p.data, "master": m.data, "grad": m.grad,
-                "exp_avg": opt.state[m]["exp_avg"], "exp_avg_sq": opt.state[m]["exp_avg_sq"]}
+        pick = {
+            "param": p.data,
+            "master": m.data,
+            "grad": m.grad,
+            "exp_avg": opt.state[m]["exp_avg"],
+            "exp_avg_sq": opt.state[m]["exp_avg_sq"],
+        }
         out += [pick[k] for k in kinds]
     return out
 
@@ -129,14 +149,21 @@ def _scenario(name: str, layers: int, hidden: int, steps: int, rounds: int, worl
         best[1] = min(best[1], _time(coalesced, steps))
     plan = sync.plan()
     base_bytes = sum(t.numel() * t.element_size() for t in _tensors(model, masters, opt, kinds))
-    return {"world": world, "scenario": name, "description": desc,
-            "tensors": len(sync.selection), "per_tensor": {"collectives": counts[0],
-                                                           "ms_per_step": best[0] * 1e3,
-                                                           "bytes": base_bytes},
-            "coalesced": {"collectives": counts[1], "ms_per_step": best[1] * 1e3,
-                          "bytes": plan.nbytes if phase == "params" else plan.phases[0].nbytes,
-                          "buckets": plan.collectives_per_step},
-            "collective_ratio": counts[0] / counts[1], "time_ratio": best[0] / best[1]}
+    return {
+        "world": world,
+        "scenario": name,
+        "description": desc,
+        "tensors": len(sync.selection),
+        "per_tensor": {"collectives": counts[0], "ms_per_step": best[0] * 1e3, "bytes": base_bytes},
+        "coalesced": {
+            "collectives": counts[1],
+            "ms_per_step": best[1] * 1e3,
+            "bytes": plan.nbytes if phase == "params" else plan.phases[0].nbytes,
+            "buckets": plan.collectives_per_step,
+        },
+        "collective_ratio": counts[0] / counts[1],
+        "time_ratio": best[0] / best[1],
+    }
 
 
 def _adamw_ms(layers: int, hidden: int, steps: int) -> float:
@@ -150,15 +177,14 @@ def _adamw_ms(layers: int, hidden: int, steps: int) -> float:
 
 def _rank(rank: int, world: int, store: str, args: argparse.Namespace, out: str) -> None:
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=300))
+    dist.init_process_group(
+        "gloo", init_method=f"file://{store}", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=300)
+    )
     try:
-        rows = [_scenario(name, args.layers, args.hidden, args.steps, args.rounds, world)
-                for name in SCENARIOS]
+        rows = [_scenario(name, args.layers, args.hidden, args.steps, args.rounds, world) for name in SCENARIOS]
         if rank == 0:
             with open(out, "w") as fh:
-                json.dump({"rows": rows, "adamw_ms": _adamw_ms(args.layers, args.hidden, args.steps)},
-                          fh)
+                json.dump({"rows": rows, "adamw_ms": _adamw_ms(args.layers, args.hidden, args.steps)}, fh)
     finally:
         dist.destroy_process_group()
 
@@ -173,24 +199,34 @@ def _run_world(world: int, args: argparse.Namespace) -> dict:
 
 def _markdown(result: dict) -> str:
     cfg = result["config"]
-    lines = [f"# Replica sync benchmark ({cfg['date']})", "",
-             f"{cfg['tensors']} replicated tensors ({cfg['layers']} blocks x 2 LayerNorms x "
-             f"(weight, bias), hidden {cfg['hidden']}, bf16 params, fp32 masters and Adam moments), "
-             f"gloo on CPU, {cfg['cpus']} CPU(s), torch {cfg['torch']}; best of {cfg['rounds']} "
-             f"rounds of {cfg['steps']} steps, slowest rank.", "",
-             "| world | scenario | collectives per step: per tensor / coalesced (ratio) | "
-             "ms per step: per tensor / coalesced (ratio) | bytes per step |",
-             "|---|---|---|---|---|"]
+    lines = [
+        f"# Replica sync benchmark ({cfg['date']})",
+        "",
+        f"{cfg['tensors']} replicated tensors ({cfg['layers']} blocks x 2 LayerNorms x "
+        f"(weight, bias), hidden {cfg['hidden']}, bf16 params, fp32 masters and Adam moments), "
+        f"gloo on CPU, {cfg['cpus']} CPU(s), torch {cfg['torch']}; best of {cfg['rounds']} "
+        f"rounds of {cfg['steps']} steps, slowest rank.",
+        "",
+        "| world | scenario | collectives per step: per tensor / coalesced (ratio) | "
+        "ms per step: per tensor / coalesced (ratio) | bytes per step |",
+        "|---|---|---|---|---|",
+    ]
     for r in result["rows"]:
-        lines.append(f"| {r['world']} | {r['scenario']} | {r['per_tensor']['collectives']} / "
-                     f"{r['coalesced']['collectives']} ({r['collective_ratio']:.0f}x) | "
-                     f"{r['per_tensor']['ms_per_step']:.2f} / {r['coalesced']['ms_per_step']:.2f} "
-                     f"({r['time_ratio']:.1f}x) | {r['coalesced']['bytes']} |")
-    lines += ["", "Scenarios: " + "; ".join(f"`{k}`: {v[0]}" for k, v in SCENARIOS.items()) + ".",
-              "", f"Context: one AdamW step over these tensors takes "
-              f"{result['adamw_ms']:.2f} ms on one rank.", "",
-              f"Targets (>= 5x fewer collectives, >= 3x less time): "
-              f"{'met' if result['targets_met'] else 'NOT met'} in every row."]
+        lines.append(
+            f"| {r['world']} | {r['scenario']} | {r['per_tensor']['collectives']} / "
+            f"{r['coalesced']['collectives']} ({r['collective_ratio']:.0f}x) | "
+            f"{r['per_tensor']['ms_per_step']:.2f} / {r['coalesced']['ms_per_step']:.2f} "
+            f"({r['time_ratio']:.1f}x) | {r['coalesced']['bytes']} |"
+        )
+    lines += [
+        "",
+        "Scenarios: " + "; ".join(f"`{k}`: {v[0]}" for k, v in SCENARIOS.items()) + ".",
+        "",
+        f"Context: one AdamW step over these tensors takes {result['adamw_ms']:.2f} ms on one rank.",
+        "",
+        f"Targets (>= 5x fewer collectives, >= 3x less time): "
+        f"{'met' if result['targets_met'] else 'NOT met'} in every row.",
+    ]
     return "\n".join(lines) + "\n"
 
 
@@ -208,23 +244,40 @@ def main(argv: list[str] | None = None) -> int:
         rows += got["rows"]
         adamw = got["adamw_ms"]
         for r in got["rows"]:
-            print(f"world {world} {r['scenario']:<17} collectives {r['per_tensor']['collectives']:>4} -> "
-                  f"{r['coalesced']['collectives']:<2} ({r['collective_ratio']:>5.0f}x)   ms/step "
-                  f"{r['per_tensor']['ms_per_step']:8.2f} -> {r['coalesced']['ms_per_step']:7.2f} "
-                  f"({r['time_ratio']:5.1f}x)", flush=True)
+            print(
+                f"world {world} {r['scenario']:<17} collectives {r['per_tensor']['collectives']:>4} -> "
+                f"{r['coalesced']['collectives']:<2} ({r['collective_ratio']:>5.0f}x)   ms/step "
+                f"{r['per_tensor']['ms_per_step']:8.2f} -> {r['coalesced']['ms_per_step']:7.2f} "
+                f"({r['time_ratio']:5.1f}x)",
+                flush=True,
+            )
     met = all(r["collective_ratio"] >= 5 and r["time_ratio"] >= 3 for r in rows)
-    result = {"config": {"date": datetime.date.today().isoformat(), "layers": args.layers,
-                         "hidden": args.hidden, "tensors": 4 * args.layers, "steps": args.steps,
-                         "rounds": args.rounds, "worlds": args.world, "torch": torch.__version__,
-                         "cpus": os.cpu_count(), "machine": platform.machine()},
-              "rows": rows, "adamw_ms": adamw, "targets_met": met}
+    result = {
+        "config": {
+            "date": datetime.date.today().isoformat(),
+            "layers": args.layers,
+            "hidden": args.hidden,
+            "tensors": 4 * args.layers,
+            "steps": args.steps,
+            "rounds": args.rounds,
+            "worlds": args.world,
+            "torch": torch.__version__,
+            "cpus": os.cpu_count(),
+            "machine": platform.machine(),
+        },
+        "rows": rows,
+        "adamw_ms": adamw,
+        "targets_met": met,
+    }
     os.makedirs(RESULTS, exist_ok=True)
     with open(os.path.join(RESULTS, "replicas.json"), "w") as fh:
         json.dump(result, fh, indent=2)
     with open(os.path.join(RESULTS, "replicas.md"), "w") as fh:
         fh.write(_markdown(result))
-    print(f"targets (>= 5x fewer collectives, >= 3x less time): {'met' if met else 'NOT met'}; "
-          f"wrote {os.path.join(RESULTS, 'replicas.json')} and replicas.md")
+    print(
+        f"targets (>= 5x fewer collectives, >= 3x less time): {'met' if met else 'NOT met'}; "
+        f"wrote {os.path.join(RESULTS, 'replicas.json')} and replicas.md"
+    )
     return 0 if met else 1
 
 

@@ -82,16 +82,24 @@ def mapping(a: argparse.Namespace) -> str:
 def hf_model(a: argparse.Namespace) -> dict[str, torch.Tensor]:
     """The full HF tensors (built on every rank alike)."""
     h, d = a.heads, a.hidden // a.heads
-    shapes = {"model.embed_tokens.weight": (a.vocab, a.hidden), "lm_head.weight": (a.vocab, a.hidden),
-              "model.norm.weight": (a.hidden,)}
+    shapes = {
+        "model.embed_tokens.weight": (a.vocab, a.hidden),
+        "lm_head.weight": (a.vocab, a.hidden),
+        "model.norm.weight": (a.hidden,),
+    }
     for i in range(a.layers):
         p = f"model.layers.{i}"
-        shapes |= {f"{p}.self_attn.q_proj.weight": (h * d, a.hidden), f"{p}.self_attn.k_proj.weight":
-                   (a.groups * d, a.hidden), f"{p}.self_attn.v_proj.weight": (a.groups * d, a.hidden),
-                   f"{p}.self_attn.o_proj.weight": (a.hidden, h * d), f"{p}.mlp.gate_proj.weight":
-                   (a.ffn, a.hidden), f"{p}.mlp.up_proj.weight": (a.ffn, a.hidden),
-                   f"{p}.mlp.down_proj.weight": (a.hidden, a.ffn), f"{p}.input_layernorm.weight": (a.hidden,),
-                   f"{p}.post_attention_layernorm.weight": (a.hidden,)}
+        shapes |= {
+            f"{p}.self_attn.q_proj.weight": (h * d, a.hidden),
+            f"{p}.self_attn.k_proj.weight": (a.groups * d, a.hidden),
+            f"{p}.self_attn.v_proj.weight": (a.groups * d, a.hidden),
+            f"{p}.self_attn.o_proj.weight": (a.hidden, h * d),
+            f"{p}.mlp.gate_proj.weight": (a.ffn, a.hidden),
+            f"{p}.mlp.up_proj.weight": (a.ffn, a.hidden),
+            f"{p}.mlp.down_proj.weight": (a.hidden, a.ffn),
+            f"{p}.input_layernorm.weight": (a.hidden,),
+            f"{p}.post_attention_layernorm.weight": (a.hidden,),
+        }
     return {k: _filled(s, i) for i, (k, s) in enumerate(sorted(shapes.items()))}
 
 
@@ -106,21 +114,28 @@ def megatron_state(hf: dict[str, torch.Tensor], a: argparse.Namespace, rank: int
     out: dict[str, Any] = {
         "embedding.word_embeddings.weight": _part(hf["model.embed_tokens.weight"], 0, rank, 2),
         "output_layer.weight": _part(hf["lm_head.weight"], 0, rank, 2),
-        "decoder.final_layernorm.weight": hf["model.norm.weight"].clone()}
+        "decoder.final_layernorm.weight": hf["model.norm.weight"].clone(),
+    }
     for i in range(a.layers):
         m, p = f"decoder.layers.{i}", f"model.layers.{i}"
         q, k, v = (hf[f"{p}.self_attn.{x}_proj.weight"] for x in "qkv")
-        qkv = torch.cat([t for g in range(a.groups) for t in (q[g * per * d:(g + 1) * per * d],
-                                                              k[g * d:(g + 1) * d], v[g * d:(g + 1) * d])])
+        qkv = torch.cat(
+            [
+                t
+                for g in range(a.groups)
+                for t in (q[g * per * d : (g + 1) * per * d], k[g * d : (g + 1) * d], v[g * d : (g + 1) * d])
+            ]
+        )
         gate, up = hf[f"{p}.mlp.gate_proj.weight"].chunk(2), hf[f"{p}.mlp.up_proj.weight"].chunk(2)
         fc1 = torch.cat([gate[0], up[0], gate[1], up[1]])
-        out |= {f"{m}.self_attention.linear_qkv.weight": _part(qkv, 0, rank, 2),
-                f"{m}.self_attention.linear_proj.weight":
-                    _part(hf[f"{p}.self_attn.o_proj.weight"], 1, rank, 2),
-                f"{m}.mlp.linear_fc1.weight": _part(fc1, 0, rank, 2),
-                f"{m}.mlp.linear_fc2.weight": _part(hf[f"{p}.mlp.down_proj.weight"], 1, rank, 2),
-                f"{m}.input_layernorm.weight": hf[f"{p}.input_layernorm.weight"].clone(),
-                f"{m}.pre_mlp_layernorm.weight": hf[f"{p}.post_attention_layernorm.weight"].clone()}
+        out |= {
+            f"{m}.self_attention.linear_qkv.weight": _part(qkv, 0, rank, 2),
+            f"{m}.self_attention.linear_proj.weight": _part(hf[f"{p}.self_attn.o_proj.weight"], 1, rank, 2),
+            f"{m}.mlp.linear_fc1.weight": _part(fc1, 0, rank, 2),
+            f"{m}.mlp.linear_fc2.weight": _part(hf[f"{p}.mlp.down_proj.weight"], 1, rank, 2),
+            f"{m}.input_layernorm.weight": hf[f"{p}.input_layernorm.weight"].clone(),
+            f"{m}.pre_mlp_layernorm.weight": hf[f"{p}.post_attention_layernorm.weight"].clone(),
+        }
     return out
 
 
@@ -179,11 +194,14 @@ def _ceiling(plan: shardsync.planning.Plan, rank: int) -> Callable[[], None]:
     bufs = {pair: torch.ones(n, dtype=torch.uint8) for pair, n in need.items() if rank in pair}
 
     def run() -> None:
-        ops = [dist.P2POp(dist.isend if rank == t else dist.irecv, buf, w if rank == t else t)
-               for (t, w), buf in bufs.items()]
+        ops = [
+            dist.P2POp(dist.isend if rank == t else dist.irecv, buf, w if rank == t else t)
+            for (t, w), buf in bufs.items()
+        ]
         if ops:
             for work in dist.batch_isend_irecv(ops):
                 work.wait()
+
     return run
 
 
@@ -192,8 +210,9 @@ def _memcpy(nbytes: int) -> Callable[[], None]:
     return lambda: dst.copy_(src)
 
 
-def run_cut(rank: int, a: argparse.Namespace, hf: dict[str, torch.Tensor], program: str,
-            src: dict[str, Any] | None, cut: str) -> dict[str, Any]:
+def run_cut(
+    rank: int, a: argparse.Namespace, hf: dict[str, torch.Tensor], program: str, src: dict[str, Any] | None, cut: str
+) -> dict[str, Any]:
     """Time the three variants for one cut on this rank; check the reshard output once."""
     dst = inference_state(hf, cut, rank - 2) if rank in WORKERS else None
 
@@ -204,30 +223,48 @@ def run_cut(rank: int, a: argparse.Namespace, hf: dict[str, torch.Tensor], progr
                 _local(v).copy_(full[v.box.slices()] if isinstance(v, LocalShard) else full)
 
     first, result = _timed(lambda: shardsync.reshard(src, dst, program))
-    bad = [] if dst is None else [k for k, v in dst.items() if not torch.equal(
-        _local(v), hf[k][v.box.slices()] if isinstance(v, LocalShard) else hf[k])]
+    bad = (
+        []
+        if dst is None
+        else [
+            k
+            for k, v in dst.items()
+            if not torch.equal(_local(v), hf[k][v.box.slices()] if isinstance(v, LocalShard) else hf[k])
+        ]
+    )
     mine = 0 if dst is None else sum(_local(v).numel() * 4 for v in dst.values())
     variants: dict[str, Callable[[], Any]] = {
         "reshard": lambda: shardsync.reshard(src, dst, program),
         "reshard gloo": lambda: shardsync.reshard(src, dst, program, transport="backend"),
-        "full then slice": full_then_slice, "ceiling": _ceiling(result.plan, rank),
-        "ceiling memcpy": _memcpy(mine)}
+        "full then slice": full_then_slice,
+        "ceiling": _ceiling(result.plan, rank),
+        "ceiling memcpy": _memcpy(mine),
+    }
     best: dict[str, float] = {}
     for _ in range(a.repeats):
         for name, fn in variants.items():
             seconds, _ = _timed(fn)
             best[name] = min(best.get(name, seconds), seconds)
-    return {"first_reshard_seconds": first, "plan_seconds": result.stats.plan_seconds,
-            "best": best, "bad": bad, "received": result.stats.bytes_received,
-            "sent": result.stats.bytes_sent, "peak_bytes": result.stats.peak_bytes,
-            "strategy": result.plan.strategy, "steps": len(result.plan.steps),
-            "transport": result.stats.transport, "shard_bytes": mine}
+    return {
+        "first_reshard_seconds": first,
+        "plan_seconds": result.stats.plan_seconds,
+        "best": best,
+        "bad": bad,
+        "received": result.stats.bytes_received,
+        "sent": result.stats.bytes_sent,
+        "peak_bytes": result.stats.peak_bytes,
+        "strategy": result.plan.strategy,
+        "steps": len(result.plan.steps),
+        "transport": result.stats.transport,
+        "shard_bytes": mine,
+    }
 
 
 def worker(rank: int, world: int, a: argparse.Namespace, store: str, out: str) -> None:
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=600))
+    dist.init_process_group(
+        "gloo", init_method=f"file://{store}", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=600)
+    )
     hf, program = hf_model(a), mapping(a)
     src = megatron_state(hf, a, rank) if rank in TRAINERS else None
     record = {cut: run_cut(rank, a, hf, program, src, cut) for cut in CUTS}
@@ -242,7 +279,8 @@ def report(per_rank: list[dict], cut: str) -> dict[str, Any]:
     best = ranks[0]["best"]  # every rank has the same (slowest-rank) times
     needed = sum(r["shard_bytes"] for r in ranks)
     return {
-        "cut": cut, "inference_bytes_needed": needed,
+        "cut": cut,
+        "inference_bytes_needed": needed,
         "reshard_vs_full_then_slice": best["full then slice"] / best["reshard"],
         "reshard_x_ceiling": best["reshard"] / best["ceiling"],
         "reshard_x_memcpy": best["reshard"] / best["ceiling memcpy"],
@@ -250,9 +288,11 @@ def report(per_rank: list[dict], cut: str) -> dict[str, Any]:
         "transport": ranks[0]["transport"],
         "first_reshard_seconds": ranks[0]["first_reshard_seconds"],
         "plan_seconds": max(r["plan_seconds"] for r in ranks),
-        "received_bytes": [r["received"] for r in ranks], "sent_bytes": [r["sent"] for r in ranks],
+        "received_bytes": [r["received"] for r in ranks],
+        "sent_bytes": [r["sent"] for r in ranks],
         "reshard_peak_MiB": [r["peak_bytes"] / 2**20 for r in ranks],
-        "strategy": ranks[0]["strategy"], "steps": ranks[0]["steps"],
+        "strategy": ranks[0]["strategy"],
+        "steps": ranks[0]["steps"],
         "rows": {name: {"seconds": s, "GB_per_s_delivered": needed / s / 1e9} for name, s in best.items()},
         "exact": all(not r["bad"] for r in ranks),
     }
@@ -272,20 +312,28 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as tmp:
         mp.spawn(worker, args=(4, a, os.path.join(tmp, "store"), tmp), nprocs=4)
         per_rank = [json.loads(Path(tmp, f"{r}.json").read_text()) for r in range(4)]
-    doc = {"date": datetime.datetime.now().isoformat(timespec="seconds"), "host": platform.node(),
-           "cpus": os.cpu_count(), "torch": torch.__version__, "world": 4, "repeats": a.repeats,
-           "model": {k: getattr(a, k) for k in ("layers", "hidden", "heads", "groups", "ffn", "vocab")},
-           "model_bytes": sum(t.numel() * 4 for t in hf_model(a).values()),
-           "cuts": [report(per_rank, cut) for cut in CUTS]}
+    doc = {
+        "date": datetime.datetime.now().isoformat(timespec="seconds"),
+        "host": platform.node(),
+        "cpus": os.cpu_count(),
+        "torch": torch.__version__,
+        "world": 4,
+        "repeats": a.repeats,
+        "model": {k: getattr(a, k) for k in ("layers", "hidden", "heads", "groups", "ffn", "vocab")},
+        "model_bytes": sum(t.numel() * 4 for t in hf_model(a).values()),
+        "cuts": [report(per_rank, cut) for cut in CUTS],
+    }
     doc["exact"] = all(c["exact"] for c in doc["cuts"])
     a.out.parent.mkdir(parents=True, exist_ok=True)
     a.out.write_text(json.dumps(doc, indent=1) + "\n")
     for c in doc["cuts"]:
         times = ", ".join(f"{name} {row['seconds']:.3f} s" for name, row in c["rows"].items())
-        print(f"{c['cut']:>10}: {times}; reshard is {c['reshard_vs_full_then_slice']:.2f}x faster than "
-              f"full-then-slice ({c['transport']}), {c['reshard_x_ceiling']:.2f}x the wire ceiling and "
-              f"{c['reshard_x_memcpy']:.2f}x the memcpy one; gloo "
-              f"{c['reshard_gloo_x_ceiling']:.2f}x its ceiling; exact: {c['exact']}")
+        print(
+            f"{c['cut']:>10}: {times}; reshard is {c['reshard_vs_full_then_slice']:.2f}x faster than "
+            f"full-then-slice ({c['transport']}), {c['reshard_x_ceiling']:.2f}x the wire ceiling and "
+            f"{c['reshard_x_memcpy']:.2f}x the memcpy one; gloo "
+            f"{c['reshard_gloo_x_ceiling']:.2f}x its ceiling; exact: {c['exact']}"
+        )
     return doc
 
 

@@ -63,10 +63,11 @@ def _variants(state: dict, local: dict, world: int) -> dict[str, Callable[[], It
 
     if world == 1:
         return {"local": lambda: full_params(state, W.MAPPING)}
-    shared = {k: LocalShard(v.local.clone().share_memory_(), v.global_shape, v.global_offset)
-              for k, v in state.items()}
-    out: dict[str, Callable[[], Iterator]] = {"shm": lambda: full_params(state, W.MAPPING),
-                                              "shm, shards shared": lambda: full_params(shared, W.MAPPING)}
+    shared = {k: LocalShard(v.local.clone().share_memory_(), v.global_shape, v.global_offset) for k, v in state.items()}
+    out: dict[str, Callable[[], Iterator]] = {
+        "shm": lambda: full_params(state, W.MAPPING),
+        "shm, shards shared": lambda: full_params(shared, W.MAPPING),
+    }
     for s in STRATEGIES:
         mesh = {"mesh": (dist.group.WORLD, None)} if s == "mesh2d" else {}
         out[s] = lambda s=s, mesh=mesh: full_params(state, W.MAPPING, strategy=s, transport="backend", **mesh)
@@ -114,8 +115,9 @@ def _run(layers: int, world: int, rank: int, repeats: int) -> dict[str, float]:
 
 
 def _worker(rank: int, world: int, layers: int, repeats: int, store: str, out: str) -> None:
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=600))
+    dist.init_process_group(
+        "gloo", init_method=f"file://{store}", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=600)
+    )
     res = _run(layers, world, rank, repeats)
     gathered: list[Any] = [None] * world
     dist.all_gather_object(gathered, res)
@@ -139,15 +141,19 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--out", type=Path, default=RESULTS)
     args = ap.parse_args(argv)
-    doc: dict[str, Any] = {"date": datetime.datetime.now().isoformat(timespec="seconds"),
-                           "machine": f"{platform.node()}, {os.cpu_count()} CPUs, torch {torch.__version__}",
-                           "load_before": os.getloadavg()[0], "repeats": args.repeats, "configs": []}
+    doc: dict[str, Any] = {
+        "date": datetime.datetime.now().isoformat(timespec="seconds"),
+        "machine": f"{platform.node()}, {os.cpu_count()} CPUs, torch {torch.__version__}",
+        "load_before": os.getloadavg()[0],
+        "repeats": args.repeats,
+        "configs": [],
+    }
     for layers, world in CONFIGS:
         res = measure(layers, world, args.repeats)
-        doc["configs"].append({"layers": layers, "world": world,
-                               "bytes": W.total_bytes(W.full_weights(layers)), "seconds": res})
-        print(f"{layers} layers, {world} ranks: " + ", ".join(f"{k} {v:.3f}" for k, v in res.items()),
-              flush=True)
+        doc["configs"].append(
+            {"layers": layers, "world": world, "bytes": W.total_bytes(W.full_weights(layers)), "seconds": res}
+        )
+        print(f"{layers} layers, {world} ranks: " + ", ".join(f"{k} {v:.3f}" for k, v in res.items()), flush=True)
     doc["load_after"] = os.getloadavg()[0]
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "scaling.json").write_text(json.dumps(doc, indent=1))

@@ -63,9 +63,14 @@ def child(how: str, path: str, out: str, budget: int) -> dict:
     else:  # into the writer, which holds one output shard (and serialises it) before writing
         written = shardsync.save_safetensors(stream, out, max_shard_bytes=SHARD).total_bytes
     peak = _status("VmHWM")
-    return {"seconds": round(time.perf_counter() - start, 2), "bytes_out": written,
-            "bytes_read": stream.stats.bytes_read, "rss_before": before, "peak_rss": peak,
-            "growth": peak - before}
+    return {
+        "seconds": round(time.perf_counter() - start, 2),
+        "bytes_out": written,
+        "bytes_read": stream.stats.bytes_read,
+        "rss_before": before,
+        "peak_rss": peak,
+        "growth": peak - before,
+    }
 
 
 def _shift(key: str) -> str:
@@ -83,23 +88,30 @@ def run_child(how: str, path: Path, out: Path, budget: int, malloc_env: dict[str
 def cases(root: Path) -> list[tuple[str, str, Path, int, dict[str, str]]]:
     """(name, how, checkpoint, budget, extra environment) of every run."""
     st, dc, st2 = root / "st", root / "dcp", root / "st2"
-    out = [(f"{fmt} -> discard, budget {b >> 20} MiB", "discard", path, b, {})
-           for fmt, path in (("safetensors", st), ("dcp", dc)) for b in (32 * MIB, BUDGET)]
-    out += [(f"{fmt} -> discard, budget 64 MiB, fixed malloc threshold", "discard", path, BUDGET, FIXED)
-            for fmt, path in (("safetensors", st), ("dcp", dc))]
+    out = [
+        (f"{fmt} -> discard, budget {b >> 20} MiB", "discard", path, b, {})
+        for fmt, path in (("safetensors", st), ("dcp", dc))
+        for b in (32 * MIB, BUDGET)
+    ]
+    out += [
+        (f"{fmt} -> discard, budget 64 MiB, fixed malloc threshold", "discard", path, BUDGET, FIXED)
+        for fmt, path in (("safetensors", st), ("dcp", dc))
+    ]
     x2 = f"safetensors x2 ({2 * LAYERS} layers) -> discard, budget 64 MiB"
-    out += [(x2, "discard", st2, BUDGET, {}),
-            (x2 + ", fixed malloc threshold", "discard", st2, BUDGET, FIXED)]
-    out += [("safetensors -> discard, no budget", "discard", st, 0, {}),
-            ("safetensors -> safetensors, budget 64 MiB", "write", st, BUDGET, {}),
-            ("dcp -> safetensors, budget 64 MiB", "write", dc, BUDGET, {}),
-            ("read_tensors, then -> safetensors (old CLI)", "read_tensors", st, BUDGET, {})]
+    out += [(x2, "discard", st2, BUDGET, {}), (x2 + ", fixed malloc threshold", "discard", st2, BUDGET, FIXED)]
+    out += [
+        ("safetensors -> discard, no budget", "discard", st, 0, {}),
+        ("safetensors -> safetensors, budget 64 MiB", "write", st, BUDGET, {}),
+        ("dcp -> safetensors, budget 64 MiB", "write", dc, BUDGET, {}),
+        ("read_tensors, then -> safetensors (old CLI)", "read_tensors", st, BUDGET, {}),
+    ]
     return out
 
 
 def main() -> None:
-    import bench_export
     import torch.distributed.checkpoint as dcp
+
+    import bench_export
 
     bench_export.LAYERS = LAYERS
     rows = {}
@@ -116,13 +128,23 @@ def main() -> None:
         for i, (name, how, path, budget, env) in enumerate(cases(root)):
             r = run_child(how, path, root / f"out{i}", budget, env)
             shard = 0 if how == "discard" else SHARD
-            r |= {"memory_budget": budget or None, "writer_shard_bytes": shard or None,
-                  "growth_over_budget_and_shard": r["growth"] - budget - shard if budget else None}
+            r |= {
+                "memory_budget": budget or None,
+                "writer_shard_bytes": shard or None,
+                "growth_over_budget_and_shard": r["growth"] - budget - shard if budget else None,
+            }
             rows[name] = r
-            print(f"{name:55s} growth {r['growth'] / MIB:6.1f} MiB (budget {budget / MIB:4.0f} + shard "
-                  f"{shard / MIB:3.0f}), peak {r['peak_rss'] / MIB:6.1f} MiB, {r['seconds']:5.2f} s")
-    doc = {"checkpoint_bytes": size, "checkpoint_over_budget_64MiB": round(size / BUDGET, 1),
-           "fixed_malloc_threshold_env": FIXED, "threads": torch.get_num_threads(), "cases": rows}
+            print(
+                f"{name:55s} growth {r['growth'] / MIB:6.1f} MiB (budget {budget / MIB:4.0f} + shard "
+                f"{shard / MIB:3.0f}), peak {r['peak_rss'] / MIB:6.1f} MiB, {r['seconds']:5.2f} s"
+            )
+    doc = {
+        "checkpoint_bytes": size,
+        "checkpoint_over_budget_64MiB": round(size / BUDGET, 1),
+        "fixed_malloc_threshold_env": FIXED,
+        "threads": torch.get_num_threads(),
+        "cases": rows,
+    }
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "sources.json").write_text(json.dumps(doc, indent=2) + "\n")
 

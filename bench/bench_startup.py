@@ -43,10 +43,19 @@ def _jobs(tmp: Path) -> dict[str, list[str]]:
         "import torch": [py, "-c", "import torch"],
         "shardsync --version": [py, "-m", "shardsync", "--version"],
         "shardsync inspect": [py, "-m", "shardsync", "inspect", str(src)],
-        "convert --nproc 1": [py, "-m", "shardsync", "convert", str(src), str(tmp / "one"), "--overwrite",
-                              "--quiet"],
-        "convert --nproc 2": [py, "-m", "shardsync", "convert", str(src), str(tmp / "two"), "--overwrite",
-                              "--quiet", "--nproc", "2"],
+        "convert --nproc 1": [py, "-m", "shardsync", "convert", str(src), str(tmp / "one"), "--overwrite", "--quiet"],
+        "convert --nproc 2": [
+            py,
+            "-m",
+            "shardsync",
+            "convert",
+            str(src),
+            str(tmp / "two"),
+            "--overwrite",
+            "--quiet",
+            "--nproc",
+            "2",
+        ],
     }
 
 
@@ -75,12 +84,21 @@ def report(times: dict[str, list[float]], busy: bool) -> list[dict]:
         rows.append({"job": name, "median_s": med, "min_s": min(t), "max_s": max(t), "vs_import_torch": med / base})
     one = statistics.median(times["convert --nproc 1"])
     two = statistics.median(times["convert --nproc 2"])
-    rows.append({"job": "worker start-up (--nproc 2 minus --nproc 1)", "median_s": two - one, "min_s": None,
-                 "max_s": None, "vs_import_torch": (two - one) / base})
+    rows.append(
+        {
+            "job": "worker start-up (--nproc 2 minus --nproc 1)",
+            "median_s": two - one,
+            "min_s": None,
+            "max_s": None,
+            "vs_import_torch": (two - one) / base,
+        }
+    )
     for r in rows:
         rng = "" if r["min_s"] is None else f" ({r['min_s']:.2f}-{r['max_s']:.2f})"
-        print(f"{'busy' if busy else 'quiet'}  {r['job']:44s} {r['median_s']:6.2f} s{rng}  "
-              f"{r['vs_import_torch']:.2f}x import torch")
+        print(
+            f"{'busy' if busy else 'quiet'}  {r['job']:44s} {r['median_s']:6.2f} s{rng}  "
+            f"{r['vs_import_torch']:.2f}x import torch"
+        )
     return rows
 
 
@@ -88,8 +106,12 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=7)
     args = ap.parse_args()
-    out: dict = {"machine": f"{platform.machine()}, {os.cpu_count()} cores", "threads": "default (none pinned)",
-                 "rounds": args.rounds, "runs": {}}
+    out: dict = {
+        "machine": f"{platform.machine()}, {os.cpu_count()} cores",
+        "threads": "default (none pinned)",
+        "rounds": args.rounds,
+        "runs": {},
+    }
     for busy in (False, True):
         stop = mp.Event()
         spinner = mp.Process(target=_spin, args=(stop,)) if busy else None
@@ -103,11 +125,18 @@ def main() -> None:
                 spinner.join()
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "startup.json").write_text(json.dumps(out, indent=2))
-    lines = [f"# Start-up ({out['machine']}; threads: {out['threads']}; medians of {args.rounds} interleaved "
-             "rounds, range in brackets)", "", "| job | quiet | busy (one other spinning process) |", "|---|---|---|"]
+    lines = [
+        f"# Start-up ({out['machine']}; threads: {out['threads']}; medians of {args.rounds} interleaved "
+        "rounds, range in brackets)",
+        "",
+        "| job | quiet | busy (one other spinning process) |",
+        "|---|---|---|",
+    ]
     for q, b in zip(out["runs"]["quiet"], out["runs"]["busy"]):
-        lines.append(f"| {q['job']} | {q['median_s']:.2f} s ({q['vs_import_torch']:.2f}x import torch) | "
-                     f"{b['median_s']:.2f} s ({b['vs_import_torch']:.2f}x) |")
+        lines.append(
+            f"| {q['job']} | {q['median_s']:.2f} s ({q['vs_import_torch']:.2f}x import torch) | "
+            f"{b['median_s']:.2f} s ({b['vs_import_torch']:.2f}x) |"
+        )
     (RESULTS / "startup.md").write_text("\n".join(lines) + "\n")
 
 

@@ -80,8 +80,11 @@ def wire_only(model: dict, state: dict, world: int) -> Iterator[tuple[str, torch
     """Not a strategy: each shard broadcast once from its owner into a reused buffer, nothing
     assembled or yielded - what gloo alone takes to move the same messages as per-read broadcast."""
     scratch = torch.empty(max(x.nbytes for x, _ in model.values()), dtype=torch.uint8)
-    mine = [state[k].local.contiguous().reshape(-1).view(torch.uint8)  # packed before the clock starts
-            for k in sorted(state) if model[k][1] is not None]
+    mine = [
+        state[k].local.contiguous().reshape(-1).view(torch.uint8)  # packed before the clock starts
+        for k in sorted(state)
+        if model[k][1] is not None
+    ]
 
     def run() -> Iterator[tuple[str, torch.Tensor]]:
         for buf in mine:
@@ -124,10 +127,16 @@ def timed(make: Callable[[], Any], check: Callable[[str, torch.Tensor], None] | 
     stats = getattr(stream, "stats", None)
     if stats is not None:
         plan = stream.plan
-        rec |= {"peak_bytes": stats.peak_bytes, "collectives": stats.collectives,
-                "bytes_received": stats.bytes_received, "bytes_sent": stats.bytes_sent,
-                "plan_seconds": stats.plan_seconds, "plan_peak_bytes": plan.costs.peak_bytes[dist.get_rank()],
-                "strategy": plan.strategy, "bucket_bytes": plan.bucket_bytes}
+        rec |= {
+            "peak_bytes": stats.peak_bytes,
+            "collectives": stats.collectives,
+            "bytes_received": stats.bytes_received,
+            "bytes_sent": stats.bytes_sent,
+            "plan_seconds": stats.plan_seconds,
+            "plan_peak_bytes": plan.costs.peak_bytes[dist.get_rank()],
+            "strategy": plan.strategy,
+            "bucket_bytes": plan.bucket_bytes,
+        }
     return rec
 
 
@@ -163,8 +172,9 @@ SHAPES = {"llama": Shape("llama", 6, 1024, 2816), "wide": Shape("wide", 2, 2048,
 
 def worker(rank: int, world: int, shape: Shape, args: argparse.Namespace, store: str, out: str) -> None:
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=600))
+    dist.init_process_group(
+        "gloo", init_method=f"file://{store}", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=600)
+    )
     model = build_model(shape.layers, shape.hidden, shape.ffn)
     state = {k: (x if d is None else shard_dim(x, d, rank, world)) for k, (x, d) in model.items()}
 
@@ -185,10 +195,14 @@ def worker(rank: int, world: int, shape: Shape, args: argparse.Namespace, store:
             rec = timed(make, check if rep == 0 else None)
             if rec["seconds"] < res[name]["seconds"]:
                 res[name] = rec
-    res |= {"broadcast_64MiB_s": bcast, "all_gather_64MiB_s": gather,
-            "total_bytes": sum(x.nbytes for x, _ in model.values()),
-            "own_bytes": sum(x.nbytes if d is None else shard_dim(x, d, rank, world).local.nbytes
-                             for x, d in model.values())}
+    res |= {
+        "broadcast_64MiB_s": bcast,
+        "all_gather_64MiB_s": gather,
+        "total_bytes": sum(x.nbytes for x, _ in model.values()),
+        "own_bytes": sum(
+            x.nbytes if d is None else shard_dim(x, d, rank, world).local.nbytes for x, d in model.values()
+        ),
+    }
     torch.save(res, os.path.join(out, f"{rank}.pt"))
     dist.destroy_process_group()
 
@@ -203,62 +217,102 @@ def report(shape: Shape, per_rank: list[dict], args: argparse.Namespace) -> dict
     for name in (k for k, v in r0.items() if isinstance(v, dict)):
         secs = max(r[name]["seconds"] for r in per_rank)
         need = must["one" if name.startswith("consumers") else "all"]
-        rows.append({"variant": name, "strategy": r0[name].get("strategy"), "seconds": secs,
-                     "GB_per_s": total / secs / 1e9, "speedup_vs_naive": base / secs,
-                     "ceiling_seconds": max(need) / bw, "x_ceiling": secs / (max(need) / bw),
-                     "serial_wire_seconds": sum(need) / bw, "x_serial_wire": secs / (sum(need) / bw),
-                     "plan_seconds": max(r[name].get("plan_seconds", 0.0) for r in per_rank),
-                     "peak_MiB": max(r[name].get("peak_bytes", 0) for r in per_rank) / MIB,
-                     "plan_peak_MiB": max(r[name].get("plan_peak_bytes", 0) for r in per_rank) / MIB,
-                     "collectives": r0[name].get("collectives")})
-    return {"shape": shape.__dict__, "total_bytes": total, "broadcast_GBps": bw / 1e9,
-            "all_gather_GBps": 64 * MIB / max(r["all_gather_64MiB_s"] for r in per_rank) / 1e9,
-            "rows": rows}
+        rows.append(
+            {
+                "variant": name,
+                "strategy": r0[name].get("strategy"),
+                "seconds": secs,
+                "GB_per_s": total / secs / 1e9,
+                "speedup_vs_naive": base / secs,
+                "ceiling_seconds": max(need) / bw,
+                "x_ceiling": secs / (max(need) / bw),
+                "serial_wire_seconds": sum(need) / bw,
+                "x_serial_wire": secs / (sum(need) / bw),
+                "plan_seconds": max(r[name].get("plan_seconds", 0.0) for r in per_rank),
+                "peak_MiB": max(r[name].get("peak_bytes", 0) for r in per_rank) / MIB,
+                "plan_peak_MiB": max(r[name].get("plan_peak_bytes", 0) for r in per_rank) / MIB,
+                "collectives": r0[name].get("collectives"),
+            }
+        )
+    return {
+        "shape": shape.__dict__,
+        "total_bytes": total,
+        "broadcast_GBps": bw / 1e9,
+        "all_gather_GBps": 64 * MIB / max(r["all_gather_64MiB_s"] for r in per_rank) / 1e9,
+        "rows": rows,
+    }
 
 
 def markdown(doc: dict[str, Any]) -> str:
-    lines = [f"# full_params benchmark ({doc['date']})", "",
-             f"TP=2 over 2 gloo processes on {doc['cpus']} CPUs ({doc['host']}), torch {doc['torch']}, "
-             f"best of {doc['repeats']} interleaved runs; the memory budget run allows "
-             f"{doc['budget_factor']}x the largest target.", ""]
+    lines = [
+        f"# full_params benchmark ({doc['date']})",
+        "",
+        f"TP=2 over 2 gloo processes on {doc['cpus']} CPUs ({doc['host']}), torch {doc['torch']}, "
+        f"best of {doc['repeats']} interleaved runs; the memory budget run allows "
+        f"{doc['budget_factor']}x the largest target.",
+        "",
+    ]
     for res in doc["configs"]:
         sh = res["shape"]
         thp = ", with transparent huge pages (GLIBC_TUNABLES=glibc.malloc.hugetlb=1)" if res["thp"] else ""
-        lines += [f"## {sh['name']}{thp}: {res['total_bytes'] / 1e9:.3f} GB fp32, {sh['layers']} layers, "
-                  f"hidden {sh['hidden']}, ffn {sh['ffn']}", "",
-                  f"gloo bandwidth in this run (64 MiB): broadcast {res['broadcast_GBps']:.2f} GB/s, "
-                  f"all_gather {res['all_gather_GBps']:.2f} GB/s "
-                  f"({res['broadcast_GBps'] / res['all_gather_GBps']:.1f}x slower).", "",
-                  "| variant | strategy | s | GB/s | vs naive | x ceiling | x serial wire | plan s | "
-                  "peak MiB (plan) | collectives |", "|---|---|---|---|---|---|---|---|---|---|"]
+        lines += [
+            f"## {sh['name']}{thp}: {res['total_bytes'] / 1e9:.3f} GB fp32, {sh['layers']} layers, "
+            f"hidden {sh['hidden']}, ffn {sh['ffn']}",
+            "",
+            f"gloo bandwidth in this run (64 MiB): broadcast {res['broadcast_GBps']:.2f} GB/s, "
+            f"all_gather {res['all_gather_GBps']:.2f} GB/s "
+            f"({res['broadcast_GBps'] / res['all_gather_GBps']:.1f}x slower).",
+            "",
+            "| variant | strategy | s | GB/s | vs naive | x ceiling | x serial wire | plan s | "
+            "peak MiB (plan) | collectives |",
+            "|---|---|---|---|---|---|---|---|---|---|",
+        ]
         for r in res["rows"]:
             calls = r["collectives"] if r["collectives"] is not None else "-"
-            lines.append(f"| {r['variant']} | {r['strategy'] or '-'} | {r['seconds']:.3f} | "
-                         f"{r['GB_per_s']:.2f} | {r['speedup_vs_naive']:.1f}x | {r['x_ceiling']:.2f} | "
-                         f"{r['x_serial_wire']:.2f} | {r['plan_seconds']:.3f} | {r['peak_MiB']:.0f} "
-                         f"({r['plan_peak_MiB']:.0f}) | {calls} |")
+            lines.append(
+                f"| {r['variant']} | {r['strategy'] or '-'} | {r['seconds']:.3f} | "
+                f"{r['GB_per_s']:.2f} | {r['speedup_vs_naive']:.1f}x | {r['x_ceiling']:.2f} | "
+                f"{r['x_serial_wire']:.2f} | {r['plan_seconds']:.3f} | {r['peak_MiB']:.0f} "
+                f"({r['plan_peak_MiB']:.0f}) | {calls} |"
+            )
         lines.append("")
-    lines += ["s: slowest rank, planning included. GB/s: full-tensor bytes yielded per rank per second. "
-              "x ceiling: s over (bytes the busiest rank must receive / broadcast bandwidth). x serial "
-              "wire: s over (bytes all ranks must receive / broadcast bandwidth) - what the transfers "
-              "alone take when gloo's broadcasts run one after another, as they do here."]
+    lines += [
+        "s: slowest rank, planning included. GB/s: full-tensor bytes yielded per rank per second. "
+        "x ceiling: s over (bytes the busiest rank must receive / broadcast bandwidth). x serial "
+        "wire: s over (bytes all ranks must receive / broadcast bandwidth) - what the transfers "
+        "alone take when gloo's broadcasts run one after another, as they do here."
+    ]
     return "\n".join(lines) + "\n"
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shapes", default="llama,wide", help=f"comma-separated, of {sorted(SHAPES)}")
-    ap.add_argument("--thp", default="llama", help="shapes to run again with glibc's transparent huge "
-                    "pages (GLIBC_TUNABLES=glibc.malloc.hugetlb=1); empty for none")
+    ap.add_argument(
+        "--thp",
+        default="llama",
+        help="shapes to run again with glibc's transparent huge "
+        "pages (GLIBC_TUNABLES=glibc.malloc.hugetlb=1); empty for none",
+    )
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--budget-factor", type=float, default=1.5,
-                    help="memory budget of the budget run, in multiples of the largest target")
+    ap.add_argument(
+        "--budget-factor",
+        type=float,
+        default=1.5,
+        help="memory budget of the budget run, in multiples of the largest target",
+    )
     ap.add_argument("--out", type=Path, default=RESULTS)
     args = ap.parse_args(argv)
-    doc: dict[str, Any] = {"date": datetime.datetime.now().isoformat(timespec="seconds"),
-                           "host": platform.node(), "cpus": os.cpu_count(), "torch": torch.__version__,
-                           "world": 2, "repeats": args.repeats, "budget_factor": args.budget_factor,
-                           "configs": []}
+    doc: dict[str, Any] = {
+        "date": datetime.datetime.now().isoformat(timespec="seconds"),
+        "host": platform.node(),
+        "cpus": os.cpu_count(),
+        "torch": torch.__version__,
+        "world": 2,
+        "repeats": args.repeats,
+        "budget_factor": args.budget_factor,
+        "configs": [],
+    }
     runs = [(name, False) for name in args.shapes.split(",")]
     runs += [(name, True) for name in args.thp.split(",") if name]
     for name, thp in runs:

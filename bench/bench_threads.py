@@ -36,10 +36,7 @@ from bench_export import MAPPING, build_state  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"
 ROUNDS = 7
-BUSY = ("import torch\n"
-        "a = torch.randn(512, 512)\n"
-        "while True:\n"
-        "    a = (a @ a).clamp_(-1, 1)\n")
+BUSY = "import torch\na = torch.randn(512, 512)\nwhile True:\n    a = (a @ a).clamp_(-1, 1)\n"
 
 
 def _export(state: dict[str, torch.Tensor]) -> None:
@@ -94,10 +91,12 @@ def _summary(times: dict[str, list[float]]) -> dict[str, object]:
 def main() -> None:
     state = build_state()
     _export(state)  # warm up: plan cache, pool, first-touch pages
-    results: dict[str, object] = {"torch threads": torch.get_num_threads(),
-                                  "copy threads": copies.copy_threads(),
-                                  "cores": len(os.sched_getaffinity(0)),
-                                  "state GB": round(sum(v.nbytes for v in state.values()) / 1e9, 3)}
+    results: dict[str, object] = {
+        "torch threads": torch.get_num_threads(),
+        "copy threads": copies.copy_threads(),
+        "cores": len(os.sched_getaffinity(0)),
+        "state GB": round(sum(v.nbytes for v in state.values()) / 1e9, 3),
+    }
     results["quiet"] = _summary(_rounds(state))
     busy = subprocess.Popen([sys.executable, "-c", BUSY])
     try:
@@ -108,10 +107,14 @@ def main() -> None:
         busy.wait()
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "threads.json").write_text(json.dumps(results, indent=2) + "\n")
-    md = [f"export of {results['state GB']} GB fp32, 1 process, torch default threads "
-          f"({results['torch threads']}), shardsync copy threads {results['copy threads']}, "
-          f"{results['cores']} cores; medians of {ROUNDS} interleaved rounds", "",
-          "| measure | quiet | one busy process |", "|---|---|---|"]
+    md = [
+        f"export of {results['state GB']} GB fp32, 1 process, torch default threads "
+        f"({results['torch threads']}), shardsync copy threads {results['copy threads']}, "
+        f"{results['cores']} cores; medians of {ROUNDS} interleaved rounds",
+        "",
+        "| measure | quiet | one busy process |",
+        "|---|---|---|",
+    ]
     quiet, busy_res = results["quiet"], results["one busy process"]
     assert isinstance(quiet, dict) and isinstance(busy_res, dict)
     md += [f"| {k} | {quiet[k]} | {busy_res[k]} |" for k in quiet]

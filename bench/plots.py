@@ -40,15 +40,17 @@ def _series(configs: list[dict], axis: str, fixed: tuple[str, int]) -> dict[str,
 def plot_scaling(doc: dict[str, Any], out: Path) -> list[Path]:
     """Two PNGs from ``scaling.json``; returns their paths."""
     made = []
-    for axis, fixed, label, name in (("bytes", ("world", 2), "GB of targets per rank (2 ranks)", "scaling_bytes.png"),
-                                     ("world", ("layers", 4), "ranks (4 layers, 0.168 GB)", "scaling_world.png")):
+    for axis, fixed, label, name in (
+        ("bytes", ("world", 2), "GB of targets per rank (2 ranks)", "scaling_bytes.png"),
+        ("world", ("layers", 4), "ranks (4 layers, 0.168 GB)", "scaling_world.png"),
+    ):
         fig, ax = plt.subplots(figsize=(7, 4.5))
         for series, points in _series(doc["configs"], axis, fixed).items():
             xs, ys = zip(*points)
             style = "--" if series.startswith("ceiling") else "-"
             ax.plot(xs, ys, style, marker="o", label=series, linewidth=2.5 if series == "shm" else 1.2)
         ax.set_xlabel(label)
-        ax.set_ylabel("seconds (slowest rank, best of %d)" % doc["repeats"])
+        ax.set_ylabel(f"seconds (slowest rank, best of {doc['repeats']})")
         ax.set_title(f"full_params, every rank receives every target ({doc['date'][:10]})")
         if axis == "world":
             ax.set_xticks(sorted({c["world"] for c in doc["configs"]}))
@@ -70,8 +72,10 @@ def plot_peers(doc: dict[str, Any], out: Path) -> Path:
     rows = [(key, world) for key, world in ROWS if key in rounds[0]]
     secs = [statistics.median(r[key] for r in rounds) for key, _ in rows]
     names = [f"{world} proc: {LABELS.get(key, key)}" for key, world in rows]
-    colors = ["tab:gray" if "ceiling" in n or "memcpy" in n else "tab:green" if "shardsync" in n
-              else "tab:blue" for n in names]
+    colors = [
+        "tab:gray" if "ceiling" in n or "memcpy" in n else "tab:green" if "shardsync" in n else "tab:blue"
+        for n in names
+    ]
     fig, ax = plt.subplots(figsize=(9, 0.35 * len(rows) + 1.2))
     ax.barh(range(len(rows)), secs, color=colors)
     ax.set_yticks(range(len(rows)), names, fontsize=7)

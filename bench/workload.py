@@ -11,8 +11,17 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["LAYERS", "HIDDEN", "FFN", "MAPPING", "full_weights", "shard_spec", "local_shard", "reference",
-           "total_bytes"]
+__all__ = [
+    "LAYERS",
+    "HIDDEN",
+    "FFN",
+    "MAPPING",
+    "full_weights",
+    "shard_spec",
+    "local_shard",
+    "reference",
+    "total_bytes",
+]
 
 LAYERS, HIDDEN, FFN = 8, 1024, 2048
 MAPPING = [

@@ -72,8 +72,9 @@ def _bench_worker(rank: int, world: int, store: str, out: str) -> None:
     torch.cuda.set_device(rank)
     import torch.distributed as dist
 
-    dist.init_process_group("nccl", init_method=f"file://{store}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=120))
+    dist.init_process_group(
+        "nccl", init_method=f"file://{store}", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=120)
+    )
     state, ref = _state(8, rank, world, torch.device("cuda", rank))
     lines = []
     for s in STRATEGIES:
@@ -90,9 +91,11 @@ def _bench_worker(rank: int, world: int, store: str, out: str) -> None:
             torch.cuda.synchronize()
             dist.barrier()
             best = min(best, time.perf_counter() - t0)
-        lines.append(f"{s:10s} {best:.4f} s  {W.total_bytes(ref) / best / 1e9:6.1f} GB/s per rank  "
-                     f"strategy={stream.plan.strategy} transport={stream.stats.transport} "
-                     f"collectives={stream.stats.collectives}")
+        lines.append(
+            f"{s:10s} {best:.4f} s  {W.total_bytes(ref) / best / 1e9:6.1f} GB/s per rank  "
+            f"strategy={stream.plan.strategy} transport={stream.stats.transport} "
+            f"collectives={stream.stats.collectives}"
+        )
     if rank == 0:
         Path(out).write_text("\n".join(lines))
     dist.destroy_process_group()
@@ -110,8 +113,14 @@ def nccl_bench() -> str:
 def nccl_tests() -> str:
     env = os.environ | {"SHARDSYNC_TEST_BACKEND": "nccl", "PYTHONPATH": str(ROOT / "src")}
     files = ["tests/test_stream_dist.py", "tests/test_stream_dist4.py"]
-    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *files], cwd=ROOT,
-                         env=env, capture_output=True, text=True, timeout=LIMIT_S)
+    run = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *files],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=LIMIT_S,
+    )
     tail = run.stdout.strip().splitlines()[-1] if run.stdout.strip() else run.stderr[-500:]
     if run.returncode != 0:
         raise AssertionError(f"pytest failed:\n{run.stdout[-3000:]}\n{run.stderr[-1500:]}")
@@ -120,14 +129,21 @@ def nccl_tests() -> str:
 
 def main() -> int:
     if not torch.cuda.is_available():
-        print(f"gpu-check: no CUDA: skipped (torch {torch.__version__}, "
-              f"built with CUDA {torch.version.cuda or 'none'}). The NCCL paths were NOT checked.")
+        print(
+            f"gpu-check: no CUDA: skipped (torch {torch.__version__}, "
+            f"built with CUDA {torch.version.cuda or 'none'}). The NCCL paths were NOT checked."
+        )
         return 0
     n = torch.cuda.device_count()
-    print(f"gpu-check: {n} GPU(s): {', '.join(torch.cuda.get_device_name(i) for i in range(n))}; "
-          f"torch {torch.__version__}, NCCL {'.'.join(map(str, torch.cuda.nccl.version()))}")
-    steps = [("single process on cuda:0", single_gpu, 1), ("multi-process tests on NCCL", nccl_tests, 2),
-             ("stream benchmark on NCCL", nccl_bench, 2)]
+    print(
+        f"gpu-check: {n} GPU(s): {', '.join(torch.cuda.get_device_name(i) for i in range(n))}; "
+        f"torch {torch.__version__}, NCCL {'.'.join(map(str, torch.cuda.nccl.version()))}"
+    )
+    steps = [
+        ("single process on cuda:0", single_gpu, 1),
+        ("multi-process tests on NCCL", nccl_tests, 2),
+        ("stream benchmark on NCCL", nccl_bench, 2),
+    ]
     failed = 0
     for label, fn, gpus in steps:
         if n < gpus:

@@ -12,17 +12,19 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from reference import arange_tensor
 
 import shardsync
+from reference import arange_tensor
 from shardsync.layout import shard_dim
 
 __all__ = ["Checkpoints", "build", "state", "mapped", "MAPPING"]
 
-MAPPING = ("layers.$LAYER_ID.qkv -> model.layers.$LAYER_ID.q, model.layers.$LAYER_ID.k, "
-           "model.layers.$LAYER_ID.v, fused_qkv, num_heads=2, num_key_value_groups=1, axis=0\n"
-           "layers.$LAYER_ID.norm -> model.layers.$LAYER_ID.norm\n"
-           "embed -> model.embed\n")
+MAPPING = (
+    "layers.$LAYER_ID.qkv -> model.layers.$LAYER_ID.q, model.layers.$LAYER_ID.k, "
+    "model.layers.$LAYER_ID.v, fused_qkv, num_heads=2, num_key_value_groups=1, axis=0\n"
+    "layers.$LAYER_ID.norm -> model.layers.$LAYER_ID.norm\n"
+    "embed -> model.embed\n"
+)
 
 
 def state() -> dict[str, torch.Tensor]:
@@ -40,7 +42,10 @@ def mapped() -> dict[str, torch.Tensor]:
     for i in range(2):
         qkv = s[f"layers.{i}.qkv"]
         out[f"model.layers.{i}.q"], out[f"model.layers.{i}.k"], out[f"model.layers.{i}.v"] = (
-            qkv[0:6], qkv[6:9], qkv[9:12])
+            qkv[0:6],
+            qkv[6:9],
+            qkv[9:12],
+        )
         out[f"model.layers.{i}.norm"] = s[f"layers.{i}.norm"]
     return out
 

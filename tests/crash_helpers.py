@@ -33,8 +33,13 @@ class Crasher:
     def __init__(self) -> None:
         path = [str(HERE), *filter(None, [os.environ.get("PYTHONPATH")])]
         env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(path)}
-        self._proc = subprocess.Popen([sys.executable, "-c", "import crash_helpers; crash_helpers.serve()"],
-                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, cwd=HERE)
+        self._proc = subprocess.Popen(
+            [sys.executable, "-c", "import crash_helpers; crash_helpers.serve()"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            env=env,
+            cwd=HERE,
+        )
 
     def run(self, fn: Callable[..., object], *args: Any) -> int:
         """Fork a child of the helper that runs ``fn(*args)`` and exits (1 if it raised); its status."""
@@ -72,8 +77,7 @@ class Crasher:
     def __enter__(self) -> Crasher:
         return self
 
-    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> None:
+    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
         self.close()
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from dest_helpers import FFN, G, H, HIDDEN, LAYERS, VOCAB
+from dest_helpers import FFN, HIDDEN, LAYERS, VOCAB, G, H
 
 __all__ = ["llama_config", "llama_tp_plan"]
 
@@ -14,9 +14,15 @@ def llama_config() -> Any:
     """The Llama config of :mod:`dest_helpers`' sizes, untied embeddings."""
     import transformers
 
-    return transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=FFN,
-                                    num_hidden_layers=LAYERS, num_attention_heads=H, num_key_value_heads=G,
-                                    tie_word_embeddings=False)
+    return transformers.LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=HIDDEN,
+        intermediate_size=FFN,
+        num_hidden_layers=LAYERS,
+        num_attention_heads=H,
+        num_key_value_heads=G,
+        tie_word_embeddings=False,
+    )
 
 
 def llama_tp_plan(layers: int = LAYERS) -> dict[str, Any]:
@@ -25,8 +31,10 @@ def llama_tp_plan(layers: int = LAYERS) -> dict[str, Any]:
     from torch.distributed.tensor import Replicate
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
-    plan: dict[str, Any] = {"model.embed_tokens": RowwiseParallel(input_layouts=Replicate()),
-                            "lm_head": ColwiseParallel()}
+    plan: dict[str, Any] = {
+        "model.embed_tokens": RowwiseParallel(input_layouts=Replicate()),
+        "lm_head": ColwiseParallel(),
+    }
     for i in range(layers):
         p = f"model.layers.{i}"
         plan |= {f"{p}.self_attn.{x}_proj": ColwiseParallel() for x in "qkv"}

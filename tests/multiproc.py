@@ -31,8 +31,16 @@ from typing import Any
 
 import torch.multiprocessing as mp
 
-__all__ = ["run_ranks", "run_ranks_one_dies", "RankFailure", "BACKEND", "on_device", "new_group",
-           "short_wait_group", "CONNECT_TIMEOUT"]
+__all__ = [
+    "run_ranks",
+    "run_ranks_one_dies",
+    "RankFailure",
+    "BACKEND",
+    "on_device",
+    "new_group",
+    "short_wait_group",
+    "CONNECT_TIMEOUT",
+]
 
 #: The process group backend of the multi-process tests.
 BACKEND = os.environ.get("SHARDSYNC_TEST_BACKEND", "gloo")
@@ -101,8 +109,9 @@ class RankFailure(Exception):
         return {r: (o[1], o[2]) for r, o in self.outcomes.items() if o[0] == "error"}
 
 
-def _entry(rank: int, world: int, store_dir: str, group_timeout: float, fn: Callable, args: tuple,
-           out_dir: str) -> None:
+def _entry(
+    rank: int, world: int, store_dir: str, group_timeout: float, fn: Callable, args: tuple, out_dir: str
+) -> None:
     import torch
     import torch.distributed as dist
 
@@ -114,8 +123,13 @@ def _entry(rank: int, world: int, store_dir: str, group_timeout: float, fn: Call
             if BACKEND == "nccl":
                 torch.cuda.set_device(rank)
             connect = max(group_timeout, CONNECT_TIMEOUT.total_seconds())  # a busy machine connects slowly
-            dist.init_process_group(BACKEND, init_method=f"file://{store_dir}/store", rank=rank,
-                                    world_size=world, timeout=datetime.timedelta(seconds=connect))
+            dist.init_process_group(
+                BACKEND,
+                init_method=f"file://{store_dir}/store",
+                rank=rank,
+                world_size=world,
+                timeout=datetime.timedelta(seconds=connect),
+            )
             if group_timeout < connect:  # the short timeout bounds waits for peers, not the connect
                 dist.distributed_c10d._set_pg_timeout(datetime.timedelta(seconds=group_timeout))
         except BaseException:  # the parent stops the others (left waiting to connect) and retries
@@ -138,8 +152,9 @@ def _entry(rank: int, world: int, store_dir: str, group_timeout: float, fn: Call
 INIT_FAILED = ".init-failed"
 
 
-def run_ranks(fn: Callable[..., Any], world: int, *args: Any, timeout: float = 120.0,
-              group_timeout: float = 60.0) -> list[Any]:
+def run_ranks(
+    fn: Callable[..., Any], world: int, *args: Any, timeout: float = 120.0, group_timeout: float = 60.0
+) -> list[Any]:
     """Run ``fn(rank, world, *args)`` on ``world`` ranks; return results by rank.
 
     ``timeout`` bounds the whole run (every rank shares one deadline); ``group_timeout`` is the
@@ -158,21 +173,23 @@ def run_ranks(fn: Callable[..., Any], world: int, *args: Any, timeout: float = 1
     if outcomes is None:  # gloo failed to connect the ranks (a loopback flake): once more, fresh store
         outcomes = _spawn(fn, world, args, deadline, group_timeout)
     if outcomes is None:
-        raise RankFailure({r: ("error", "InitFailed", "init_process_group failed twice")
-                           for r in range(world)})
+        raise RankFailure({r: ("error", "InitFailed", "init_process_group failed twice") for r in range(world)})
     if any(o[0] != "ok" for o in outcomes.values()):
         raise RankFailure(outcomes)
     return [outcomes[r][1] for r in range(world)]
 
 
-def _spawn(fn: Callable[..., Any], world: int, args: tuple, deadline: float,
-           group_timeout: float) -> dict[int, tuple] | None:
+def _spawn(
+    fn: Callable[..., Any], world: int, args: tuple, deadline: float, group_timeout: float
+) -> dict[int, tuple] | None:
     """Every rank's outcome, or None when a rank failed to join the process group (the others,
     left waiting to connect, are killed)."""
     ctx = mp.get_context("spawn")
     with tempfile.TemporaryDirectory() as store_dir, tempfile.TemporaryDirectory() as out_dir:
-        procs = [ctx.Process(target=_entry, args=(r, world, store_dir, group_timeout, fn, args,
-                                                    out_dir), daemon=True) for r in range(world)]
+        procs = [
+            ctx.Process(target=_entry, args=(r, world, store_dir, group_timeout, fn, args, out_dir), daemon=True)
+            for r in range(world)
+        ]
         for p in procs:
             p.start()
         init_failed = False
@@ -203,8 +220,9 @@ def _spawn(fn: Callable[..., Any], world: int, args: tuple, deadline: float,
     return outcomes
 
 
-def run_ranks_one_dies(fn: Callable[..., Any], world: int, dead: int, *args: Any, timeout: float = 120.0,
-                       group_timeout: float = 60.0) -> dict[int, Any]:
+def run_ranks_one_dies(
+    fn: Callable[..., Any], world: int, dead: int, *args: Any, timeout: float = 120.0, group_timeout: float = 60.0
+) -> dict[int, Any]:
     """Run ``fn`` on ``world`` ranks where rank ``dead`` exits the process (its last scenario);
     check that it died and return the other ranks' results by rank."""
     try:
@@ -217,4 +235,3 @@ def run_ranks_one_dies(fn: Callable[..., Any], world: int, dead: int, *args: Any
     bad = {r: o for r, o in got.items() if r != dead and o[0] != "ok"}
     assert not bad, bad
     return {r: o[1] for r, o in got.items() if r != dead}
-

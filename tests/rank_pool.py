@@ -19,6 +19,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch.multiprocessing as mp
+
 from multiproc import RankFailure
 
 __all__ = ["RankPool"]
@@ -56,8 +57,10 @@ class RankPool:
         ctx = mp.get_context("spawn")
         self._tasks = [ctx.Queue() for _ in range(self.world)]
         self._results = ctx.Queue()
-        self._procs = [ctx.Process(target=_serve, args=(r, self.world, self._tasks[r], self._results),
-                                   daemon=True) for r in range(self.world)]
+        self._procs = [
+            ctx.Process(target=_serve, args=(r, self.world, self._tasks[r], self._results), daemon=True)
+            for r in range(self.world)
+        ]
         for p in self._procs:
             p.start()
 
@@ -75,8 +78,11 @@ class RankPool:
                 outcomes[rank] = outcome
         except queue.Empty:
             self.close()
-            dead = {r: ("error", "Hang", f"rank {r} still running (or dead) at the deadline")
-                    for r in range(self.world) if r not in outcomes}
+            dead = {
+                r: ("error", "Hang", f"rank {r} still running (or dead) at the deadline")
+                for r in range(self.world)
+                if r not in outcomes
+            }
             raise RankFailure({**outcomes, **dead}) from None
         if any(o[0] != "ok" for o in outcomes.values()):
             raise RankFailure(outcomes)

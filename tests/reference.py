@@ -19,8 +19,9 @@ from shardsync.mapping.syntax import Statement
 __all__ = ["dense_run", "assemble", "arange_tensor"]
 
 
-def arange_tensor(shape: Sequence[int], dtype: torch.dtype = torch.float32, start: int = 0,
-                  step: float = 1.0) -> torch.Tensor:
+def arange_tensor(
+    shape: Sequence[int], dtype: torch.dtype = torch.float32, start: int = 0, step: float = 1.0
+) -> torch.Tensor:
     """``start, start + step, ...`` in ``shape``; a fractional step makes every lossy cast visible."""
     n = 1
     for s in shape:
@@ -62,7 +63,7 @@ def _fused(st: Statement, kind: str, ins: list[torch.Tensor], shards: Mapping[st
         x = x.reshape(*x.shape[:-1], blocks, sum(per) * d)
         outs, at = [], 0
         for p in per:
-            part = x[..., at * d:(at + p) * d]
+            part = x[..., at * d : (at + p) * d]
             outs.append(part.reshape(*x.shape[:-2], blocks * p * d).movedim(-1, ax))
             at += p
         return outs
@@ -77,6 +78,7 @@ def _fused(st: Statement, kind: str, ins: list[torch.Tensor], shards: Mapping[st
         if len(ins) == 1:
             return split_heads(ins[0], g, [h // g, 1, 1])
         return [join_heads(ins, g)]
+
     def blocks(name: str) -> int:  # tp= when given, else the tensor's shard count (1: not sharded)
         tp = st.attr("tp")
         return tp if isinstance(tp, int) else shards.get(name, 1)
@@ -130,8 +132,9 @@ def _apply(st: Statement, ins: list[torch.Tensor], shards: Mapping[str, int]) ->
     return [torch.cat(ins, dim=_axis(st, ins[0]))]
 
 
-def dense_run(statements: Sequence[Statement], sources: Mapping[str, torch.Tensor],
-              shards: Mapping[str, int] | None = None) -> dict[str, torch.Tensor]:
+def dense_run(
+    statements: Sequence[Statement], sources: Mapping[str, torch.Tensor], shards: Mapping[str, int] | None = None
+) -> dict[str, torch.Tensor]:
     """Apply expanded statements to full tensors; return the outputs (unconsumed, not dropped)."""
     bound: dict[str, torch.Tensor] = {}
     live = dict.fromkeys(sources)

@@ -18,14 +18,33 @@ from torch import nn
 from shardsync.errors import ReplicaError
 from shardsync.replicas import tp_sharding
 
-__all__ = ["TinyTP", "REPLICATED", "fill", "gather", "count_collectives", "mixed_precision",
-           "mp_step", "H", "F", "replica_error"]
+__all__ = [
+    "TinyTP",
+    "REPLICATED",
+    "fill",
+    "gather",
+    "count_collectives",
+    "mixed_precision",
+    "mp_step",
+    "H",
+    "F",
+    "replica_error",
+]
 
 H, F, SEQ = 17, 7, 5  # hidden size, per-rank FFN shard, positions
 
 #: The replicated parameters of TinyTP, sorted (what the default selection must find).
-REPLICATED = ("blocks.0.down.bias", "blocks.0.ln.bias", "blocks.0.ln.weight", "blocks.1.down.bias",
-              "blocks.1.ln.bias", "blocks.1.ln.weight", "norm.bias", "norm.weight", "pos_embedding")
+REPLICATED = (
+    "blocks.0.down.bias",
+    "blocks.0.ln.bias",
+    "blocks.0.ln.weight",
+    "blocks.1.down.bias",
+    "blocks.1.ln.bias",
+    "blocks.1.ln.weight",
+    "norm.bias",
+    "norm.weight",
+    "pos_embedding",
+)
 
 
 class _CopyToTP(torch.autograd.Function):
@@ -61,8 +80,8 @@ class Block(nn.Module):
         super().__init__()
         self.tp = tp
         self.ln = nn.LayerNorm(H)
-        self.up = nn.Linear(H, F)      # column-parallel: weight and bias sharded
-        self.down = nn.Linear(F, H)    # row-parallel: weight sharded, bias replicated
+        self.up = nn.Linear(H, F)  # column-parallel: weight and bias sharded
+        self.down = nn.Linear(F, H)  # row-parallel: weight sharded, bias replicated
         self.up.weight.tensor_model_parallel = True
         self.up.bias.is_distributed = True
         self.down.weight.is_distributed = True
@@ -120,7 +139,9 @@ def count_collectives() -> Iterator[list[str]]:
         def f(*a, **k):
             calls.append(n)
             return real[n](*a, **k)
+
         return f
+
     for n in real:
         setattr(dist, n, wrap(n))
     try:
@@ -137,8 +158,7 @@ def mixed_precision(model: nn.Module, lr: float = 0.01) -> tuple[dict, torch.opt
     return masters, torch.optim.AdamW(list(masters.values()), lr=lr)
 
 
-def mp_step(model: nn.Module, masters: dict, opt: torch.optim.Optimizer, x: torch.Tensor,
-            before_step=None) -> None:
+def mp_step(model: nn.Module, masters: dict, opt: torch.optim.Optimizer, x: torch.Tensor, before_step=None) -> None:
     """One mixed-precision step: bf16 backward, grads to the masters, step, re-derive params."""
     model(x.to(torch.bfloat16)).float().square().mean().backward()
     for p, m in masters.items():

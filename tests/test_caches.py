@@ -11,17 +11,18 @@ import tempfile
 import pytest
 import torch
 import torch.distributed as dist
-from multiproc import new_group, run_ranks
 
 import shardsync
-from shardsync import LayoutError, PlanError, full_params, reshard, shard_dim
+from multiproc import new_group, run_ranks
+from shardsync import LayoutError, PlanError, full_params, pipeline, reshard, shard_dim
 from shardsync.exec import multicast, registry, shm
-from shardsync import pipeline
 
 
 def _source(rank: int) -> dict:
-    return {"w": shard_dim(torch.arange(17 * 3.0).reshape(17, 3), 0, rank, 2),
-            "norm": torch.arange(5.0) + 0.5}  # a replica on both ranks
+    return {
+        "w": shard_dim(torch.arange(17 * 3.0).reshape(17, 3), 0, rank, 2),
+        "norm": torch.arange(5.0) + 0.5,
+    }  # a replica on both ranks
 
 
 def _dest() -> dict:
@@ -29,8 +30,9 @@ def _dest() -> dict:
 
 
 def _exact(dst: dict) -> bool:
-    return torch.equal(dst["w"], torch.arange(17 * 3.0).reshape(17, 3)) and \
-        torch.equal(dst["norm"], torch.arange(5.0) + 0.5)
+    return torch.equal(dst["w"], torch.arange(17 * 3.0).reshape(17, 3)) and torch.equal(
+        dst["norm"], torch.arange(5.0) + 0.5
+    )
 
 
 def _fast_path_and_caches(rank: int, world: int, store: str) -> dict:
@@ -48,15 +50,21 @@ def _fast_path_and_caches(rank: int, world: int, store: str) -> dict:
     src["norm"] = torch.arange(5.0) + 0.5
     # a group made after destroy_process_group finds nothing the old one left
     dist.destroy_process_group()
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=60))
+    dist.init_process_group(
+        "gloo", init_method=f"file://{store}", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60)
+    )
     out["fresh slot"] = pipeline._last.get(dist.distributed_c10d._get_default_group()) is None
     dst = _dest()
     out["exact after re-init"] = _exact(dst) if reshard(src, dst) and _exact(dst) else False
     _ = [t for _, t in full_params(src, strategy="broadcast")]
     shardsync.release()
-    out["released"] = (len(pipeline._last), len(multicast._subgroups), len(shm._caches),
-                       len(registry._shm_plans), pipeline._planned.cache_info().currsize)
+    out["released"] = (
+        len(pipeline._last),
+        len(multicast._subgroups),
+        len(shm._caches),
+        len(registry._shm_plans),
+        pipeline._planned.cache_info().currsize,
+    )
     return out
 
 
@@ -66,8 +74,9 @@ def test_fast_path_checks_replicas_and_caches_follow_the_group() -> None:
     for rank in (0, 1):
         o = out[rank]
         assert o["fast"] and o["exact"] and o["fresh slot"] and o["exact after re-init"], (rank, o)
-        assert o["drift"].startswith("replicas differ:\n  'norm': ranks [0] vs ranks [1] hold box [0:5] with "
-                                    "different values"), (rank, o["drift"])
+        assert o["drift"].startswith(
+            "replicas differ:\n  'norm': ranks [0] vs ranks [1] hold box [0:5] with different values"
+        ), (rank, o["drift"])
         assert o["released"] == (0, 0, 0, 0, 0), rank
 
 
@@ -89,8 +98,7 @@ def _on_a_subgroup(rank: int, world: int) -> dict[str, object]:
         out["multicast"] = "no error"
     except PlanError as exc:
         out["multicast"] = str(exc)
-    got = dict(full_params({"w": shard_dim(torch.arange(7.0), 0, rank, 2)}, group=sub, strategy="p2p",
-                           consumers=0))
+    got = dict(full_params({"w": shard_dim(torch.arange(7.0), 0, rank, 2)}, group=sub, strategy="p2p", consumers=0))
     out["p2p"] = torch.equal(got["w"], torch.arange(7.0)) if rank == 0 else got == {}
     return out
 
@@ -101,8 +109,10 @@ def on_a_subgroup() -> list[dict[str, object]]:
 
 
 def test_multicast_is_refused_on_a_subgroup(on_a_subgroup: list[dict[str, object]]) -> None:
-    want = ("strategy='multicast' broadcasts on subgroups, which every rank of the whole world must create, "
-            "and this group has 2 of the 3 ranks; use strategy='p2p' (or 'auto') on a subgroup")
+    want = (
+        "strategy='multicast' broadcasts on subgroups, which every rank of the whole world must create, "
+        "and this group has 2 of the 3 ranks; use strategy='p2p' (or 'auto') on a subgroup"
+    )
     assert [o["multicast"] for o in on_a_subgroup] == [want, want, "not a member"]
 
 

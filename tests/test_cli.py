@@ -16,10 +16,10 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from cli_checkpoints import MAPPING, Checkpoints, build, mapped, state
 from safetensors.torch import load_file, save_file
 
 import shardsync
+from cli_checkpoints import MAPPING, Checkpoints, build, mapped, state
 from shardsync.cli import main
 from shardsync.cli.common import MappingFlags
 from shardsync.cli.plan import PlanConfig, dry_run
@@ -44,23 +44,27 @@ def _assert_same(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) ->
 
 
 @pytest.mark.parametrize("fmt", ["single", "sharded", "dcp"])
-def test_convert_to_hf_from_each_format(ck: Checkpoints, fmt: str, tmp_path: Path,
-                                        capsys: pytest.CaptureFixture[str]) -> None:
+def test_convert_to_hf_from_each_format(
+    ck: Checkpoints, fmt: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     out = tmp_path / "hf"
-    assert main(["convert", str(ck.all[fmt]), str(out), "-m", str(ck.mapping), "--max-shard-size",
-                 "300B"]) == 0
+    assert main(["convert", str(ck.all[fmt]), str(out), "-m", str(ck.mapping), "--max-shard-size", "300B"]) == 0
     _assert_same(_hf(out), mapped())
     index = json.loads((out / "model.safetensors.index.json").read_text())
     assert index["weight_map"]["model.embed"] == "model-00001-of-00003.safetensors"
     line = capsys.readouterr().out.strip()
-    assert re.fullmatch(rf"wrote 9 tensors \(840 B\) in 3 files to {re.escape(str(out))} in [\d.]+ s "
-                        r"\([\d.]+ [KMG]?B/s\)", line), line
+    assert re.fullmatch(
+        rf"wrote 9 tensors \(840 B\) in 3 files to {re.escape(str(out))} in [\d.]+ s "
+        r"\([\d.]+ [KMG]?B/s\)",
+        line,
+    ), line
 
 
 def test_convert_to_dcp_with_dtype_reads_back(ck: Checkpoints, tmp_path: Path) -> None:
     out = tmp_path / "dcp"
-    assert main(["convert", str(ck.sharded), str(out), "--to", "dcp", "-m", str(ck.mapping), "--dtype",
-                 "bf16", "-q"]) == 0
+    assert (
+        main(["convert", str(ck.sharded), str(out), "--to", "dcp", "-m", str(ck.mapping), "--dtype", "bf16", "-q"]) == 0
+    )
     want = {k: v.to(torch.bfloat16) for k, v in mapped().items()}
     got = {k: torch.zeros_like(v) for k, v in want.items()}
     dcp.load(got, checkpoint_id=out, no_dist=True)  # torch's own reader
@@ -81,14 +85,15 @@ def test_config_json_follows_the_weights(ck: Checkpoints, tmp_path: Path) -> Non
     (src / "config.json").write_text('{"torch_dtype": "float32", "hidden_size": 5}')
     (src / "tokenizer.json").write_text("{}")
     assert main(["convert", str(src), str(tmp_path / "same"), "--dtype", "bf16", "-q"]) == 0
-    assert json.loads((tmp_path / "same/config.json").read_text()) == {"torch_dtype": "bfloat16",
-                                                                       "hidden_size": 5}
+    assert json.loads((tmp_path / "same/config.json").read_text()) == {"torch_dtype": "bfloat16", "hidden_size": 5}
     assert (tmp_path / "same/tokenizer.json").read_text() == "{}"
     # a mapping renames the tensors: the source's config is not the output's unless asked for
     assert main(["convert", str(src), str(tmp_path / "mapped"), "-m", str(ck.mapping), "-q"]) == 0
     assert not (tmp_path / "mapped/config.json").exists()
-    assert main(["convert", str(src), str(tmp_path / "asked"), "-m", str(ck.mapping), "-q",
-                 "--config-from", str(src)]) == 0
+    assert (
+        main(["convert", str(src), str(tmp_path / "asked"), "-m", str(ck.mapping), "-q", "--config-from", str(src)])
+        == 0
+    )
     assert (tmp_path / "asked/config.json").is_file()
 
 
@@ -104,19 +109,23 @@ def _inspect_json(path: Path, capsys: pytest.CaptureFixture[str]) -> dict:
     return json.loads(capsys.readouterr().out)
 
 
-def _tensor(shape: list[int], dtype: str, nbytes: int,
-            shards: list[tuple[list[int], list[int], str]]) -> dict:
-    return {"shape": shape, "dtype": dtype, "bytes": nbytes,
-            "shards": [{"offsets": o, "sizes": s, "file": f} for o, s, f in shards]}
+def _tensor(shape: list[int], dtype: str, nbytes: int, shards: list[tuple[list[int], list[int], str]]) -> dict:
+    return {
+        "shape": shape,
+        "dtype": dtype,
+        "bytes": nbytes,
+        "shards": [{"offsets": o, "sizes": s, "file": f} for o, s, f in shards],
+    }
 
 
 def test_inspect_json_safetensors(ck: Checkpoints, capsys: pytest.CaptureFixture[str]) -> None:
-    f = ["model-00001-of-00003.safetensors", "model-00002-of-00003.safetensors",
-         "model-00003-of-00003.safetensors"]
+    f = ["model-00001-of-00003.safetensors", "model-00002-of-00003.safetensors", "model-00003-of-00003.safetensors"]
     want = {
-        "path": str(ck.sharded), "format": "safetensors",
+        "path": str(ck.sharded),
+        "format": "safetensors",
         "files": [{"name": n, "bytes": (ck.sharded / n).stat().st_size} for n in f],
-        "num_tensors": 5, "total_bytes": 340 + 2 * 240 + 2 * 10,
+        "num_tensors": 5,
+        "total_bytes": 340 + 2 * 240 + 2 * 10,
         "tensors": {
             "embed": _tensor([17, 5], "float32", 340, [([0, 0], [17, 5], f[0])]),
             "layers.0.norm": _tensor([5], "bfloat16", 10, [([0], [5], f[0])]),
@@ -127,10 +136,10 @@ def test_inspect_json_safetensors(ck: Checkpoints, capsys: pytest.CaptureFixture
     }
     assert _inspect_json(ck.sharded, capsys) == want
     single = _inspect_json(ck.single, capsys)
-    assert single["files"] == [{"name": "model.safetensors",
-                                "bytes": (ck.single / "model.safetensors").stat().st_size}]
+    assert single["files"] == [{"name": "model.safetensors", "bytes": (ck.single / "model.safetensors").stat().st_size}]
     assert {k: t["shards"][0]["file"] for k, t in single["tensors"].items()} == dict.fromkeys(
-        want["tensors"], "model.safetensors")
+        want["tensors"], "model.safetensors"
+    )
 
 
 def test_inspect_json_dcp(ck: Checkpoints, capsys: pytest.CaptureFixture[str]) -> None:
@@ -138,14 +147,18 @@ def test_inspect_json_dcp(ck: Checkpoints, capsys: pytest.CaptureFixture[str]) -
     halves = lambda cols: [([0, 0], [9, cols], data), ([9, 0], [8, cols], data)]  # noqa: E731
     sixes = [([0, 0], [6, 5], data), ([6, 0], [6, 5], data)]
     want = {
-        "path": str(ck.dcp), "format": "dcp",
+        "path": str(ck.dcp),
+        "format": "dcp",
         "files": [{"name": data, "bytes": (ck.dcp / data).stat().st_size}],
-        "num_tensors": 5, "total_bytes": 840,
-        "tensors": {"embed": _tensor([17, 5], "float32", 340, halves(5)),
-                    "layers.0.norm": _tensor([5], "bfloat16", 10, [([0], [5], data)]),
-                    "layers.0.qkv": _tensor([12, 5], "float32", 240, sixes),
-                    "layers.1.norm": _tensor([5], "bfloat16", 10, [([0], [5], data)]),
-                    "layers.1.qkv": _tensor([12, 5], "float32", 240, sixes)},
+        "num_tensors": 5,
+        "total_bytes": 840,
+        "tensors": {
+            "embed": _tensor([17, 5], "float32", 340, halves(5)),
+            "layers.0.norm": _tensor([5], "bfloat16", 10, [([0], [5], data)]),
+            "layers.0.qkv": _tensor([12, 5], "float32", 240, sixes),
+            "layers.1.norm": _tensor([5], "bfloat16", 10, [([0], [5], data)]),
+            "layers.1.qkv": _tensor([12, 5], "float32", 240, sixes),
+        },
     }
     assert _inspect_json(ck.dcp, capsys) == want
 
@@ -170,8 +183,7 @@ def test_plan_is_the_plan_convert_runs(ck: Checkpoints, capsys: pytest.CaptureFi
     assert lines[0] == f"plan: {ck.dcp} with 2 workers: 9 targets (840 B), strategy p2p, 1 step"
     assert lines[1].split() == ["target", "n", "shape", "dtype", "pieces", "from", "worker", "bytes"]
     assert lines[2].split() == ["model.embed", "1", "[17,", "5]", "float32", "2", "embed", "0", "340", "B"]
-    assert lines[-3].split() == ["worker", "reads", "writes", "sends", "receives", "collectives", "peak",
-                                 "memory"]
+    assert lines[-3].split() == ["worker", "reads", "writes", "sends", "receives", "collectives", "peak", "memory"]
 
 
 def test_plan_json_partitions_targets(ck: Checkpoints, capsys: pytest.CaptureFixture[str]) -> None:
@@ -222,8 +234,14 @@ def test_diff(ck: Checkpoints, tmp_path: Path, capsys: pytest.CaptureFixture[str
     ]
     assert main(["diff", str(ck.single), str(other), "--json", "--atol", "1"]) == 1
     doc = json.loads(capsys.readouterr().out)
-    assert doc["tensors"]["layers.1.qkv"] == {"status": "equal", "shape_a": [12, 5], "shape_b": [12, 5],
-                                              "dtype_a": "float32", "dtype_b": "float32", "max_abs_diff": 0.5}
+    assert doc["tensors"]["layers.1.qkv"] == {
+        "status": "equal",
+        "shape_a": [12, 5],
+        "shape_b": [12, 5],
+        "dtype_a": "float32",
+        "dtype_b": "float32",
+        "max_abs_diff": 0.5,
+    }
     assert (doc["equal"], doc["only_in_a"], doc["only_in_b"]) == (False, ["embed"], ["extra"])
     assert doc["tensors"]["layers.0.qkv"]["max_abs_diff"] is None
     assert main(["diff", str(ck.single), str(other), "-q"]) == 1 and capsys.readouterr().out == ""
@@ -247,14 +265,15 @@ def test_diff_within_atol(ck: Checkpoints, tmp_path: Path, capsys: pytest.Captur
 def test_explain(ck: Checkpoints, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["explain", str(ck.dcp), "-m", str(ck.mapping)]) == 0
     out = capsys.readouterr().out.splitlines()
-    assert out[:3] == ["model.embed  [17, 5] float32  (1 piece from embed)",
-                       "    embed[0:17, 0:5] -> [0:17, 0:5]",
-                       "model.layers.0.k  [3, 5] float32  (1 piece from layers.0.qkv)"]
+    assert out[:3] == [
+        "model.embed  [17, 5] float32  (1 piece from embed)",
+        "    embed[0:17, 0:5] -> [0:17, 0:5]",
+        "model.layers.0.k  [3, 5] float32  (1 piece from layers.0.qkv)",
+    ]
 
 
 def test_version_and_module_entry_point(ck: Checkpoints) -> None:
     run = subprocess.run([sys.executable, "-m", "shardsync", "--version"], capture_output=True, text=True)
     assert (run.returncode, run.stdout) == (0, f"shardsync {shardsync.__version__}\n")
-    run = subprocess.run([sys.executable, "-m", "shardsync", "inspect", str(ck.single)], capture_output=True,
-                         text=True)
+    run = subprocess.run([sys.executable, "-m", "shardsync", "inspect", str(ck.single)], capture_output=True, text=True)
     assert run.returncode == 0 and run.stdout.splitlines()[0].endswith("5 tensors, 840 B in 1 file")

@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from cli_checkpoints import MAPPING, Checkpoints, build, mapped
-from multiproc import run_ranks
 
 import shardsync
+from cli_checkpoints import MAPPING, Checkpoints, build, mapped
+from multiproc import run_ranks
 from shardsync.cli import main
 from shardsync.cli.common import MappingFlags
 from shardsync.cli.plan import PlanConfig, dry_run
@@ -28,9 +28,9 @@ def ck(tmp_path_factory: pytest.TempPathFactory) -> Checkpoints:
     return build(tmp_path_factory.mktemp("ckpts"))
 
 
-def test_two_workers_write_the_files_one_writes(ck: Checkpoints, tmp_path: Path,
-                                                capsys: pytest.CaptureFixture[str],
-                                                monkeypatch: pytest.MonkeyPatch) -> None:
+def test_two_workers_write_the_files_one_writes(
+    ck: Checkpoints, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
     flags = ["-m", str(ck.mapping), "--max-shard-size", "100B", "--dtype", "fp16"]
     assert main(["convert", str(ck.dcp), str(tmp_path / "one"), *flags]) == 0
     capsys.readouterr()
@@ -38,8 +38,10 @@ def test_two_workers_write_the_files_one_writes(ck: Checkpoints, tmp_path: Path,
     assert main(["convert", str(ck.dcp), str(tmp_path / "two"), *flags, "--nproc", "2"]) == 0
     out = capsys.readouterr()
     assert " with 2 workers " in out.out
-    assert ("--nproc 2 starts more workers than this machine gives the process cores (1): they share "
-            "the cores and each starts slower; --nproc 1 is usually faster") in out.err
+    assert (
+        "--nproc 2 starts more workers than this machine gives the process cores (1): they share "
+        "the cores and each starts slower; --nproc 1 is usually faster"
+    ) in out.err
     one = sorted(p.name for p in (tmp_path / "one").iterdir())
     assert one == sorted(p.name for p in (tmp_path / "two").iterdir())
     assert len(one) == 5  # four files (one straddles the workers' shares) and the index
@@ -50,10 +52,29 @@ def test_two_workers_write_the_files_one_writes(ck: Checkpoints, tmp_path: Path,
 def test_torchrun_workers_write_dcp(ck: Checkpoints, tmp_path: Path) -> None:
     out = tmp_path / "dcp"
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
-    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                          "--nproc-per-node", "2", "-m", "shardsync", "convert", str(ck.sharded), str(out),
-                          "--to", "dcp", "-m", str(ck.mapping)], capture_output=True, text=True, env=env,
-                         timeout=300)  # torchrun and two workers importing torch on a busy machine
+    run = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            "-m",
+            "shardsync",
+            "convert",
+            str(ck.sharded),
+            str(out),
+            "--to",
+            "dcp",
+            "-m",
+            str(ck.mapping),
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )  # torchrun and two workers importing torch on a busy machine
     assert run.returncode == 0, run.stderr
     assert run.stdout.startswith(f"wrote 9 tensors (840 B) in 2 files to {out} in "), run.stdout
     want = mapped()
@@ -96,10 +117,21 @@ def test_a_worker_leaves_no_process_group_alive(ck: Checkpoints, tmp_path: Path)
     # a destroyed group still alive at exit lets gloo's threads finish their last work while the
     # interpreter finalises, which aborts the worker now and then (SIGABRT after a good conversion);
     # torch DCP, imported once the group exists, keeps it alive through a default argument
-    env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "MASTER_ADDR": "127.0.0.1",
-           "MASTER_PORT": str(_free_port()), "RANK": "0", "WORLD_SIZE": "1"}
-    run = subprocess.run([sys.executable, "-c", _LEAVES, str(ck.sharded), str(tmp_path / "dcp"),
-                          "-m", str(ck.mapping)], capture_output=True, text=True, env=env, timeout=120)
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(ROOT / "src"),
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(_free_port()),
+        "RANK": "0",
+        "WORLD_SIZE": "1",
+    }
+    run = subprocess.run(
+        [sys.executable, "-c", _LEAVES, str(ck.sharded), str(tmp_path / "dcp"), "-m", str(ck.mapping)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
     assert run.returncode == 0, run.stderr
     assert run.stdout.split() == ["gone"], run.stdout
 

@@ -15,15 +15,15 @@ from typing import Any
 
 import pytest
 import torch
-from cli_checkpoints import Checkpoints, build
-from reference import arange_tensor
 from safetensors.torch import save_file
 
 import shardsync
+from cli_checkpoints import Checkpoints, build
+from reference import arange_tensor
 from shardsync.cli import main
 from shardsync.io import save_safetensors
-from shardsync.sources import read_tensors
 from shardsync.layout import shard_dim
+from shardsync.sources import read_tensors
 from shardsync.sources.dcp_metadata import read_metadata
 
 
@@ -43,11 +43,25 @@ def one_line(capsys: pytest.CaptureFixture[str], argv: list[str]) -> tuple[int, 
     return status, err.strip()
 
 
-@pytest.mark.parametrize("argv", [["convert", "{single}", ""], ["convert", "", "out"], ["inspect", ""],
-                                  ["diff", "{single}", ""], ["plan", ""], ["explain", ""],
-                                  ["convert", "{single}", "out", "--config-from", ""]])
-def test_empty_paths_are_refused(ck: Checkpoints, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                 capsys: pytest.CaptureFixture[str], argv: list[str]) -> None:
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["convert", "{single}", ""],
+        ["convert", "", "out"],
+        ["inspect", ""],
+        ["diff", "{single}", ""],
+        ["plan", ""],
+        ["explain", ""],
+        ["convert", "{single}", "out", "--config-from", ""],
+    ],
+)
+def test_empty_paths_are_refused(
+    ck: Checkpoints,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    argv: list[str],
+) -> None:
     monkeypatch.chdir(tmp_path)
     save_safetensors([("w", torch.ones(2))], tmp_path, max_shard_bytes=4)  # a checkpoint right here
     before = snapshot(tmp_path)
@@ -58,9 +72,9 @@ def test_empty_paths_are_refused(ck: Checkpoints, tmp_path: Path, monkeypatch: p
 
 @pytest.mark.parametrize("fmt", ["single", "sharded", "dcp"])
 @pytest.mark.parametrize("overwrite", [False, True])
-def test_convert_into_its_own_source_directory_is_refused(ck: Checkpoints, tmp_path: Path, fmt: str,
-                                                          overwrite: bool,
-                                                          capsys: pytest.CaptureFixture[str]) -> None:
+def test_convert_into_its_own_source_directory_is_refused(
+    ck: Checkpoints, tmp_path: Path, fmt: str, overwrite: bool, capsys: pytest.CaptureFixture[str]
+) -> None:
     import shutil
 
     src = tmp_path / "src"
@@ -69,13 +83,11 @@ def test_convert_into_its_own_source_directory_is_refused(ck: Checkpoints, tmp_p
     for to in ("hf", "dcp"):
         argv = ["convert", str(src), str(src / "."), "--to", to] + ["--overwrite"] * overwrite
         status, line = one_line(capsys, argv)
-        assert status == 2 and "the output would replace the files being read (write to another " \
-                               "directory)" in line
+        assert status == 2 and "the output would replace the files being read (write to another directory)" in line
     assert snapshot(src) == before
 
 
-def test_convert_keeps_an_index_less_set(ck: Checkpoints, tmp_path: Path,
-                                         capsys: pytest.CaptureFixture[str]) -> None:
+def test_convert_keeps_an_index_less_set(ck: Checkpoints, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     old = {f"w{i}": arange_tensor((17,), start=100 * i) for i in range(5)}
     out = tmp_path / "out"
     shardsync.save_hf(old, out, max_file_size=150)
@@ -90,11 +102,14 @@ def test_convert_keeps_an_index_less_set(ck: Checkpoints, tmp_path: Path,
 
 # -- a full disk, Ctrl-C ----------------------------------------------------------------------------
 
+
 def _mounted(where: Path, options: str) -> Iterator[Path]:
     """A tmpfs at ``where`` (the test is skipped where mounting one is not allowed)."""
     where.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(where)],
-                      capture_output=True).returncode != 0:
+    if (
+        subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(where)], capture_output=True).returncode
+        != 0
+    ):
         pytest.skip("cannot mount a tmpfs here (needs root)")
     try:
         yield where
@@ -114,16 +129,18 @@ def read_only_disk(tmp_path: Path) -> Iterator[Path]:
 
 
 @pytest.mark.parametrize("to", ["hf", "dcp"])
-def test_read_only_disk_is_one_line(ck: Checkpoints, read_only_disk: Path, to: str,
-                                    capsys: pytest.CaptureFixture[str]) -> None:
+def test_read_only_disk_is_one_line(
+    ck: Checkpoints, read_only_disk: Path, to: str, capsys: pytest.CaptureFixture[str]
+) -> None:
     status, line = one_line(capsys, ["convert", str(ck.single), str(read_only_disk), "--to", to])
     assert status == 2 and "read-only file system" in line, line
     assert list(read_only_disk.iterdir()) == []
 
 
 @pytest.mark.parametrize("to", ["hf", "dcp"])
-def test_full_disk_is_one_line_and_leaves_nothing(tmp_path: Path, tiny_disk: Path, to: str,
-                                                  capsys: pytest.CaptureFixture[str]) -> None:
+def test_full_disk_is_one_line_and_leaves_nothing(
+    tmp_path: Path, tiny_disk: Path, to: str, capsys: pytest.CaptureFixture[str]
+) -> None:
     src = tmp_path / "big.safetensors"
     save_file({f"w{i}": arange_tensor((127, 129)) for i in range(6)}, str(src))  # 393 KB
     status, line = one_line(capsys, ["convert", str(src), str(tiny_disk / "out"), "--to", to])
@@ -134,9 +151,13 @@ def test_full_disk_is_one_line_and_leaves_nothing(tmp_path: Path, tiny_disk: Pat
 
 def _command(*argv: str) -> subprocess.Popen[str]:
     """``python -m shardsync ...`` with SIGINT as a terminal delivers it (a test runner may ignore it)."""
-    return subprocess.Popen([sys.executable, "-m", "shardsync", *argv], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True,
-                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    return subprocess.Popen(
+        [sys.executable, "-m", "shardsync", *argv],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
 
 
 def _interrupted(proc: subprocess.Popen[str], command: str) -> None:
@@ -178,8 +199,7 @@ def _interrupt_when(proc: subprocess.Popen[str], out: Path, pattern: str) -> Non
     proc.send_signal(signal.SIGINT)
 
 
-@pytest.mark.parametrize("argv, pattern", [(["--to", "dcp"], "*.distcp"),
-                                           (["--max-shard-size", "20MB"], "*.tmp")])
+@pytest.mark.parametrize("argv, pattern", [(["--to", "dcp"], "*.distcp"), (["--max-shard-size", "20MB"], "*.tmp")])
 def test_ctrl_c_while_writing_leaves_nothing(tmp_path: Path, argv: list[str], pattern: str) -> None:
     out = tmp_path / "out"
     proc = _command("convert", str(_big_source(tmp_path)), str(out), *argv)
@@ -206,6 +226,7 @@ def _edit_metadata(edit: Callable[[Any], None]) -> Callable[[Path, list[Path]], 
         metadata = read_metadata(d / ".metadata")
         edit(metadata)
         (d / ".metadata").write_bytes(pickle.dumps(metadata))
+
     return damage
 
 
@@ -230,8 +251,9 @@ def corrupt(tmp_path_factory: pytest.TempPathFactory) -> Path:
     (r / "deep.json").write_text('{"aoa_statements": ' + DEEP + "}")
     (r / "deep.yaml").write_text("aoa_statements: " + DEEP + "\n")
     (r / "layout_deep.json").write_text(DEEP)
-    (r / "layout_negative.json").write_text('{"world_size": 1, "tensors": {"v": {"shape": [-7], "dtype": '
-                                            '"float32", "shards": [[0, [0], [-7]]]}}}')
+    (r / "layout_negative.json").write_text(
+        '{"world_size": 1, "tensors": {"v": {"shape": [-7], "dtype": "float32", "shards": [[0, [0], [-7]]]}}}'
+    )
     for name, config in (("cfg_deep", DEEP), ("cfg_list", "[1, 2]"), ("cfg_str", '"x"')):
         shardsync.save_hf({"w": arange_tensor((17,))}, r / name)
         (r / name / "config.json").write_text(config)
@@ -262,25 +284,41 @@ CORRUPT = {
 
 
 @pytest.mark.parametrize("argv, expected", CORRUPT.items())
-def test_corrupt_inputs_are_user_errors(corrupt: Path, tmp_path: Path, argv: str, expected: str,
-                                        capsys: pytest.CaptureFixture[str]) -> None:
+def test_corrupt_inputs_are_user_errors(
+    corrupt: Path, tmp_path: Path, argv: str, expected: str, capsys: pytest.CaptureFixture[str]
+) -> None:
     status, line = one_line(capsys, argv.format(r=corrupt, o=tmp_path / "out").split())
     assert status == 2 and expected in line, line
 
 
 def _workers_of(launcher: int) -> list[int]:
     """The worker processes a ``--nproc`` launcher started (its children that run spawn's main)."""
-    found = subprocess.run(["pgrep", "-P", str(launcher), "-f", "multiprocessing.spawn"],
-                           capture_output=True, text=True).stdout.split()
+    found = subprocess.run(
+        ["pgrep", "-P", str(launcher), "-f", "multiprocessing.spawn"], capture_output=True, text=True
+    ).stdout.split()
     return [int(pid) for pid in found]
 
 
 @pytest.mark.parametrize("how", ["ctrl-c", "worker killed"])
 def test_nproc_interrupted_or_worker_dead_is_one_line(tmp_path: Path, how: str) -> None:
     out = tmp_path / "out"
-    proc = subprocess.Popen([sys.executable, "-m", "shardsync", "convert", str(_big_source(tmp_path)), str(out),
-                             "--nproc", "2", "--max-shard-size", "20MB"], stderr=subprocess.PIPE, text=True,
-                            preexec_fn=lambda: (signal.signal(signal.SIGINT, signal.SIG_DFL), os.setpgrp()))
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "shardsync",
+            "convert",
+            str(_big_source(tmp_path)),
+            str(out),
+            "--nproc",
+            "2",
+            "--max-shard-size",
+            "20MB",
+        ],
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=lambda: (signal.signal(signal.SIGINT, signal.SIG_DFL), os.setpgrp()),
+    )
     deadline = time.monotonic() + 300
     while not (out.is_dir() and any(out.rglob("*.tmp"))):
         assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
@@ -298,8 +336,9 @@ def test_nproc_interrupted_or_worker_dead_is_one_line(tmp_path: Path, how: str) 
     assert not out.exists()  # nothing partial, and not the directory the convert created
 
 
-def test_ctrl_c_that_surfaces_as_another_error_is_still_an_interrupt(monkeypatch: pytest.MonkeyPatch,
-                                                                      capsys: pytest.CaptureFixture[str]) -> None:
+def test_ctrl_c_that_surfaces_as_another_error_is_still_an_interrupt(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     import shardsync.cli as cli
 
     def inspect_hit_by_ctrl_c(args: object) -> int:
@@ -307,7 +346,7 @@ def test_ctrl_c_that_surfaces_as_another_error_is_still_an_interrupt(monkeypatch
             os.kill(os.getpid(), signal.SIGINT)  # lands inside a library call...
             time.sleep(5)
         except KeyboardInterrupt:
-            raise ValueError("could not determine the shape of object type 'UntypedStorage'")  # ...that turns it
+            raise ValueError("could not determine the shape of object type 'UntypedStorage'")  # noqa: B904 (turns it)
         return 0
 
     monkeypatch.setitem(cli._COMMANDS, "inspect", inspect_hit_by_ctrl_c)

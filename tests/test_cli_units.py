@@ -13,11 +13,24 @@ from shardsync.errors import FormatError, MappingError, PlanError
 from shardsync.mapping import Mapping
 
 
-@pytest.mark.parametrize("n, text", [(0, "0 B"), (7, "7 B"), (999, "999 B"), (1000, "1.00 KB"),
-                                     (1234, "1.23 KB"), (99_940, "99.9 KB"), (99_960, "100 KB"),
-                                     (350_000, "350 KB"), (999_400, "999 KB"), (999_600, "1.00 MB"),
-                                     (1_234_567_890, "1.23 GB"), (5 * 10**15, "5.00 PB"),
-                                     (2 * 10**18, "2000 PB")])
+@pytest.mark.parametrize(
+    "n, text",
+    [
+        (0, "0 B"),
+        (7, "7 B"),
+        (999, "999 B"),
+        (1000, "1.00 KB"),
+        (1234, "1.23 KB"),
+        (99_940, "99.9 KB"),
+        (99_960, "100 KB"),
+        (350_000, "350 KB"),
+        (999_400, "999 KB"),
+        (999_600, "1.00 MB"),
+        (1_234_567_890, "1.23 GB"),
+        (5 * 10**15, "5.00 PB"),
+        (2 * 10**18, "2000 PB"),
+    ],
+)
 def test_human_bytes(n: int, text: str) -> None:
     assert human_bytes(n) == text
 
@@ -25,7 +38,11 @@ def test_human_bytes(n: int, text: str) -> None:
 def test_rates_and_seconds() -> None:
     assert human_rate(350_000, 1.0) == "350 KB/s"
     assert (human_seconds(0.004), human_seconds(59.99), human_seconds(60), human_seconds(3725)) == (
-        "0.00 s", "59.99 s", "1 min 0 s", "62 min 5 s")
+        "0.00 s",
+        "59.99 s",
+        "1 min 0 s",
+        "62 min 5 s",
+    )
 
 
 def _names(rows: list[Row]) -> list[tuple[str, ...]]:
@@ -37,7 +54,9 @@ def test_fold_layers_and_grids() -> None:
     rows += [Row(("layers.5.experts.8.w",), ("bf16",))]  # an extra expert in one layer only
     folded = fold(rows)
     assert [(names, row.count, row.nbytes) for names, row in folded] == [
-        (("layers.{0..31}.experts.{0..7}.w",), 256, 512), (("layers.5.experts.8.w",), 1, 0)]
+        (("layers.{0..31}.experts.{0..7}.w",), 256, 512),
+        (("layers.5.experts.8.w",), 1, 0),
+    ]
 
 
 def test_fold_keeps_rows_that_differ_apart() -> None:
@@ -63,23 +82,35 @@ def test_fold_gathers_sets() -> None:
 
 
 def test_render_ints() -> None:
-    assert [render_ints(v) for v in ([3], [0, 1], [0, 1, 2], [0, 2, 3, 4, 9])] == [
-        "3", "{0,1}", "{0..2}", "{0,2..4,9}"]
+    assert [render_ints(v) for v in ([3], [0, 1], [0, 1, 2], [0, 2, 3, 4, 9])] == ["3", "{0,1}", "{0..2}", "{0,2..4,9}"]
 
 
-@pytest.mark.parametrize("exc, line", [
-    (FormatError("out already holds a checkpoint (x); pass overwrite=True to replace it"),
-     "out already holds a checkpoint (x) (pass --overwrite to replace it)"),
-    (PlanError("memory_budget=1000 B cannot be met; raise memory_budget to 123456 B or more"),
-     "--memory-budget 1.00 KB cannot be met (raise --memory-budget to 123 KB or more)"),
-    (FormatError("cannot read size '5x'; write e.g. '5GB'"), "cannot read size '5x' (write e.g. '5GB')"),
-    (FormatError("config_from='d' holds no config.json"), "--config-from 'd' holds no config.json (check the "
-                                                          "checkpoint path)"),
-    (PlanError("invalid stream options:\n  a\n  b"), "invalid stream options: a; b (check --memory-budget "
-                                                     "and --nproc)"),
-    (MappingError("mapping file 'm.txt' does not exist (inline statements need '->')"),
-     "mapping file 'm.txt' does not exist (inline statements need '->') (fix the mapping)"),
-])
+@pytest.mark.parametrize(
+    "exc, line",
+    [
+        (
+            FormatError("out already holds a checkpoint (x); pass overwrite=True to replace it"),
+            "out already holds a checkpoint (x) (pass --overwrite to replace it)",
+        ),
+        (
+            PlanError("memory_budget=1000 B cannot be met; raise memory_budget to 123456 B or more"),
+            "--memory-budget 1.00 KB cannot be met (raise --memory-budget to 123 KB or more)",
+        ),
+        (FormatError("cannot read size '5x'; write e.g. '5GB'"), "cannot read size '5x' (write e.g. '5GB')"),
+        (
+            FormatError("config_from='d' holds no config.json"),
+            "--config-from 'd' holds no config.json (check the checkpoint path)",
+        ),
+        (
+            PlanError("invalid stream options:\n  a\n  b"),
+            "invalid stream options: a; b (check --memory-budget and --nproc)",
+        ),
+        (
+            MappingError("mapping file 'm.txt' does not exist (inline statements need '->')"),
+            "mapping file 'm.txt' does not exist (inline statements need '->') (fix the mapping)",
+        ),
+    ],
+)
 def test_library_messages_name_flags(exc: Exception, line: str) -> None:
     assert one_line("convert", exc) == (f"shardsync convert: {line}", 2)
 

@@ -13,8 +13,16 @@ from hypothesis import strategies as st
 from shardsync.exec import copies
 from shardsync.exec.copies import copy_into
 
-DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float8_e4m3fn, torch.int64, torch.uint8,
-          torch.bool, torch.complex64]
+DTYPES = [
+    torch.float32,
+    torch.bfloat16,
+    torch.float16,
+    torch.float8_e4m3fn,
+    torch.int64,
+    torch.uint8,
+    torch.bool,
+    torch.complex64,
+]
 
 
 def _small(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -38,27 +46,39 @@ def _values(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
 
 
 @settings(max_examples=60, deadline=None)
-@given(rows=st.integers(1, 41), cols=st.integers(1, 29), src_dtype=st.sampled_from(DTYPES),
-       same=st.booleans(), transposed=st.booleans(), sliced=st.booleans())
-def test_any_copy_equals_copy_(rows: int, cols: int, src_dtype: torch.dtype, same: bool, transposed: bool,
-                               sliced: bool) -> None:
+@given(
+    rows=st.integers(1, 41),
+    cols=st.integers(1, 29),
+    src_dtype=st.sampled_from(DTYPES),
+    same=st.booleans(),
+    transposed=st.booleans(),
+    sliced=st.booleans(),
+)
+def test_any_copy_equals_copy_(
+    rows: int, cols: int, src_dtype: torch.dtype, same: bool, transposed: bool, sliced: bool
+) -> None:
     with pytest.MonkeyPatch.context() as monkeypatch:
         _small(monkeypatch)
         _check_copy(rows, cols, src_dtype, same, transposed, sliced)
 
 
-def _check_copy(rows: int, cols: int, src_dtype: torch.dtype, same: bool, transposed: bool,
-                sliced: bool) -> None:
+def _check_copy(rows: int, cols: int, src_dtype: torch.dtype, same: bool, transposed: bool, sliced: bool) -> None:
     dst_dtype = src_dtype if same else torch.float32
     if src_dtype == torch.complex64 and not same:
         dst_dtype = torch.complex128
     base = _values((cols, rows) if transposed else (rows, cols + 3 * sliced), src_dtype)
-    src = base.t() if transposed else base[:, 1:1 + cols] if sliced else base
+    src = base.t() if transposed else base[:, 1 : 1 + cols] if sliced else base
     want = torch.empty(src.shape, dtype=dst_dtype).copy_(src)
-    got = torch.full(src.shape, 7, dtype=dst_dtype) if dst_dtype != torch.bool else torch.zeros(src.shape, dtype=torch.bool)
+    got = (
+        torch.full(src.shape, 7, dtype=dst_dtype)
+        if dst_dtype != torch.bool
+        else torch.zeros(src.shape, dtype=torch.bool)
+    )
     copy_into(got, src)
-    assert torch.equal(got.view(torch.uint8) if got.dtype == torch.float8_e4m3fn else got,
-                       want.view(torch.uint8) if want.dtype == torch.float8_e4m3fn else want)
+    assert torch.equal(
+        got.view(torch.uint8) if got.dtype == torch.float8_e4m3fn else got,
+        want.view(torch.uint8) if want.dtype == torch.float8_e4m3fn else want,
+    )
 
 
 def test_into_a_strided_destination_leaves_the_rest(small_chunks: None) -> None:
@@ -72,8 +92,11 @@ def test_into_a_strided_destination_leaves_the_rest(small_chunks: None) -> None:
 def test_large_copies_use_the_pool_and_are_exact() -> None:
     # over PARALLEL_BYTES with the real constants: a raw row copy, a cast, a contiguous 1-D run
     src = torch.arange(1_500_007, dtype=torch.float32)
-    for dst, s in [(torch.empty(1_500_007), src), (torch.empty(1_500_007, dtype=torch.bfloat16), src),
-                   (torch.empty(1023, 1466), src[:1023 * 1466].reshape(1466, 1023).t())]:
+    for dst, s in [
+        (torch.empty(1_500_007), src),
+        (torch.empty(1_500_007, dtype=torch.bfloat16), src),
+        (torch.empty(1023, 1466), src[: 1023 * 1466].reshape(1466, 1023).t()),
+    ]:
         copy_into(dst, s)
         assert torch.equal(dst, s.to(dst.dtype))
 

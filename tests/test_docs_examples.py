@@ -41,8 +41,9 @@ ROOT = Path(__file__).resolve().parent.parent
 RUN_ELSEWHERE = {"replicas.md": "test_replicas_docs.py"}
 FILES = [ROOT / "README.md", *sorted(p for p in (ROOT / "docs").glob("*.md") if p.name not in RUN_ELSEWHERE)]
 ELSEWHERE = re.compile(r"(?:executed by|runs as is in|run by) (tests/\S+)")
-FENCE = re.compile(r"(?P<marker><!--\s*(?P<what>[^>]*?)\s*-->\s*\n)?^```(?P<lang>\w*)\n(?P<body>.*?)^```\s*$",
-                   re.S | re.M)
+FENCE = re.compile(
+    r"(?P<marker><!--\s*(?P<what>[^>]*?)\s*-->\s*\n)?^```(?P<lang>\w*)\n(?P<body>.*?)^```\s*$", re.S | re.M
+)
 SETUP_COMMANDS = ("make", "pip", "torchrun", "python", "cd", "git")
 
 
@@ -59,8 +60,9 @@ def _free_port() -> int:
 
 def _as_torchrun(rank: int, world: int, code: str, port: int, cwd: str) -> str:
     # the example makes its own group, as under torchrun (the pool ends one it leaves open)
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    os.environ.update(
+        RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
+    )
     os.chdir(cwd)
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
@@ -102,10 +104,12 @@ def _run_sh(body: str, cwd: Path) -> None:
             code, out, err = _main(argv[1:], cwd)
         else:
             env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
-            command: list[str] | str = ([sys.executable, "-m", "shardsync", *argv[1:]]
-                                        if argv[0] == "shardsync" else line)  # other lines: the shell
-            done = subprocess.run(command, cwd=cwd, env=env, shell=isinstance(command, str),
-                                  capture_output=True, text=True, timeout=300)
+            command: list[str] | str = (
+                [sys.executable, "-m", "shardsync", *argv[1:]] if argv[0] == "shardsync" else line
+            )  # other lines: the shell
+            done = subprocess.run(
+                command, cwd=cwd, env=env, shell=isinstance(command, str), capture_output=True, text=True, timeout=300
+            )
             code, out, err = done.returncode, done.stdout, done.stderr
         assert code == expect, f"`{line}` exited {code}:\n{out}\n{err}"
         assert "Traceback" not in err, err
@@ -121,8 +125,7 @@ def pools() -> Iterator[dict[int, RankPool]]:
 
 
 @pytest.mark.parametrize("path", FILES, ids=[p.name for p in FILES])
-def test_examples_run(path: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                      pools: dict[int, RankPool]) -> None:
+def test_examples_run(path: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, pools: dict[int, RankPool]) -> None:
     monkeypatch.chdir(tmp_path)
     namespace: dict[str, object] = {"__name__": "__main__"}
     printed = ""

@@ -10,8 +10,9 @@ import pytest
 
 import shardsync
 
-MODULES = sorted(m.name for m in pkgutil.walk_packages(shardsync.__path__, "shardsync.")
-                 if not m.name.endswith("__main__"))
+MODULES = sorted(
+    m.name for m in pkgutil.walk_packages(shardsync.__path__, "shardsync.") if not m.name.endswith("__main__")
+)
 
 
 @pytest.mark.parametrize("name", MODULES)
@@ -26,7 +27,10 @@ def test_skipped_examples_show_no_output(name: str) -> None:
     # an example that never runs can never fail: it may illustrate a call, but not claim a result
     module = importlib.import_module(name)
     finder = doctest.DocTestFinder()
-    claims = [f"{test.name}: {ex.source.strip()} -> {ex.want.strip()}"
-              for test in finder.find(module) for ex in test.examples
-              if ex.options.get(doctest.SKIP) and ex.want.strip()]
+    claims = [
+        f"{test.name}: {ex.source.strip()} -> {ex.want.strip()}"
+        for test in finder.find(module)
+        for ex in test.examples
+        if ex.options.get(doctest.SKIP) and ex.want.strip()
+    ]
     assert not claims, "skipped examples that show output:\n" + "\n".join(claims)

@@ -4,17 +4,22 @@ from __future__ import annotations
 
 import pytest
 import torch
-from reference import arange_tensor
 
 import shardsync.exec.assemble as assemble
+from reference import arange_tensor
 from shardsync.errors import LayoutError
 from shardsync.exec import Stats, cast_into, copy_piece
-from shardsync.sources import LocalSource
 from shardsync.layout import Box, LocalShard
 from shardsync.mapping import Piece
+from shardsync.sources import LocalSource
 
-CHAINS = [("bfloat16", "float32"), ("float16", "bfloat16"), ("float16", "float64", "bfloat16"),
-          ("bfloat16",), ("float64",)]
+CHAINS = [
+    ("bfloat16", "float32"),
+    ("float16", "bfloat16"),
+    ("float16", "float64", "bfloat16"),
+    ("bfloat16",),
+    ("float64",),
+]
 
 
 @pytest.mark.parametrize("casts", CHAINS)
@@ -44,8 +49,7 @@ def test_copy_piece_permutes_and_casts_in_one_copy() -> None:
     src = arange_tensor((4, 6, 5), step=0.51)
     out = torch.full((5, 3, 6), -1.0, dtype=torch.bfloat16)
     origin = Box((2, 0, 0), (4, 6, 5))  # the tensor holds rows 2..5 of a bigger source
-    piece = Piece("s", Box((3, 0, 0), (3, 6, 5)), Box((0, 0, 0), (5, 3, 6)), perm=(2, 0, 1),
-                  casts=("bfloat16",))
+    piece = Piece("s", Box((3, 0, 0), (3, 6, 5)), Box((0, 0, 0), (5, 3, 6)), perm=(2, 0, 1), casts=("bfloat16",))
     copy_piece(out, src, origin, piece)
     assert torch.equal(out, src[1:4].permute(2, 0, 1).to(torch.bfloat16))
 

@@ -4,17 +4,29 @@ from __future__ import annotations
 
 import pytest
 import torch
-from reference import arange_tensor
 
+from reference import arange_tensor
 from shardsync.errors import LayoutError
 from shardsync.layout import Box, GlobalLayout, LayoutEntry, LocalShard, shard_dim
+from shardsync.pipeline import _planned
 from shardsync.sources import LocalSource
 from shardsync.sources.fingerprint import SAMPLE_SIZE, fingerprints, sample_positions
-from shardsync.pipeline import _planned
 from shardsync.stream import full_params
 
-DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.bool, torch.int8,
-          torch.uint8, torch.int32, torch.int64, torch.uint16, torch.complex64, torch.float8_e4m3fn]
+DTYPES = [
+    torch.float32,
+    torch.bfloat16,
+    torch.float16,
+    torch.float64,
+    torch.bool,
+    torch.int8,
+    torch.uint8,
+    torch.int32,
+    torch.int64,
+    torch.uint16,
+    torch.complex64,
+    torch.float8_e4m3fn,
+]
 
 
 def test_sample_positions_are_fixed_spread_and_bounded() -> None:
@@ -66,14 +78,14 @@ def local_entries(state: dict) -> list[LayoutEntry]:
 
 def test_plain_per_rank_shards_are_a_layout_error_naming_key_and_ranks() -> None:
     full = arange_tensor((6, 21))
-    per_rank = [local_entries({"proj.weight": full.chunk(3, 1)[r].contiguous(), "norm": torch.ones(6)})
-                for r in range(3)]
+    per_rank = [
+        local_entries({"proj.weight": full.chunk(3, 1)[r].contiguous(), "norm": torch.ones(6)}) for r in range(3)
+    ]
     with pytest.raises(LayoutError) as info:
         GlobalLayout.merge(per_rank)
     msg = str(info.value)
     assert "'proj.weight': ranks [0] vs ranks [1] vs ranks [2] hold box [0:6, 0:7]" in msg
-    assert "this looks like a per-rank shard: wrap it in LocalShard, or use " \
-           "shardsync.from_megatron(model)" in msg
+    assert "this looks like a per-rank shard: wrap it in LocalShard, or use shardsync.from_megatron(model)" in msg
     assert "'norm'" not in msg
 
 
@@ -102,8 +114,11 @@ def test_shards_of_the_same_box_are_compared_too() -> None:
 
 def test_entries_without_fingerprints_are_not_compared() -> None:
     box = Box((0,), (4,))
-    per_rank = [[("w", (4,), "float32", box)], [LayoutEntry("w", (4,), "float32", box)],
-                local_entries({"w": torch.ones(4)})]  # a 4-tuple, no fingerprint, one fingerprint
+    per_rank = [
+        [("w", (4,), "float32", box)],
+        [LayoutEntry("w", (4,), "float32", box)],
+        local_entries({"w": torch.ones(4)}),
+    ]  # a 4-tuple, no fingerprint, one fingerprint
     assert len(GlobalLayout.merge(per_rank)["w"].shards) == 3
     assert LayoutEntry("w", (4,), "float32", box).fingerprint is None
 

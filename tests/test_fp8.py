@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from reference import arange_tensor
 from safetensors.torch import load_file, save_file
 
+from reference import arange_tensor
 from shardsync import full_params, load, plan, save_hf
 from shardsync.cli import main
 from shardsync.errors import LayoutError, PlanError
@@ -43,15 +43,17 @@ def reference(q: torch.Tensor, s: torch.Tensor, block: tuple[int, int]) -> torch
     for i in range(s.shape[-2]):
         for j in range(s.shape[-1]):
             rows, cols = slice(i * block[0], (i + 1) * block[0]), slice(j * block[1], (j + 1) * block[1])
-            out[..., rows, cols] = q[..., rows, cols].to(torch.float32) * s[..., i:i + 1, j:j + 1]
+            out[..., rows, cols] = q[..., rows, cols].to(torch.float32) * s[..., i : i + 1, j : j + 1]
     return out
 
 
 def fp8_checkpoint(d: Path, block: tuple[int, int] = (128, 128), config: bool = True) -> dict[str, torch.Tensor]:
     """A DeepSeek-style checkpoint in ``d``: FP8 Linear weights with scales, fp32 norm, bf16 embedding.
     Returns what it holds."""
-    tensors: dict[str, torch.Tensor] = {"layers.0.norm.weight": arange_tensor((17,), step=0.1),
-                                        "embed_tokens.weight": arange_tensor((7, 17), torch.bfloat16)}
+    tensors: dict[str, torch.Tensor] = {
+        "layers.0.norm.weight": arange_tensor((17,), step=0.1),
+        "embed_tokens.weight": arange_tensor((7, 17), torch.bfloat16),
+    }
     for k, (name, shape) in enumerate(SHAPES.items()):
         tensors[name] = codes(shape, start=k)
         tensors[name + "_scale_inv"] = scales(shape, block)
@@ -65,8 +67,10 @@ def fp8_checkpoint(d: Path, block: tuple[int, int] = (128, 128), config: bool = 
 
 # -- the block grid -----------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("shape, block", [((300, 17), (128, 128)), ((129, 257), (128, 128)),
-                                          ((17, 33), (16, 8)), ((3, 20, 9), (8, 4))])
+
+@pytest.mark.parametrize(
+    "shape, block", [((300, 17), (128, 128)), ((129, 257), (128, 128)), ((17, 33), (16, 8)), ((3, 20, 9), (8, 4))]
+)
 def test_dequantize_is_the_blockwise_product(shape: tuple[int, ...], block: tuple[int, int]) -> None:
     q, s = codes(shape), scales(shape, block)
     assert torch.equal(dequantize(q, s, block), reference(q, s, block))
@@ -78,8 +82,15 @@ def test_a_box_reads_the_scales_of_the_blocks_it_cuts() -> None:
     src = Fp8Source({"w": q, "w_scale_inv": s}, block=block)
     full = reference(q, s, block)
     assert [(e.key, e.dtype, e.shape) for e in src.entries()] == [("w", "float32", (45, 29))]
-    for offsets, sizes in [((0, 0), (45, 29)), ((7, 3), (20, 11)), ((15, 7), (2, 2)), ((33, 24), (12, 5)),
-                           ((16, 8), (16, 8)), ((44, 28), (1, 1)), ((3, 0), (0, 4))]:
+    for offsets, sizes in [
+        ((0, 0), (45, 29)),
+        ((7, 3), (20, 11)),
+        ((15, 7), (2, 2)),
+        ((33, 24), (12, 5)),
+        ((16, 8), (16, 8)),
+        ((44, 28), (1, 1)),
+        ((3, 0), (0, 4)),
+    ]:
         box = Box(offsets, sizes)
         assert torch.equal(src.read("w", box), full[box.slices()]), box
 
@@ -101,6 +112,7 @@ def test_dequantisation_agrees_with_transformers() -> None:
 
 # -- quantising ---------------------------------------------------------------------------------------
 
+
 def test_quantize_within_e4m3_precision_and_amax_to_448() -> None:
     block = (128, 128)
     w = arange_tensor((300, 17), step=0.0137, start=-30)
@@ -111,23 +123,32 @@ def test_quantize_within_e4m3_precision_and_amax_to_448() -> None:
     assert not back.isnan().any() and torch.equal(back[128:256], torch.zeros(128, 17))
     assert s[1, 0] == 1.0  # a zero block's scale: codes 0, nothing divided by 0
     for i in (0, 2):
-        part = w[i * 128:(i + 1) * 128]
+        part = w[i * 128 : (i + 1) * 128]
         assert s[i, 0] == part.abs().max() / 448
-        assert q[i * 128:(i + 1) * 128].float().abs().max() == 448  # the block's amax is the top code
+        assert q[i * 128 : (i + 1) * 128].float().abs().max() == 448  # the block's amax is the top code
     # e4m3 keeps 3 mantissa bits: half an ulp is 2^-4 of the value; below 2^-6 (subnormal), 2^-10 absolute
-    bound = torch.maximum(w.abs() * 2 ** -4, s.repeat_interleave(128, 0)[:300] * 2 ** -10)
+    bound = torch.maximum(w.abs() * 2**-4, s.repeat_interleave(128, 0)[:300] * 2**-10)
     assert ((back - w).abs() <= bound).all()
 
 
 def test_full_params_yields_each_weight_then_its_scales() -> None:
-    state = {"model.layers.0.mlp.down_proj.weight": arange_tensor((17, 130), step=0.01),
-             "model.layers.0.mlp.gate.weight": arange_tensor((4, 17)), "model.norm.weight": torch.ones(17),
-             "lm_head.weight": arange_tensor((5, 17)), "model.embed_tokens.weight": arange_tensor((5, 17))}
+    state = {
+        "model.layers.0.mlp.down_proj.weight": arange_tensor((17, 130), step=0.01),
+        "model.layers.0.mlp.gate.weight": arange_tensor((4, 17)),
+        "model.norm.weight": torch.ones(17),
+        "lm_head.weight": arange_tensor((5, 17)),
+        "model.embed_tokens.weight": arange_tensor((5, 17)),
+    }
     got = list(full_params(state, quantize="fp8", quantize_block=(16, 64)))
     names = [n for n, _ in got]
-    assert names == ["lm_head.weight", "model.embed_tokens.weight", "model.layers.0.mlp.down_proj.weight",
-                     "model.layers.0.mlp.down_proj.weight_scale_inv", "model.layers.0.mlp.gate.weight",
-                     "model.norm.weight"]
+    assert names == [
+        "lm_head.weight",
+        "model.embed_tokens.weight",
+        "model.layers.0.mlp.down_proj.weight",
+        "model.layers.0.mlp.down_proj.weight_scale_inv",
+        "model.layers.0.mlp.gate.weight",
+        "model.norm.weight",
+    ]
     out = dict(got)
     q, s = quantize(state["model.layers.0.mlp.down_proj.weight"], (16, 64))
     assert torch.equal(out["model.layers.0.mlp.down_proj.weight"].float(), q.float())
@@ -145,15 +166,21 @@ def test_plan_takes_the_quantize_options_of_full_params() -> None:
         plan(state, quantize="fp8", quantize_block=(2,))
 
 
-@pytest.mark.parametrize("kwargs, says", [({"quantize": "int4"}, "'fp8'"),
-                                          ({"quantize": "fp8", "quantize_block": (0, 128)}, "quantize_block"),
-                                          ({"quantize": "fp8", "quantize_patterns": ["("]}, "regular expression")])
+@pytest.mark.parametrize(
+    "kwargs, says",
+    [
+        ({"quantize": "int4"}, "'fp8'"),
+        ({"quantize": "fp8", "quantize_block": (0, 128)}, "quantize_block"),
+        ({"quantize": "fp8", "quantize_patterns": ["("]}, "regular expression"),
+    ],
+)
 def test_bad_quantize_options_raise_at_the_call(kwargs: dict, says: str) -> None:
     with pytest.raises(PlanError, match=says):
         full_params({"w": torch.zeros(2, 2)}, **kwargs)
 
 
 # -- never silent -------------------------------------------------------------------------------------
+
 
 def test_fp8_without_scales_cast_to_another_dtype_is_an_error(tmp_path: Path) -> None:
     save_file({"w": codes((5, 3)), "b": torch.ones(3)}, str(tmp_path / "model.safetensors"))
@@ -167,15 +194,17 @@ def test_fp8_without_scales_cast_to_another_dtype_is_an_error(tmp_path: Path) ->
     load(dest, tmp_path)  # into FP8: as it is
     assert torch.equal(dest["w"].view(torch.uint8), codes((5, 3)).view(torch.uint8))
     save_hf(tmp_path, tmp_path / "out", dtype="bf16", cast_unscaled_fp8=True)  # cast anyway, asked for
-    assert torch.equal(load_file(str(tmp_path / "out" / "model.safetensors"))["w"],
-                       codes((5, 3)).to(torch.bfloat16))
+    assert torch.equal(load_file(str(tmp_path / "out" / "model.safetensors"))["w"], codes((5, 3)).to(torch.bfloat16))
 
 
 def test_scales_that_do_not_fit_their_weight_name_it(tmp_path: Path) -> None:
     save_file({"w": codes((300, 17)), "w_scale_inv": torch.ones(2, 1)}, str(tmp_path / "model.safetensors"))
-    with pytest.raises(LayoutError, match=r"'w_scale_inv': float32 scales of shape \[2, 1\] do not fit weight "
-                                          r"'w' of shape \[300, 17\] in blocks of \[128, 128\]: want float32 "
-                                          r"of shape \[3, 1\]"):
+    with pytest.raises(
+        LayoutError,
+        match=r"'w_scale_inv': float32 scales of shape \[2, 1\] do not fit weight "
+        r"'w' of shape \[300, 17\] in blocks of \[128, 128\]: want float32 "
+        r"of shape \[3, 1\]",
+    ):
         save_hf(tmp_path, tmp_path / "out", dtype="bf16")
     assert not (tmp_path / "out" / "model.safetensors").exists()
 
@@ -206,13 +235,18 @@ def test_load_values_into_fp8_and_scales(tmp_path: Path) -> None:
 
 # -- convert and save_hf: acceptance ------------------------------------------------------------------
 
+
 def test_convert_dtype_bf16_is_the_fp32_dequantisation_bit_for_bit(tmp_path: Path) -> None:
     held = fp8_checkpoint(tmp_path / "src", block=(64, 32))
     out = tmp_path / "out"
     assert main(["convert", str(tmp_path / "src"), str(out), "--dtype", "bf16", "--quiet"]) == 0
     got = load_file(str(out / "model.safetensors"))
-    assert sorted(got) == ["embed_tokens.weight", "layers.0.mlp.up_proj.weight", "layers.0.norm.weight",
-                           "layers.0.self_attn.o_proj.weight"]
+    assert sorted(got) == [
+        "embed_tokens.weight",
+        "layers.0.mlp.up_proj.weight",
+        "layers.0.norm.weight",
+        "layers.0.self_attn.o_proj.weight",
+    ]
     for name in SHAPES:
         want = reference(held[name], held[name + "_scale_inv"], (64, 32)).to(torch.bfloat16)
         assert got[name].dtype == torch.bfloat16 and torch.equal(got[name], want), name
@@ -254,11 +288,14 @@ def test_convert_without_dtype_keeps_codes_and_scales(tmp_path: Path) -> None:
 
 
 def test_save_hf_quantize_reads_back(tmp_path: Path) -> None:
-    state = {"model.layers.0.mlp.up_proj.weight": arange_tensor((300, 17), step=0.0137, start=-30),
-             "model.layers.0.self_attn.q_proj.weight": arange_tensor((129, 257), step=-0.001, start=9),
-             "model.layers.0.mlp.gate.weight": arange_tensor((3, 17)),
-             "model.layers.0.input_layernorm.weight": arange_tensor((17,), step=0.5),
-             "model.embed_tokens.weight": arange_tensor((11, 17)), "lm_head.weight": arange_tensor((11, 17))}
+    state = {
+        "model.layers.0.mlp.up_proj.weight": arange_tensor((300, 17), step=0.0137, start=-30),
+        "model.layers.0.self_attn.q_proj.weight": arange_tensor((129, 257), step=-0.001, start=9),
+        "model.layers.0.mlp.gate.weight": arange_tensor((3, 17)),
+        "model.layers.0.input_layernorm.weight": arange_tensor((17,), step=0.5),
+        "model.embed_tokens.weight": arange_tensor((11, 17)),
+        "lm_head.weight": arange_tensor((11, 17)),
+    }
     (tmp_path / "model").mkdir()
     (tmp_path / "model" / "config.json").write_text(json.dumps({"torch_dtype": "float32"}))
     out = tmp_path / "out"
@@ -273,12 +310,16 @@ def test_save_hf_quantize_reads_back(tmp_path: Path) -> None:
         assert q.dtype == E4M3 and s.shape == scale_shape(state[name].shape, (128, 128))
         assert torch.equal(back[name], reference(q, s, (128, 128)))
         err = (back[name] - state[name]).abs()
-        assert (err <= state[name].abs() * 2 ** -4 + s.max() * 2 ** -10).all(), name
+        assert (err <= state[name].abs() * 2**-4 + s.max() * 2**-10).all(), name
     for name in set(state) - set(linear):  # embeddings, norms, lm_head, router: as they were
         assert torch.equal(written[name], state[name]), name
     assert json.loads((out / "config.json").read_text())["quantization_config"] == {
-        "quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128],
-        "modules_to_not_convert": ["lm_head", "model.embed_tokens", "model.layers.0.mlp.gate"]}
+        "quant_method": "fp8",
+        "fmt": "e4m3",
+        "activation_scheme": "dynamic",
+        "weight_block_size": [128, 128],
+        "modules_to_not_convert": ["lm_head", "model.embed_tokens", "model.layers.0.mlp.gate"],
+    }
 
 
 def test_convert_quantize_fp8_with_a_block(tmp_path: Path) -> None:
@@ -286,8 +327,23 @@ def test_convert_quantize_fp8_with_a_block(tmp_path: Path) -> None:
     src.mkdir()
     w = arange_tensor((33, 20), step=0.25, start=-70)
     save_file({"a.weight": w, "a.norm.weight": torch.ones(20)}, str(src / "model.safetensors"))
-    assert main(["convert", str(src), str(tmp_path / "out"), "--quantize", "fp8", "--quantize-block", "16,8",
-                 "--dtype", "bf16", "--quiet"]) == 0
+    assert (
+        main(
+            [
+                "convert",
+                str(src),
+                str(tmp_path / "out"),
+                "--quantize",
+                "fp8",
+                "--quantize-block",
+                "16,8",
+                "--dtype",
+                "bf16",
+                "--quiet",
+            ]
+        )
+        == 0
+    )
     got = load_file(str(tmp_path / "out" / "model.safetensors"))
     q, s = quantize(w, (16, 8))
     assert torch.equal(got["a.weight"].float(), q.float()) and torch.equal(got["a.weight_scale_inv"], s)
@@ -300,9 +356,15 @@ def test_from_pretrained_loads_the_written_quantization_config(tmp_path: Path) -
     # transformers 5.24 dequantises on load with a block of (weight dims // scale grid): dims that are
     # not multiples of the block (partial blocks, which DeepSeek's and vLLM's kernels read) come out
     # wrong there, so this model's Linear dims are multiples of 128
-    config = transformers.LlamaConfig(vocab_size=64, hidden_size=256, intermediate_size=384,
-                                      num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
-                                      tie_word_embeddings=False)
+    config = transformers.LlamaConfig(
+        vocab_size=64,
+        hidden_size=256,
+        intermediate_size=384,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=False,
+    )
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(config).eval()
     model.save_pretrained(tmp_path / "model")
@@ -329,6 +391,7 @@ def test_convert_fp8_flags_say_what_is_wrong(tmp_path: Path, capsys: pytest.Capt
     assert main(["convert", str(tmp_path), str(tmp_path / "b"), "--dtype", "bf16"]) == 2
     assert "'w': float8_e4m3fn without scales" in capsys.readouterr().err
     assert not (tmp_path / "b" / "model.safetensors").exists()
-    assert main(["convert", str(tmp_path), str(tmp_path / "c"), "--dtype", "bf16", "--cast-unscaled-fp8",
-                 "--quiet"]) == 0
+    assert (
+        main(["convert", str(tmp_path), str(tmp_path / "c"), "--dtype", "bf16", "--cast-unscaled-fp8", "--quiet"]) == 0
+    )
     assert torch.equal(load_file(str(tmp_path / "c" / "model.safetensors"))["w"], codes((5, 3)).to(torch.bfloat16))

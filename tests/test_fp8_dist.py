@@ -12,17 +12,17 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors.torch import load_file
+
 from multiproc import run_ranks
 from reference import arange_tensor
-from safetensors.torch import load_file
-from test_fp8 import SHAPES, codes, fp8_checkpoint, reference, scales
-
 from shardsync import full_params, load, save_hf
 from shardsync.cli import main
 from shardsync.errors import ShardsyncError
 from shardsync.layout import Box, LocalShard, shard_dim
 from shardsync.quant import quantize, scale_box, scale_shape
 from shardsync.sources import Fp8Source
+from test_fp8 import SHAPES, codes, fp8_checkpoint, reference, scales
 
 BLOCK = (128, 128)
 #: name -> (shape, the dim tensor parallelism cuts): 300 rows cut 150 | 150 and 257 columns cut 129 | 128
@@ -42,8 +42,9 @@ def scale_shard(full: dict[str, torch.Tensor], name: str, box: Box, drop_last: b
     s = full[name + "_scale_inv"]
     need = scale_box(box, BLOCK)
     if drop_last:
-        need = Box(need.offsets, (need.sizes[0], need.sizes[1] - 1) if WEIGHTS[name][1] else
-                   (need.sizes[0] - 1, need.sizes[1]))
+        need = Box(
+            need.offsets, (need.sizes[0], need.sizes[1] - 1) if WEIGHTS[name][1] else (need.sizes[0] - 1, need.sizes[1])
+        )
     return LocalShard(s[need.slices()].clone(), s.shape, need.offsets)
 
 
@@ -92,23 +93,29 @@ def _into_fp8_shards(rank: int, world: int, ckpt: str, tmp: str) -> dict[str, An
     for name, (shape, dim) in WEIGHTS.items():
         shard = shard_dim(torch.zeros(shape, dtype=torch.float8_e4m3fn), dim, rank, world)
         dest[name] = shard
-        dest[name + "_scale_inv"] = scale_shard({name + "_scale_inv": torch.zeros_like(full[name + "_scale_inv"])},
-                                                name, shard.box)
+        dest[name + "_scale_inv"] = scale_shard(
+            {name + "_scale_inv": torch.zeros_like(full[name + "_scale_inv"])}, name, shard.box
+        )
     load(dest, ckpt)
     same = {}
     for key, value in dest.items():
         if isinstance(value, LocalShard):
             want = full[key][value.box.slices()]
             same[key] = torch.equal(value.local.view(torch.uint8), want.view(torch.uint8))
-    names = {new + sfx: old + sfx for old, new in (("rows.weight", "r"), ("cols.weight", "c"))
-             for sfx in ("", "_scale_inv")}
-    renamed = {new: LocalShard(torch.zeros_like(dest[old].local), dest[old].global_shape, dest[old].box.offsets)
-               for new, old in names.items()}
+    names = {
+        new + sfx: old + sfx for old, new in (("rows.weight", "r"), ("cols.weight", "c")) for sfx in ("", "_scale_inv")
+    }
+    renamed = {
+        new: LocalShard(torch.zeros_like(dest[old].local), dest[old].global_shape, dest[old].box.offsets)
+        for new, old in names.items()
+    }
     load(renamed | {"n": torch.zeros(17)}, ckpt, ["rows.weight -> r", "cols.weight -> c", "norm -> n"])
     for new, value in renamed.items():
         same["renamed " + new] = torch.equal(value.local.view(torch.uint8), dest[names[new]].local.view(torch.uint8))
-    values = {name: shard_dim(arange_tensor(shape, step=0.0137, start=-30), dim, rank, world)
-              for name, (shape, dim) in WEIGHTS.items()}
+    values = {
+        name: shard_dim(arange_tensor(shape, step=0.0137, start=-30), dim, rank, world)
+        for name, (shape, dim) in WEIGHTS.items()
+    }
     save_hf(values, Path(tmp) / "fp8", quantize="fp8", max_file_size=6000)
     return same
 
@@ -118,9 +125,19 @@ def test_tp2_fp8_shards_and_quantised_writes(tmp_path: Path) -> None:
     save_hf(full_fp8() | {"norm": arange_tensor((17,), step=0.5)}, ckpt)  # no dtype: written as they are
     results = run_ranks(_into_fp8_shards, 2, str(ckpt), str(tmp_path), timeout=600)
     for r in results:
-        assert r == {k: True for k in ("rows.weight", "rows.weight_scale_inv", "cols.weight",
-                                       "cols.weight_scale_inv", "renamed r", "renamed r_scale_inv", "renamed c",
-                                       "renamed c_scale_inv")}
+        assert r == {
+            k: True
+            for k in (
+                "rows.weight",
+                "rows.weight_scale_inv",
+                "cols.weight",
+                "cols.weight_scale_inv",
+                "renamed r",
+                "renamed r_scale_inv",
+                "renamed c",
+                "renamed c_scale_inv",
+            )
+        }
     written = {k: v for f in (tmp_path / "fp8").glob("*.safetensors") for k, v in load_file(str(f)).items()}
     assert len(list((tmp_path / "fp8").glob("*.safetensors"))) > 1  # files split across the two writers
     for name, (shape, _) in WEIGHTS.items():
@@ -131,8 +148,23 @@ def test_tp2_fp8_shards_and_quantised_writes(tmp_path: Path) -> None:
 
 def test_convert_nproc2_dtype_dequantises_exactly(tmp_path: Path) -> None:
     held = fp8_checkpoint(tmp_path / "src", block=(64, 32))
-    assert main(["convert", str(tmp_path / "src"), str(tmp_path / "out"), "--dtype", "bf16", "--nproc", "2",
-                 "--max-shard-size", "8000", "--quiet"]) == 0
+    assert (
+        main(
+            [
+                "convert",
+                str(tmp_path / "src"),
+                str(tmp_path / "out"),
+                "--dtype",
+                "bf16",
+                "--nproc",
+                "2",
+                "--max-shard-size",
+                "8000",
+                "--quiet",
+            ]
+        )
+        == 0
+    )
     files = list((tmp_path / "out").glob("*.safetensors"))
     got = {k: v for f in files for k, v in load_file(str(f)).items()}
     assert len(files) > 1 and not [k for k in got if k.endswith("_scale_inv")]
@@ -164,5 +196,7 @@ def test_tp2_values_quantised_into_fp8_and_scale_shards(tmp_path: Path) -> None:
     save_hf(values | {"norm": arange_tensor((17,), step=0.5)}, tmp_path / "values")
     results = run_ranks(_quantise_into_fp8_shards, 2, str(tmp_path / "values"), timeout=600)
     # the block rows (columns) on the shard boundary are held by both ranks, with the same scales
-    assert results == [{k: True for k in ("rows.weight", "rows.weight_scale_inv", "cols.weight",
-                                          "cols.weight_scale_inv")}] * 2
+    assert (
+        results
+        == [{k: True for k in ("rows.weight", "rows.weight_scale_inv", "cols.weight", "cols.weight_scale_inv")}] * 2
+    )

@@ -14,17 +14,17 @@ from pathlib import Path
 
 import pytest
 import torch
-from reference import arange_tensor
 from safetensors.torch import load_file, save_file
-from test_fp8 import E4M3, codes, reference, scales
 
 import shardsync
+from reference import arange_tensor
 from shardsync import full_params, load, read_tensors, save_hf
 from shardsync.cli import main
 from shardsync.errors import MappingError
 from shardsync.mapping import resolve
 from shardsync.quant import dequantize
 from shardsync.sources import Fp8Source
+from test_fp8 import E4M3, codes, reference, scales
 
 BLOCK = (64, 32)
 
@@ -51,6 +51,7 @@ def same(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 # -- no dtype: the scales follow their weight ------------------------------------------------------------
 
+
 def test_a_rename_carries_the_scales(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     held = checkpoint(tmp_path / "src", {"a.weight": (300, 17)})
     with caplog.at_level(logging.WARNING):
@@ -65,10 +66,23 @@ def test_splits_at_block_boundaries_split_the_scales(tmp_path: Path) -> None:
     # rows 256 = 2 x 128 (blocks of 64 rows), columns 17 (one partial block); columns 64 = 2 x 32, rows 129
     held = checkpoint(tmp_path, {"w": (256, 17), "u": (129, 64)})
     got = dict(full_params(tmp_path, ["w -> top, bot, axis=0", "u -> left, right, axis=1", "norm.weight -> n"]))
-    assert sorted(got) == ["bot", "bot_scale_inv", "left", "left_scale_inv", "n", "right", "right_scale_inv",
-                           "top", "top_scale_inv"]
-    parts = {"top": ("w", slice(0, 128), slice(None)), "bot": ("w", slice(128, 256), slice(None)),
-             "left": ("u", slice(None), slice(0, 32)), "right": ("u", slice(None), slice(32, 64))}
+    assert sorted(got) == [
+        "bot",
+        "bot_scale_inv",
+        "left",
+        "left_scale_inv",
+        "n",
+        "right",
+        "right_scale_inv",
+        "top",
+        "top_scale_inv",
+    ]
+    parts = {
+        "top": ("w", slice(0, 128), slice(None)),
+        "bot": ("w", slice(128, 256), slice(None)),
+        "left": ("u", slice(None), slice(0, 32)),
+        "right": ("u", slice(None), slice(32, 64)),
+    }
     for name, (src, rows, cols) in parts.items():
         assert same(got[name], held[src][rows, cols]), name
         values = reference(held[src], held[src + "_scale_inv"], BLOCK)[rows, cols]
@@ -81,7 +95,12 @@ def test_a_concatenation_joins_the_scales_and_round_trips(tmp_path: Path) -> Non
     held = checkpoint(tmp_path / "src", {"w": (256, 17)})
     save_hf(tmp_path / "src", tmp_path / "split", ["w -> top, bot, axis=0", "norm.weight -> norm.weight"])
     assert sorted(load_file(str(tmp_path / "split" / "model.safetensors"))) == [
-        "bot", "bot_scale_inv", "norm.weight", "top", "top_scale_inv"]
+        "bot",
+        "bot_scale_inv",
+        "norm.weight",
+        "top",
+        "top_scale_inv",
+    ]
     (tmp_path / "split" / "config.json").write_text((tmp_path / "src" / "config.json").read_text())
     save_hf(tmp_path / "split", tmp_path / "joined", ["top, bot -> w, axis=0", "norm.weight -> norm.weight"])
     got = load_file(str(tmp_path / "joined" / "model.safetensors"))
@@ -89,11 +108,17 @@ def test_a_concatenation_joins_the_scales_and_round_trips(tmp_path: Path) -> Non
     assert same(got["w"], held["w"]) and same(got["w_scale_inv"], held["w_scale_inv"])
 
 
-@pytest.mark.parametrize("statement, says", [
-    ("w -> top, bot, axis=0", r"'bot': w\[150:300, 0:17\] -> \[0:150, 0:17\] cuts blocks of \[64, 32\] "
-                              r"\(rows 150\.\.300 land at 0\.\.150\)"),
-    ("w^T -> t", r"'t': moves the rows and columns of 'w' \(a transpose"),
-])
+@pytest.mark.parametrize(
+    "statement, says",
+    [
+        (
+            "w -> top, bot, axis=0",
+            r"'bot': w\[150:300, 0:17\] -> \[0:150, 0:17\] cuts blocks of \[64, 32\] "
+            r"\(rows 150\.\.300 land at 0\.\.150\)",
+        ),
+        ("w^T -> t", r"'t': moves the rows and columns of 'w' \(a transpose"),
+    ],
+)
 def test_a_cut_through_a_block_without_a_dtype_asks_for_one(tmp_path: Path, statement: str, says: str) -> None:
     held = checkpoint(tmp_path / "src", {"w": (300, 17)})
     with pytest.raises(MappingError, match=says) as caught:
@@ -113,11 +138,17 @@ def test_the_block_of_a_cut_is_the_sources_config(tmp_path: Path) -> None:
     # fits only the config's block; a checkpoint without config.json is read as 128 x 128 and refused
     checkpoint(tmp_path, {"w": (256, 17)})
     (tmp_path / "config.json").unlink()
-    with pytest.raises(MappingError, match=r"scales 'w_scale_inv' of shape \[4, 1\] do not fit weight 'w' of "
-                                           r"shape \[256, 17\] in blocks of \[128, 128\]"):
+    with pytest.raises(
+        MappingError,
+        match=r"scales 'w_scale_inv' of shape \[4, 1\] do not fit weight 'w' of "
+        r"shape \[256, 17\] in blocks of \[128, 128\]",
+    ):
         dict(full_params(tmp_path, ["w -> top, bot, axis=0"]))
     assert sorted(dict(full_params(Fp8Source(tmp_path, block=BLOCK), ["w -> top, bot, axis=0"]))) == [
-        "bot", "norm.weight", "top"]  # read as values, the block given
+        "bot",
+        "norm.weight",
+        "top",
+    ]  # read as values, the block given
 
 
 def test_a_program_that_maps_the_scales_itself_is_followed(tmp_path: Path) -> None:
@@ -130,9 +161,15 @@ def test_resolve_joins_no_fp8_weight_with_other_tensors() -> None:
     from shardsync.layout import GlobalLayout
     from shardsync.layout.box import Box
 
-    lay = GlobalLayout.merge([[("w", (128, 4), "float8_e4m3fn", Box((0, 0), (128, 4))),
-                               ("w_scale_inv", (1, 1), "float32", Box((0, 0), (1, 1))),
-                               ("x", (128, 4), "float8_e4m3fn", Box((0, 0), (128, 4)))]])
+    lay = GlobalLayout.merge(
+        [
+            [
+                ("w", (128, 4), "float8_e4m3fn", Box((0, 0), (128, 4))),
+                ("w_scale_inv", (1, 1), "float32", Box((0, 0), (1, 1))),
+                ("x", (128, 4), "float8_e4m3fn", Box((0, 0), (128, 4))),
+            ]
+        ]
+    )
     with pytest.raises(MappingError, match=r"'c': joins block-FP8 weights with tensors that have no scales \('x'\)"):
         resolve(["w, x -> c, axis=0"], lay)
 
@@ -146,27 +183,44 @@ def test_load_an_fp8_checkpoint_through_a_rename_into_fp8_shards(tmp_path: Path)
 
 # -- quantising through a mapping that renames -----------------------------------------------------------
 
+
 def test_save_hf_quantises_renamed_targets_by_their_names(tmp_path: Path) -> None:
-    state = {"layers.0.fc1": arange_tensor((300, 17), step=0.0137, start=-30),
-             "layers.0.fc2": arange_tensor((129, 257), step=-0.003, start=40), "ln": torch.ones(17)}
-    program = ["layers.0.fc1 -> model.layers.0.mlp.up_proj.weight",
-               "layers.0.fc2 -> model.layers.0.mlp.down_proj.weight", "ln -> model.norm.weight"]
+    state = {
+        "layers.0.fc1": arange_tensor((300, 17), step=0.0137, start=-30),
+        "layers.0.fc2": arange_tensor((129, 257), step=-0.003, start=40),
+        "ln": torch.ones(17),
+    }
+    program = [
+        "layers.0.fc1 -> model.layers.0.mlp.up_proj.weight",
+        "layers.0.fc2 -> model.layers.0.mlp.down_proj.weight",
+        "ln -> model.norm.weight",
+    ]
     save_hf(state, tmp_path / "default", program, quantize="fp8", quantize_block=BLOCK)
-    save_hf(state, tmp_path / "chosen", program, quantize="fp8", quantize_block=BLOCK,
-            quantize_patterns=[r"down_proj", r"fc1"])  # fc1 is a source name: it selects nothing
+    save_hf(
+        state,
+        tmp_path / "chosen",
+        program,
+        quantize="fp8",
+        quantize_block=BLOCK,
+        quantize_patterns=[r"down_proj", r"fc1"],
+    )  # fc1 is a source name: it selects nothing
     default, chosen = read_tensors(tmp_path / "default"), read_tensors(tmp_path / "chosen")
     assert {k: str(v.dtype) for k, v in default.items()} == {
         "model.layers.0.mlp.down_proj.weight": "torch.float8_e4m3fn",
         "model.layers.0.mlp.down_proj.weight_scale_inv": "torch.float32",
         "model.layers.0.mlp.up_proj.weight": "torch.float8_e4m3fn",
-        "model.layers.0.mlp.up_proj.weight_scale_inv": "torch.float32", "model.norm.weight": "torch.float32"}
+        "model.layers.0.mlp.up_proj.weight_scale_inv": "torch.float32",
+        "model.norm.weight": "torch.float32",
+    }
     assert sorted(k for k, v in chosen.items() if v.dtype == E4M3) == ["model.layers.0.mlp.down_proj.weight"]
     back = dict(full_params(Fp8Source(tmp_path / "default", block=BLOCK)))
-    for source, name in (("layers.0.fc1", "model.layers.0.mlp.up_proj.weight"),
-                         ("layers.0.fc2", "model.layers.0.mlp.down_proj.weight")):
+    for source, name in (
+        ("layers.0.fc1", "model.layers.0.mlp.up_proj.weight"),
+        ("layers.0.fc2", "model.layers.0.mlp.down_proj.weight"),
+    ):
         q, s = default[name], default[name + "_scale_inv"]
         assert torch.equal(back[name], dequantize(q, s, BLOCK))
-        grid = s.repeat_interleave(BLOCK[0], 0)[:q.shape[0]].repeat_interleave(BLOCK[1], 1)[:, :q.shape[1]]
+        grid = s.repeat_interleave(BLOCK[0], 0)[: q.shape[0]].repeat_interleave(BLOCK[1], 1)[:, : q.shape[1]]
         w = state[source]
         assert bool(((back[name] - w).abs() <= w.abs() / 16 + grid / 1024).all()), name
 
@@ -178,13 +232,30 @@ def test_convert_quantize_through_a_renaming_mapping(tmp_path: Path) -> None:
     mapping = tmp_path / "m.txt"
     mapping.write_text("fc.weight -> model.up_proj.weight\nln.weight -> model.norm.weight\n")
     out = tmp_path / "out"
-    assert main(["convert", str(tmp_path / "src"), str(out), "--mapping", str(mapping), "--quantize", "fp8",
-                 "--quantize-block", "64,32", "--quiet"]) == 0
+    assert (
+        main(
+            [
+                "convert",
+                str(tmp_path / "src"),
+                str(out),
+                "--mapping",
+                str(mapping),
+                "--quantize",
+                "fp8",
+                "--quantize-block",
+                "64,32",
+                "--quiet",
+            ]
+        )
+        == 0
+    )
     got = read_tensors(out)
     assert sorted(got) == ["model.norm.weight", "model.up_proj.weight", "model.up_proj.weight_scale_inv"]
     back = dict(full_params(Fp8Source(out, block=BLOCK), ["model.up_proj.weight -> up"]))
     q, s = got["model.up_proj.weight"], got["model.up_proj.weight_scale_inv"]
-    assert torch.equal(back["up"], dequantize(q, s, BLOCK)) and bool(((back["up"] - w).abs() <= w.abs() / 16 + s.max() / 1024).all())
+    assert torch.equal(back["up"], dequantize(q, s, BLOCK)) and bool(
+        ((back["up"] - w).abs() <= w.abs() / 16 + s.max() / 1024).all()
+    )
 
 
 def test_digest_under_a_cutting_mapping_uses_the_checkpoints_block(tmp_path: Path) -> None:

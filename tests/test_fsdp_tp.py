@@ -9,11 +9,11 @@ from typing import Any
 
 import pytest
 import torch
+
+import shardsync
 from dest_helpers import hf_state
 from llama_helpers import llama_config, llama_tp_plan
 from multiproc import run_ranks
-
-import shardsync
 
 transformers = pytest.importorskip("transformers")
 
@@ -56,7 +56,8 @@ def source_worker(rank: int, world: int, names: tuple[str, str]) -> dict[str, An
     state = model.state_dict()
     out: dict[str, Any] = {
         "placements": sorted({str(list(v.placements)) for v in state.values()}),
-        "boxes": max(len(dtensor_shards(v)) for v in state.values())}
+        "boxes": max(len(dtensor_shards(v)) for v in state.values()),
+    }
     want = _full(model)
     got = {k: t.clone() for k, t in shardsync.full_params(state)}
     out["keys"], out["bad stream"] = sorted(got), _bad(got, want)
@@ -108,25 +109,28 @@ def test_hf_checkpoint_loads_into_fsdp_over_tp_llama(fsdp_tp: list[dict[str, Any
 
 def strided_worker(rank: int, world: int) -> dict[str, Any]:
     """A 1-D mesh with ``_StridedShard(0, 2)`` alone: each rank holds two runs of rows (two boxes)."""
-    from reference import arange_tensor
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor
     from torch.distributed.tensor.placement_types import _StridedShard
 
+    from reference import arange_tensor
     from shardsync.layout import dtensor_shards
 
     mesh, placements = init_device_mesh("cpu", (world,)), [_StridedShard(0, split_factor=2)]
     full = arange_tensor((17, 3), step=0.5)
     local = placements[0]._split_tensor(full, world, with_padding=False)[0][rank].clone()
-    dt = DTensor.from_local(local, mesh, placements, run_check=False, shape=full.shape,
-                            stride=full.stride())
+    dt = DTensor.from_local(local, mesh, placements, run_check=False, shape=full.shape, stride=full.stride())
     streamed = dict(shardsync.full_params({"w": dt}))["w"]
-    dst = DTensor.from_local(torch.zeros_like(local), mesh, placements, run_check=False,
-                             shape=full.shape, stride=full.stride())
+    dst = DTensor.from_local(
+        torch.zeros_like(local), mesh, placements, run_check=False, shape=full.shape, stride=full.stride()
+    )
     shardsync.load({"w": dst}, {"w": full} if rank == 0 else {})
-    return {"boxes": [str(s.box) for s in dtensor_shards(dt)],
-            "stream": torch.equal(streamed, full), "reference": torch.equal(dt.full_tensor(), full),
-            "load": torch.equal(dst.full_tensor(), full)}
+    return {
+        "boxes": [str(s.box) for s in dtensor_shards(dt)],
+        "stream": torch.equal(streamed, full),
+        "reference": torch.equal(dt.full_tensor(), full),
+        "load": torch.equal(dst.full_tensor(), full),
+    }
 
 
 def dtensor_worker(rank: int, world: int) -> dict[str, Any]:
@@ -153,8 +157,9 @@ def refused_worker(rank: int, world: int) -> dict[str, str]:
 
     mesh = init_device_mesh("cpu", (world,))
     partial = DTensor.from_local(torch.ones(3, 2), mesh, [Partial()])
-    wrong = DTensor.from_local(torch.ones(4, 2), mesh, [Shard(0)], run_check=False, shape=(7, 2),
-                               stride=(2, 1))  # rank 1 of 7 rows holds 3, not 4
+    wrong = DTensor.from_local(
+        torch.ones(4, 2), mesh, [Shard(0)], run_check=False, shape=(7, 2), stride=(2, 1)
+    )  # rank 1 of 7 rows holds 3, not 4
     out = {}
     for name, state in (("partial", {"w": partial}), ("wrong", {"w": wrong})):
         try:
@@ -167,7 +172,9 @@ def refused_worker(rank: int, world: int) -> dict[str, str]:
 
 def test_unsupported_dtensors_fail_on_every_rank(on_two: list[dict[str, Any]]) -> None:
     for rank, r in enumerate(r["refused"] for r in on_two):
-        assert "'w': DTensor placement Partial(sum) is not supported; use Shard, _StridedShard or Replicate" \
-            in r["partial"], (rank, r)
+        assert (
+            "'w': DTensor placement Partial(sum) is not supported; use Shard, _StridedShard or Replicate"
+            in r["partial"]
+        ), (rank, r)
         assert "the local tensor is [4, 2], the placements give [3, 2]" in r["wrong"], (rank, r)
         assert "'w': DTensor [7, 2]" in r["wrong"], (rank, r)

@@ -11,17 +11,20 @@ from pathlib import Path
 
 import pytest
 import torch
-from crash_helpers import Crasher
-from reference import arange_tensor
 from safetensors.torch import load_file, save_file
 
 import shardsync
+from crash_helpers import Crasher
+from reference import arange_tensor
 from shardsync.errors import FormatError
 from shardsync.io import commit, save_safetensors
 from shardsync.io.commit import CheckpointNames, scan
 
-FOREIGN = {"model_ema.safetensors": None, "config.json": b'{"model_type": "llama"}\n',
-           "model-ema-00001-of-00002.safetensors": None}
+FOREIGN = {
+    "model_ema.safetensors": None,
+    "config.json": b'{"model_type": "llama"}\n',
+    "model-ema-00001-of-00002.safetensors": None,
+}
 
 
 def load_checkpoint(d: Path) -> dict[str, torch.Tensor]:
@@ -83,8 +86,9 @@ def save_killed_at(new: dict[str, torch.Tensor], d: Path, limit: int, kill_at: i
     save(new, d, limit, writer)
 
 
-def stages_of(old_dir: Path, tmp: Path, new: dict[str, torch.Tensor], limit: int,
-              writer: str = "save_safetensors") -> list[str]:
+def stages_of(
+    old_dir: Path, tmp: Path, new: dict[str, torch.Tensor], limit: int, writer: str = "save_safetensors"
+) -> list[str]:
     work = tmp / "dry"
     shutil.copytree(old_dir, work)
     seen: list[str] = []
@@ -109,8 +113,7 @@ CASES = [(name, "save_safetensors") for name in sorted(TRANSITIONS)] + [("sharde
 
 
 @pytest.mark.parametrize("name, writer", CASES)
-def test_killed_at_every_stage_leaves_old_or_new(tmp_path: Path, name: str, writer: str,
-                                                  crasher: Crasher) -> None:
+def test_killed_at_every_stage_leaves_old_or_new(tmp_path: Path, name: str, writer: str, crasher: Crasher) -> None:
     old, old_limit, new, new_limit = TRANSITIONS[name]
     template = tmp_path / "template"
     foreign = foreign_files(template)
@@ -169,15 +172,22 @@ def test_other_files_neither_refuse_nor_get_removed(tmp_path: Path) -> None:
 def test_leftovers_of_killed_saves_are_removed_without_overwrite(tmp_path: Path) -> None:
     tensors = checkpoint(4, 0)
     save_file(dict(list(tensors.items())[:2]), str(tmp_path / "model-00001-of-00002.safetensors"))
-    for name in (".model.0a1b2c3d.00002.tmp", ".model.0a1b2c3d.index.tmp", ".model-00003.safetensors.tmp77",
-                 "model.safetensors.index.json.tmp77"):
+    for name in (
+        ".model.0a1b2c3d.00002.tmp",
+        ".model.0a1b2c3d.index.tmp",
+        ".model-00003.safetensors.tmp77",
+        "model.safetensors.index.json.tmp77",
+    ):
         (tmp_path / name).write_bytes(b"partial")
     (tmp_path / ".model.notes.tmp").write_bytes(b"not ours: no tag")
     assert scan(tmp_path, CheckpointNames()).committed == ()  # shards without an index: no checkpoint
     save_safetensors(list(tensors.items()), tmp_path, max_shard_bytes=150)
     assert sorted(p.name for p in tmp_path.iterdir()) == [
-        ".model.notes.tmp", "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors",
-        "model.safetensors.index.json"]
+        ".model.notes.tmp",
+        "model-00001-of-00002.safetensors",
+        "model-00002-of-00002.safetensors",
+        "model.safetensors.index.json",
+    ]
     assert same(load_checkpoint(tmp_path), tensors)
 
 
@@ -197,12 +207,24 @@ def test_scan_follows_the_readers_rule(tmp_path: Path) -> None:
 
 def test_own_names() -> None:
     names = CheckpointNames()
-    own = ["model.safetensors", "model.safetensors.index.json", "model-00002-of-00013.safetensors",
-           "model-00002-of-00013-0a1b2c3d.safetensors", ".model.0a1b2c3d.00001.tmp",
-           ".model.0a1b2c3d.config.json.tmp"]
-    other = ["model_ema.safetensors", "model-ema-00001-of-00002.safetensors", "model-1-of-2.safetensors",
-             "model-00002-of-00013-NOTATAG.safetensors", "config.json", ".model.notes.tmp",
-             "pytorch_model.bin", "model.safetensors.bak"]
+    own = [
+        "model.safetensors",
+        "model.safetensors.index.json",
+        "model-00002-of-00013.safetensors",
+        "model-00002-of-00013-0a1b2c3d.safetensors",
+        ".model.0a1b2c3d.00001.tmp",
+        ".model.0a1b2c3d.config.json.tmp",
+    ]
+    other = [
+        "model_ema.safetensors",
+        "model-ema-00001-of-00002.safetensors",
+        "model-1-of-2.safetensors",
+        "model-00002-of-00013-NOTATAG.safetensors",
+        "config.json",
+        ".model.notes.tmp",
+        "pytorch_model.bin",
+        "model.safetensors.bak",
+    ]
     assert [names.is_own(n) for n in own] == [True] * len(own)
     assert [names.is_own(n) for n in other] == [False] * len(other)
 

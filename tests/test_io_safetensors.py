@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from reference import arange_tensor
 from safetensors.torch import load_file
 
+from reference import arange_tensor
 from shardsync.errors import FormatError
 from shardsync.io import SafetensorsWriter, parse_size, save_safetensors
 
@@ -18,7 +18,7 @@ from shardsync.io import SafetensorsWriter, parse_size, save_safetensors
 def _header(path: Path) -> dict:
     raw = path.read_bytes()
     (n,) = struct.unpack("<Q", raw[:8])
-    return json.loads(raw[8:8 + n])
+    return json.loads(raw[8 : 8 + n])
 
 
 def test_single_file_header_is_exact(tmp_path: Path) -> None:
@@ -44,8 +44,13 @@ def test_sharded_files_and_index_are_exact(tmp_path: Path) -> None:
     assert [p.name for p in res.files] == names
     assert json.loads((tmp_path / "model.safetensors.index.json").read_text()) == {
         "metadata": {"total_size": 5 * 68},
-        "weight_map": {"layers.0.w": names[0], "layers.1.w": names[0], "layers.2.w": names[1],
-                       "layers.3.w": names[1], "layers.4.w": names[2]},
+        "weight_map": {
+            "layers.0.w": names[0],
+            "layers.1.w": names[0],
+            "layers.2.w": names[1],
+            "layers.3.w": names[1],
+            "layers.4.w": names[2],
+        },
     }
     for name, t in tensors:
         file = tmp_path / json.loads(res.index.read_text())["weight_map"][name]  # type: ignore[union-attr]

@@ -14,14 +14,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from crash_helpers import Crasher
-from reference import arange_tensor
 
 import shardsync
+from crash_helpers import Crasher
+from reference import arange_tensor
 from shardsync.errors import FormatError, MappingError
 from shardsync.io import commit, save_safetensors
-from shardsync.sources import read_tensors
 from shardsync.io.commit import CheckpointNames, scan
+from shardsync.sources import read_tensors
 
 NAMES = CheckpointNames()
 
@@ -112,9 +112,11 @@ def test_overwrite_of_index_less_set_killed_at_every_stage(tmp_path: Path, crash
         assert {p.name for p in d.iterdir()} == set(scan(d, NAMES).committed), stages[k]
 
 
-LEFTOVERS = {".model.0a1b2c3d.00001.tmp": b"half a file",
-             "model-00001-of-00004.safetensors": b"a member of a set that was never finished",
-             "model-00002-of-00003-0a1b2c3d.safetensors": b"renamed, then killed before its index"}
+LEFTOVERS = {
+    ".model.0a1b2c3d.00001.tmp": b"half a file",
+    "model-00001-of-00004.safetensors": b"a member of a set that was never finished",
+    "model-00002-of-00003-0a1b2c3d.safetensors": b"renamed, then killed before its index",
+}
 
 
 def _with_leftovers(d: Path) -> dict[str, bytes]:
@@ -125,11 +127,14 @@ def _with_leftovers(d: Path) -> dict[str, bytes]:
     return snapshot(d)
 
 
-@pytest.mark.parametrize("bad", [
-    dict(mapping="layers.0.w -> a\nlayers.9.w -> b"),  # a source that does not exist
-    dict(max_file_size="5 parsecs"),
-    dict(extra_files=["no/such/config.json"]),
-])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        dict(mapping="layers.0.w -> a\nlayers.9.w -> b"),  # a source that does not exist
+        dict(max_file_size="5 parsecs"),
+        dict(extra_files=["no/such/config.json"]),
+    ],
+)
 def test_save_hf_removes_nothing_before_every_check_passed(tmp_path: Path, bad: dict) -> None:
     before = _with_leftovers(tmp_path)
     with pytest.raises((MappingError, FormatError)):
@@ -144,8 +149,14 @@ def test_leftovers_go_with_the_commit(tmp_path: Path) -> None:
     assert same(read_tensors(tmp_path), new) and sorted(p.name for p in tmp_path.iterdir()) == [NAMES.single]
 
 
-@pytest.mark.parametrize("save", [lambda s, d: shardsync.save_hf(s, d), lambda s, d: shardsync.save(s, d),
-                                  lambda s, d: save_safetensors(list(s.items()), d)])
+@pytest.mark.parametrize(
+    "save",
+    [
+        lambda s, d: shardsync.save_hf(s, d),
+        lambda s, d: shardsync.save(s, d),
+        lambda s, d: save_safetensors(list(s.items()), d),
+    ],
+)
 def test_empty_output_path_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, save) -> None:
     monkeypatch.chdir(tmp_path)
     (tmp_path / "model.safetensors").write_bytes(b"someone else's file")
@@ -157,11 +168,13 @@ def test_empty_output_path_is_refused(tmp_path: Path, monkeypatch: pytest.Monkey
 def _save_watched(d: str, writer: str) -> None:
     """In a crash child: save 6 files of 4 MiB; a thread SIGKILLs the process as soon as any
     file named ``.tmp*`` (safetensors' own temporary file) exists under ``d``."""
+
     def watch() -> None:
         while True:
             for _, _, files in os.walk(d):
                 if any(f.startswith(".tmp") for f in files):
                     os.kill(os.getpid(), signal.SIGKILL)
+
     threading.Thread(target=watch, daemon=True).start()
     _save_big(d, writer)
 
@@ -186,8 +199,7 @@ def _after_kill_then_save(d: Path, old: dict[str, torch.Tensor], writer: str) ->
 
 
 @pytest.mark.parametrize("writer", ["save_safetensors", "save_hf"])
-def test_killed_while_safetensors_writes_its_own_temp_file(tmp_path: Path, writer: str,
-                                                            crasher: Crasher) -> None:
+def test_killed_while_safetensors_writes_its_own_temp_file(tmp_path: Path, writer: str, crasher: Crasher) -> None:
     old = checkpoint(2, 5)
     shardsync.save_hf(old, tmp_path)
     status = crasher.run(_save_watched, str(tmp_path), writer)

@@ -4,12 +4,20 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from multiproc import run_ranks
 from reference import arange_tensor
-
 from shardsync.errors import LayoutError
-from shardsync.layout import (Box, GlobalLayout, LocalShard, dtype_name, local_layout, local_shards,
-                              shard_dim, to_torch_dtype)
+from shardsync.layout import (
+    Box,
+    GlobalLayout,
+    LocalShard,
+    dtype_name,
+    local_layout,
+    local_shards,
+    shard_dim,
+    to_torch_dtype,
+)
 
 
 def test_box_arithmetic() -> None:
@@ -23,8 +31,7 @@ def test_box_arithmetic() -> None:
         Box((0,), (1, 2))
 
 
-@pytest.mark.parametrize("n,world,sizes", [(17, 2, [9, 8]), (127, 4, [32, 32, 32, 31]),
-                                           (5, 4, [2, 2, 1, 0])])
+@pytest.mark.parametrize("n,world,sizes", [(17, 2, [9, 8]), (127, 4, [32, 32, 32, 31]), (5, 4, [2, 2, 1, 0])])
 def test_shard_dim_like_torch_chunk(n: int, world: int, sizes: list[int]) -> None:
     full = arange_tensor((3, n))
     shards = [shard_dim(full, -1, r, world) for r in range(world)]
@@ -65,8 +72,11 @@ def test_global_layout_merge_and_json_round_trip() -> None:
 
 def test_merge_reports_every_disagreement() -> None:
     r0 = [("a", (4,), "float32", Box((0,), (2,))), ("b", (2,), "float32", Box((0,), (2,)))]
-    r1 = [("a", (5,), "float32", Box((2,), (2,))), ("b", (2,), "float16", Box((0,), (2,))),
-          ("c", (2,), "float32", Box((1,), (2,)))]
+    r1 = [
+        ("a", (5,), "float32", Box((2,), (2,))),
+        ("b", (2,), "float16", Box((0,), (2,))),
+        ("c", (2,), "float32", Box((1,), (2,))),
+    ]
     with pytest.raises(LayoutError) as info:
         GlobalLayout.merge([r0, r1])
     msg = str(info.value)
@@ -104,5 +114,6 @@ def test_from_dtensor_on_two_ranks() -> None:
 
 def test_shard_dim_refuses_a_rank_outside_the_world() -> None:
     from shardsync.errors import LayoutError
+
     with pytest.raises(LayoutError, match=r"shard_dim: rank 2 is outside a world of size 2; give 0 <= rank < world"):
         shard_dim(torch.zeros(4), 0, 2, 2)

@@ -11,16 +11,17 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from reference import arange_tensor
 from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
 from torch.distributed.tensor.placement_types import Placement, Replicate, Shard, _StridedShard
 
+from reference import arange_tensor
 from shardsync.layout import Box, Split, shard_boxes
 from shardsync.layout.placements import dim_runs
 
 
-def torch_local(full: torch.Tensor, mesh: tuple[int, ...], coord: tuple[int, ...],
-                placements: list[Placement]) -> torch.Tensor:
+def torch_local(
+    full: torch.Tensor, mesh: tuple[int, ...], coord: tuple[int, ...], placements: list[Placement]
+) -> torch.Tensor:
     """The rank's local tensor as torch cuts it."""
     t = full
     for m, p in enumerate(placements):
@@ -29,10 +30,14 @@ def torch_local(full: torch.Tensor, mesh: tuple[int, ...], coord: tuple[int, ...
     return t
 
 
-def ours(full: torch.Tensor, mesh: tuple[int, ...], coord: tuple[int, ...],
-         placements: list[Placement]) -> tuple[torch.Tensor, list[tuple[Box, Box]]]:
-    splits = [Split(p.dim, mesh[m], coord[m], p.split_factor if isinstance(p, _StridedShard) else 1)
-              for m, p in enumerate(placements) if isinstance(p, (Shard, _StridedShard))]
+def ours(
+    full: torch.Tensor, mesh: tuple[int, ...], coord: tuple[int, ...], placements: list[Placement]
+) -> tuple[torch.Tensor, list[tuple[Box, Box]]]:
+    splits = [
+        Split(p.dim, mesh[m], coord[m], p.split_factor if isinstance(p, _StridedShard) else 1)
+        for m, p in enumerate(placements)
+        if isinstance(p, (Shard, _StridedShard))
+    ]
     boxes = shard_boxes(tuple(full.shape), splits)
     local = torch.full(boxes[-1][1].stops, -1.0)
     for glob, loc in boxes:
@@ -45,13 +50,20 @@ def placement(kind: str, dim: int, factor: int) -> Placement:
 
 
 @settings(max_examples=300, deadline=None)
-@given(shape=st.lists(st.integers(0, 13), min_size=1, max_size=2),
-       mesh=st.lists(st.integers(1, 4), min_size=1, max_size=3),
-       data=st.data())
+@given(
+    shape=st.lists(st.integers(0, 13), min_size=1, max_size=2),
+    mesh=st.lists(st.integers(1, 4), min_size=1, max_size=3),
+    data=st.data(),
+)
 def test_regions_equal_torch_splitting(shape: list[int], mesh: list[int], data: st.DataObject) -> None:
-    placements = [placement(data.draw(st.sampled_from(["S", "R", "SS"])),
-                            data.draw(st.integers(0, len(shape) - 1)), data.draw(st.integers(1, 4)))
-                  for _ in mesh]
+    placements = [
+        placement(
+            data.draw(st.sampled_from(["S", "R", "SS"])),
+            data.draw(st.integers(0, len(shape) - 1)),
+            data.draw(st.integers(1, 4)),
+        )
+        for _ in mesh
+    ]
     coord = tuple(data.draw(st.integers(0, n - 1)) for n in mesh)
     full = arange_tensor(shape)
     want = torch_local(full, tuple(mesh), coord, placements)

@@ -13,8 +13,8 @@ import sys
 
 import pytest
 import torch
-from multiproc import RankFailure, run_ranks
 
+from multiproc import RankFailure, run_ranks
 from shardsync.errors import DistributedError
 from shardsync.layout import shard_dim
 from shardsync.liveness import ProcessRecord, is_gone, peer_left, this_process
@@ -25,6 +25,7 @@ DEADLINE = 240.0  # the whole run: spawning, imports on a busy machine, and the 
 
 
 # -- the process records (tier 1) --------------------------------------------------------------------
+
 
 def test_this_process_is_alive() -> None:
     assert is_gone(this_process()) is False
@@ -61,10 +62,13 @@ def test_peer_left_tells_closed_connections_from_timeouts() -> None:
 
 # -- ranks that die (tier 2, default group timeout) ---------------------------------------------------
 
+
 def _state(rank: int) -> dict[str, object]:
     # every target needs both ranks' shards: a survivor cannot finish without the dead rank
-    return {"w": shard_dim(torch.arange(17 * 3.0).reshape(17, 3), 0, rank, 2),
-            "b": shard_dim(torch.arange(5.0), 0, rank, 2)}
+    return {
+        "w": shard_dim(torch.arange(17 * 3.0).reshape(17, 3), 0, rank, 2),
+        "b": shard_dim(torch.arange(5.0), 0, rank, 2),
+    }
 
 
 def _dies(rank: int, world: int, when: str, transport: str) -> tuple:
@@ -96,22 +100,27 @@ def _survivor(when: str, transport: str = "auto") -> tuple:
 def test_a_rank_that_exits_before_its_first_call_is_named() -> None:
     phase, failures, names = _survivor("first")
     assert (phase, list(failures), names) == ("gather layout", [1], [])
-    assert failures[1] == ("never entered phase 'gather layout' (it entered no phase of this group yet; "
-                           "did it call this on every rank?); a connection to it closed, so it probably "
-                           "exited or died")
+    assert failures[1] == (
+        "never entered phase 'gather layout' (it entered no phase of this group yet; "
+        "did it call this on every rank?); a connection to it closed, so it probably "
+        "exited or died"
+    )
 
 
 def test_a_rank_that_exits_after_a_call_is_named_as_gone() -> None:
     phase, failures, _ = _survivor("after a call")
     # the second call on the group takes the fast path first (one small collective): it is named there
-    assert (phase, failures) == ("check layout", {
-        1: "its process ended (it died or exited) before it entered phase 'check layout' (the last phase "
-           "it entered was 'stream')"})
+    assert (phase, failures) == (
+        "check layout",
+        {
+            1: "its process ended (it died or exited) before it entered phase 'check layout' (the last phase "
+            "it entered was 'stream')"
+        },
+    )
 
 
 @pytest.mark.parametrize("transport", ["backend", "shm"])
 def test_a_rank_that_dies_mid_stream_is_named(transport: str) -> None:
     phase, failures, names = _survivor("mid-stream", transport)
-    assert (phase, failures) == ("stream", {1: "entered phase 'stream' and then its process ended (it died "
-                                               "or exited)"})
+    assert (phase, failures) == ("stream", {1: "entered phase 'stream' and then its process ended (it died or exited)"})
     assert names[:1] == ["b"]

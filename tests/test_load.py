@@ -8,13 +8,13 @@ from typing import Any
 
 import pytest
 import torch
-from dest_helpers import HF_DIMS, MAPPING, SliceSource, hf_state, megatron_shards
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from multiproc import run_ranks
-from reference import arange_tensor, assemble
 
 import shardsync
+from dest_helpers import HF_DIMS, MAPPING, SliceSource, hf_state, megatron_shards
+from multiproc import run_ranks
+from reference import arange_tensor, assemble
 from shardsync import LayoutError, LoadError, LocalShard, load
 from shardsync.layout import Box
 from shardsync.mapping import Piece, TargetSpec
@@ -22,10 +22,20 @@ from shardsync.planning.destinations import restrict_target
 
 
 def _strict_case() -> tuple[dict, dict, list[str]]:
-    src = {"a": arange_tensor((3, 4)), "ids": torch.arange(5), "extra": torch.ones(2),
-           "wide": arange_tensor((2, 5)), "h": arange_tensor((6,), step=0.3)}
-    dst = {"a": torch.zeros(3, 4), "ids_f": torch.zeros(5), "missing": torch.zeros(7),
-           "narrow": torch.zeros(2, 4), "h": torch.zeros(6)}
+    src = {
+        "a": arange_tensor((3, 4)),
+        "ids": torch.arange(5),
+        "extra": torch.ones(2),
+        "wide": arange_tensor((2, 5)),
+        "h": arange_tensor((6,), step=0.3),
+    }
+    dst = {
+        "a": torch.zeros(3, 4),
+        "ids_f": torch.zeros(5),
+        "missing": torch.zeros(7),
+        "narrow": torch.zeros(2, 4),
+        "h": torch.zeros(6),
+    }
     mapping = ["ids -> ids_f", "wide -> narrow", "h -> h, dtype='float16'"]
     return src, dst, mapping
 
@@ -38,19 +48,27 @@ def test_strict_names_every_problem_in_one_report_and_writes_nothing() -> None:
     assert isinstance(e, ValueError)
     assert e.missing == ("missing",) and e.unexpected == ("extra",)
     assert [(m.name, m.kind, m.expected, m.got) for m in e.mismatched] == [
-        ("h", "dtype", "float32", "float16"), ("ids_f", "dtype", "float32", "int64"),
-        ("narrow", "shape", "[2, 4]", "[2, 5]")]
+        ("h", "dtype", "float32", "float16"),
+        ("ids_f", "dtype", "float32", "int64"),
+        ("narrow", "shape", "[2, 4]", "[2, 5]"),
+    ]
     lines = str(e).splitlines()
     assert lines[0].startswith("the source does not fit the destination (5 problems; nothing was written")
-    assert lines[1] == ("  missing 'missing': nothing in the source maps to it; map a source to it, or "
-                        "declare it untouched with `_ -> missing`")
-    assert lines[2] == ("  unexpected 'extra' (source 'extra'): the destination has no such key; map it "
-                        "to one, or drop it with `extra -> _`")
-    assert lines[3].startswith("  dtype of 'h': statement 2 `h -> h, dtype='float16'` gives float16, "
-                               "the destination is float32")
+    assert lines[1] == (
+        "  missing 'missing': nothing in the source maps to it; map a source to it, or "
+        "declare it untouched with `_ -> missing`"
+    )
+    assert lines[2] == (
+        "  unexpected 'extra' (source 'extra'): the destination has no such key; map it "
+        "to one, or drop it with `extra -> _`"
+    )
+    assert lines[3].startswith(
+        "  dtype of 'h': statement 2 `h -> h, dtype='float16'` gives float16, the destination is float32"
+    )
     assert lines[4].startswith("  dtype of 'ids_f': statement 0 `ids -> ids_f` gives int64")
-    assert lines[5].startswith("  shape of 'narrow': statement 1 `wide -> narrow` gives [2, 5], the "
-                               "destination is [2, 4]")
+    assert lines[5].startswith(
+        "  shape of 'narrow': statement 1 `wide -> narrow` gives [2, 5], the destination is [2, 4]"
+    )
     assert all(not t.any() for t in dst.values())  # nothing written
 
 
@@ -67,8 +85,12 @@ def test_module_written_in_place_with_casts_to_its_dtype() -> None:
     model = torch.nn.ModuleDict({"lin": torch.nn.Linear(5, 3), "ln": torch.nn.LayerNorm(3)})
     model.to(torch.bfloat16)
     before = {k: v.data_ptr() for k, v in model.state_dict().items()}
-    ckpt = {"proj.w": arange_tensor((5, 3), step=0.37), "proj.b": arange_tensor((3,), start=2),
-            "norm.w": arange_tensor((3,), step=0.11), "norm.b": arange_tensor((3,), start=-1)}
+    ckpt = {
+        "proj.w": arange_tensor((5, 3), step=0.37),
+        "proj.b": arange_tensor((3,), start=2),
+        "norm.w": arange_tensor((3,), step=0.11),
+        "norm.b": arange_tensor((3,), start=-1),
+    }
     mapping = ["proj.w^T -> lin.weight", "proj.b -> lin.bias", "norm.w -> ln.weight", "norm.b -> ln.bias"]
     r = load(model, ckpt, mapping)
     assert r.missing == r.unexpected == r.mismatched == ()
@@ -83,14 +105,13 @@ def test_untouched_dropped_and_star_on_the_destination_side() -> None:
     dst = {f"experts.{e}.w": torch.zeros(4, 5) for e in range(3)} | {"keep": torch.full((2,), 7.0)}
     src = {"fused": experts, "stale": torch.ones(3)}
     load(dst, src, ["fused -> experts.*.w, axis=0", "stale -> _", "_ -> keep"])
-    assert all(torch.equal(dst[f"experts.{e}.w"], experts[4 * e:4 * e + 4]) for e in range(3))
+    assert all(torch.equal(dst[f"experts.{e}.w"], experts[4 * e : 4 * e + 4]) for e in range(3))
     assert dst["keep"].tolist() == [7.0, 7.0]
 
 
 def test_list_of_shards_on_one_rank_each_filled() -> None:
     full = arange_tensor((17, 3))
-    mine = [LocalShard(torch.zeros(5, 3), (17, 3), (0, 0)),
-            LocalShard(torch.zeros(4, 3), (17, 3), (13, 0))]
+    mine = [LocalShard(torch.zeros(5, 3), (17, 3), (0, 0)), LocalShard(torch.zeros(4, 3), (17, 3), (13, 0))]
     load({"w": mine}, {"w": full})
     assert torch.equal(mine[0].local, full[:5]) and torch.equal(mine[1].local, full[13:])
 
@@ -128,6 +149,7 @@ def test_restricting_a_target_to_a_box_equals_slicing_it(data: st.DataObject) ->
 
 # -- Megatron TP=2 -> HF safetensors -> load into other layouts, on 4 ranks ---------------------------
 
+
 def _uneven(full: dict[str, torch.Tensor], rank: int) -> dict[str, Any]:
     """HF names, cut along each weight's TP dim at odd places (sizes differ per rank, some 1), bf16."""
     out: dict[str, Any] = {}
@@ -155,8 +177,12 @@ def _nbytes(state: dict[str, Any], itemsize: int = 4) -> int:
 
 
 def _compare(got: dict[str, Any], want: dict[str, Any]) -> list[str]:
-    return [k for k in want if not torch.equal(_local(got[k]), _local(want[k]).to(_local(got[k]).dtype))
-            or _local(got[k]).dtype != _local(want[k]).dtype]
+    return [
+        k
+        for k in want
+        if not torch.equal(_local(got[k]), _local(want[k]).to(_local(got[k]).dtype))
+        or _local(got[k]).dtype != _local(want[k]).dtype
+    ]
 
 
 def _load_worker(rank: int, world: int, path: str) -> dict:
@@ -165,18 +191,26 @@ def _load_worker(rank: int, world: int, path: str) -> dict:
     uneven_ref = _cut_like(hf, _uneven(hf, rank))
     layouts = {  # name: (this rank's destination, its reference, mapping, reverse)
         "tp4": (megatron_shards(zeros, rank, 4), megatron_shards(hf, rank, 4), MAPPING, True),
-        "tp1": ((megatron_shards(zeros, 0, 1), megatron_shards(hf, 0, 1), MAPPING, True) if rank == 0
-                else ({}, {}, MAPPING, True)),
+        "tp1": (
+            (megatron_shards(zeros, 0, 1), megatron_shards(hf, 0, 1), MAPPING, True)
+            if rank == 0
+            else ({}, {}, MAPPING, True)
+        ),
         "replicated": (megatron_shards(zeros, rank % 2, 2), megatron_shards(hf, rank % 2, 2), MAPPING, True),
-        "uneven bf16": (_uneven(hf, rank), {k: v.to(torch.bfloat16) for k, v in uneven_ref.items()},
-                        None, False),
+        "uneven bf16": (_uneven(hf, rank), {k: v.to(torch.bfloat16) for k, v in uneven_ref.items()}, None, False),
     }
     out = {}
     for name, (dst, want, mapping, reverse) in layouts.items():
         src = SliceSource(path)
         r = load(dst, src, mapping, reverse=reverse)
-        out[name] = {"bad": _compare(dst, want), "read": src.bytes_read, "mine": _nbytes(dst),
-                     "received": r.stats.bytes_received, "sent": r.stats.bytes_sent, "keys": len(dst)}
+        out[name] = {
+            "bad": _compare(dst, want),
+            "read": src.bytes_read,
+            "mine": _nbytes(dst),
+            "received": r.stats.bytes_received,
+            "sent": r.stats.bytes_sent,
+            "keys": len(dst),
+        }
     return out
 
 
@@ -205,8 +239,7 @@ def test_megatron_tp2_to_hf_to_tp4_tp1_uneven_and_replicated(tmp_path: Path) -> 
 
 
 def test_tied_weights_load_through_the_first_name() -> None:
-    model = torch.nn.ModuleDict({"embed": torch.nn.Embedding(7, 3),
-                                 "head": torch.nn.Linear(3, 7, bias=False)})
+    model = torch.nn.ModuleDict({"embed": torch.nn.Embedding(7, 3), "head": torch.nn.Linear(3, 7, bias=False)})
     model["head"].weight = model["embed"].weight
     ckpt = {"embed.weight": arange_tensor((7, 3))}  # a tied checkpoint stores the weight once
     assert load(model, ckpt).missing == ()
@@ -221,8 +254,7 @@ def test_fused_qkv_reblocked_for_the_destination_shard_count() -> None:
 
     src = [LocalShard(x, (32, 3), (16 * r, 0)) for r, x in enumerate(blocked(2).chunk(2))]
     dst = [LocalShard(torch.zeros(8, 3), (32, 3), (8 * r, 0)) for r in range(4)]
-    load({"w4": dst}, {"w2": src},
-         ["w2 -> w4, fused_qkv_old, num_heads=8, num_key_value_groups=4, axis=0"])
+    load({"w4": dst}, {"w2": src}, ["w2 -> w4, fused_qkv_old, num_heads=8, num_key_value_groups=4, axis=0"])
     assert torch.equal(torch.cat([s.local for s in dst]), blocked(4))
 
 

@@ -8,11 +8,11 @@ from pathlib import Path
 
 import pytest
 import torch
+
+import shardsync
 from dest_helpers import LAYERS, SliceSource, hf_state
 from llama_helpers import llama_config, llama_tp_plan
 from multiproc import run_ranks
-
-import shardsync
 
 transformers = pytest.importorskip("transformers")
 
@@ -33,11 +33,15 @@ def _worker(rank: int, world: int, path: str) -> dict:
     ref = transformers.LlamaForCausalLM(llama_config())
     ref.load_state_dict(shardsync.read_tensors(path))
     full = {k: (p.full_tensor() if isinstance(p, DTensor) else p).detach() for k, p in params.items()}
-    return {"bad": [k for k, p in ref.named_parameters() if not torch.equal(full[k], p.detach())],
-            "in place": all(local[k].data_ptr() == before[k] for k in params),
-            "dtensors": sum(isinstance(p, DTensor) for p in params.values()),
-            "read": source.bytes_read, "mine": sum(t.numel() * 4 for t in local.values()),
-            "received": result.stats.bytes_received, "names": sorted(params)}
+    return {
+        "bad": [k for k, p in ref.named_parameters() if not torch.equal(full[k], p.detach())],
+        "in place": all(local[k].data_ptr() == before[k] for k in params),
+        "dtensors": sum(isinstance(p, DTensor) for p in params.values()),
+        "read": source.bytes_read,
+        "mine": sum(t.numel() * 4 for t in local.values()),
+        "received": result.stats.bytes_received,
+        "names": sorted(params),
+    }
 
 
 def test_hf_checkpoint_into_parallelize_module_tp2_llama(tmp_path: Path) -> None:

@@ -3,15 +3,16 @@
 from __future__ import annotations
 
 import torch
-from reference import arange_tensor, assemble
 
+from reference import arange_tensor, assemble
 from shardsync.layout import Box, GlobalLayout, dtype_name
 from shardsync.mapping import resolve
 
 
 def _run(statements: list[str], sources: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    layout = GlobalLayout.merge([[(k, tuple(v.shape), dtype_name(v.dtype), Box.full(v.shape))
-                                  for k, v in sources.items()]])
+    layout = GlobalLayout.merge(
+        [[(k, tuple(v.shape), dtype_name(v.dtype), Box.full(v.shape)) for k, v in sources.items()]]
+    )
     return {t.name: assemble(t, sources) for t in resolve(statements, layout)}
 
 
@@ -44,8 +45,10 @@ def test_case3_transpose_then_split() -> None:
 
 def test_case4_fan_out() -> None:
     s0 = arange_tensor((3, 4))
-    out = _run(["s0 -> a1, a2, a3, a4, axis=1", "a2^T -> b2", "a3^T -> b3", "b2, b3 -> d0, axis=1",
-                "a3, a4 -> d1, axis=0"], {"s0": s0})
+    out = _run(
+        ["s0 -> a1, a2, a3, a4, axis=1", "a2^T -> b2", "a3^T -> b3", "b2, b3 -> d0, axis=1", "a3, a4 -> d1, axis=0"],
+        {"s0": s0},
+    )
     assert sorted(out) == ["a1", "d0", "d1"]  # a1 is never consumed: an output of its own
     assert torch.equal(out["d0"], torch.cat([s0[:, 1], s0[:, 2]]).reshape(1, 6))
     assert torch.equal(out["d1"], torch.cat([s0[:, 2], s0[:, 3]]).reshape(6, 1))
@@ -53,10 +56,20 @@ def test_case4_fan_out() -> None:
 
 def test_case5_cast_permute_split_chain() -> None:
     s0, s1 = arange_tensor((4, 1, 3)), arange_tensor((4, 1, 3), start=50)
-    out = _run(["s0, s1 -> s, axis=1", "s -> s, dtype='bfloat16'", "s -> a, permute='[2, 0, 1]'",
-                "a -> b1, b2, b3, axis=0", "b1 -> b1, permute='[0, 2, 1]'",
-                "b2 -> b2, permute='[0, 2, 1]'", "b1, b2 -> d0, axis=1", "b3 -> d1",
-                "d1 -> d1, dtype='float32'"], {"s0": s0, "s1": s1})
+    out = _run(
+        [
+            "s0, s1 -> s, axis=1",
+            "s -> s, dtype='bfloat16'",
+            "s -> a, permute='[2, 0, 1]'",
+            "a -> b1, b2, b3, axis=0",
+            "b1 -> b1, permute='[0, 2, 1]'",
+            "b2 -> b2, permute='[0, 2, 1]'",
+            "b1, b2 -> d0, axis=1",
+            "b3 -> d1",
+            "d1 -> d1, dtype='float32'",
+        ],
+        {"s0": s0, "s1": s1},
+    )
     s = torch.cat([s0, s1], dim=1).to(torch.bfloat16)
     a = s.permute(2, 0, 1)
     assert out["d0"].dtype == torch.bfloat16 and out["d0"].shape == (1, 4, 4)
@@ -79,14 +92,14 @@ def test_case7_star_expands_sorted_numerically() -> None:
     w = {f"layers.2.experts.{e}.weight": arange_tensor((2, 3), start=10 * e) for e in (0, 1)}
     out = _run(["layers.2.experts.*.weight -> fused_experts, axis=1"], w)
     assert list(out) == ["fused_experts"]
-    assert torch.equal(out["fused_experts"], torch.cat([w["layers.2.experts.0.weight"],
-                                                        w["layers.2.experts.1.weight"]], 1))
+    assert torch.equal(
+        out["fused_experts"], torch.cat([w["layers.2.experts.0.weight"], w["layers.2.experts.1.weight"]], 1)
+    )
 
 
 def test_case8_layer_id_offset() -> None:
     src = {f"layers.{i}.experts.0.weight": arange_tensor((2,), start=i) for i in (1, 2)}
-    out = _run(["layers.$LAYER_ID_OFFSET.experts.0.weight -> layers.$LAYER_ID_OFFSET.experts.0.weight"],
-               src)
+    out = _run(["layers.$LAYER_ID_OFFSET.experts.0.weight -> layers.$LAYER_ID_OFFSET.experts.0.weight"], src)
     assert list(out) == ["layers.0.experts.0.weight", "layers.1.experts.0.weight"]
     assert torch.equal(out["layers.0.experts.0.weight"], src["layers.1.experts.0.weight"])
     assert torch.equal(out["layers.1.experts.0.weight"], src["layers.2.experts.0.weight"])

@@ -9,17 +9,23 @@ from pathlib import Path
 
 import pytest
 import torch
-from reference import arange_tensor, assemble
 
 import shardsync
+from reference import arange_tensor, assemble
 from shardsync.cli import main
 from shardsync.errors import MappingError
 from shardsync.layout import Box, GlobalLayout
 from shardsync.mapping import resolve
 from shardsync.mapping.statements import cast_loss
 
-SHAPES = {"a": ((3, 17), "float32"), "b": ((3, 17), "float32"), "c": ((5,), "complex64"),
-          "i": ((5,), "int64"), "u": ((5,), "uint8"), "h": ((5,), "float16")}
+SHAPES = {
+    "a": ((3, 17), "float32"),
+    "b": ((3, 17), "float32"),
+    "c": ((5,), "complex64"),
+    "i": ((5,), "int64"),
+    "u": ((5,), "uint8"),
+    "h": ((5,), "float16"),
+}
 LAYOUT = GlobalLayout.merge([[(k, s, d, Box.full(s)) for k, (s, d) in SHAPES.items()]])
 
 
@@ -41,6 +47,7 @@ def _only(statements: list[str]) -> dict[str, shardsync.TargetSpec]:
 
 # ---- two statements producing the same target ----------------------------------------------------
 
+
 def test_two_statements_producing_one_target_name_both() -> None:
     err = _error(["a -> x", "b -> x"])
     assert len(err.diagnostics) == 1
@@ -56,8 +63,7 @@ def test_produced_twice_is_an_error_also_when_strict_and_in_a_split() -> None:
 
 
 def test_produced_twice_through_placeholders() -> None:
-    lay = GlobalLayout.merge([[(k, (2,), "float32", Box.full((2,)))
-                               for k in ("l.0.w", "l.1.w", "l.0.b", "l.1.b")]])
+    lay = GlobalLayout.merge([[(k, (2,), "float32", Box.full((2,))) for k in ("l.0.w", "l.1.w", "l.0.b", "l.1.b")]])
     with pytest.raises(MappingError, match=r"'o\.1' is already produced by statement 0 `l\.\$LAYER_ID\.w"):
         resolve(["l.$LAYER_ID.w -> o.$LAYER_ID", "l.1.b -> o.1"], lay)
 
@@ -70,8 +76,7 @@ def test_rebinding_what_was_read_stays_allowed() -> None:
     assert t["y"].shape == (17, 3) and t["h"].dtype == "float32"
 
 
-def test_explain_and_the_cli_refuse_a_target_produced_twice(tmp_path: Path,
-                                                            capsys: pytest.CaptureFixture[str]) -> None:
+def test_explain_and_the_cli_refuse_a_target_produced_twice(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     state = {"a": arange_tensor((3, 17)), "b": arange_tensor((3, 17), start=100)}
     with pytest.raises(MappingError, match="already produced by statement 0"):
         shardsync.explain(state, ["a -> x", "b -> x"])
@@ -83,6 +88,7 @@ def test_explain_and_the_cli_refuse_a_target_produced_twice(tmp_path: Path,
 
 
 # ---- permutations ---------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("spec", ["[[[0, 1]]]", "[[1, 0]]", "[[1], 0]", "[1, 0", "1, 0]"])
 def test_nested_or_unbalanced_permutation_is_refused(spec: str) -> None:
@@ -110,29 +116,49 @@ def test_flat_permutations_and_the_empty_one() -> None:
 
 # ---- casts ----------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("src,dst,why", [
-    ("complex64", "float32", "drops the imaginary part"),
-    ("float32", "int32", "cuts fractions and turns NaN and inf into arbitrary integers"),
-    ("bfloat16", "uint8", "cuts fractions and turns NaN and inf into arbitrary integers"),
-    ("float32", "bool", "turns every nonzero float32 value into True"),
-    ("int64", "int32", "wraps int64 values outside the range of int32"),
-    ("uint8", "int8", "wraps uint8 values outside the range of int8"),
-    ("int8", "uint8", "wraps int8 values outside the range of uint8"),
-])
+
+@pytest.mark.parametrize(
+    "src,dst,why",
+    [
+        ("complex64", "float32", "drops the imaginary part"),
+        ("float32", "int32", "cuts fractions and turns NaN and inf into arbitrary integers"),
+        ("bfloat16", "uint8", "cuts fractions and turns NaN and inf into arbitrary integers"),
+        ("float32", "bool", "turns every nonzero float32 value into True"),
+        ("int64", "int32", "wraps int64 values outside the range of int32"),
+        ("uint8", "int8", "wraps uint8 values outside the range of int8"),
+        ("int8", "uint8", "wraps int8 values outside the range of uint8"),
+    ],
+)
 def test_lossy_casts(src: str, dst: str, why: str) -> None:
     assert cast_loss(src, dst) == why
 
 
-@pytest.mark.parametrize("src,dst", [("float32", "bfloat16"), ("float64", "float16"), ("int64", "float32"),
-                                     ("uint8", "int16"), ("int32", "int64"), ("bool", "int8"),
-                                     ("float32", "complex64"), ("complex128", "complex64"),
-                                     ("int16", "int16")])
+@pytest.mark.parametrize(
+    "src,dst",
+    [
+        ("float32", "bfloat16"),
+        ("float64", "float16"),
+        ("int64", "float32"),
+        ("uint8", "int16"),
+        ("int32", "int64"),
+        ("bool", "int8"),
+        ("float32", "complex64"),
+        ("complex128", "complex64"),
+        ("int16", "int16"),
+    ],
+)
 def test_casts_that_only_round_are_not_lossy(src: str, dst: str) -> None:
     assert cast_loss(src, dst) is None
 
 
-@pytest.mark.parametrize("stmt,col", [("c -> x, dtype='float32'", 8), ("a -> x, dtype='int32'", 8),
-                                      ("i -> x, src_dtype='int64', dst_dtype='int16'", 27)])
+@pytest.mark.parametrize(
+    "stmt,col",
+    [
+        ("c -> x, dtype='float32'", 8),
+        ("a -> x, dtype='int32'", 8),
+        ("i -> x, src_dtype='int64', dst_dtype='int16'", 27),
+    ],
+)
 def test_a_lossy_cast_needs_lossy_1(stmt: str, col: int) -> None:
     err = _error([stmt])
     assert err.diagnostics[0].col == col and "add lossy=1 to the statement to cast anyway" in str(err)
@@ -140,8 +166,10 @@ def test_a_lossy_cast_needs_lossy_1(stmt: str, col: int) -> None:
 
 
 def test_lossy_1_casts_exactly_as_torch() -> None:
-    full = {"a": arange_tensor((3, 17), start=-20, step=1.37),
-            "c": torch.complex(arange_tensor((5,), step=1.5), arange_tensor((5,), start=7))}
+    full = {
+        "a": arange_tensor((3, 17), start=-20, step=1.37),
+        "c": torch.complex(arange_tensor((5,), step=1.5), arange_tensor((5,), start=7)),
+    }
     t = _only(["a -> x, dtype='int32', lossy=1", "c -> y, dtype='float64', lossy=1"])
     assert (t["x"].dtype, t["y"].dtype) == ("int32", "float64")
     with pytest.warns(UserWarning, match="discards the imaginary part"):

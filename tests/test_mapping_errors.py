@@ -8,9 +8,15 @@ from shardsync.errors import MappingError
 from shardsync.layout import Box, GlobalLayout
 from shardsync.mapping import Mapping, resolve
 
-SHAPES = {"s0": ((2, 3), "float32"), "s1": ((2, 5), "float32"), "i0": ((2, 3), "int32"),
-          "qkv": ((4, 26), "float32"), "layers.0.w": ((2,), "float32"), "layers.1.w": ((2,), "float32"),
-          "layers.1.b": ((2,), "float32")}
+SHAPES = {
+    "s0": ((2, 3), "float32"),
+    "s1": ((2, 5), "float32"),
+    "i0": ((2, 3), "int32"),
+    "qkv": ((4, 26), "float32"),
+    "layers.0.w": ((2,), "float32"),
+    "layers.1.w": ((2,), "float32"),
+    "layers.1.b": ((2,), "float32"),
+}
 LAYOUT = GlobalLayout.merge([[(k, s, d, Box.full(s)) for k, (s, d) in SHAPES.items()]])
 
 
@@ -131,22 +137,34 @@ def test_several_semantic_errors_reported_together_without_cascades() -> None:
 
 def test_macro_errors() -> None:
     _one(["layers.$LAYER_ID.x -> y.$LAYER_ID"], 0, 0, "'layers.$LAYER_ID.x' matches no source key")
-    _one(["layers.$LAYER_ID.w, layers.$LAYER_ID.b -> c.$LAYER_ID, axis=0"], 0, 20, "matches other "
-         "$LAYER_ID values")
+    _one(["layers.$LAYER_ID.w, layers.$LAYER_ID.b -> c.$LAYER_ID, axis=0"], 0, 20, "matches other $LAYER_ID values")
     _one(["nope.*.w -> c, axis=0"], 0, 0, "'nope.*.w' matches no source key")
     _one(["layers.$LAYER_ID_OFFSET.w -> plain"], 0, 29, "'plain' lacks $LAYER_ID_OFFSET")
     _one(["s0 -> out.*"], 0, 6, "needs a destination layout")
 
 
 def test_fused_errors() -> None:
-    _one(["qkv -> q, k, v, fused_qkv, num_heads=6, num_key_value_groups=4"], 0, 0, "num_heads=6 is not "
-         "divisible by num_key_value_groups=4")
-    _one(["qkv -> q, k, v, fused_qkv, num_heads=4, num_key_value_groups=2"], 0, 0, "size 26, not "
-         "divisible by num_heads + 2 * num_key_value_groups = 8")
+    _one(
+        ["qkv -> q, k, v, fused_qkv, num_heads=6, num_key_value_groups=4"],
+        0,
+        0,
+        "num_heads=6 is not divisible by num_key_value_groups=4",
+    )
+    _one(
+        ["qkv -> q, k, v, fused_qkv, num_heads=4, num_key_value_groups=2"],
+        0,
+        0,
+        "size 26, not divisible by num_heads + 2 * num_key_value_groups = 8",
+    )
     _one(["qkv -> q, k, fused_qkv, num_heads=4, num_key_value_groups=2"], 0, 0, "fused_qkv has the forms")
     _one(["qkv -> q, k, v, fused_qkv, num_heads=4"], 0, 0, "num_key_value_groups")
-    _one(["s0 -> a, b, fused_ffn, num_heads=2"], 0, 23, "fused_ffn does not take num_heads (it takes "
-         "axis=, tp=)", name="num_heads")
+    _one(
+        ["s0 -> a, b, fused_ffn, num_heads=2"],
+        0,
+        23,
+        "fused_ffn does not take num_heads (it takes axis=, tp=)",
+        name="num_heads",
+    )
 
 
 def test_bad_input_forms() -> None:

@@ -7,8 +7,8 @@ from collections.abc import Sequence
 
 import pytest
 import torch
-from reference import arange_tensor, assemble
 
+from reference import arange_tensor, assemble
 from shardsync.errors import MappingError
 from shardsync.layout import Box, GlobalLayout, dtype_name
 from shardsync.mapping import resolve
@@ -16,8 +16,10 @@ from shardsync.mapping.fused import FUSED_FORMS, FusedForm
 from shardsync.mapping.vtensor import concat, split
 
 
-def _layout(sources: dict[str, torch.Tensor], cuts: dict[str, tuple[int, Sequence[int]]] | None = None,
-            ) -> GlobalLayout:
+def _layout(
+    sources: dict[str, torch.Tensor],
+    cuts: dict[str, tuple[int, Sequence[int]]] | None = None,
+) -> GlobalLayout:
     """One rank per shard: ``cuts[key] = (dim, sizes)`` cuts that key into bands of those sizes."""
     ranks: list[list] = []
     for key, t in sources.items():
@@ -57,8 +59,12 @@ V = torch.cat([W_QKV[6:8], W_QKV[14:16]])
 # The same fused tensor as TP=2 shards (block count from the layout), and with tp=2 as one full tensor
 # (full_tensor(), a DCP load), as TP=4 shards and as a DCP chunking that follows no TP boundary.
 # (shard sizes of W_FFN, of W_QKV, the tp attribute)
-CHUNKINGS = [([6, 6], [8, 8], ""), ([12], [16], ", tp=2"), ([3, 3, 3, 3], [4, 4, 4, 4], ", tp=2"),
-             ([5, 7], [7, 9], ", tp=2")]
+CHUNKINGS = [
+    ([6, 6], [8, 8], ""),
+    ([12], [16], ", tp=2"),
+    ([3, 3, 3, 3], [4, 4, 4, 4], ", tp=2"),
+    ([5, 7], [7, 9], ", tp=2"),
+]
 
 
 @pytest.mark.parametrize("ffn_sizes, qkv_sizes, tp", CHUNKINGS)
@@ -68,8 +74,7 @@ def test_fused_ffn_split_is_the_same_however_the_source_is_chunked(ffn_sizes, qk
 
 
 @pytest.mark.parametrize("ffn_sizes, qkv_sizes, tp", CHUNKINGS)
-def test_fused_qkv_old_gqa_split_is_the_same_however_the_source_is_chunked(ffn_sizes, qkv_sizes,
-                                                                            tp) -> None:
+def test_fused_qkv_old_gqa_split_is_the_same_however_the_source_is_chunked(ffn_sizes, qkv_sizes, tp) -> None:
     out = _run([f"w -> q, k, v, fused_qkv_old, {QKV_ATTRS}{tp}"], {"w": W_QKV}, {"w": (0, qkv_sizes)})
     _same(out, {"k": K, "q": Q, "v": V})
 
@@ -77,18 +82,15 @@ def test_fused_qkv_old_gqa_split_is_the_same_however_the_source_is_chunked(ffn_s
 @pytest.mark.parametrize("ffn_sizes, qkv_sizes, tp", CHUNKINGS)
 def test_reverse_mode_reads_the_fused_model_tensor_the_same_way(ffn_sizes, qkv_sizes, tp) -> None:
     # Load programs (checkpoint -> model) run backwards to export the model's fused tensors.
-    load = [f"hf.gate, hf.up -> w, fused_ffn, axis=0{tp}",
-            f"hf.q, hf.k, hf.v -> wqkv, fused_qkv_old, {QKV_ATTRS}{tp}"]
-    out = _run(load, {"w": W_FFN, "wqkv": W_QKV}, {"w": (0, ffn_sizes), "wqkv": (0, qkv_sizes)},
-               reverse=True)
+    load = [f"hf.gate, hf.up -> w, fused_ffn, axis=0{tp}", f"hf.q, hf.k, hf.v -> wqkv, fused_qkv_old, {QKV_ATTRS}{tp}"]
+    out = _run(load, {"w": W_FFN, "wqkv": W_QKV}, {"w": (0, ffn_sizes), "wqkv": (0, qkv_sizes)}, reverse=True)
     _same(out, {"hf.gate": GATE, "hf.k": K, "hf.q": Q, "hf.up": UP, "hf.v": V})
 
 
 def test_tp_sets_the_block_count_of_a_fused_tensor_being_built() -> None:
     # Without a destination layout a built tensor has one block; tp=2 builds the TP=2 layout.
     parts = {"gate": GATE, "up": UP, "q": Q, "k": K, "v": V}
-    out = _run(["gate, up -> w, fused_ffn, axis=0, tp=2",
-                f"q, k, v -> wqkv, fused_qkv_old, {QKV_ATTRS}, tp=2"], parts)
+    out = _run(["gate, up -> w, fused_ffn, axis=0, tp=2", f"q, k, v -> wqkv, fused_qkv_old, {QKV_ATTRS}, tp=2"], parts)
     _same(out, {"w": W_FFN, "wqkv": W_QKV})
     out = _run(["gate, up -> w, fused_ffn, axis=0"], {"gate": GATE, "up": UP})
     assert torch.equal(out["w"], torch.cat([GATE, UP]))
@@ -105,8 +107,9 @@ def test_unequal_shards_without_tp_are_an_error_naming_key_sizes_and_tp() -> Non
     err = _err(["w -> gate, up, fused_ffn, axis=0"], {"w": W_FFN}, {"w": (0, [5, 7])})
     assert "'w' is cut along dim 0 into shards of sizes [5, 7]" in str(err)
     assert "tp=<tensor-parallel size" in str(err) and err.diagnostics[0].name == "w"
-    err = _err(["w -> wr, dtype='float64'", f"wr -> q, k, v, fused_qkv_old, {QKV_ATTRS}"],
-               {"w": W_QKV}, {"w": (0, [4, 4, 8])})
+    err = _err(
+        ["w -> wr, dtype='float64'", f"wr -> q, k, v, fused_qkv_old, {QKV_ATTRS}"], {"w": W_QKV}, {"w": (0, [4, 4, 8])}
+    )
     assert "'wr' (source 'w') is cut along dim 0 into shards of sizes [4, 4, 8]" in str(err)
     assert err.diagnostics[0].index == 1
     # ... and in reverse mode, where the fused tensor is on the right of the load statement
@@ -134,9 +137,14 @@ def test_tp_that_does_not_fit_is_an_error_at_tp() -> None:
     assert "read in 3 blocks (tp=3), which must divide" in str(err)
 
 
-@pytest.mark.parametrize("tp, message", [("0", "tp=0 must be a positive integer"),
-                                         ("-2", "tp=-2 must be a positive integer"),
-                                         ("'2'", "tp='2' must be a positive integer")])
+@pytest.mark.parametrize(
+    "tp, message",
+    [
+        ("0", "tp=0 must be a positive integer"),
+        ("-2", "tp=-2 must be a positive integer"),
+        ("'2'", "tp='2' must be a positive integer"),
+    ],
+)
 def test_tp_must_be_a_positive_integer(tp: str, message: str) -> None:
     err = _err([f"w -> gate, up, fused_ffn, tp={tp}"], {"w": W_FFN})
     assert message in str(err) and err.diagnostics[0].name == "tp"
@@ -158,8 +166,11 @@ def test_a_registered_fused_form_is_parsed_checked_and_dispatched(monkeypatch) -
         lo, hi = split(ins[0], dim, [ins[0].shape[dim] // 2] * 2)
         return [concat([hi, lo], dim)]
 
-    monkeypatch.setitem(FUSED_FORMS, "fused_swap", FusedForm(frozenset({"axis"}), frozenset({(1, 1)}),
-                                                             "`W -> W2, fused_swap`", halves_swapped))
+    monkeypatch.setitem(
+        FUSED_FORMS,
+        "fused_swap",
+        FusedForm(frozenset({"axis"}), frozenset({(1, 1)}), "`W -> W2, fused_swap`", halves_swapped),
+    )
     out = _run(["w -> s, fused_swap, axis=0"], {"w": W_FFN})
     assert torch.equal(out["s"], torch.cat([W_FFN[6:], W_FFN[:6]]))
     err = _err(["w -> s, fused_swap, tp=2"], {"w": W_FFN})

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from reference import assemble, dense_run
 
+from reference import assemble, dense_run
 from shardsync.errors import MappingError
 from shardsync.layout import Box, GlobalLayout, to_torch_dtype
 from shardsync.mapping import Mapping, resolve
@@ -21,9 +21,14 @@ CASES = {c["name"]: c for c in DOC["cases"]}
 
 # Where Paddle 3.3.1 is wrong, the intended result: an error, or the dense reference's result.
 INTENDED_ERRORS = {
-    "rename_onto_existing_source", "python_adjacent_literals", "fused_qkv_old_t2_g1",
-    "layer_id_no_match_expands_to_nothing", "star_on_right_without_destination",
-    "permute_longer_than_rank", "permute_shorter_than_rank", "concat_mismatched_other_dims",
+    "rename_onto_existing_source",
+    "python_adjacent_literals",
+    "fused_qkv_old_t2_g1",
+    "layer_id_no_match_expands_to_nothing",
+    "star_on_right_without_destination",
+    "permute_longer_than_rank",
+    "permute_shorter_than_rank",
+    "concat_mismatched_other_dims",
     "concat_cast_and_uncast",
     # Paddle never checks src_dtype against the tensor: here the model's `a` is float32 while the
     # statement says float16. shardsync refuses that (issue 19: src_dtype not checked).
@@ -32,8 +37,9 @@ INTENDED_ERRORS = {
     "cast_to_int_unsupported",
 }
 # Paddle's full_param exports model keys only; shardsync maps optimizer states too (spec).
-STATE_EXTRAS = {"optimizer_state_keys": ["v.beta1_pow_acc_0", "v.beta2_pow_acc_0", "v.moment1_0",
-                                         "v.moment2_0", "v.w_0"]}
+STATE_EXTRAS = {
+    "optimizer_state_keys": ["v.beta1_pow_acc_0", "v.beta2_pow_acc_0", "v.moment1_0", "v.moment2_0", "v.w_0"]
+}
 
 
 def _inputs(case: dict) -> tuple[dict[str, torch.Tensor], GlobalLayout]:
@@ -43,12 +49,14 @@ def _inputs(case: dict) -> tuple[dict[str, torch.Tensor], GlobalLayout]:
         n = 1
         for s in info["shape"]:
             n *= s
-        full[key] = (torch.arange(n, dtype=torch.float64) + 1000 * i).reshape(info["shape"]).to(
-            to_torch_dtype(info["dtype"]))
+        full[key] = (
+            (torch.arange(n, dtype=torch.float64) + 1000 * i).reshape(info["shape"]).to(to_torch_dtype(info["dtype"]))
+        )
         for r, shard in enumerate(info["shards"]):
             rank = r if len(info["shards"]) > 1 else 0
-            ranks[rank].append((key, tuple(info["shape"]), info["dtype"],
-                                Box(tuple(shard["offset"]), tuple(shard["shape"]))))
+            ranks[rank].append(
+                (key, tuple(info["shape"]), info["dtype"], Box(tuple(shard["offset"]), tuple(shard["shape"])))
+            )
     return full, GlobalLayout.merge(ranks)
 
 
@@ -61,8 +69,11 @@ def _ours(case: dict) -> dict[str, torch.Tensor]:
 # `experts.*.w` leaves `experts.x.w` out; in shardsync a whole-segment `*` matches any segment, numbers
 # first (in numeric order), then the others by text.
 DIVERGES = {"star_numeric_sort"}
-AGREE = sorted(n for n, c in CASES.items() if not c["paddle_defect"] and not c["paddle_error"]
-               and n not in DIVERGES and n not in INTENDED_ERRORS)
+AGREE = sorted(
+    n
+    for n, c in CASES.items()
+    if not c["paddle_defect"] and not c["paddle_error"] and n not in DIVERGES and n not in INTENDED_ERRORS
+)
 PADDLE_ERRORS = sorted(n for n, c in CASES.items() if not c["paddle_defect"] and c["paddle_error"])
 DEFECTS = sorted(n for n, c in CASES.items() if c["paddle_defect"])
 
@@ -82,8 +93,10 @@ def test_same_outputs_as_paddle(name: str) -> None:
         assert got[out].double().flatten().tolist() == want["values"], out
 
 
-@pytest.mark.parametrize("name", [n for n in AGREE if not any(
-    k in s for s in CASES[n]["statements"] for k in ("fused_", "^T", "$LAYER_ID_OFFSET"))])
+@pytest.mark.parametrize(
+    "name",
+    [n for n in AGREE if not any(k in s for s in CASES[n]["statements"] for k in ("fused_", "^T", "$LAYER_ID_OFFSET"))],
+)
 def test_same_macro_expansion_as_paddle(name: str) -> None:
     case = CASES[name]
     full, layout = _inputs(case)
@@ -95,15 +108,17 @@ def test_same_macro_expansion_as_paddle(name: str) -> None:
     assert norm == "".join(re.sub(r"\s+", "", s).replace('"', "'") for s in case["paddle_expanded"])
 
 
-@pytest.mark.parametrize("name", sorted(set(PADDLE_ERRORS) - {"optimizer_state_keys_without_model_key"})
-                         + sorted(INTENDED_ERRORS))
+@pytest.mark.parametrize(
+    "name", sorted(set(PADDLE_ERRORS) - {"optimizer_state_keys_without_model_key"}) + sorted(INTENDED_ERRORS)
+)
 def test_errors_where_paddle_errs_or_is_wrong(name: str) -> None:
     with pytest.raises(MappingError):
         _ours(CASES[name])
 
 
-@pytest.mark.parametrize("name", [n for n in DEFECTS if n not in INTENDED_ERRORS
-                                  and not CASES[n]["reverse"]])  # reverse ones: by hand, below
+@pytest.mark.parametrize(
+    "name", [n for n in DEFECTS if n not in INTENDED_ERRORS and not CASES[n]["reverse"]]
+)  # reverse ones: by hand, below
 def test_defects_done_the_intended_way(name: str) -> None:
     case = CASES[name]
     full, layout = _inputs(case)

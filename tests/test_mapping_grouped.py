@@ -11,9 +11,9 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from reference import arange_tensor, assemble, dense_run
 
 import shardsync
+from reference import arange_tensor, assemble, dense_run
 from shardsync.errors import MappingError
 from shardsync.layout import Box, GlobalLayout, dtype_name
 from shardsync.mapping import Mapping, resolve
@@ -98,7 +98,7 @@ def grouped_programs(draw: st.DrawFn) -> tuple[dict[str, torch.Tensor], list[str
             dim = draw(st.integers(0, len(shp) - 1))
             outs = [next(fresh) for _ in range(shp[dim])]
             stmts.append(f"{name} -> {', '.join(outs)}, unstack, axis={dim}")
-            env.update({o: shp[:dim] + shp[dim + 1:] for o in outs})
+            env.update({o: shp[:dim] + shp[dim + 1 :] for o in outs})
         elif op == "reshape":
             new = _factor_shape(draw, math.prod(shp))
             spec = list(new)
@@ -137,9 +137,11 @@ def reversible_programs(draw: st.DrawFn) -> tuple[dict[str, torch.Tensor], list[
     axis = draw(st.integers(0, 2))
     stacked = [(rows, cols)[:axis] + (e,) + (rows, cols)[axis:]][0]
     new = _factor_shape(draw, math.prod(stacked))
-    stmts = [f"experts.*.w -> stacked, stack, axis={axis}",
-             f"stacked -> grouped, src_shape='{list(stacked)}', dst_shape='{list(new)}'",
-             "norm -> norm_vec, unstack, axis=0"]
+    stmts = [
+        f"experts.*.w -> stacked, stack, axis={axis}",
+        f"stacked -> grouped, src_shape='{list(stacked)}', dst_shape='{list(new)}'",
+        "norm -> norm_vec, unstack, axis=0",
+    ]
     return ckpt, stmts
 
 
@@ -160,6 +162,7 @@ def test_a_reversed_program_undoes_stack_reshape_and_unstack(case) -> None:
 
 def _expanded(stmts: list[str], sources: dict[str, torch.Tensor]):
     from shardsync.mapping.macros import expand_macros
+
     out, diags = expand_macros(Mapping.parse(stmts).statements, list(sources))
     assert not diags
     return out
@@ -176,10 +179,12 @@ def test_fused_experts_to_per_expert_and_back() -> None:
     earlier statement bound."""
     fused = {f"layers.{i}.experts.gate_up_proj": arange_tensor((E, 2 * F, H), start=1000 * i) for i in (0, 1)}
     fused |= {f"layers.{i}.experts.down_proj": arange_tensor((E, H, F), start=1000 * i + 500) for i in (0, 1)}
-    to_hf = ["layers.$LAYER_ID.experts.gate_up_proj -> gate_up.$LAYER_ID.*, unstack",
-             "gate_up.$LAYER_ID.$EXPERT_ID -> layers.$LAYER_ID.experts.$EXPERT_ID.gate_proj.weight, "
-             "layers.$LAYER_ID.experts.$EXPERT_ID.up_proj.weight, axis=0",
-             "layers.$LAYER_ID.experts.down_proj -> layers.$LAYER_ID.experts.*.down_proj.weight, unstack"]
+    to_hf = [
+        "layers.$LAYER_ID.experts.gate_up_proj -> gate_up.$LAYER_ID.*, unstack",
+        "gate_up.$LAYER_ID.$EXPERT_ID -> layers.$LAYER_ID.experts.$EXPERT_ID.gate_proj.weight, "
+        "layers.$LAYER_ID.experts.$EXPERT_ID.up_proj.weight, axis=0",
+        "layers.$LAYER_ID.experts.down_proj -> layers.$LAYER_ID.experts.*.down_proj.weight, unstack",
+    ]
     hf = _run(to_hf, fused)
     assert len(hf) == 2 * E * 3
     for i in (0, 1):
@@ -187,8 +192,9 @@ def test_fused_experts_to_per_expert_and_back() -> None:
             gu = fused[f"layers.{i}.experts.gate_up_proj"][e]
             assert torch.equal(hf[f"layers.{i}.experts.{e}.gate_proj.weight"], gu[:F])
             assert torch.equal(hf[f"layers.{i}.experts.{e}.up_proj.weight"], gu[F:])
-            assert torch.equal(hf[f"layers.{i}.experts.{e}.down_proj.weight"],
-                               fused[f"layers.{i}.experts.down_proj"][e])
+            assert torch.equal(
+                hf[f"layers.{i}.experts.{e}.down_proj.weight"], fused[f"layers.{i}.experts.down_proj"][e]
+            )
     back = _run(to_hf, hf, reverse=True)  # the same mapping read backwards: per-expert -> fused
     assert sorted(back) == sorted(fused)
     for k, v in fused.items():
@@ -199,8 +205,10 @@ def test_stacked_layers_to_per_layer_targets_sharded_along_the_layer_dim() -> No
     """A ``[num_layers, ...]`` source (Megatron's torch_dist checkpoints) cut along the layer dim as
     pipeline stages hold it: each layer's target reads one shard."""
     src = {"decoder.layers.mlp.linear_fc2.weight": arange_tensor((5, H, F), start=3)}
-    program = ["decoder.layers.mlp.linear_fc2.weight -> fc2.*, unstack, axis=0",
-               "fc2.$LAYER_ID -> model.layers.$LAYER_ID.mlp.down_proj.weight"]
+    program = [
+        "decoder.layers.mlp.linear_fc2.weight -> fc2.*, unstack, axis=0",
+        "fc2.$LAYER_ID -> model.layers.$LAYER_ID.mlp.down_proj.weight",
+    ]
     specs = resolve(program, _layout(src, {"decoder.layers.mlp.linear_fc2.weight": (0, 2)}))
     assert [s.name for s in specs] == [f"model.layers.{i}.mlp.down_proj.weight" for i in range(5)]
     for i, s in enumerate(specs):
@@ -214,16 +222,18 @@ def test_stacked_layers_through_fused_qkv() -> None:
     unstack, then fused_qkv on each layer's intermediate; reversed, back to the stacked tensor."""
     heads, groups, d = 4, 2, 3
     stacked = {"decoder.layers.self_attention.linear_qkv.weight": arange_tensor((3, (heads + 2 * groups) * d, 5))}
-    program = ["decoder.layers.self_attention.linear_qkv.weight -> qkv.*, unstack",
-               "qkv.$LAYER_ID -> layers.$LAYER_ID.q_proj.weight, layers.$LAYER_ID.k_proj.weight, "
-               f"layers.$LAYER_ID.v_proj.weight, fused_qkv, num_heads={heads}, num_key_value_groups={groups}, axis=0"]
+    program = [
+        "decoder.layers.self_attention.linear_qkv.weight -> qkv.*, unstack",
+        "qkv.$LAYER_ID -> layers.$LAYER_ID.q_proj.weight, layers.$LAYER_ID.k_proj.weight, "
+        f"layers.$LAYER_ID.v_proj.weight, fused_qkv, num_heads={heads}, num_key_value_groups={groups}, axis=0",
+    ]
     got = _run(program, stacked)
     w = stacked["decoder.layers.self_attention.linear_qkv.weight"]
     for layer in range(3):
         per_group = w[layer].reshape(groups, (heads // groups + 2) * d, 5)
-        q = per_group[:, :heads // groups * d].reshape(-1, 5)
-        k = per_group[:, heads // groups * d:(heads // groups + 1) * d].reshape(-1, 5)
-        v = per_group[:, (heads // groups + 1) * d:].reshape(-1, 5)
+        q = per_group[:, : heads // groups * d].reshape(-1, 5)
+        k = per_group[:, heads // groups * d : (heads // groups + 1) * d].reshape(-1, 5)
+        v = per_group[:, (heads // groups + 1) * d :].reshape(-1, 5)
         assert torch.equal(got[f"layers.{layer}.q_proj.weight"], q)
         assert torch.equal(got[f"layers.{layer}.k_proj.weight"], k)
         assert torch.equal(got[f"layers.{layer}.v_proj.weight"], v)
@@ -231,8 +241,9 @@ def test_stacked_layers_through_fused_qkv() -> None:
     assert list(back) == list(stacked) and torch.equal(back["decoder.layers.self_attention.linear_qkv.weight"], w)
 
 
-@pytest.mark.parametrize("statement", ["w -> v, unstack", "w -> v, unstack, axis=0", "w -> v, shape='[127, 17]'",
-                                       "w -> v, shape='[-1, 17]'"])
+@pytest.mark.parametrize(
+    "statement", ["w -> v, unstack", "w -> v, unstack, axis=0", "w -> v, shape='[127, 17]'", "w -> v, shape='[-1, 17]'"]
+)
 def test_a_leading_unit_dim_removed(statement: str) -> None:
     src = {"w": arange_tensor((1, 127, 17))}
     (spec,) = resolve([statement], _layout(src))
@@ -252,15 +263,16 @@ def test_megatron_grouped_weight1_viewed_per_expert_per_tp_block() -> None:
     src = {"weight1": torch.cat(local, dim=1)}
     page = (Path(__file__).parent.parent / "docs" / "mapping-language.md").read_text()
     text = page.split("decoder.layers.0.mlp.experts.weight1 -> b0", 1)[1].split("```", 1)[0]
-    program = Mapping.parse("decoder.layers.0.mlp.experts.weight1 -> b0" + text,
-                            params={"hidden_size": H, "num_experts": E})
+    program = Mapping.parse(
+        "decoder.layers.0.mlp.experts.weight1 -> b0" + text, params={"hidden_size": H, "num_experts": E}
+    )
     src = {"decoder.layers.0.mlp.experts.weight1": src["weight1"]}
     got = _run(program, src, {"decoder.layers.0.mlp.experts.weight1": (1, tp)})
     views = [x.view(E, H, -1) for x in local]  # what GroupedMLP computes with, per rank
     for e in range(E):
         blocks = [v[e].t() for v in views]  # [2f/tp, h] each: [gate_r | up_r]
-        gate = torch.cat([b[:ffn // tp] for b in blocks])
-        up = torch.cat([b[ffn // tp:] for b in blocks])
+        gate = torch.cat([b[: ffn // tp] for b in blocks])
+        up = torch.cat([b[ffn // tp :] for b in blocks])
         assert torch.equal(got[f"experts.{e}.gate_proj.weight"], gate), e
         assert torch.equal(got[f"experts.{e}.up_proj.weight"], up), e
     _check_pieces_inside_shards(program, src, {"decoder.layers.0.mlp.experts.weight1": (1, tp)})
@@ -301,8 +313,11 @@ def test_a_star_inside_a_segment_still_matches_digits_only() -> None:
 ERRORS = [
     (["w -> a, b, unstack"], {"w": (3, 2)}, r"3 names are needed, 2 are given"),
     (["w -> a, b, unstack, axis=2"], {"w": (2, 2)}, r"axis=2 is out of range: 'w' has 2 dims"),
-    (["a, b -> s, stack, axis=-4"], {"a": (2, 2), "b": (2, 2)},
-     r"axis=-4 is out of range: the stacked tensor has 3 dims \(axis -3 to 2\)"),
+    (
+        ["a, b -> s, stack, axis=-4"],
+        {"a": (2, 2), "b": (2, 2)},
+        r"axis=-4 is out of range: the stacked tensor has 3 dims \(axis -3 to 2\)",
+    ),
     (["a, b -> s, stack"], {"a": (2, 3), "b": (3, 2)}, r"'b' has shape \[3, 2\].*must have one shape"),
     (["a, b -> c, d, stack"], {"a": (2,), "b": (2,)}, r"more than one name on both sides"),
     (["w -> a, b, stack"], {"w": (2,)}, r"stack has the forms"),
@@ -343,8 +358,9 @@ def test_a_dropped_unit_dim_is_never_yielded_as_the_source_itself(copy: bool) ->
     assert got["v"].shape == (3, 4) and torch.equal(got["v"], state["w"][0])
 
 
-@pytest.mark.parametrize("program", [["w -> e.*, unstack, axis=1"], ["w -> v, shape='[5, 3, 1, 4]'"],
-                                     ["w -> s, stack, axis=2"]])
+@pytest.mark.parametrize(
+    "program", [["w -> e.*, unstack, axis=1"], ["w -> v, shape='[5, 3, 1, 4]'"], ["w -> s, stack, axis=2"]]
+)
 def test_pieces_cut_to_a_destination_box_read_what_lands_there(program: list[str]) -> None:
     """A destination shard (``load``/``reshard``) takes each piece cut to its box: with dropped and new
     unit dims the cut still reads the source box that lands there."""

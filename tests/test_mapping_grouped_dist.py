@@ -6,10 +6,10 @@ the sharded layout with ``load``; each expert is read from the rank that holds i
 from __future__ import annotations
 
 import torch
-from multiproc import run_ranks
-from reference import arange_tensor
 
 import shardsync
+from multiproc import run_ranks
+from reference import arange_tensor
 from shardsync import LocalShard
 
 E, HID, DIM = 4, 7, 5  # experts, expert hidden dim, model dim (odd, so misplacement shows)
@@ -20,10 +20,12 @@ TITAN_TO_HF = [
     "layers.$LAYER_ID.moe.experts.w3 -> model.layers.$LAYER_ID.mlp.experts.*.up_proj.weight, unstack",
     "layers.$LAYER_ID.moe.experts.w2 -> model.layers.$LAYER_ID.mlp.experts.*.down_proj.weight, unstack",
 ]
-FULL = {"layers.0.moe.router.gate.weight": arange_tensor((E, DIM), start=-50),
-        "layers.0.moe.experts.w1": arange_tensor((E, HID, DIM), start=1000),
-        "layers.0.moe.experts.w3": arange_tensor((E, HID, DIM), start=2000),
-        "layers.0.moe.experts.w2": arange_tensor((E, DIM, HID), start=3000)}
+FULL = {
+    "layers.0.moe.router.gate.weight": arange_tensor((E, DIM), start=-50),
+    "layers.0.moe.experts.w1": arange_tensor((E, HID, DIM), start=1000),
+    "layers.0.moe.experts.w3": arange_tensor((E, HID, DIM), start=2000),
+    "layers.0.moe.experts.w2": arange_tensor((E, DIM, HID), start=3000),
+}
 W2_COLS = [(0, 4), (4, 7)]  # rank r holds w2[:, :, lo:hi]: expert tensor parallelism, uneven
 
 
@@ -32,8 +34,9 @@ def _shards(full: dict[str, torch.Tensor], rank: int) -> dict[str, object]:
     out: dict[str, object] = {"layers.0.moe.router.gate.weight": full["layers.0.moe.router.gate.weight"].clone()}
     for w in ("w1", "w3"):
         x = full[f"layers.0.moe.experts.{w}"]
-        out[f"layers.0.moe.experts.{w}"] = LocalShard(x[rank * per:(rank + 1) * per].clone(), tuple(x.shape),
-                                                         (rank * per, 0, 0))
+        out[f"layers.0.moe.experts.{w}"] = LocalShard(
+            x[rank * per : (rank + 1) * per].clone(), tuple(x.shape), (rank * per, 0, 0)
+        )
     x = full["layers.0.moe.experts.w2"]
     lo, hi = W2_COLS[rank]
     out["layers.0.moe.experts.w2"] = LocalShard(x[:, :, lo:hi].clone(), tuple(x.shape), (0, 0, lo))
@@ -53,20 +56,28 @@ def _worker(rank: int, world: int) -> dict:
     state = _shards(FULL, rank)
     want = _hf(FULL)
     got = dict(shardsync.full_params(state, TITAN_TO_HF))
-    out: dict = {"names": sorted(got) == sorted(want),
-                 "bad": [k for k in want if not torch.equal(got[k], want[k])]}
+    out: dict = {"names": sorted(got) == sorted(want), "bad": [k for k in want if not torch.equal(got[k], want[k])]}
     plan = shardsync.plan(state, TITAN_TO_HF)
     holders = {}  # each gate/up expert target: the ranks holding what it reads
     for t in plan.targets:
         if "gate_proj" in t.name or "up_proj" in t.name:
             holders[t.name] = sorted({h for c in t.copies for h in plan.reads[c.read].holders})
     out["holders"] = holders
-    dst = {k: LocalShard(torch.zeros_like(v.local), v.global_shape, v.global_offset)
-           if isinstance(v, LocalShard) else torch.zeros_like(v) for k, v in state.items()}
+    dst = {
+        k: LocalShard(torch.zeros_like(v.local), v.global_shape, v.global_offset)
+        if isinstance(v, LocalShard)
+        else torch.zeros_like(v)
+        for k, v in state.items()
+    }
     shardsync.load(dst, want, TITAN_TO_HF, reverse=True)  # HF per-expert -> the EP/ETP-sharded experts
-    out["load bad"] = [k for k, v in dst.items() if not torch.equal(
-        v.local if isinstance(v, LocalShard) else v,
-        state[k].local if isinstance(state[k], LocalShard) else state[k])]  # type: ignore[union-attr]
+    out["load bad"] = [
+        k
+        for k, v in dst.items()
+        if not torch.equal(
+            v.local if isinstance(v, LocalShard) else v,
+            state[k].local if isinstance(state[k], LocalShard) else state[k],
+        )
+    ]  # type: ignore[union-attr]
     return out
 
 

@@ -6,8 +6,8 @@ import json
 from pathlib import Path
 
 import torch
-from reference import arange_tensor, assemble
 
+from reference import arange_tensor, assemble
 from shardsync.layout import Box, GlobalLayout, dtype_name
 from shardsync.mapping import Mapping, resolve
 from shardsync.mapping.macros import expand_macros
@@ -34,8 +34,7 @@ def _run(prog, sources, shards=None, dest=None, reverse=None) -> dict[str, torch
 
 
 def test_layer_id_expands_per_layer() -> None:
-    src = {f"layers.{i}.{n}": arange_tensor((2, 3), start=10 * i + (n == "k")) for i in range(3)
-           for n in "qk"}
+    src = {f"layers.{i}.{n}": arange_tensor((2, 3), start=10 * i + (n == "k")) for i in range(3) for n in "qk"}
     out = _run(["layers.$LAYER_ID.q, layers.$LAYER_ID.k -> model.$LAYER_ID.qk, axis=0"], src)
     assert list(out) == [f"model.{i}.qk" for i in range(3)]
     for i in range(3):
@@ -43,12 +42,16 @@ def test_layer_id_expands_per_layer() -> None:
 
 
 def test_expert_and_layer_ids_expand_expert_slowest() -> None:
-    keys = [f"l.{l}.e.{e}.w" for l in (0, 1) for e in (0, 1)]
+    keys = [f"l.{layer}.e.{e}.w" for layer in (0, 1) for e in (0, 1)]
     st = Mapping.parse(["l.$LAYER_ID.e.$EXPERT_ID.w -> m.$LAYER_ID.$EXPERT_ID"]).statements
     got, diags = expand_macros(st, keys)
     assert not diags
-    assert [s.render() for s in got] == ["l.0.e.0.w -> m.0.0", "l.1.e.0.w -> m.1.0",
-                                          "l.0.e.1.w -> m.0.1", "l.1.e.1.w -> m.1.1"]
+    assert [s.render() for s in got] == [
+        "l.0.e.0.w -> m.0.0",
+        "l.1.e.0.w -> m.1.0",
+        "l.0.e.1.w -> m.0.1",
+        "l.1.e.1.w -> m.1.1",
+    ]
 
 
 def test_star_sorts_numerically_and_name_ranges_expand() -> None:
@@ -78,12 +81,18 @@ def test_input_forms(tmp_path: Path) -> None:
 
 def test_reverse_mode_runs_a_load_program_backwards() -> None:
     # Written for loading: checkpoint (hf.*) -> model.
-    load = ["hf.q, hf.k -> qk, axis=0",
-            "hf.o -> o, permute='[1, 2, 0]'",
-            "hf.n -> n, src_dtype='bfloat16', dst_dtype='float32'",
-            "hf.e^T -> e"]
-    model = {"qk": arange_tensor((4, 3)), "o": arange_tensor((3, 5, 2)),
-             "n": arange_tensor((5,), step=1.37), "e": arange_tensor((2, 7))}
+    load = [
+        "hf.q, hf.k -> qk, axis=0",
+        "hf.o -> o, permute='[1, 2, 0]'",
+        "hf.n -> n, src_dtype='bfloat16', dst_dtype='float32'",
+        "hf.e^T -> e",
+    ]
+    model = {
+        "qk": arange_tensor((4, 3)),
+        "o": arange_tensor((3, 5, 2)),
+        "n": arange_tensor((5,), step=1.37),
+        "e": arange_tensor((2, 7)),
+    }
     for form in ({"aoa_statements": load, "aoa_config_reverse": True}, load):
         out = _run(form, model, reverse=None if isinstance(form, dict) else True)
         assert list(out) == ["hf.e", "hf.k", "hf.n", "hf.o", "hf.q"]
@@ -102,12 +111,28 @@ def test_layer_id_offset_in_reverse() -> None:
 
 
 def test_optimizer_states_follow_their_parameter() -> None:
-    src = {"w": arange_tensor((4, 3)), "w.moment1_0": arange_tensor((4, 3), start=100),
-           "w.moment2_0": arange_tensor((4, 3), start=200), "w.w_0": arange_tensor((4, 3), start=300),
-           "w.beta1_pow_acc_0": torch.tensor([0.9]), "frozen": arange_tensor((2,))}
+    src = {
+        "w": arange_tensor((4, 3)),
+        "w.moment1_0": arange_tensor((4, 3), start=100),
+        "w.moment2_0": arange_tensor((4, 3), start=200),
+        "w.w_0": arange_tensor((4, 3), start=300),
+        "w.beta1_pow_acc_0": torch.tensor([0.9]),
+        "frozen": arange_tensor((2,)),
+    }
     out = _run(["w -> a, b, axis=0", "b^T -> b"], src)
-    assert sorted(out) == ["a", "a.beta1_pow_acc_0", "a.moment1_0", "a.moment2_0", "a.w_0", "b",
-                           "b.beta1_pow_acc_0", "b.moment1_0", "b.moment2_0", "b.w_0", "frozen"]
+    assert sorted(out) == [
+        "a",
+        "a.beta1_pow_acc_0",
+        "a.moment1_0",
+        "a.moment2_0",
+        "a.w_0",
+        "b",
+        "b.beta1_pow_acc_0",
+        "b.moment1_0",
+        "b.moment2_0",
+        "b.w_0",
+        "frozen",
+    ]
     assert torch.equal(out["b.moment1_0"], src["w.moment1_0"][2:].t())
     assert torch.equal(out["a.w_0"], src["w.w_0"][:2])
     assert torch.equal(out["b.beta1_pow_acc_0"], torch.tensor([0.9]))
@@ -123,8 +148,11 @@ def test_fused_qkv_one_head_per_group_names_q_k_v() -> None:  # Paddle defect: q
 
 def test_fused_ffn_names_and_no_collision_between_statements() -> None:  # Paddle defect
     src = {"l0.w": arange_tensor((3, 8)), "l1.w": arange_tensor((3, 8), start=100)}
-    out = _run(["l0.w -> l0.gate, l0.up, fused_ffn", "l1.w -> l1.gate, l1.up, fused_ffn"], src,
-               shards={"l0.w": (1, 2), "l1.w": (1, 2)})
+    out = _run(
+        ["l0.w -> l0.gate, l0.up, fused_ffn", "l1.w -> l1.gate, l1.up, fused_ffn"],
+        src,
+        shards={"l0.w": (1, 2), "l1.w": (1, 2)},
+    )
     assert list(out) == ["l0.gate", "l0.up", "l1.gate", "l1.up"]
     w = src["l1.w"]  # two TP shards of [GATE_r | UP_r], 2 columns each
     assert torch.equal(out["l1.gate"], torch.cat([w[:, 0:2], w[:, 4:6]], 1))
@@ -180,9 +208,10 @@ def test_yaml_file_and_reverse_flag(tmp_path: Path) -> None:
 def test_explain_lists_pieces_per_target() -> None:
     from shardsync.mapping.explain import explain
 
-    text = explain({"qkv": torch.zeros(3, 12, dtype=torch.float16)},
-                   ["qkv -> q, k, v, fused_qkv, num_heads=2, num_key_value_groups=1",
-                    "q^T -> qt", "qt -> qt, dtype='float32'"])
+    text = explain(
+        {"qkv": torch.zeros(3, 12, dtype=torch.float16)},
+        ["qkv -> q, k, v, fused_qkv, num_heads=2, num_key_value_groups=1", "q^T -> qt", "qt -> qt, dtype='float32'"],
+    )
     assert text.splitlines() == [
         "k  [3, 3] float16  (1 piece from qkv)",
         "    qkv[0:3, 6:9] -> [0:3, 0:3]",

@@ -31,9 +31,17 @@ FUSED_TO_PER_EXPERT = [
 @pytest.fixture(scope="module")
 def model() -> torch.nn.Module:
     # intermediate_size a multiple of 4: the grouped expert matmul wants 16-byte strides
-    config = MixtralConfig(vocab_size=61, hidden_size=16, intermediate_size=12, num_hidden_layers=2,
-                           num_attention_heads=2, num_key_value_heads=1, num_local_experts=E,
-                           num_experts_per_tok=2, max_position_embeddings=32)
+    config = MixtralConfig(
+        vocab_size=61,
+        hidden_size=16,
+        intermediate_size=12,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        num_local_experts=E,
+        num_experts_per_tok=2,
+        max_position_embeddings=32,
+    )
     torch.manual_seed(0)
     m = MixtralForCausalLM(config).eval()
     assert tuple(m.state_dict()["model.layers.0.mlp.experts.gate_up_proj"].shape) == (E, 24, 16)

@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
-from reference import arange_tensor, assemble, dense_run
 
+from reference import arange_tensor, assemble, dense_run
 from shardsync.layout import Box, GlobalLayout, dtype_name
 from shardsync.mapping import Mapping, resolve
 
@@ -28,8 +28,7 @@ def programs(draw: st.DrawFn) -> tuple[dict[str, torch.Tensor], list[str]]:
     for _ in range(draw(st.integers(1, 6))):
         name = draw(st.sampled_from(sorted(env)))
         shape, dt = env[name]
-        op = draw(st.sampled_from(["rename", "permute", "transpose", "cast", "rebind", "split", "concat",
-                                   "drop"]))
+        op = draw(st.sampled_from(["rename", "permute", "transpose", "cast", "rebind", "split", "concat", "drop"]))
         out = next(fresh)
         if op == "rename":
             stmts.append(f"{name} -> {out}")
@@ -47,8 +46,11 @@ def programs(draw: st.DrawFn) -> tuple[dict[str, torch.Tensor], list[str]]:
             dt = draw(st.sampled_from(DTYPE_NAMES))
             if op == "rebind":
                 out = name
-            stmts.append(f"{out if op == 'cast' else name} -> {out}, dtype='{dt}', lossy=1"
-                         if op == "rebind" else f"{name} -> {out}, dtype='{dt}', lossy=1")
+            stmts.append(
+                f"{out if op == 'cast' else name} -> {out}, dtype='{dt}', lossy=1"
+                if op == "rebind"
+                else f"{name} -> {out}, dtype='{dt}', lossy=1"
+            )
         elif op == "split":
             dim = draw(st.integers(0, len(shape) - 1))
             n = shape[dim]
@@ -59,12 +61,12 @@ def programs(draw: st.DrawFn) -> tuple[dict[str, torch.Tensor], list[str]]:
             axis = dim - len(shape) if neg else dim
             stmts.append(f"{name} -> {', '.join(outs)}, axis={axis}, sizes='{sizes}'")
             for o, s in zip(outs, sizes):
-                env[o] = (shape[:dim] + (s,) + shape[dim + 1:], dt)
+                env[o] = (shape[:dim] + (s,) + shape[dim + 1 :], dt)
             continue
         elif op == "concat":
             dim = draw(st.integers(0, len(shape) - 1))
             stmts.append(f"{name}, {name} -> {out}, axis={dim}")
-            shape = shape[:dim] + (2 * shape[dim],) + shape[dim + 1:]
+            shape = shape[:dim] + (2 * shape[dim],) + shape[dim + 1 :]
         else:
             stmts.append(f"{name} -> _")
             continue
@@ -74,13 +76,23 @@ def programs(draw: st.DrawFn) -> tuple[dict[str, torch.Tensor], list[str]]:
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(programs())
-@example(({"s0": arange_tensor((3, 5), torch.float32, step=1.37)},
-          ["s0 -> v0, dtype='bfloat16'", "v0 -> v1, dtype='float32'", "s0 -> s0, dtype='float64'",
-           "s0 -> s0, dtype='float16'", "s0 -> s0, dtype='float32'"]))
+@example(
+    (
+        {"s0": arange_tensor((3, 5), torch.float32, step=1.37)},
+        [
+            "s0 -> v0, dtype='bfloat16'",
+            "v0 -> v1, dtype='float32'",
+            "s0 -> s0, dtype='float64'",
+            "s0 -> s0, dtype='float16'",
+            "s0 -> s0, dtype='float32'",
+        ],
+    )
+)
 def test_random_programs_match_dense_reference(case: tuple[dict[str, torch.Tensor], list[str]]) -> None:
     sources, stmts = case
-    layout = GlobalLayout.merge([[(k, tuple(v.shape), dtype_name(v.dtype), Box.full(v.shape))
-                                  for k, v in sources.items()]])
+    layout = GlobalLayout.merge(
+        [[(k, tuple(v.shape), dtype_name(v.dtype), Box.full(v.shape)) for k, v in sources.items()]]
+    )
     got = {t.name: (t, assemble(t, sources)) for t in resolve(stmts, layout)}
     want = dense_run(Mapping.parse(stmts).statements, sources)
     assert sorted(got) == sorted(want), stmts
@@ -122,8 +134,7 @@ def test_fused_macros_match_reshape_reference(case: tuple[dict, list[str], dict[
     axis = int(stmts[0].split("axis=", 1)[1].split(",")[0])
     w = sources["w"]
     n = w.shape[axis]
-    layout = GlobalLayout.merge([[("w", tuple(w.shape), "float32", _band(w.shape, axis, n, t, r))]
-                                 for r in range(t)])
+    layout = GlobalLayout.merge([[("w", tuple(w.shape), "float32", _band(w.shape, axis, n, t, r))] for r in range(t)])
     got = {s.name: assemble(s, sources) for s in resolve(stmts, layout)}
     want = dense_run(Mapping.parse(stmts).statements, sources, shards)
     if ", tp=" in stmts[-1] and len(stmts) == 2:

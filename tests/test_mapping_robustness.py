@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from reference import arange_tensor, assemble
 
+from reference import arange_tensor, assemble
 from shardsync.errors import MappingError, ShardsyncError
 from shardsync.layout import Box, GlobalLayout
 from shardsync.mapping import Mapping, resolve
@@ -22,8 +22,7 @@ def _layout(shapes: dict[str, tuple[int, ...]]) -> GlobalLayout:
 LAYOUT = _layout({"w": (4, 6), "layers.1.w": (2,), "layers.12.w": (2,)})
 
 
-def _diag(program, *fragments: str, layout: GlobalLayout = LAYOUT, col: int | None = None,
-          name: str | None = None):
+def _diag(program, *fragments: str, layout: GlobalLayout = LAYOUT, col: int | None = None, name: str | None = None):
     """The single diagnostic of resolving ``program``; its message holds every fragment."""
     with pytest.raises(MappingError) as info:
         resolve(program, layout)
@@ -51,10 +50,17 @@ def _error(source, *fragments: str) -> MappingError:
 
 # -- hangs -------------------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("hi", [1_000_000_000, 10**12, MAX_RANGE_NAMES + 1])
 def test_huge_name_range_is_refused_with_the_cap(hi: int) -> None:
-    _diag([f"w[0:{hi}] -> y, axis=0"], f"w[0:{hi}] would expand to {hi} names",
-          f"at most {MAX_RANGE_NAMES}", "'*' or $NAME placeholder", col=0, name="w")
+    _diag(
+        [f"w[0:{hi}] -> y, axis=0"],
+        f"w[0:{hi}] would expand to {hi} names",
+        f"at most {MAX_RANGE_NAMES}",
+        "'*' or $NAME placeholder",
+        col=0,
+        name="w",
+    )
 
 
 def test_name_range_at_the_cap_expands() -> None:
@@ -67,16 +73,21 @@ def test_adjacent_placeholders_are_refused_not_backtracked() -> None:
     # Ten adjacent placeholders against a 40-digit key took 24 s per key before; now refused at once.
     layout = _layout({"x" + "1" * 40 + "y": (2,), "x12": (2,)})
     name = "x" + "".join(f"$P{i}" for i in range(10))
-    _diag([f"{name} -> o{name}"], "'$P0' is directly followed by '$'", "cut only one way", layout=layout,
-          col=0, name=name)
+    _diag(
+        [f"{name} -> o{name}"], "'$P0' is directly followed by '$'", "cut only one way", layout=layout, col=0, name=name
+    )
     _diag(["layers.$L* -> y.$L, axis=0"], "'$L' is directly followed by '*'", name="layers.$L*")
     _diag(["layers.*1.w -> y, axis=0"], "'*' is directly followed by '1'")
     _diag(["x.*$A -> y.$A, axis=0"], "'*' is directly followed by '$'")
 
 
 def test_placeholders_match_digit_runs_whole() -> None:
-    src = {"l.1.x.1": arange_tensor((2,)), "l.1.x.2": arange_tensor((2,), start=10),
-           "l.2.x.2": arange_tensor((2,), start=20), "l.3" + "9" * 30 + ".x.3": arange_tensor((2,))}
+    src = {
+        "l.1.x.1": arange_tensor((2,)),
+        "l.1.x.2": arange_tensor((2,), start=10),
+        "l.2.x.2": arange_tensor((2,), start=20),
+        "l.3" + "9" * 30 + ".x.3": arange_tensor((2,)),
+    }
     layout = _layout({k: tuple(v.shape) for k, v in src.items()})
     # a repeated placeholder means the same digits; a 31-digit run (too long for a layer id) matches
     # nothing, rather than escaping as a ValueError from int()
@@ -88,18 +99,22 @@ def test_placeholders_match_digit_runs_whole() -> None:
 
 # -- wrong data --------------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("perm", ["[0, 0]", "[1, 1]", "[5, 0]", "[0, 1, 2]"])
 def test_bad_permutation_is_refused_in_reverse_as_forward(perm: str) -> None:
     msg = "has 3 entries" if perm == "[0, 1, 2]" else f"permute={perm} is not a permutation of dims 0..1"
     _diag([f"w -> a, permute='{perm}'"], msg, col=8, name="permute")
-    d = _diag({"aoa_statements": [f"a -> w, permute='{perm}'"], "aoa_config_reverse": True}, msg,
-              col=8, name="permute")
+    d = _diag({"aoa_statements": [f"a -> w, permute='{perm}'"], "aoa_config_reverse": True}, msg, col=8, name="permute")
     assert d.text == f"a -> w, permute='{perm}'"
 
 
 def test_non_integer_permutation_in_reverse_is_a_mapping_error() -> None:
-    _diag({"aoa_statements": ["a -> w, permute='[x, 1]'"], "aoa_config_reverse": True},
-          "permute= must be a list of integers", "'x' is not an integer", col=8)
+    _diag(
+        {"aoa_statements": ["a -> w, permute='[x, 1]'"], "aoa_config_reverse": True},
+        "permute= must be a list of integers",
+        "'x' is not an integer",
+        col=8,
+    )
 
 
 def test_valid_permutation_still_inverts_in_reverse() -> None:
@@ -115,8 +130,12 @@ def test_duplicated_attribute_is_an_error_with_position() -> None:
 
 
 def test_two_keywords_or_a_keyword_with_a_value_are_errors() -> None:
-    _diag(["w -> a, b, fused_ffn, fused_qkv_old"], "one macro keyword, got fused_ffn and fused_qkv_old",
-          col=22, name="fused_qkv_old")
+    _diag(
+        ["w -> a, b, fused_ffn, fused_qkv_old"],
+        "one macro keyword, got fused_ffn and fused_qkv_old",
+        col=22,
+        name="fused_qkv_old",
+    )
     _diag(["w -> a, b, fused_ffn=1"], "fused_ffn is a bare keyword and takes no value", col=11)
 
 
@@ -127,22 +146,25 @@ def test_one_to_one_refuses_attributes_it_would_ignore() -> None:
 
 # -- escapes -----------------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("value", ["²", "٣", "１"])
 def test_unicode_digits_are_not_integers(value: str) -> None:
     _diag([f"w -> a, b, axis={value}"], f"unexpected character {value!r}", col=16)
-    _diag([f"w -> a, b, axis=0, sizes='[{value}, 3]'"], "sizes= must be a list of integers",
-          "is not an integer", col=19)
+    _diag(
+        [f"w -> a, b, axis=0, sizes='[{value}, 3]'"], "sizes= must be a list of integers", "is not an integer", col=19
+    )
 
 
 @pytest.mark.parametrize("digits", [20, 5000])
 def test_huge_integers_are_mapping_errors(digits: int) -> None:
     big = "9" * digits
-    for stmt, col in ((f"w -> a, b, axis={big}", 16), (f"w -> q, k, v, fused_qkv, num_heads={big}, "
-                                                         "num_key_value_groups=1", 35),
-                      (f"w[0:{big}] -> x", 4)):
+    for stmt, col in (
+        (f"w -> a, b, axis={big}", 16),
+        (f"w -> q, k, v, fused_qkv, num_heads={big}, num_key_value_groups=1", 35),
+        (f"w[0:{big}] -> x", 4),
+    ):
         _diag([stmt], "is too large (at most 2**63 - 1)", col=col)
-    _diag([f"w -> a, b, axis=0, sizes='[{big}, 1]'"], "sizes= must be a list of integers",
-          "too large", col=19)
+    _diag([f"w -> a, b, axis=0, sizes='[{big}, 1]'"], "sizes= must be a list of integers", "too large", col=19)
     _diag([f"w -> a, permute='[{big}, 0]'"], "too large", col=8)
 
 
@@ -181,8 +203,9 @@ def test_unreadable_mapping_files(tmp_path: Path) -> None:
     _error(tmp_path / "latin1.txt", "cannot read mapping file", "latin1.txt")
 
 
-@pytest.mark.parametrize("name", ["missing.txt", "missing.json", "missing.yaml", "missing.yml",
-                                  "conf/missing", "conf/missing.aoa"])
+@pytest.mark.parametrize(
+    "name", ["missing.txt", "missing.json", "missing.yaml", "missing.yml", "conf/missing", "conf/missing.aoa"]
+)
 def test_missing_path_is_named_not_parsed_as_statements(tmp_path: Path, name: str) -> None:
     path = str(tmp_path / name)
     _error(path, f"mapping file {path!r} does not exist")
@@ -194,8 +217,11 @@ def test_strings_that_are_programs_still_parse() -> None:
     assert len(Mapping.parse("")) == 0 and len(Mapping.parse("# exported as is")) == 0
     _diag("w ->", "expected a name")
     # a bare word is a shipped mapping's name: not one, so an error naming what it is not
-    with pytest.raises(MappingError, match=r"'w' is not a shipped mapping, a mapping file or a statement "
-                                           r"\(a statement has '->'\)\nshipped mappings:\n  megatron-llama: "):
+    with pytest.raises(
+        MappingError,
+        match=r"'w' is not a shipped mapping, a mapping file or a statement "
+        r"\(a statement has '->'\)\nshipped mappings:\n  megatron-llama: ",
+    ):
         resolve("w", LAYOUT)
 
 

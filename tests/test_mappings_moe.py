@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from reference import arange_tensor
 
 import shardsync
+from reference import arange_tensor
 from shardsync.errors import LayoutError, LoadError
 from shardsync.layout import Box, LocalShard
 from shardsync.mapping import Mapping, shipped_parameters
@@ -22,65 +22,94 @@ PER = H // G
 PARAMS = {"num_heads": H, "num_key_value_groups": G, "vocab_size": VOCAB}
 
 
-def megatron_moe(*, shared: bool = False, qkv_bias: bool = False, qk_norm: bool = False, te: bool = False,
-                 ) -> dict[str, torch.Tensor]:
+def megatron_moe(
+    *,
+    shared: bool = False,
+    qkv_bias: bool = False,
+    qk_norm: bool = False,
+    te: bool = False,
+) -> dict[str, torch.Tensor]:
     """A Megatron MoE GPT state under global names (ROWS padded vocabulary rows); tensor i is arange
     from 1000 * i."""
-    shapes = {"embedding.word_embeddings.weight": (ROWS, HID), "decoder.final_layernorm.weight": (HID,),
-              "output_layer.weight": (ROWS, HID)}
+    shapes = {
+        "embedding.word_embeddings.weight": (ROWS, HID),
+        "decoder.final_layernorm.weight": (HID,),
+        "output_layer.weight": (ROWS, HID),
+    }
     for i in range(LAYERS):
         p = f"decoder.layers.{i}."
         norm = "self_attention.linear_qkv.layer_norm_weight" if te else "input_layernorm.weight"
-        shapes |= {p + norm: (HID,), p + "pre_mlp_layernorm.weight": (HID,),
-                   p + "self_attention.linear_qkv.weight": ((H + 2 * G) * D, HID),
-                   p + "self_attention.linear_proj.weight": (HID, H * D), p + "mlp.router.weight": (EXPERTS, HID)}
-        shapes |= {p + f"mlp.experts.local_experts.{e}.linear_fc{n}.weight": s
-                   for e in range(EXPERTS) for n, s in ((1, (2 * FFN, HID)), (2, (HID, FFN)))}
+        shapes |= {
+            p + norm: (HID,),
+            p + "pre_mlp_layernorm.weight": (HID,),
+            p + "self_attention.linear_qkv.weight": ((H + 2 * G) * D, HID),
+            p + "self_attention.linear_proj.weight": (HID, H * D),
+            p + "mlp.router.weight": (EXPERTS, HID),
+        }
+        shapes |= {
+            p + f"mlp.experts.local_experts.{e}.linear_fc{n}.weight": s
+            for e in range(EXPERTS)
+            for n, s in ((1, (2 * FFN, HID)), (2, (HID, FFN)))
+        }
         if qkv_bias:
             shapes[p + "self_attention.linear_qkv.bias"] = ((H + 2 * G) * D,)
         if qk_norm:
             shapes |= {p + "self_attention.q_layernorm.weight": (D,), p + "self_attention.k_layernorm.weight": (D,)}
         if shared:
-            shapes |= {p + "mlp.shared_experts.linear_fc1.weight": (2 * SHARED, HID),
-                       p + "mlp.shared_experts.linear_fc2.weight": (HID, SHARED),
-                       p + "mlp.shared_experts.gate_weight": (1, HID)}
+            shapes |= {
+                p + "mlp.shared_experts.linear_fc1.weight": (2 * SHARED, HID),
+                p + "mlp.shared_experts.linear_fc2.weight": (HID, SHARED),
+                p + "mlp.shared_experts.gate_weight": (1, HID),
+            }
     return {k: arange_tensor(s, start=1000 * i) for i, (k, s) in enumerate(shapes.items())}
 
 
 def hf_moe(mg: dict[str, torch.Tensor], *, qwen: bool, te: bool = False) -> dict[str, torch.Tensor]:
     """Megatron -> HF hub names, written out plainly: reshape per query group, halve every fc1."""
-    out = {"model.embed_tokens.weight": mg["embedding.word_embeddings.weight"][:VOCAB],
-           "model.norm.weight": mg["decoder.final_layernorm.weight"],
-           "lm_head.weight": mg["output_layer.weight"][:VOCAB]}
-    moe, (w1, w3, w2) = ("mlp.", ("gate_proj", "up_proj", "down_proj")) if qwen else \
-        ("block_sparse_moe.", ("w1", "w3", "w2"))
+    out = {
+        "model.embed_tokens.weight": mg["embedding.word_embeddings.weight"][:VOCAB],
+        "model.norm.weight": mg["decoder.final_layernorm.weight"],
+        "lm_head.weight": mg["output_layer.weight"][:VOCAB],
+    }
+    moe, (w1, w3, w2) = (
+        ("mlp.", ("gate_proj", "up_proj", "down_proj")) if qwen else ("block_sparse_moe.", ("w1", "w3", "w2"))
+    )
     for i in range(LAYERS):
         m, h = f"decoder.layers.{i}.", f"model.layers.{i}."
         norm = "self_attention.linear_qkv.layer_norm_weight" if te else "input_layernorm.weight"
-        out |= {h + "input_layernorm.weight": mg[m + norm],
-                h + "post_attention_layernorm.weight": mg[m + "pre_mlp_layernorm.weight"],
-                h + "self_attn.o_proj.weight": mg[m + "self_attention.linear_proj.weight"],
-                h + moe + "gate.weight": mg[m + "mlp.router.weight"]}
+        out |= {
+            h + "input_layernorm.weight": mg[m + norm],
+            h + "post_attention_layernorm.weight": mg[m + "pre_mlp_layernorm.weight"],
+            h + "self_attn.o_proj.weight": mg[m + "self_attention.linear_proj.weight"],
+            h + moe + "gate.weight": mg[m + "mlp.router.weight"],
+        }
         for kind in ("weight", "bias"):
             if m + f"self_attention.linear_qkv.{kind}" in mg:
                 w = mg[m + f"self_attention.linear_qkv.{kind}"]
                 groups = w.reshape(G, (PER + 2) * D, -1)
-                out |= {h + f"self_attn.q_proj.{kind}": groups[:, :PER * D].reshape(H * D, -1).squeeze(-1),
-                        h + f"self_attn.k_proj.{kind}": groups[:, PER * D:(PER + 1) * D].reshape(G * D, -1).squeeze(-1),
-                        h + f"self_attn.v_proj.{kind}": groups[:, (PER + 1) * D:].reshape(G * D, -1).squeeze(-1)}
+                out |= {
+                    h + f"self_attn.q_proj.{kind}": groups[:, : PER * D].reshape(H * D, -1).squeeze(-1),
+                    h + f"self_attn.k_proj.{kind}": groups[:, PER * D : (PER + 1) * D].reshape(G * D, -1).squeeze(-1),
+                    h + f"self_attn.v_proj.{kind}": groups[:, (PER + 1) * D :].reshape(G * D, -1).squeeze(-1),
+                }
         for x, y in (("q_layernorm", "q_norm"), ("k_layernorm", "k_norm")):
             if m + f"self_attention.{x}.weight" in mg:
                 out[h + f"self_attn.{y}.weight"] = mg[m + f"self_attention.{x}.weight"]
         for e in range(EXPERTS):
             fc1 = mg[m + f"mlp.experts.local_experts.{e}.linear_fc1.weight"]
-            out |= {h + moe + f"experts.{e}.{w1}.weight": fc1[:FFN], h + moe + f"experts.{e}.{w3}.weight": fc1[FFN:],
-                    h + moe + f"experts.{e}.{w2}.weight": mg[m + f"mlp.experts.local_experts.{e}.linear_fc2.weight"]}
+            out |= {
+                h + moe + f"experts.{e}.{w1}.weight": fc1[:FFN],
+                h + moe + f"experts.{e}.{w3}.weight": fc1[FFN:],
+                h + moe + f"experts.{e}.{w2}.weight": mg[m + f"mlp.experts.local_experts.{e}.linear_fc2.weight"],
+            }
         if m + "mlp.shared_experts.gate_weight" in mg:
             fc1 = mg[m + "mlp.shared_experts.linear_fc1.weight"]
-            out |= {h + "mlp.shared_expert.gate_proj.weight": fc1[:SHARED],
-                    h + "mlp.shared_expert.up_proj.weight": fc1[SHARED:],
-                    h + "mlp.shared_expert.down_proj.weight": mg[m + "mlp.shared_experts.linear_fc2.weight"],
-                    h + "mlp.shared_expert_gate.weight": mg[m + "mlp.shared_experts.gate_weight"]}
+            out |= {
+                h + "mlp.shared_expert.gate_proj.weight": fc1[:SHARED],
+                h + "mlp.shared_expert.up_proj.weight": fc1[SHARED:],
+                h + "mlp.shared_expert.down_proj.weight": mg[m + "mlp.shared_experts.linear_fc2.weight"],
+                h + "mlp.shared_expert_gate.weight": mg[m + "mlp.shared_experts.gate_weight"],
+            }
     return out
 
 
@@ -145,8 +174,10 @@ def test_padded_rows_of_each_tp_shard_are_left_as_they_are() -> None:
     shards = [LocalShard(full[:8], (ROWS, 3), (0, 0)), LocalShard(full[8:], (ROWS, 3), (8, 0))]
     result = shardsync.load({"embedding.word_embeddings.weight": shards}, hf, EMB, reverse=True)
     assert torch.equal(full[:VOCAB], hf["model.embed_tokens.weight"]) and bool((full[VOCAB:] == -1).all())
-    assert sorted(t.name for t in result.plan.targets) == ["embedding.word_embeddings.weight[0:8, 0:3]",
-                                                           "embedding.word_embeddings.weight[8:11, 0:3]"]
+    assert sorted(t.name for t in result.plan.targets) == [
+        "embedding.word_embeddings.weight[0:8, 0:3]",
+        "embedding.word_embeddings.weight[8:11, 0:3]",
+    ]
     only_padding = {"embedding.word_embeddings.weight": LocalShard(torch.zeros(4, 3), (ROWS, 3), (12, 0))}
     shardsync.load(only_padding, hf, EMB, reverse=True)  # a rank holding only padding rows receives nothing
 
@@ -154,8 +185,11 @@ def test_padded_rows_of_each_tp_shard_are_left_as_they_are() -> None:
 def test_a_destination_padded_elsewhere_or_shorter_is_still_a_shape_error() -> None:
     hf = {"model.embed_tokens.weight": arange_tensor((VOCAB, 3))}
     for shape in ((ROWS, 4), (VOCAB - 1, 3)):
-        with pytest.raises(LoadError, match=r"shape of 'embedding.word_embeddings.weight': statement 0 .* gives "
-                                            rf"\[11, 3\], the destination is \[{shape[0]}, {shape[1]}\]"):
+        with pytest.raises(
+            LoadError,
+            match=r"shape of 'embedding.word_embeddings.weight': statement 0 .* gives "
+            rf"\[11, 3\], the destination is \[{shape[0]}, {shape[1]}\]",
+        ):
             shardsync.load({"embedding.word_embeddings.weight": torch.zeros(shape)}, hf, EMB, reverse=True)
     plain = ["model.embed_tokens.weight -> embedding.word_embeddings.weight"]  # no keep=: no padding
     with pytest.raises(LoadError, match=r"gives \[11, 3\], the destination is \[16, 3\]"):
@@ -163,6 +197,7 @@ def test_a_destination_padded_elsewhere_or_shorter_is_still_a_shape_error() -> N
 
 
 # -- from_megatron on hand-built MoE modules (one process) -------------------------------------------
+
 
 class Expert(torch.nn.Module):
     def __init__(self, tag: float) -> None:
@@ -197,9 +232,11 @@ def test_local_experts_get_their_global_ids() -> None:
     model.decoder.layers[0].layer_number = 3  # a pipeline stage holding layer 2: both renumberings
     model.decoder.layers[0].mlp = MoELayer()
     state = shardsync.from_megatron(model)
-    assert list(state) == ["decoder.layers.2.mlp.router.weight",
-                           "decoder.layers.2.mlp.experts.local_experts.2.linear_fc2.weight",
-                           "decoder.layers.2.mlp.experts.local_experts.3.linear_fc2.weight"]
+    assert list(state) == [
+        "decoder.layers.2.mlp.router.weight",
+        "decoder.layers.2.mlp.experts.local_experts.2.linear_fc2.weight",
+        "decoder.layers.2.mlp.experts.local_experts.3.linear_fc2.weight",
+    ]
     e3 = state["decoder.layers.2.mlp.experts.local_experts.3.linear_fc2.weight"]
     assert isinstance(e3, LocalShard) and bool((e3.local == 1.0).all())  # local expert 1
 
@@ -234,6 +271,7 @@ def test_the_last_stage_copy_of_tied_embeddings_is_left_out() -> None:
 
 # -- a bare Megatron module where a placed state is needed -------------------------------------------
 
+
 def marked() -> torch.nn.Module:
     lin = torch.nn.Linear(3, 4, bias=False)
     lin.weight.tensor_model_parallel, lin.weight.partition_dim = True, 0  # type: ignore[attr-defined]
@@ -241,9 +279,11 @@ def marked() -> torch.nn.Module:
 
 
 def test_a_bare_megatron_module_as_destination_or_source_says_to_use_from_megatron() -> None:
-    hint = ("is a Megatron module (tensor-parallel marks on its parameters, e.g. 'weight'): its state dict "
-            "holds this rank's shards with local shapes, layer and expert numbers; pass "
-            "shardsync.from_megatron(model) instead")
+    hint = (
+        "is a Megatron module (tensor-parallel marks on its parameters, e.g. 'weight'): its state dict "
+        "holds this rank's shards with local shapes, layer and expert numbers; pass "
+        "shardsync.from_megatron(model) instead"
+    )
     with pytest.raises(LayoutError, match=re.escape("the destination " + hint)):
         shardsync.load(marked(), {"weight": torch.zeros(4, 3)})
     with pytest.raises(LayoutError, match=re.escape("the source " + hint)):
@@ -255,7 +295,10 @@ def test_a_bare_megatron_module_as_destination_or_source_says_to_use_from_megatr
 def test_save_of_a_module_says_what_to_pass(tmp_path: Path) -> None:
     with pytest.raises(LayoutError, match=r"the state is a Megatron module .* pass shardsync.from_megatron"):
         shardsync.save(marked(), tmp_path)  # type: ignore[arg-type]
-    with pytest.raises(LayoutError, match=r"save takes a state dict, not a torch.nn.Module: pass "
-                                          r"model.state_dict\(\)"):
+    with pytest.raises(
+        LayoutError,
+        match=r"save takes a state dict, not a torch.nn.Module: pass "
+        r"model.state_dict\(\)",
+    ):
         shardsync.save(torch.nn.Linear(2, 2), tmp_path)  # type: ignore[arg-type]
     assert not any(tmp_path.iterdir())

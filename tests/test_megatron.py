@@ -11,10 +11,10 @@ from typing import Any
 
 import pytest
 import torch
-from multiproc import run_ranks
-from reference import arange_tensor
 
 import shardsync
+from multiproc import run_ranks
+from reference import arange_tensor
 from shardsync.errors import LayoutError
 from shardsync.layout import Box, LocalShard
 from shardsync.sources.megatron import from_megatron, partition_of, tp_shards
@@ -31,6 +31,7 @@ def mark(t: torch.Tensor, dim: int, stride: int = 1) -> torch.Tensor:
 
 
 # -- tp_shards and partition_of ---------------------------------------------------------------------
+
 
 def test_tp_shards_place_stride_blocks_like_megatron_splits_them() -> None:
     full = arange_tensor((18, 5))
@@ -51,8 +52,10 @@ def test_tp_shards_along_a_later_dim_and_bad_input() -> None:
     assert s.box == Box((0, 7), (3, 7)) and s.global_shape == (3, 14)
     with pytest.raises(LayoutError, match=r"'w': partition dim 2 is outside a tensor of shape \[3, 7\]"):
         tp_shards(w, 2, 0, 2, key="w")
-    with pytest.raises(LayoutError, match="'w': partition_stride 2 must be a positive integer that divides "
-                                          "the local size 7 along dim 1"):
+    with pytest.raises(
+        LayoutError,
+        match="'w': partition_stride 2 must be a positive integer that divides the local size 7 along dim 1",
+    ):
         tp_shards(w, 1, 0, 2, 2, key="w")
     with pytest.raises(LayoutError, match="partition_stride 0"):
         tp_shards(w, 0, 0, 2, 0)
@@ -74,6 +77,7 @@ def test_partition_of_reads_megatron_and_paddle_marks() -> None:
 
 
 # -- from_megatron on hand-built modules (one process: the TP group is this rank alone) -----------
+
 
 class Extra(torch.nn.Module):
     """A layer with Megatron's _extra_state, a buffer and a replicated norm."""
@@ -157,6 +161,7 @@ def test_pipeline_stages_and_virtual_chunks_get_global_layer_numbers() -> None:
 
 # -- a real megatron-core GPTModel on 2 gloo ranks ----------------------------------------------------
 
+
 def init_parallel(tp: int, pp: int) -> None:
     from megatron.core import parallel_state as ps
 
@@ -176,14 +181,30 @@ def build_gpt(tied: bool = False) -> torch.nn.Module:
 
     tp, pp = ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size()
     config = TransformerConfig(
-        num_layers=LAYERS, hidden_size=HIDDEN, num_attention_heads=HEADS, num_query_groups=GROUPS,
-        ffn_hidden_size=FFN, gated_linear_unit=True, activation_func=torch.nn.functional.silu,
-        add_bias_linear=False, normalization="RMSNorm", use_cpu_initialization=True,
-        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, pipeline_dtype=torch.float32)
-    model = GPTModel(config=config, transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm"),
-                     vocab_size=VOCAB, max_sequence_length=32, position_embedding_type="rope",
-                     share_embeddings_and_output_weights=tied, pre_process=ps.is_pipeline_first_stage(),
-                     post_process=ps.is_pipeline_last_stage())
+        num_layers=LAYERS,
+        hidden_size=HIDDEN,
+        num_attention_heads=HEADS,
+        num_query_groups=GROUPS,
+        ffn_hidden_size=FFN,
+        gated_linear_unit=True,
+        activation_func=torch.nn.functional.silu,
+        add_bias_linear=False,
+        normalization="RMSNorm",
+        use_cpu_initialization=True,
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        pipeline_dtype=torch.float32,
+    )
+    model = GPTModel(
+        config=config,
+        transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm"),
+        vocab_size=VOCAB,
+        max_sequence_length=32,
+        position_embedding_type="rope",
+        share_embeddings_and_output_weights=tied,
+        pre_process=ps.is_pipeline_first_stage(),
+        post_process=ps.is_pipeline_last_stage(),
+    )
     with torch.no_grad():
         for name, p in model.named_parameters():
             parallel = getattr(p, "tensor_model_parallel", False)
@@ -212,29 +233,37 @@ def hf_by_hand(mg: dict[str, torch.Tensor], tp: int) -> dict[str, torch.Tensor]:
     along the partition dim: linear_qkv is [q heads | k | v] per query group; linear_fc1 is
     [gate_r; up_r] for each TP rank r."""
     d, per = HIDDEN // HEADS, HEADS // GROUPS
-    hf = {"model.embed_tokens.weight": mg["embedding.word_embeddings.weight"],
-          "model.norm.weight": mg["decoder.final_layernorm.weight"],
-          "lm_head.weight": mg["output_layer.weight"]}
+    hf = {
+        "model.embed_tokens.weight": mg["embedding.word_embeddings.weight"],
+        "model.norm.weight": mg["decoder.final_layernorm.weight"],
+        "lm_head.weight": mg["output_layer.weight"],
+    }
     for i in range(LAYERS):
         m, h = f"decoder.layers.{i}.", f"model.layers.{i}."
         groups = mg[m + "self_attention.linear_qkv.weight"].reshape(GROUPS, (per + 2) * d, HIDDEN)
         fc1 = mg[m + "mlp.linear_fc1.weight"].reshape(tp, 2, FFN // tp, HIDDEN)
-        hf |= {h + "input_layernorm.weight": mg[m + "input_layernorm.weight"],
-               h + "post_attention_layernorm.weight": mg[m + "pre_mlp_layernorm.weight"],
-               h + "self_attn.q_proj.weight": groups[:, :per * d].reshape(HEADS * d, HIDDEN),
-               h + "self_attn.k_proj.weight": groups[:, per * d:(per + 1) * d].reshape(GROUPS * d, HIDDEN),
-               h + "self_attn.v_proj.weight": groups[:, (per + 1) * d:].reshape(GROUPS * d, HIDDEN),
-               h + "self_attn.o_proj.weight": mg[m + "self_attention.linear_proj.weight"],
-               h + "mlp.gate_proj.weight": fc1[:, 0].reshape(FFN, HIDDEN),
-               h + "mlp.up_proj.weight": fc1[:, 1].reshape(FFN, HIDDEN),
-               h + "mlp.down_proj.weight": mg[m + "mlp.linear_fc2.weight"]}
+        hf |= {
+            h + "input_layernorm.weight": mg[m + "input_layernorm.weight"],
+            h + "post_attention_layernorm.weight": mg[m + "pre_mlp_layernorm.weight"],
+            h + "self_attn.q_proj.weight": groups[:, : per * d].reshape(HEADS * d, HIDDEN),
+            h + "self_attn.k_proj.weight": groups[:, per * d : (per + 1) * d].reshape(GROUPS * d, HIDDEN),
+            h + "self_attn.v_proj.weight": groups[:, (per + 1) * d :].reshape(GROUPS * d, HIDDEN),
+            h + "self_attn.o_proj.weight": mg[m + "self_attention.linear_proj.weight"],
+            h + "mlp.gate_proj.weight": fc1[:, 0].reshape(FFN, HIDDEN),
+            h + "mlp.up_proj.weight": fc1[:, 1].reshape(FFN, HIDDEN),
+            h + "mlp.down_proj.weight": mg[m + "mlp.linear_fc2.weight"],
+        }
     return hf
 
 
 def compare(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> dict[str, Any]:
-    return {"missing": sorted(set(want) - set(got)), "extra": sorted(set(got) - set(want)),
-            "different": sorted(k for k in want if k in got and not (
-                got[k].dtype == want[k].dtype and torch.equal(got[k], want[k])))}
+    return {
+        "missing": sorted(set(want) - set(got)),
+        "extra": sorted(set(got) - set(want)),
+        "different": sorted(
+            k for k in want if k in got and not (got[k].dtype == want[k].dtype and torch.equal(got[k], want[k]))
+        ),
+    }
 
 
 def tp_case(mapping: shardsync.Mapping) -> dict[str, Any]:
@@ -283,14 +312,16 @@ def tied_pp_case(mapping: shardsync.Mapping) -> dict[str, Any]:
         mg |= {k.replace("decoder.layers.0.", f"decoder.layers.{rank}."): v for k, v in params.items()}
     want = hf_by_hand(mg | {"output_layer.weight": mg["embedding.word_embeddings.weight"]}, tp=1)
     del want["lm_head.weight"]
-    return {"held": "output_layer.weight" in mg, **compare(dict(shardsync.full_params(from_megatron(model),
-                                                                                     mapping)), want)}
+    return {
+        "held": "output_layer.weight" in mg,
+        **compare(dict(shardsync.full_params(from_megatron(model), mapping)), want),
+    }
 
 
 def doc_block(marker: str) -> str:
     """The first python code block after ``marker`` in docs/megatron.md."""
     text = DOC.read_text()
-    return text[text.index(marker):].split("```python\n", 1)[1].split("```", 1)[0]
+    return text[text.index(marker) :].split("```python\n", 1)[1].split("```", 1)[0]
 
 
 def doc_case(rank: int, out_dir: str) -> dict[str, Any] | None:
@@ -300,8 +331,11 @@ def doc_case(rank: int, out_dir: str) -> dict[str, Any] | None:
     script = doc_block("<!-- executed by tests/test_megatron.py")
     join = 'dist.init_process_group("gloo")  # "nccl" on GPUs\n'
     assert join in script  # the harness has joined the group already
-    namespace: dict[str, Any] = {"build_model": build_gpt, "out_dir": out_dir,
-                                 "tokenizer": SimpleNamespace(vocab_size=VOCAB)}
+    namespace: dict[str, Any] = {
+        "build_model": build_gpt,
+        "out_dir": out_dir,
+        "tokenizer": SimpleNamespace(vocab_size=VOCAB),
+    }
     exec(script.replace(join, ""), namespace)
     want = hf_by_hand(gathered_by_hand(namespace["model"]), tp=2)
     if rank != 0:
@@ -315,14 +349,19 @@ def megatron_worker(rank: int, world: int, mapping: shardsync.Mapping, out_dir: 
     import warnings
 
     warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex).*")
-    return {"tp": tp_case(mapping), "pp": pp_case(mapping), "tied": tied_pp_case(mapping),
-            "doc": doc_case(rank, out_dir)}
+    return {
+        "tp": tp_case(mapping),
+        "pp": pp_case(mapping),
+        "tied": tied_pp_case(mapping),
+        "doc": doc_case(rank, out_dir),
+    }
 
 
 def test_megatron_core_gpt_exports_to_hf_bit_exact(tmp_path: Path) -> None:
     pytest.importorskip("megatron.core")
-    mapping = shardsync.Mapping.parse("megatron-llama", params={
-        "num_heads": HEADS, "num_key_value_groups": GROUPS, "vocab_size": VOCAB})
+    mapping = shardsync.Mapping.parse(
+        "megatron-llama", params={"num_heads": HEADS, "num_key_value_groups": GROUPS, "vocab_size": VOCAB}
+    )
     results = run_ranks(megatron_worker, 2, mapping, str(tmp_path), timeout=400)
     for rank, res in enumerate(results):
         cases = ("tp", "pp", "tied", "doc") if rank == 0 else ("tp", "pp", "tied")
@@ -331,15 +370,16 @@ def test_megatron_core_gpt_exports_to_hf_bit_exact(tmp_path: Path) -> None:
             assert res[case]["missing"] == res[case]["extra"] == res[case]["different"] == [], (rank, case)
         msg = res["tp"]["plain"]
         assert msg is not None, rank
-        assert ("'decoder.layers.0.self_attention.linear_proj.weight': ranks [0] vs ranks [1] hold box "
-                "[0:64, 0:32] with different values") in msg
-        assert "this looks like a per-rank shard: wrap it in LocalShard, or use " \
-               "shardsync.from_megatron(model)" in msg
+        assert (
+            "'decoder.layers.0.self_attention.linear_proj.weight': ranks [0] vs ranks [1] hold box "
+            "[0:64, 0:32] with different values"
+        ) in msg
+        assert "this looks like a per-rank shard: wrap it in LocalShard, or use shardsync.from_megatron(model)" in msg
         assert "layernorm" not in msg  # replicas agree
 
 
 def test_doc_example_of_a_module_of_your_own_runs(capsys: pytest.CaptureFixture[str]) -> None:
     exec(doc_block("<!-- runs as is in tests/test_megatron.py"), {})
     text = DOC.read_text()
-    printed = text[text.index("prints, in one process"):].split("```\n", 1)[1].split("```", 1)[0]
+    printed = text[text.index("prints, in one process") :].split("```\n", 1)[1].split("```", 1)[0]
     assert capsys.readouterr().out == printed

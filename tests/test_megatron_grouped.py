@@ -10,13 +10,13 @@ from typing import Any
 
 import pytest
 import torch
-from reference import arange_tensor
-from test_mappings_moe import EXPERTS, PARAMS, assert_same, hf_moe, megatron_moe
 
 import shardsync
 import shardsync.sources.megatron as megatron
+from reference import arange_tensor
 from shardsync.layout import LocalShard
 from shardsync.mapping import Mapping
+from test_mappings_moe import EXPERTS, PARAMS, assert_same, hf_moe, megatron_moe
 
 E, HID, FFN, TP, EP = 4, 6, 6, 2, 2  # 4 experts, 2 per EP rank; ffn 6 = 3 rows per TP rank
 
@@ -40,8 +40,8 @@ class GroupedMLP(torch.nn.Module):
         ids = range(ep * local, (ep + 1) * local)
         w1 = torch.stack([torch.cat([hf["gate"][e][rows], hf["up"][e][rows]]).T for e in ids])
         w2 = torch.stack([hf["down"][e][:, rows].T for e in ids])
-        self.weight1 = torch.nn.Parameter(w1.reshape(HID, -1).clone())   # [HID, local * 2 FFN / TP]
-        self.weight2 = torch.nn.Parameter(w2.reshape(-1, HID).clone())   # [local * FFN / TP, HID]
+        self.weight1 = torch.nn.Parameter(w1.reshape(HID, -1).clone())  # [HID, local * 2 FFN / TP]
+        self.weight2 = torch.nn.Parameter(w2.reshape(-1, HID).clone())  # [local * FFN / TP, HID]
         for w, dim in ((self.weight1, 1), (self.weight2, 0)):
             w.tensor_model_parallel, w.partition_dim = True, dim  # type: ignore[attr-defined]
         self.num_local_experts, self.tp_group = local, Group(tp)
@@ -56,9 +56,11 @@ def moe_layer(hf: dict[str, list[torch.Tensor]], ep: int, tp: int) -> torch.nn.M
 
 
 def experts_hf() -> dict[str, list[torch.Tensor]]:
-    return {"gate": [arange_tensor((FFN, HID), start=1000 * e) for e in range(E)],
-            "up": [arange_tensor((FFN, HID), start=1000 * e + 500) for e in range(E)],
-            "down": [arange_tensor((HID, FFN), start=-1000 * e - 1) for e in range(E)]}
+    return {
+        "gate": [arange_tensor((FFN, HID), start=1000 * e) for e in range(E)],
+        "up": [arange_tensor((FFN, HID), start=1000 * e + 500) for e in range(E)],
+        "down": [arange_tensor((HID, FFN), start=-1000 * e - 1) for e in range(E)],
+    }
 
 
 def placed(layer: torch.nn.Module, tp: int, monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
@@ -69,8 +71,10 @@ def placed(layer: torch.nn.Module, tp: int, monkeypatch: pytest.MonkeyPatch) -> 
         return shardsync.from_megatron(layer)
 
 
-def all_ranks(hf: dict[str, list[torch.Tensor]], monkeypatch: pytest.MonkeyPatch,
-              ) -> tuple[list[torch.nn.Module], dict[str, list[LocalShard]]]:
+def all_ranks(
+    hf: dict[str, list[torch.Tensor]],
+    monkeypatch: pytest.MonkeyPatch,
+) -> tuple[list[torch.nn.Module], dict[str, list[LocalShard]]]:
     """Every (EP, TP) rank's layer, and their shards together (one process holds them all)."""
     layers = [moe_layer(hf, ep, tp) for ep in range(EP) for tp in range(TP)]
     state: dict[str, list[LocalShard]] = {}
@@ -108,10 +112,12 @@ def test_grouped_mappings_export_and_load_back(name: str, qwen: bool, monkeypatc
     for i in range(2):
         moe = "mlp." if qwen else "block_sparse_moe."
         names = ("gate_proj", "up_proj", "down_proj") if qwen else ("w1", "w3", "w2")
-        per = {kind: [want[f"model.layers.{i}.{moe}experts.{e}.{n}.weight"] for e in range(EXPERTS)]
-               for kind, n in zip(("gate", "up", "down"), names)}
+        per = {
+            kind: [want[f"model.layers.{i}.{moe}experts.{e}.{n}.weight"] for e in range(EXPERTS)]
+            for kind, n in zip(("gate", "up", "down"), names)
+        }
         stacked_fc1 = torch.stack([torch.cat([g, u]) for g, u in zip(per["gate"], per["up"])])
-        state[f"decoder.layers.{i}.mlp.experts.weight1"] = stacked_fc1     # as from_megatron presents it
+        state[f"decoder.layers.{i}.mlp.experts.weight1"] = stacked_fc1  # as from_megatron presents it
         state[f"decoder.layers.{i}.mlp.experts.weight2"] = torch.stack(per["down"])
     mapping = Mapping.parse(name, params=PARAMS)
     assert_same(dict(shardsync.full_params(state, mapping)), want)
@@ -125,12 +131,17 @@ def test_grouped_mappings_export_and_load_back(name: str, qwen: bool, monkeypatc
 
 def test_load_writes_each_ranks_grouped_weights_in_place(monkeypatch: pytest.MonkeyPatch) -> None:
     hf = experts_hf()
-    per_expert = {f"model.layers.0.block_sparse_moe.experts.{e}.{n}.weight": hf[kind][e]
-                  for e in range(E) for kind, n in (("gate", "w1"), ("up", "w3"), ("down", "w2"))}
-    program = ["decoder.layers.0.mlp.experts.weight1 -> fc1.*, unstack",
-               "fc1.$EXPERT_ID -> model.layers.0.block_sparse_moe.experts.$EXPERT_ID.w1.weight, "
-               "model.layers.0.block_sparse_moe.experts.$EXPERT_ID.w3.weight, axis=0",
-               "decoder.layers.0.mlp.experts.weight2 -> model.layers.0.block_sparse_moe.experts.*.w2.weight, unstack"]
+    per_expert = {
+        f"model.layers.0.block_sparse_moe.experts.{e}.{n}.weight": hf[kind][e]
+        for e in range(E)
+        for kind, n in (("gate", "w1"), ("up", "w3"), ("down", "w2"))
+    }
+    program = [
+        "decoder.layers.0.mlp.experts.weight1 -> fc1.*, unstack",
+        "fc1.$EXPERT_ID -> model.layers.0.block_sparse_moe.experts.$EXPERT_ID.w1.weight, "
+        "model.layers.0.block_sparse_moe.experts.$EXPERT_ID.w3.weight, axis=0",
+        "decoder.layers.0.mlp.experts.weight2 -> model.layers.0.block_sparse_moe.experts.*.w2.weight, unstack",
+    ]
     want = [moe_layer(hf, ep, tp) for ep in range(EP) for tp in range(TP)]
     fresh = [moe_layer(hf, ep, tp) for ep in range(EP) for tp in range(TP)]
     for layer in fresh:

@@ -14,11 +14,22 @@ from typing import Any
 
 import pytest
 import torch
-from moe_helpers import MIXTRAL, QWEN2_MOE, TOKENS, MoeSpec, build_moe_gpt, fill, gathered, hf_by_hand, \
-    hf_config, init_parallel, megatron_logits
-from multiproc import run_ranks
 
 import shardsync
+from moe_helpers import (
+    MIXTRAL,
+    QWEN2_MOE,
+    TOKENS,
+    MoeSpec,
+    build_moe_gpt,
+    fill,
+    gathered,
+    hf_by_hand,
+    hf_config,
+    init_parallel,
+    megatron_logits,
+)
+from multiproc import run_ranks
 from shardsync.errors import LayoutError
 
 pytest.importorskip("megatron.core")
@@ -29,9 +40,13 @@ UNTOUCHED = -7.0
 
 
 def _compare(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> dict[str, list[str]]:
-    return {"missing": sorted(set(want) - set(got)), "extra": sorted(set(got) - set(want)),
-            "different": sorted(k for k in want if k in got and not (
-                got[k].dtype == want[k].dtype and torch.equal(got[k], want[k])))}
+    return {
+        "missing": sorted(set(want) - set(got)),
+        "extra": sorted(set(got) - set(want)),
+        "different": sorted(
+            k for k in want if k in got and not (got[k].dtype == want[k].dtype and torch.equal(got[k], want[k]))
+        ),
+    }
 
 
 def _export(rank: int, spec: MoeSpec, model: torch.nn.Module, out: Path) -> dict[str, Any]:
@@ -56,8 +71,9 @@ def _load_back(spec: MoeSpec, model: torch.nn.Module, out: Path) -> dict[str, An
 
     fresh = build_moe_gpt(spec)
     fill(fresh, UNTOUCHED)
-    mapping = shardsync.Mapping.parse(spec.mapping, config=fresh.config, params={"vocab_size": spec.vocab},
-                                      reverse=True)
+    mapping = shardsync.Mapping.parse(
+        spec.mapping, config=fresh.config, params={"vocab_size": spec.vocab}, reverse=True
+    )
     try:
         shardsync.load(fresh, out, mapping)
         bare = ""

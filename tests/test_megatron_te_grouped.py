@@ -28,14 +28,14 @@ from typing import Any
 
 import pytest
 import torch
-from reference import arange_tensor
-from test_mappings_moe import LAYERS, PARAMS, assert_same, hf_moe, megatron_moe
 
 import shardsync
 import shardsync.sources.megatron as megatron
+from reference import arange_tensor
 from shardsync.layout import Box, LocalShard
 from shardsync.mapping import Mapping
 from shardsync.sources.megatron_te import te_grouped_experts
+from test_mappings_moe import LAYERS, PARAMS, assert_same, hf_moe, megatron_moe
 
 E, HID, FFN, EP = 4, 6, 6, 2  # 4 experts, 2 per EP rank; ffn 6: 3 rows per rank at TP=2
 
@@ -70,10 +70,12 @@ class TEGroupedLinear(torch.nn.Module):
 
 def experts_hf(layer: int) -> dict[str, list[torch.Tensor]]:
     base = 100_000 * (layer + 1)
-    return {"gate": [arange_tensor((FFN, HID), start=base + 1000 * e) for e in range(E)],
-            "up": [arange_tensor((FFN, HID), start=base + 1000 * e + 500) for e in range(E)],
-            "down": [arange_tensor((HID, FFN), start=-base - 1000 * e - 1) for e in range(E)],
-            "router": [arange_tensor((E, HID), start=base + 7)]}
+    return {
+        "gate": [arange_tensor((FFN, HID), start=base + 1000 * e) for e in range(E)],
+        "up": [arange_tensor((FFN, HID), start=base + 1000 * e + 500) for e in range(E)],
+        "down": [arange_tensor((HID, FFN), start=-base - 1000 * e - 1) for e in range(E)],
+        "router": [arange_tensor((E, HID), start=base + 7)],
+    }
 
 
 def moe_layer(hf: dict[str, list[torch.Tensor]], ep: int, tp: int, tp_size: int) -> torch.nn.Module:
@@ -106,8 +108,10 @@ def ranks(tp_size: int) -> list[tuple[int, int]]:
     return [(ep, tp) for ep in range(EP) for tp in range(tp_size)]
 
 
-def every_rank(layers: dict[tuple[int, int, int], torch.nn.Module], monkeypatch: pytest.MonkeyPatch,
-               ) -> dict[str, list[LocalShard]]:
+def every_rank(
+    layers: dict[tuple[int, int, int], torch.nn.Module],
+    monkeypatch: pytest.MonkeyPatch,
+) -> dict[str, list[LocalShard]]:
     """The shards of every rank's layers together, under ``decoder.layers.<i>.mlp.`` (one process
     holds them all)."""
     state: dict[str, list[LocalShard]] = {}
@@ -115,19 +119,22 @@ def every_rank(layers: dict[tuple[int, int, int], torch.nn.Module], monkeypatch:
         for key, value in placed(layer, monkeypatch).items():
             if key.startswith("router."):
                 continue  # a replica on every rank: the full state holds it once
-            state.setdefault(f"decoder.layers.{i}.mlp.{key}", []).extend(
-                value if isinstance(value, list) else [value])
+            state.setdefault(f"decoder.layers.{i}.mlp.{key}", []).extend(value if isinstance(value, list) else [value])
     return state
 
 
 def test_weights_get_global_ids_and_the_dims_of_their_role(monkeypatch: pytest.MonkeyPatch) -> None:
     layer = moe_layer(experts_hf(0), ep=1, tp=1, tp_size=2)
     state = placed(layer, monkeypatch)
-    assert list(state) == ["router.weight", "experts.linear_fc1.weight2", "experts.linear_fc1.weight3",
-                           "experts.linear_fc2.weight2", "experts.linear_fc2.weight3"]
+    assert list(state) == [
+        "router.weight",
+        "experts.linear_fc1.weight2",
+        "experts.linear_fc1.weight3",
+        "experts.linear_fc2.weight2",
+        "experts.linear_fc2.weight3",
+    ]
     gate_r, up_r = state["experts.linear_fc1.weight3"]  # [gate_1; up_1] of expert 3: stride 2
-    assert (gate_r.box, up_r.box, gate_r.global_shape) == (Box((3, 0), (3, HID)), Box((9, 0), (3, HID)),
-                                                           (2 * FFN, HID))
+    assert (gate_r.box, up_r.box, gate_r.global_shape) == (Box((3, 0), (3, HID)), Box((9, 0), (3, HID)), (2 * FFN, HID))
     assert torch.equal(up_r.local, experts_hf(0)["up"][3][3:])
     down = state["experts.linear_fc2.weight2"]  # TE says dim 0; the row-parallel fc2 is split along 1
     assert isinstance(down, LocalShard) and down.box == Box((0, 3), (HID, 3))
@@ -136,51 +143,65 @@ def test_weights_get_global_ids_and_the_dims_of_their_role(monkeypatch: pytest.M
 
 def test_biases_follow_their_linear(monkeypatch: pytest.MonkeyPatch) -> None:
     layer = moe_layer(experts_hf(0), ep=0, tp=0, tp_size=2)
-    layer.experts.linear_fc1 = TEGroupedLinear([layer.experts.linear_fc1.weight0, layer.experts.linear_fc1.weight1],
-                                               [arange_tensor((FFN,)), arange_tensor((FFN,), start=50)])
-    layer.experts.linear_fc2 = TEGroupedLinear([layer.experts.linear_fc2.weight0, layer.experts.linear_fc2.weight1],
-                                               [arange_tensor((HID,)), arange_tensor((HID,), start=50)])
+    layer.experts.linear_fc1 = TEGroupedLinear(
+        [layer.experts.linear_fc1.weight0, layer.experts.linear_fc1.weight1],
+        [arange_tensor((FFN,)), arange_tensor((FFN,), start=50)],
+    )
+    layer.experts.linear_fc2 = TEGroupedLinear(
+        [layer.experts.linear_fc2.weight0, layer.experts.linear_fc2.weight1],
+        [arange_tensor((HID,)), arange_tensor((HID,), start=50)],
+    )
     renames, parts = te_grouped_experts(layer)
     assert renames["experts.linear_fc2.bias1"] == "experts.linear_fc2.bias1"  # EP rank 0: ids 0, 1
     state = placed(layer, monkeypatch)
     assert [s.box for s in state["experts.linear_fc1.bias1"]] == [Box((0,), (3,)), Box((6,), (3,))]
-    assert isinstance(state["experts.linear_fc2.bias0"], torch.Tensor) and \
-        not isinstance(state["experts.linear_fc2.bias0"], LocalShard)  # not split: a replica
+    assert isinstance(state["experts.linear_fc2.bias0"], torch.Tensor) and not isinstance(
+        state["experts.linear_fc2.bias0"], LocalShard
+    )  # not split: a replica
     assert parts[id(layer.experts.linear_fc2.bias0)] is None
 
 
 def test_a_count_that_differs_from_the_local_experts_is_an_error() -> None:
     layer = moe_layer(experts_hf(0), ep=0, tp=0, tp_size=1)
     layer.local_expert_indices = [0, 1, 2]
-    with pytest.raises(shardsync.LayoutError, match=r"experts.linear_fc1 holds 2 grouped weights but its MoE "
-                                                    r"layer 3 local experts"):
+    with pytest.raises(
+        shardsync.LayoutError,
+        match=r"experts.linear_fc1 holds 2 grouped weights but its MoE "
+        r"layer 3 local experts",
+    ):
         shardsync.from_megatron(layer)
 
 
-def model_and_reference(qwen: bool) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor],
-                                             dict[int, dict[str, list[torch.Tensor]]]]:
+def model_and_reference(
+    qwen: bool,
+) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], dict[int, dict[str, list[torch.Tensor]]]]:
     """The non-expert part of a TE-spec MoE GPT (global tensors), the HF checkpoint it converts to
     written out plainly, and each layer's per-expert HF weights."""
     mg = megatron_moe(shared=qwen, qkv_bias=qwen, te=True)
     full = hf_moe(mg, qwen=qwen, te=True)
     rest = {k: v for k, v in mg.items() if ".mlp.experts." not in k and ".mlp.router." not in k}
-    moe, (w1, w3, w2) = ("mlp.", ("gate_proj", "up_proj", "down_proj")) if qwen else \
-        ("block_sparse_moe.", ("w1", "w3", "w2"))
+    moe, (w1, w3, w2) = (
+        ("mlp.", ("gate_proj", "up_proj", "down_proj")) if qwen else ("block_sparse_moe.", ("w1", "w3", "w2"))
+    )
     want = {k: v for k, v in full.items() if f".{moe}experts." not in k and f".{moe}gate." not in k}
     per_layer = {i: experts_hf(i) for i in range(LAYERS)}
     for i, hf in per_layer.items():
         h = f"model.layers.{i}.{moe}"
         want[h + "gate.weight"] = hf["router"][0]
         for e in range(E):
-            want |= {h + f"experts.{e}.{w1}.weight": hf["gate"][e], h + f"experts.{e}.{w3}.weight": hf["up"][e],
-                     h + f"experts.{e}.{w2}.weight": hf["down"][e]}
+            want |= {
+                h + f"experts.{e}.{w1}.weight": hf["gate"][e],
+                h + f"experts.{e}.{w3}.weight": hf["up"][e],
+                h + f"experts.{e}.{w2}.weight": hf["down"][e],
+            }
     return rest, want, per_layer
 
 
 @pytest.mark.parametrize("tp_size", [1, 2], ids=["EP2", "TP2xEP2"])
 @pytest.mark.parametrize("name, qwen", [("megatron-mixtral-te", False), ("megatron-qwen2-moe-te", True)])
-def test_te_mappings_export_and_load_back_exactly(name: str, qwen: bool, tp_size: int,
-                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+def test_te_mappings_export_and_load_back_exactly(
+    name: str, qwen: bool, tp_size: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
     rest, want, per_layer = model_and_reference(qwen)
     layers = {(i, ep, tp): moe_layer(hf, ep, tp, tp_size) for i, hf in per_layer.items() for ep, tp in ranks(tp_size)}
     state: dict[str, Any] = dict(rest) | every_rank(layers, monkeypatch)

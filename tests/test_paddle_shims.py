@@ -29,6 +29,7 @@ def test_new_place_and_other_names_do_not_warn() -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         from shardsync.paddle import add_extra_synchronization, full_param  # noqa: F401
+
         assert callable(shardsync.full_params)
         assert "full_params" in shardsync.__all__
 
@@ -42,7 +43,9 @@ def test_sharded_tensor_is_the_deprecated_name_of_local_shard() -> None:
     import shardsync.layout
 
     for module in (shardsync, shardsync.layout):
-        with pytest.warns(DeprecationWarning, match="shardsync.ShardedTensor is deprecated: it is shardsync.LocalShard"):
+        with pytest.warns(
+            DeprecationWarning, match="shardsync.ShardedTensor is deprecated: it is shardsync.LocalShard"
+        ):
             cls = module.ShardedTensor
         assert cls is shardsync.LocalShard
     shard = shardsync.LocalShard(torch.arange(3.0), (5,), (2,))

@@ -15,8 +15,8 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from multiproc import new_group, run_ranks_one_dies, short_wait_group
 
+from multiproc import new_group, run_ranks_one_dies, short_wait_group
 from shardsync.dist import Agreed, abandon, agree, data_phase, transport_errors
 from shardsync.errors import DistributedError, PlanError
 from shardsync.roll_call import TransportFailure, is_transport_failure
@@ -55,6 +55,7 @@ def _scenarios(rank: int, world: int) -> dict[str, Any]:
         if rank == 2:
             raise ValueError("bad input on 2")
         return rank
+
     out["raises"] = _caught(lambda: agree("check", bad))
 
     tail = new_group([1, 2, 3])  # group ranks 0..2 are global ranks 1..3; every member calls agree
@@ -91,7 +92,7 @@ def outcomes() -> dict[int, dict[str, Any]]:
 
 
 def test_agree_returns_this_ranks_object_and_what_everyone_shared(outcomes: dict) -> None:
-    for rank, o in outcomes.items():
+    for o in outcomes.values():
         assert o["agreed"] == (True, [1, 2, 3, 4])
         assert o["plain"] == [0, 10, 20, 30]
 
@@ -114,15 +115,20 @@ def test_a_rank_that_never_enters_is_named(outcomes: dict) -> None:
     for rank in (0, 1):
         kind, phase, failures, _ = outcomes[rank]["missing"]
         assert (kind, phase, list(failures)) == ("DistributedError", "gather layout", [2])
-        assert failures[2] == ("never entered phase 'gather layout' (it entered no phase of this group "
-                               "yet; did it call this on every rank?)")
+        assert failures[2] == (
+            "never entered phase 'gather layout' (it entered no phase of this group "
+            "yet; did it call this on every rank?)"
+        )
 
 
 def test_a_rank_that_failed_before_the_phase_says_why(outcomes: dict) -> None:
     for rank in (0, 1):
         kind, phase, failures, _ = outcomes[rank]["abandoned"]
-        assert (kind, phase, failures) == ("DistributedError", "gather layout",
-                                           {2: "PlanError: strategy 'bogus' is unknown"})
+        assert (kind, phase, failures) == (
+            "DistributedError",
+            "gather layout",
+            {2: "PlanError: strategy 'bogus' is unknown"},
+        )
 
 
 def test_a_local_runtime_error_is_not_taken_for_a_transport_failure(outcomes: dict) -> None:
@@ -135,8 +141,11 @@ def test_a_local_runtime_error_is_not_taken_for_a_transport_failure(outcomes: di
 def test_every_survivor_singles_out_the_dead_rank(outcomes: dict) -> None:
     for rank in (0, 1, 2):
         kind, phase, failures, _ = outcomes[rank]["dies"]
-        assert (kind, phase, failures) == ("DistributedError", "stream", {
-            3: "entered phase 'stream' and then its process ended (it died or exited)"})
+        assert (kind, phase, failures) == (
+            "DistributedError",
+            "stream",
+            {3: "entered phase 'stream' and then its process ended (it died or exited)"},
+        )
 
 
 def test_single_process_is_plain() -> None:

@@ -10,11 +10,11 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from multiproc import run_ranks
-from reference import arange_tensor
 from safetensors.torch import load_file
 
 import shardsync
+from multiproc import run_ranks
+from reference import arange_tensor
 from shardsync import phases, pipeline
 from shardsync.errors import FormatError, LayoutError, PlanError
 from shardsync.io.file_plan import file_owners, plan_files
@@ -65,7 +65,8 @@ def _verbs(rank: int, world: int, out: Path, prepared: list[str]) -> dict[str, o
     first = shardsync.full_params(state, MAPPING)
     got = dict(first)
     res["full_params"] = sorted(got) == sorted(_expected()) and all(
-        torch.equal(got[k], v) for k, v in _expected().items())
+        torch.equal(got[k], v) for k, v in _expected().items()
+    )
     again = shardsync.full_params(state, MAPPING)
     res["fast path"] = dict(again).keys() == got.keys() and again.plan is first.plan
     if world > 1:  # a replica that drifts after the plan was cached is caught on the fast path
@@ -79,13 +80,17 @@ def _verbs(rank: int, world: int, out: Path, prepared: list[str]) -> dict[str, o
     res["plan"] = shardsync.plan(state, MAPPING).order
     dst = {"w_t": shard_dim(torch.zeros(3, 17), 1, rank, world), "b": torch.zeros(7), "norm": torch.zeros(5)}
     loaded = shardsync.load(dst, state, MAPPING, reverse=False)
-    res["load"] = (loaded.missing == () and torch.equal(_local(dst["w_t"]), _local(shard_dim(FULL_W.T, 1, rank, world)))
-                   and torch.equal(dst["b"], FULL_B))
+    res["load"] = (
+        loaded.missing == ()
+        and torch.equal(_local(dst["w_t"]), _local(shard_dim(FULL_W.T, 1, rank, world)))
+        and torch.equal(dst["b"], FULL_B)
+    )
     into = {"w": shard_dim(torch.zeros(17, 3), 1, rank, world), "b": torch.zeros(7), "norm": torch.zeros(5)}
     first_r = shardsync.reshard(state, into)
     second_r = shardsync.reshard(state, into)
-    res["reshard"] = (torch.equal(_local(into["w"]), _local(shard_dim(FULL_W, 1, rank, world)))
-                      and second_r.plan is first_r.plan)
+    res["reshard"] = (
+        torch.equal(_local(into["w"]), _local(shard_dim(FULL_W, 1, rank, world))) and second_r.plan is first_r.plan
+    )
     shardsync.save_hf(state, out / "hf", MAPPING, max_file_size=100, dtype="bf16", overwrite=True)
     shardsync.save_dcp(state, out / "dcp", MAPPING, overwrite=True)
     res["through the orchestrator"] = len(prepared)
@@ -140,16 +145,27 @@ def test_the_files_do_not_depend_on_the_number_of_ranks(outputs: dict) -> None:
 
 # -- the phase table ------------------------------------------------------------------------------------
 
+
 def test_every_phase_is_named_in_the_table_and_only_there() -> None:
     values = list(phases.PHASES.values())
     assert len(values) == len(set(values))
     assert {phases.CHECK, phases.GATHER, phases.PLAN, phases.STREAM, phases.LOAD, phases.RESHARD} == {
-        "check layout", "gather layout", "plan", "stream", "load", "reshard"}
+        "check layout",
+        "gather layout",
+        "plan",
+        "stream",
+        "load",
+        "reshard",
+    }
     assert all(getattr(phases, name) == value for name, value in phases.PHASES.items())
     literal = re.compile(r"\b(agree|data_phase|abandon|RollCall\.enter)\(\s*f?[\"']")
-    offenders = [f"{p.relative_to(SRC)}:{i}" for p in SRC.rglob("*.py") if p.name != "phases.py"
-                 for i, line in enumerate(p.read_text().splitlines(), 1)
-                 if literal.search(line) and not line.lstrip().startswith((">>>", "..."))]
+    offenders = [
+        f"{p.relative_to(SRC)}:{i}"
+        for p in SRC.rglob("*.py")
+        if p.name != "phases.py"
+        for i, line in enumerate(p.read_text().splitlines(), 1)
+        if literal.search(line) and not line.lstrip().startswith((">>>", "..."))
+    ]
     assert offenders == []
 
 
@@ -160,10 +176,14 @@ def test_the_old_phase_constants_are_the_table_s() -> None:
 
     assert (stream.GATHER_PHASE, stream.PLAN_PHASE, STREAM_PHASE) == (phases.GATHER, phases.PLAN, phases.STREAM)
     assert (transfer.CHECK_PHASE, transfer.LOAD_PHASE, transfer.RESHARD_PHASE) == (
-        phases.CHECK, phases.LOAD, phases.RESHARD)
+        phases.CHECK,
+        phases.LOAD,
+        phases.RESHARD,
+    )
 
 
 # -- the options type ----------------------------------------------------------------------------------
+
 
 def test_options_are_one_frozen_checked_value() -> None:
     o = Options.of(None, memory_budget="1KiB", strategy="p2p", verify=True, quantize="fp8")
@@ -197,6 +217,7 @@ def test_every_verb_checks_its_options_when_called(tmp_path: Path) -> None:
 
 # -- deprecated names ----------------------------------------------------------------------------------
 
+
 def test_save_hf_s_old_argument_names_warn_and_write_the_same_files(tmp_path: Path) -> None:
     state = {"a": arange_tensor((9,)), "b": arange_tensor((4, 3)), "c": arange_tensor((5,))}
     shardsync.save_hf(state, tmp_path / "new", max_file_size=40)
@@ -213,6 +234,7 @@ def test_save_hf_s_old_argument_names_warn_and_write_the_same_files(tmp_path: Pa
 
 # -- file ownership ------------------------------------------------------------------------------------
 
+
 def test_files_get_writers_before_anything_moves() -> None:
     t = [TargetSpec(n, (4,), "float32", ()) for n in "abcdef"]
     owners = file_owners(t, limit=32, cast=None, fp8=None, world=3)  # files ab | cd | ef
@@ -226,22 +248,23 @@ def test_files_get_writers_before_anything_moves() -> None:
 
 def test_a_quantised_weight_and_its_scales_keep_one_writer() -> None:
     # the codes fill file 1 exactly; their scales open file 2: both files go to one writer
-    t = [TargetSpec("a.weight", (256, 256), "float32", ()), TargetSpec("b.bias", (8,), "float32", ()),
-         TargetSpec("c.bias", (16384,), "float32", ())]
+    t = [
+        TargetSpec("a.weight", (256, 256), "float32", ()),
+        TargetSpec("b.bias", (8,), "float32", ()),
+        TargetSpec("c.bias", (16384,), "float32", ()),
+    ]
     fp8 = Fp8Quantize()
     assert file_owners(t, limit=256 * 256, cast=None, fp8=fp8, world=2) == ((0,), (0,), (1,))
-    planned = [TargetPlan(x.name, x.shape, x.dtype, o, ())
-               for x, o in zip(t, file_owners(t, 256 * 256, None, fp8, 2))]
+    planned = [TargetPlan(x.name, x.shape, x.dtype, o, ()) for x, o in zip(t, file_owners(t, 256 * 256, None, fp8, 2))]
     files = plan_files(planned, 256 * 256, None, fp8)
     assert files.files == (("a.weight",), ("a.weight_scale_inv", "b.bias"), ("c.bias",))
     assert files.writers == (0, 0, 1)
 
 
-
 # -- sources the verbs open, they close ----------------------------------------------------------------
 
-def test_a_checkpoint_opened_from_a_path_is_closed_by_the_verb(tmp_path: Path,
-                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+
+def test_a_checkpoint_opened_from_a_path_is_closed_by_the_verb(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from shardsync.sources import SafetensorsSource
 
     shardsync.save_hf({"w": arange_tensor((4, 3)), "b": arange_tensor((5,))}, tmp_path / "ck")

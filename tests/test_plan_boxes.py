@@ -53,8 +53,7 @@ def test_holes_are_exact_disjoint_and_sorted(box: Box, cuts: list[Box], drop: in
 
 
 @settings(max_examples=200, deadline=None)
-@given(bs=st.one_of(st.lists(boxes(), max_size=12), tilings()),
-       probes=st.lists(boxes(), min_size=1, max_size=4))
+@given(bs=st.one_of(st.lists(boxes(), max_size=12), tilings()), probes=st.lists(boxes(), min_size=1, max_size=4))
 def test_index_queries_match_a_scan(bs: list[Box], probes: list[Box]) -> None:
     index = BoxIndex(bs)
     for probe in probes + bs:
@@ -82,8 +81,7 @@ def test_chunks_tile_the_box_and_fit(box: Box, item: int, limit: int) -> None:
 @settings(max_examples=200, deadline=None)
 @given(bs=st.one_of(st.lists(boxes(), max_size=8), tilings()))
 def test_overlapping_pairs_match_brute_force(bs: list[Box]) -> None:
-    brute = [(i, j) for i in range(len(bs)) for j in range(i + 1, len(bs))
-             if bs[i].intersect(bs[j]) is not None]
+    brute = [(i, j) for i in range(len(bs)) for j in range(i + 1, len(bs)) if bs[i].intersect(bs[j]) is not None]
     assert overlapping_pairs(bs) == brute
 
 

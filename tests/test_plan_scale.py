@@ -33,10 +33,11 @@ def boxes(draw: st.DrawFn, shape: tuple[int, ...] = SHAPE) -> Box:
 @st.composite
 def tilings(draw: st.DrawFn, shape: tuple[int, ...] = SHAPE, least: int = 0) -> list[Box]:
     """A grid of shards (cut points drawn per dim, at least ``least`` along dim 0), in a drawn order."""
-    edges = [[0, *sorted(draw(st.sets(st.integers(1, n - 1), min_size=least if d == 0 else 0,
-                                      max_size=4))), n] for d, n in enumerate(shape)]
-    grid = [Box((a, c), (b - a, d - c)) for a, b in zip(edges[0], edges[0][1:])
-            for c, d in zip(edges[1], edges[1][1:])]
+    edges = [
+        [0, *sorted(draw(st.sets(st.integers(1, n - 1), min_size=least if d == 0 else 0, max_size=4))), n]
+        for d, n in enumerate(shape)
+    ]
+    grid = [Box((a, c), (b - a, d - c)) for a, b in zip(edges[0], edges[0][1:]) for c, d in zip(edges[1], edges[1][1:])]
     return draw(st.permutations(grid))
 
 
@@ -67,15 +68,23 @@ class ScanIndex:
 
 
 @settings(max_examples=60, deadline=None)
-@given(shards=st.one_of(st.lists(boxes(), max_size=8), tilings()), drop=st.integers(0, 30),
-       pieces=st.lists(boxes(), min_size=1, max_size=4))
+@given(
+    shards=st.one_of(st.lists(boxes(), max_size=8), tilings()),
+    drop=st.integers(0, 30),
+    pieces=st.lists(boxes(), min_size=1, max_size=4),
+)
 def test_coverage_holes_match_dense_mask(shards: list[Box], drop: int, pieces: list[Box]) -> None:
     shards = [b for i, b in enumerate(shards) if i != drop]
     empty = Box((0, 0), (0, 0))  # so that the key exists even with no shard left
-    lay = GlobalLayout.merge([[("w", SHAPE, "float32", b) for b in [empty, *shards[0::2]]],
-                              [("w", SHAPE, "float32", b) for b in shards[1::2]]])
-    targets = [TargetSpec(f"t{i}", p.sizes, "float32", (Piece("w", p, Box.full(p.sizes)),))
-               for i, p in enumerate(pieces)]
+    lay = GlobalLayout.merge(
+        [
+            [("w", SHAPE, "float32", b) for b in [empty, *shards[0::2]]],
+            [("w", SHAPE, "float32", b) for b in shards[1::2]],
+        ]
+    )
+    targets = [
+        TargetSpec(f"t{i}", p.sizes, "float32", (Piece("w", p, Box.full(p.sizes)),)) for i, p in enumerate(pieces)
+    ]
     lines = coverage_problems(targets, lay)
     holes = [parse_box(line.split(" box ")[1].split(" (")[0]) for line in lines]
     want = (mask(pieces) > 0) & (mask(shards) == 0)
@@ -88,7 +97,7 @@ def test_read_blocks_match_brute_force(frags: list[Box]) -> None:
     distinct = list(dict.fromkeys(frags))
     lo = [min(b.offsets[d] for b in distinct) for d in range(2)]
     hi = [max(b.stops[d] for b in distinct) for d in range(2)]
-    bbox = Box(tuple(lo), tuple(h - l for l, h in zip(lo, hi)))
+    bbox = Box(tuple(lo), tuple(h - a for a, h in zip(lo, hi)))
     if np.array_equal(mask(distinct) > 0, mask([bbox]) > 0) or bbox in distinct:
         want = [bbox]
     else:
@@ -104,14 +113,31 @@ def problems(draw: st.DrawFn) -> tuple[GlobalLayout, list[str] | None, PlanOptio
     shape = (12, draw(st.sampled_from([4, 5, 8])))
     grid = draw(tilings(shape, least=3))  # more shards than the index scans without banding
     per: list[list] = [[] for _ in range(world)]
-    for k, b in enumerate(grid[:len(grid) - draw(st.sampled_from([0, 0, 0, 1]))]):
+    for k, b in enumerate(grid[: len(grid) - draw(st.sampled_from([0, 0, 0, 1]))]):
         for r in draw(st.sets(st.integers(0, world - 1), min_size=1, max_size=2)):
             per[(r + k) % world].append(("w", shape, "float32", b))
-    mapping = draw(st.sampled_from([None, ["w -> a, b, axis=0"], ["w^T -> t"], ["w -> a, b, axis=1"],
-                                    ["w, w -> ww, axis=1"], ["w -> g, u, fused_ffn, axis=0"]]))
-    options = draw(st.sampled_from([PlanOptions(strategy="broadcast"), PlanOptions(bucket_bytes=64),
-                                    PlanOptions(strategy="p2p", consumers=tuple(range(world))[::2]),
-                                    PlanOptions(memory_budget=1500)]))
+    mapping = draw(
+        st.sampled_from(
+            [
+                None,
+                ["w -> a, b, axis=0"],
+                ["w^T -> t"],
+                ["w -> a, b, axis=1"],
+                ["w, w -> ww, axis=1"],
+                ["w -> g, u, fused_ffn, axis=0"],
+            ]
+        )
+    )
+    options = draw(
+        st.sampled_from(
+            [
+                PlanOptions(strategy="broadcast"),
+                PlanOptions(bucket_bytes=64),
+                PlanOptions(strategy="p2p", consumers=tuple(range(world))[::2]),
+                PlanOptions(memory_budget=1500),
+            ]
+        )
+    )
     return GlobalLayout.merge(per), mapping, options
 
 
@@ -145,6 +171,9 @@ def test_bad_deliveries_are_counted_per_receiver() -> None:
             steps = list(plan.steps)
             steps[k] = dataclasses.replace(step, packets=packets)
             bad = dataclasses.replace(plan, steps=tuple(steps))
-            want = [f"read {i} ({plan.reads[i].source}{plan.reads[i].box}) reaches rank {d} {times} times"
-                    for i in sorted(pk.reads) for d in (plan.reads[i].receivers if pk.dst < 0 else (pk.dst,))]
+            want = [
+                f"read {i} ({plan.reads[i].source}{plan.reads[i].box}) reaches rank {d} {times} times"
+                for i in sorted(pk.reads)
+                for d in (plan.reads[i].receivers if pk.dst < 0 else (pk.dst,))
+            ]
             assert plan_problems(bad, lay) == want

@@ -45,7 +45,8 @@ def _stream(state: dict[str, torch.Tensor]) -> int:
 @pytest.mark.parametrize("verb", ["plan", "full_params"])
 def test_work_is_linear_in_the_number_of_tensors(verb: str) -> None:
     run: Callable[[dict[str, torch.Tensor]], object] = (
-        (lambda s: shardsync.plan(s, MAPPING)) if verb == "plan" else _stream)
+        (lambda s: shardsync.plan(s, MAPPING)) if verb == "plan" else _stream
+    )
     run(_state(50))  # warm up: imports and caches
     counts = {n: _calls(lambda n=n: run(_state(n))) for n in (150, 300, 600)}  # type: ignore[misc]
     first, second = counts[300] - counts[150], counts[600] - counts[300]
@@ -76,8 +77,7 @@ def test_target_names_are_compared_a_linear_number_of_times() -> None:
     n = 2000
     keys = [f"w{i}" for i in range(n)]
     layout = GlobalLayout.merge([[(k, (3,), "float32", Box.full((3,))) for k in keys]])
-    targets = [TargetSpec(_Name(k), (3,), "float32", (Piece(k, Box.full((3,)), Box.full((3,))),))
-               for k in keys]
+    targets = [TargetSpec(_Name(k), (3,), "float32", (Piece(k, Box.full((3,)), Box.full((3,))),)) for k in keys]
     _Name.compared = 0
     assert target_problems(targets, layout) == []
     assert _Name.compared <= 2 * n, _Name.compared  # a list.count per name: n * n = 4,000,000

@@ -14,10 +14,10 @@ from typing import Any
 
 import pytest
 import torch
-from multiproc import run_ranks
-from reference import arange_tensor
 
 import shardsync.exec.memory as memory
+from multiproc import run_ranks
+from reference import arange_tensor
 from shardsync.exec.memory import BlockPool, release_memory, tune_allocator
 from shardsync.layout import shard_dim
 from shardsync.stream import full_params
@@ -26,7 +26,6 @@ N = 9  # targets of one size; odd sizes catch a block handed out for the wrong s
 FULL = {f"w{i}": arange_tensor((17, 5), start=1000 * i, step=0.5) for i in range(N)}
 MAPPING = [f"w{i}^T -> t{i}" for i in range(N)]  # a transpose: always copied into a fresh target
 REF = {f"t{i}": FULL[f"w{i}"].T for i in range(N)}
-
 
 
 @pytest.fixture(autouse=True)

@@ -24,9 +24,8 @@ from shardsync import save_hf
 from shardsync.cli import main
 from shardsync.errors import FormatError, MappingError
 from shardsync.files import FileStamp, check_unchanged, file_kind, open_regular, read_bounded
-from shardsync.sources import read_layout
 from shardsync.mapping import Mapping
-from shardsync.sources import DcpSource, open_source
+from shardsync.sources import DcpSource, open_source, read_layout
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="needs FIFOs")
 
@@ -53,8 +52,7 @@ def watchdog(tmp_path: Path) -> Iterator[None]:
 
 
 def _run(argv: list[str], timeout: float = 120) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "shardsync", *argv], capture_output=True, text=True,
-                          timeout=timeout)
+    return subprocess.run([sys.executable, "-m", "shardsync", *argv], capture_output=True, text=True, timeout=timeout)
 
 
 def test_fifo_in_a_directory_without_index_is_refused_not_read(tmp_path: Path) -> None:
@@ -64,11 +62,12 @@ def test_fifo_in_a_directory_without_index_is_refused_not_read(tmp_path: Path) -
     assert str(err.value) == (
         f"{tmp_path} holds *.safetensors names that are not regular files: "
         f"{tmp_path}/model-00001-of-00001.safetensors is a FIFO (named pipe), not a regular file "
-        "(remove them, or pass the checkpoint's files by an index)")
+        "(remove them, or pass the checkpoint's files by an index)"
+    )
 
 
 def test_fifo_beside_regular_files_is_refused(tmp_path: Path) -> None:
-    save_file({"w": torch.arange(17.)}, str(tmp_path / "a.safetensors"))
+    save_file({"w": torch.arange(17.0)}, str(tmp_path / "a.safetensors"))
     os.mkfifo(tmp_path / "b.safetensors")
     with pytest.raises(FormatError, match=r"b\.safetensors is a FIFO \(named pipe\), not a regular file"):
         open_source(tmp_path)
@@ -78,20 +77,23 @@ def test_fifo_passed_as_the_checkpoint_is_named_as_such(tmp_path: Path) -> None:
     os.mkfifo(tmp_path / "model.safetensors")
     with pytest.raises(FormatError) as err:
         open_source(tmp_path / "model.safetensors")
-    assert str(err.value).startswith(f"{tmp_path}/model.safetensors is a FIFO (named pipe), not a "
-                                     "checkpoint; pass a .safetensors file")
+    assert str(err.value).startswith(
+        f"{tmp_path}/model.safetensors is a FIFO (named pipe), not a checkpoint; pass a .safetensors file"
+    )
 
 
 def test_fifo_named_by_an_index_is_not_a_regular_file_not_missing(tmp_path: Path) -> None:
-    save_file({"a": torch.arange(17.)}, str(tmp_path / "model-00001-of-00002.safetensors"))
+    save_file({"a": torch.arange(17.0)}, str(tmp_path / "model-00001-of-00002.safetensors"))
     os.mkfifo(tmp_path / "model-00002-of-00002.safetensors")
-    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {
-        "a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"}}))
+    (tmp_path / "model.safetensors.index.json").write_text(
+        json.dumps({"weight_map": {"a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"}})
+    )
     with pytest.raises(FormatError) as err:
         read_layout(tmp_path)
     assert str(err.value) == (
         f"{tmp_path}/model.safetensors.index.json names files that cannot be read: "
-        f"{tmp_path}/model-00002-of-00002.safetensors is a FIFO (named pipe), not a regular file")
+        f"{tmp_path}/model-00002-of-00002.safetensors is a FIFO (named pipe), not a regular file"
+    )
 
 
 def test_index_that_is_a_fifo_is_refused(tmp_path: Path) -> None:
@@ -114,28 +116,35 @@ def test_mapping_file_that_is_a_fifo_or_a_device(tmp_path: Path) -> None:
     os.mkfifo(fifo)
     with pytest.raises(MappingError) as err:
         Mapping.parse(str(fifo))
-    assert str(err.value) == (f"cannot read mapping file {str(fifo)!r}: {fifo} is a FIFO (named pipe), "
-                              "not a regular file; only regular files are read (a mapping file is a "
-                              "regular file of at most 16 MiB)")
+    assert str(err.value) == (
+        f"cannot read mapping file {str(fifo)!r}: {fifo} is a FIFO (named pipe), "
+        "not a regular file; only regular files are read (a mapping file is a "
+        "regular file of at most 16 MiB)"
+    )
     with pytest.raises(MappingError, match="/dev/zero is a character device, not a regular file"):
         Mapping.parse("/dev/zero")
 
 
 def test_cli_mapping_dev_zero_is_one_line(tmp_path: Path) -> None:
-    save_file({"w": torch.arange(17.)}, str(tmp_path / "model.safetensors"))
+    save_file({"w": torch.arange(17.0)}, str(tmp_path / "model.safetensors"))
     done = _run(["convert", str(tmp_path), str(tmp_path / "out"), "--mapping", "/dev/zero"], timeout=60)
     assert done.returncode == 2
-    assert done.stderr == ("shardsync convert: cannot read mapping file '/dev/zero': /dev/zero is a "
-                           "character device, not a regular file; only regular files are read (a mapping "
-                           "file is a regular file of at most 16 MiB) (fix the mapping)\n")
+    assert done.stderr == (
+        "shardsync convert: cannot read mapping file '/dev/zero': /dev/zero is a "
+        "character device, not a regular file; only regular files are read (a mapping "
+        "file is a regular file of at most 16 MiB) (fix the mapping)\n"
+    )
 
 
 def test_mapping_file_over_the_cap_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     path = tmp_path / "map.txt"
     path.write_text("a -> b\n" * 20)  # 140 bytes
     monkeypatch.setattr(program, "MAX_MAPPING_BYTES", 127)
-    with pytest.raises(MappingError, match=r"map\.txt holds 140 bytes, more than the 127 a file of its "
-                                           "kind may hold"):
+    with pytest.raises(
+        MappingError,
+        match=r"map\.txt holds 140 bytes, more than the 127 a file of its "
+        "kind may hold",
+    ):
         Mapping.parse(str(path))
     monkeypatch.setattr(program, "MAX_MAPPING_BYTES", 140)
     assert len(Mapping.parse(str(path)).statements) == 20
@@ -151,14 +160,16 @@ def test_layout_json_that_is_a_fifo(tmp_path: Path, capsys: pytest.CaptureFixtur
 def test_dcp_data_file_that_is_a_fifo(tmp_path: Path) -> None:
     import torch.distributed.checkpoint as dcp
 
-    dcp.save({"w": torch.arange(17.)}, checkpoint_id=str(tmp_path), no_dist=True)
+    dcp.save({"w": torch.arange(17.0)}, checkpoint_id=str(tmp_path), no_dist=True)
     (data,) = tmp_path.glob("*.distcp")
     data.unlink()
     os.mkfifo(data)
     with pytest.raises(FormatError) as err:
         DcpSource(tmp_path)
-    assert str(err.value) == (f"{tmp_path}: the DCP metadata names data files that are not regular files: "
-                              f"{data.name} (a FIFO (named pipe)); only regular files are read")
+    assert str(err.value) == (
+        f"{tmp_path}: the DCP metadata names data files that are not regular files: "
+        f"{data.name} (a FIFO (named pipe)); only regular files are read"
+    )
 
 
 def test_open_regular_and_read_bounded(tmp_path: Path) -> None:
@@ -182,8 +193,10 @@ def test_open_regular_and_read_bounded(tmp_path: Path) -> None:
 def test_output_index_that_is_a_fifo_is_refused_before_writing(tmp_path: Path) -> None:
     os.mkfifo(tmp_path / "model.safetensors.index.json")
     with pytest.raises(FormatError) as err:
-        save_hf({"w": torch.arange(17.)}, tmp_path, overwrite=True)
-    assert str(err.value) == (f"{tmp_path} holds model.safetensors.index.json (a FIFO (named pipe)), "
-                              "where the checkpoint's files go, and not as a regular file; remove it, "
-                              "or choose another directory")
+        save_hf({"w": torch.arange(17.0)}, tmp_path, overwrite=True)
+    assert str(err.value) == (
+        f"{tmp_path} holds model.safetensors.index.json (a FIFO (named pipe)), "
+        "where the checkpoint's files go, and not as a regular file; remove it, "
+        "or choose another directory"
+    )
     assert [p.name for p in tmp_path.iterdir()] == ["model.safetensors.index.json"]

@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from multiproc import run_ranks
-from reference import arange_tensor
 
 import shardsync
+from multiproc import run_ranks
+from reference import arange_tensor
 from shardsync.errors import LayoutError
 from shardsync.layout import GlobalLayout, LocalShard
 from shardsync.layout.meta import check_replicas
@@ -37,8 +37,11 @@ def test_sampled_misses_one_element_in_a_million_exact_sees_it() -> None:
     assert fingerprints([a, b], "off") == [None, None]
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.bool, torch.int8, torch.complex64,
-                                   torch.float8_e4m3fn, torch.uint16], ids=str)
+@pytest.mark.parametrize(
+    "dtype",
+    [torch.float32, torch.bfloat16, torch.bool, torch.int8, torch.complex64, torch.float8_e4m3fn, torch.uint16],
+    ids=str,
+)
 def test_exact_digest_covers_every_byte_in_any_dtype(dtype: torch.dtype) -> None:
     t = arange_tensor((17, 127), torch.float64, step=0.37).to(dtype)
     base = exact_digest(t)
@@ -63,8 +66,11 @@ def test_exact_digest_is_independent_of_strides_and_chunks(monkeypatch: pytest.M
 def test_exact_replicas_that_differ_are_named_as_exact() -> None:
     a, b, _ = _one_off(10_007)
     per_rank = [LocalSource({"w": x}, replica_check=m).entries() for x, m in ((a, "exact"), (b, "exact"))]
-    with pytest.raises(LayoutError, match=r"'w': ranks \[0\] vs ranks \[1\] hold box \[0:10007\] with "
-                                          r"different values \(exact digests differ\)"):
+    with pytest.raises(
+        LayoutError,
+        match=r"'w': ranks \[0\] vs ranks \[1\] hold box \[0:10007\] with "
+        r"different values \(exact digests differ\)",
+    ):
         check_replicas(per_rank)
     sampled = [LocalSource({"w": x}).entries() for x in (a, b)]
     check_replicas(sampled)  # passes: the difference is outside the sample
@@ -73,9 +79,11 @@ def test_exact_replicas_that_differ_are_named_as_exact() -> None:
 
 def test_a_bad_mode_is_refused_before_anything_runs() -> None:
     state = {"w": torch.zeros(3)}
-    for call in (lambda: shardsync.full_params(state, replica_check="full"),
-                 lambda: shardsync.load({"w": torch.zeros(3)}, state, replica_check="full"),
-                 lambda: LocalSource(state, replica_check="full")):  # type: ignore[arg-type]
+    for call in (
+        lambda: shardsync.full_params(state, replica_check="full"),
+        lambda: shardsync.load({"w": torch.zeros(3)}, state, replica_check="full"),
+        lambda: LocalSource(state, replica_check="full"),
+    ):  # type: ignore[arg-type]
         with pytest.raises(LayoutError, match="replica_check='full': use 'sampled'"):
             call()
 
@@ -93,8 +101,9 @@ def _worker(rank: int, world: int) -> dict:
     for verb in ("load", "reshard"):
         dst = {"w": LocalShard(torch.zeros(N // 2 + rank), (N,), (0 if rank == 0 else N // 2,))}
         try:
-            getattr(shardsync, verb)(*(({"w": mine}, dst) if verb == "reshard" else (dst, {"w": mine})),
-                                     replica_check="exact")
+            getattr(shardsync, verb)(
+                *(({"w": mine}, dst) if verb == "reshard" else (dst, {"w": mine})), replica_check="exact"
+            )
             out[verb] = ("ok", "")
         except LayoutError as exc:
             out[verb] = ("LayoutError", str(exc))
@@ -121,6 +130,8 @@ def test_exact_stops_full_params_load_and_reshard_on_every_rank(outcomes: list[d
         for what in ("exact", "load", "reshard"):
             kind, message = o[what]
             assert kind == "LayoutError", (what, message)
-            assert "'w': ranks [0] vs ranks [1] hold box [0:1000003] with different values (exact digests " \
-                   "differ)" in message, message
+            assert (
+                "'w': ranks [0] vs ranks [1] hold box [0:1000003] with different values (exact digests "
+                "differ)" in message
+            ), message
         assert o["load_untouched"] and o["reshard_untouched"]

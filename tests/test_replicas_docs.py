@@ -24,7 +24,7 @@ def _blocks(text: str) -> list[tuple[str, int, str | None]]:
         if m.group(1) != "python":
             continue
         nxt = fences[i + 1] if i + 1 < len(fences) else None
-        follows = nxt is not None and nxt.group(1) == "text" and not text[m.end():nxt.start()].strip()
+        follows = nxt is not None and nxt.group(1) == "text" and not text[m.end() : nxt.start()].strip()
         line = text.count("\n", 0, m.start()) + 2
         out.append((m.group(2), line, nxt.group(2) if follows else None))  # type: ignore[union-attr]
     return out
@@ -55,7 +55,9 @@ def test_doc_examples_run_and_print_what_they_show() -> None:
     outputs = run_ranks(_run, 2, [(src, line) for src, line, _ in blocks], timeout=180)
     assert outputs[0] == outputs[1]
     checker = doctest.OutputChecker()
-    wrong = [f"block at docs/replicas.md:{line} printed:\n{got}the doc shows:\n{expected or ''}"
-             for (_, line, expected), got in zip(blocks, outputs[0])
-             if not checker.check_output(expected or "", got, doctest.ELLIPSIS)]
+    wrong = [
+        f"block at docs/replicas.md:{line} printed:\n{got}the doc shows:\n{expected or ''}"
+        for (_, line, expected), got in zip(blocks, outputs[0])
+        if not checker.check_output(expected or "", got, doctest.ELLIPSIS)
+    ]
     assert not wrong, "\n".join(wrong)

@@ -6,9 +6,9 @@ import logging
 
 import pytest
 import torch
+
 from multiproc import run_ranks
 from replicas_helpers import REPLICATED, H, TinyTP, count_collectives, fill, mixed_precision, mp_step
-
 from shardsync.errors import DistributedError, DriftError
 from shardsync.replicas import DEFAULT_WHAT, DriftReport, DriftRow, ReplicaSync, detect_drift, watch_drift
 
@@ -58,24 +58,36 @@ def _drift_worker(rank: int, world: int) -> dict:
 
     ln = model.blocks[1].ln.weight
     m_ln = masters[ln]
-    cases = [("param", ln, 3, 0.5, {"on_drift": "repair"}),
-             ("master", masters[model.norm.bias], 16, 0.125, "broadcast_now"),
-             ("grad", masters[model.blocks[0].down.bias].grad, 0, 2.0, {"on_drift": "repair"}),
-             ("exp_avg", opt.state[m_ln]["exp_avg"], 5, 0.25, "mean"),
-             ("exp_avg_sq", opt.state[masters[model.pos_embedding]]["exp_avg_sq"], 84, 0.0625,
-              "raise")]
+    cases = [
+        ("param", ln, 3, 0.5, {"on_drift": "repair"}),
+        ("master", masters[model.norm.bias], 16, 0.125, "broadcast_now"),
+        ("grad", masters[model.blocks[0].down.bias].grad, 0, 2.0, {"on_drift": "repair"}),
+        ("exp_avg", opt.state[m_ln]["exp_avg"], 5, 0.25, "mean"),
+        ("exp_avg_sq", opt.state[masters[model.pos_embedding]]["exp_avg_sq"], 84, 0.0625, "raise"),
+    ]
     names = {id(t): n for n, t in model.named_parameters()}
     names.update({id(m): n for p, m in masters.items() for n in [names[id(p)]]})
-    owners = {"param": ln, "master": masters[model.norm.bias],
-              "grad": masters[model.blocks[0].down.bias], "exp_avg": m_ln,
-              "exp_avg_sq": masters[model.pos_embedding]}
+    owners = {
+        "param": ln,
+        "master": masters[model.norm.bias],
+        "grad": masters[model.blocks[0].down.bias],
+        "exp_avg": m_ln,
+        "exp_avg_sq": masters[model.pos_embedding],
+    }
     found = []
     for kind, t, idx, delta, repair in cases:
         expected = _perturb(rank, victim, t, idx, delta)
         with count_collectives() as calls:
             report = detect()
-        row = (names[id(owners[kind])], kind, tuple(t.shape), str(t.dtype).removeprefix("torch."),
-               (victim,), expected, ())
+        row = (
+            names[id(owners[kind])],
+            kind,
+            tuple(t.shape),
+            str(t.dtype).removeprefix("torch."),
+            (victim,),
+            expected,
+            (),
+        )
         assert _rows(report) == [row], (_rows(report), row)
         assert calls == ["all_reduce", "all_reduce"]  # MAX and MIN of the one mismatching tensor
         found.append(row)
@@ -111,8 +123,7 @@ def _drift_worker(rank: int, world: int) -> dict:
     w = masters[model.norm.weight]
     if world == 2:
         diff = _perturb(rank, 0, w, 7, 0.75)
-        out["tie"] = [(r.ranks, r.max_abs_diff == diff) for s in (0, 1)
-                      for r in detect(what=("master",), src=s).rows]
+        out["tie"] = [(r.ranks, r.max_abs_diff == diff) for s in (0, 1) for r in detect(what=("master",), src=s).rows]
     else:
         a = _perturb(rank, 1, w, 7, 0.5)
         b = _perturb(rank, 3, w, 7, -0.25)
@@ -131,6 +142,7 @@ def _drift_worker(rank: int, world: int) -> dict:
     def noise() -> None:
         if rank == victim:
             masters[model.norm.weight].grad[1] += 0.5
+
     repaired = []
     for _ in range(4):
         mp_step(model, masters, opt, X, before_step=noise)
@@ -152,7 +164,8 @@ def test_drift_detect_and_repair(world: int) -> None:
         ("norm.bias", "master", "float32", (victim,)),
         ("blocks.0.down.bias", "grad", "float32", (victim,)),
         ("blocks.1.ln.weight", "exp_avg", "float32", (victim,)),
-        ("pos_embedding", "exp_avg_sq", "float32", (victim,))]
+        ("pos_embedding", "exp_avg_sq", "float32", (victim,)),
+    ]
     assert [r[5] for r in o["found"]][:3] == [0.5, 0.125, 2.0]  # fp32 moments: checked exactly on the ranks
     assert o["raised"] is True and o["warned"] is True
     assert o["tie"] == ([((1,), True), ((0,), True)] if world == 2 else [((1, 3), True)])
@@ -160,9 +173,11 @@ def test_drift_detect_and_repair(world: int) -> None:
 
 
 def test_report_table_and_raise_if() -> None:
-    rows = (DriftRow("norm.weight", "param", (17,), "bfloat16", (1,), 0.5),
-            DriftRow("norm.bias", "grad", (17,), "float32", (), 0.0, (2, 3)),
-            DriftRow("ln.bias", "master", (), "float32", (0,), 1e-7))
+    rows = (
+        DriftRow("norm.weight", "param", (17,), "bfloat16", (1,), 0.5),
+        DriftRow("norm.bias", "grad", (17,), "float32", (), 0.0, (2, 3)),
+        DriftRow("ln.bias", "master", (), "float32", (0,), 1e-7),
+    )
     report = DriftReport(rows, checked=12, world=4)
     lines = str(report).splitlines()
     assert lines[0] == "drift in 3 of 12 tensors across 4 ranks:"
@@ -171,8 +186,7 @@ def test_report_table_and_raise_if() -> None:
     assert lines[3].split() == ["norm.bias", "grad", "17", "float32", "(missing", "on", "2,3)", "0.0"]
     assert lines[4].split() == ["ln.bias", "master", "scalar", "float32", "0", "1e-07"]
     assert report.exceeding(1e-6) == rows[:2] and len(report) == 3 and not report.ok
-    with pytest.raises(DriftError,
-                       match=r"3 replicated tensor\(s\) differ across the 4 ranks beyond atol=0.0"):
+    with pytest.raises(DriftError, match=r"3 replicated tensor\(s\) differ across the 4 ranks beyond atol=0.0"):
         report.raise_if()
     with pytest.raises(DriftError) as info:
         report.raise_if(atol=0.5)

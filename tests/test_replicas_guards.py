@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from multiproc import run_ranks
 from replicas_helpers import REPLICATED, TinyTP, fill, replica_error
-
 from shardsync.errors import ReplicaError
 from shardsync.replicas import ReplicaSync
 
@@ -85,7 +85,9 @@ def test_a_param_group_on_one_rank_fails_on_every_rank_naming_it(outcomes: list[
     for o in outcomes:
         kind, message = o["group"]["step"]
         assert kind == "ReplicaError", message
-        assert ("the ranks' optimizers step different parameters (rank 0: 1 param group(s) of [15] params; "
-                "rank 1: 2 param group(s) of [15, 1] params)") in message, message
+        assert (
+            "the ranks' optimizers step different parameters (rank 0: 1 param group(s) of [15] params; "
+            "rank 1: 2 param group(s) of [15, 1] params)"
+        ) in message, message
         assert "add_param_group with the same parameters at the same step" in message
         assert o["group"]["after"] == ("no error", "")

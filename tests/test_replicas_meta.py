@@ -7,17 +7,19 @@ from __future__ import annotations
 
 import pytest
 import torch
-from multiproc import run_ranks
-from replicas_helpers import TinyTP, fill
 from torch import nn
 
+from multiproc import run_ranks
+from replicas_helpers import TinyTP, fill
 from shardsync.errors import ReplicaError
 from shardsync.replicas import ReplicaSync, detect_drift
 
-META_MESSAGE = ("2 selected parameter(s) or their masters are on the meta device, with no data to sync or "
-                "compare: norm.bias, norm.weight; materialise the model first "
-                "(model.to_empty(device=...), then initialise or load it), or leave them out with the "
-                "selector")
+META_MESSAGE = (
+    "2 selected parameter(s) or their masters are on the meta device, with no data to sync or "
+    "compare: norm.bias, norm.weight; materialise the model first "
+    "(model.to_empty(device=...), then initialise or load it), or leave them out with the "
+    "selector"
+)
 
 
 def _norm_on_meta(rank: int) -> TinyTP:
@@ -39,8 +41,10 @@ def _outcome(fn) -> tuple[str, str]:
 def _worker(rank: int, world: int) -> dict[str, tuple[str, str]]:
     model = _norm_on_meta(rank)
     opt = torch.optim.SGD(model.parameters(), lr=1.0)
-    out = {"sync": _outcome(lambda: ReplicaSync(model, opt).broadcast_now()),
-           "drift": _outcome(lambda: detect_drift(model, opt))}
+    out = {
+        "sync": _outcome(lambda: ReplicaSync(model, opt).broadcast_now()),
+        "drift": _outcome(lambda: detect_drift(model, opt)),
+    }
     # selected away, the rest syncs: pos_embedding comes from rank 0 on every rank
     with torch.no_grad():
         model.pos_embedding.add_(100.0 * rank)

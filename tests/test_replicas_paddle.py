@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import torch
+
 from multiproc import run_ranks
 from replicas_helpers import REPLICATED, TinyTP, fill, gather
-
 from shardsync.paddle import add_extra_synchronization
 from shardsync.replicas import ReplicaSync
 
@@ -37,17 +37,30 @@ def _paddle_worker(rank: int, world: int) -> dict:
     model = TinyTP()
     fill(model, rank)
     opt = torch.optim.AdamW(model.parameters(), lr=0.01)
-    sync = add_extra_synchronization(model, opt, params_filter_fn=lambda n, p: n.startswith("norm."),
-                                     sync_mode="average", sync_grad=True, sync_moment=True)
+    sync = add_extra_synchronization(
+        model,
+        opt,
+        params_filter_fn=lambda n, p: n.startswith("norm."),
+        sync_mode="average",
+        sync_grad=True,
+        sync_moment=True,
+    )
     seen = {}
     opt.register_step_pre_hook(lambda o, a, k: seen.update(g=model.norm.weight.grad.clone()))
     for p in model.parameters():
         p.grad = _base(p) * (rank + 1)
     opt.step()
-    out["average"] = (sync.selection.names, sync.params, sync.grads, sync.states,
-                      torch.equal(seen["g"], _base(model.norm.weight) * (world + 1) / 2),
-                      torch.equal(model.blocks[0].ln.weight.grad,  # not selected: untouched
-                                  _base(model.blocks[0].ln.weight) * (rank + 1)))
+    out["average"] = (
+        sync.selection.names,
+        sync.params,
+        sync.grads,
+        sync.states,
+        torch.equal(seen["g"], _base(model.norm.weight) * (world + 1) / 2),
+        torch.equal(
+            model.blocks[0].ln.weight.grad,  # not selected: untouched
+            _base(model.blocks[0].ln.weight) * (rank + 1),
+        ),
+    )
     sync.detach()
 
     # moments only: params may differ, moments are averaged
@@ -63,9 +76,11 @@ def _paddle_worker(rank: int, world: int) -> dict:
     opt.step()
     m = opt.state[model.norm.weight]["exp_avg"]
     g = gather(m)
-    out["moments"] = (torch.equal(g[0], g[1]),
-                      torch.equal(m, 0.1 * _base(model.norm.weight) * (world + 1) / 2),
-                      not torch.equal(*gather(model.norm.weight)))
+    out["moments"] = (
+        torch.equal(g[0], g[1]),
+        torch.equal(m, 0.1 * _base(model.norm.weight) * (world + 1) / 2),
+        not torch.equal(*gather(model.norm.weight)),
+    )
     sync.detach()
 
     # Paddle's convention: masters in optimizer._master_weights, keyed by name
@@ -76,8 +91,10 @@ def _paddle_worker(rank: int, world: int) -> dict:
     opt._master_weights = {"norm.weight": master}
     sync = ReplicaSync(model, opt)
     sync.broadcast_now()
-    out["master_weights"] = (master.tolist() == model.norm.weight.double().tolist(),
-                             [m.kind for b in sync.buckets for m in b.members].count("master"))
+    out["master_weights"] = (
+        master.tolist() == model.norm.weight.double().tolist(),
+        [m.kind for b in sync.buckets for m in b.members].count("master"),
+    )
     return out
 
 
@@ -86,7 +103,6 @@ def test_add_extra_synchronization() -> None:
     for o in out:
         assert o["defaults"] == ("broadcast", None, (), 0, REPLICATED)
         assert o["broadcast"] is True
-        assert o["average"] == (("norm.bias", "norm.weight"), "mean", "mean",
-                                ("exp_avg", "exp_avg_sq"), True, True)
+        assert o["average"] == (("norm.bias", "norm.weight"), "mean", "mean", ("exp_avg", "exp_avg_sq"), True, True)
         assert o["moments"] == (True, True, True)
         assert o["master_weights"] == (True, 1)

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import torch
-from multiproc import run_ranks
-from replicas_helpers import H, TinyTP, fill
 from torch import nn
 
+from multiproc import run_ranks
+from replicas_helpers import H, TinyTP, fill
 from shardsync.errors import DistributedError, LayoutError, ReplicaError
 from shardsync.paddle import add_extra_synchronization
 from shardsync.replicas import ReplicaSync, detect_drift, select_replicated
@@ -44,8 +44,11 @@ def _preflight_worker(rank: int, world: int) -> dict:
     out["args"] = _attempt(lambda: ReplicaSync(model, None, src=5 if rank == 1 else 0))
     out["args_everywhere"] = _attempt(lambda: ReplicaSync(model, None, params="avg"))
     out["include_everywhere"] = _attempt(lambda: detect_drift(model, selector=lambda n, p: 1 / 0))
-    out["paddle_args"] = _attempt(lambda: add_extra_synchronization(
-        model, torch.optim.SGD(model.parameters()), sync_mode="avg" if rank == 0 else "broadcast"))
+    out["paddle_args"] = _attempt(
+        lambda: add_extra_synchronization(
+            model, torch.optim.SGD(model.parameters()), sync_mode="avg" if rank == 0 else "broadcast"
+        )
+    )
     opt = torch.optim.AdamW(model.parameters())
     sync = ReplicaSync(model, opt)
     if rank == 0:  # only rank 0 steps: its Adam moments exist, rank 1's do not
@@ -67,13 +70,17 @@ def test_mismatches_raise_on_every_rank() -> None:
     assert out[0] == out[1]
     o = out[0]
     assert o["selection"][0] == "LayoutError"
-    assert ("replica sync preflight: the ranks disagree on 1 replicated tensor(s):\n"
-            "  norm.bias: selected on rank(s) [0], not on rank(s) [1]\n") in o["selection"][1]
+    assert (
+        "replica sync preflight: the ranks disagree on 1 replicated tensor(s):\n"
+        "  norm.bias: selected on rank(s) [0], not on rank(s) [1]\n"
+    ) in o["selection"][1]
     assert o["drift"][0] == "LayoutError" and "norm.bias: selected on rank(s) [0]" in o["drift"][1]
-    assert ("pos_embedding (param): rank 0: shape [5, 17] float32 on cpu, "
-            "rank 1: shape [6, 17] float32 on cpu") in o["numel"][1]
-    assert ("norm.weight (param): rank 0: shape [17] float32 on cpu, rank 1: shape [17] bfloat16 "
-            "on cpu") in o["dtype"][1] and "norm.bias (param)" in o["dtype"][1]
+    assert ("pos_embedding (param): rank 0: shape [5, 17] float32 on cpu, rank 1: shape [6, 17] float32 on cpu") in o[
+        "numel"
+    ][1]
+    assert ("norm.weight (param): rank 0: shape [17] float32 on cpu, rank 1: shape [17] bfloat16 on cpu") in o["dtype"][
+        1
+    ] and "norm.bias (param)" in o["dtype"][1]
     assert "norm.weight (master): rank 0: shape [17] float32 on cpu, rank 1: absent" in o["master"][1]
     assert o["args"][:3] == ("DistributedError", "replica sync: preflight", [1])
     assert "src=5: must be a rank of the group, 0..1" in o["args"][3]

@@ -9,10 +9,10 @@ import traceback
 
 import pytest
 import torch
-from multiproc import run_ranks
-from replicas_helpers import REPLICATED, H, TinyTP, fill, gather, replica_error
 from torch import nn
 
+from multiproc import run_ranks
+from replicas_helpers import REPLICATED, H, TinyTP, fill, gather, replica_error
 from shardsync.paddle import add_extra_synchronization
 from shardsync.replicas import DEFAULT_WHAT, ReplicaSync, detect_drift, select_replicated, tp_sharding
 
@@ -28,8 +28,10 @@ def _frozen(rank: int, world: int) -> dict:
     model.norm.weight.requires_grad_(rank == 0)
     model.blocks[1].ln.bias.requires_grad_(rank == 1)
     opt = torch.optim.SGD(model.parameters(), lr=1.0)
-    out = {"sync": replica_error(lambda: ReplicaSync(model, opt, grads="mean")),
-           "paddle": replica_error(lambda: add_extra_synchronization(model, opt, sync_grad=True))}
+    out = {
+        "sync": replica_error(lambda: ReplicaSync(model, opt, grads="mean")),
+        "paddle": replica_error(lambda: add_extra_synchronization(model, opt, sync_grad=True)),
+    }
     model.norm.weight.requires_grad_(True)
     model.blocks[1].ln.bias.requires_grad_(True)
     model.pos_embedding.requires_grad_(False)  # frozen on every rank: fine, and never stepped
@@ -40,9 +42,11 @@ def _frozen(rank: int, world: int) -> dict:
         p.grad = _base(p) * (rank + 1) if p.requires_grad else None
     opt.step()
     sync.detach()
-    out["frozen_everywhere"] = (model.pos_embedding.grad is None,
-                                torch.equal(model.pos_embedding.detach(), before),
-                                torch.equal(model.norm.weight.grad, _base(model.norm.weight) * 1.5))
+    out["frozen_everywhere"] = (
+        model.pos_embedding.grad is None,
+        torch.equal(model.pos_embedding.detach(), before),
+        torch.equal(model.norm.weight.grad, _base(model.norm.weight) * 1.5),
+    )
     return out
 
 
@@ -67,12 +71,14 @@ def _masters_added_after_attach(rank: int, world: int) -> dict:
         m.grad = _base(m) * (rank + 1)
     opt.step()
     exp_avg = opt.state[ln]["exp_avg"]
-    out = {"kinds_before": kinds_before,
-           "kinds_after": sorted({m.kind for b in sync.buckets for m in b.members}),
-           "grad_is_mean": torch.equal(seen["g"], _base(ln) * 1.5),
-           "exp_avg": torch.equal(exp_avg, 0.1 * _base(ln) * 1.5),
-           "same": [torch.equal(*gather(t)) for t in (ln, exp_avg, opt.state[ln]["exp_avg_sq"])],
-           "report": detect_drift(model, opt, master_params=masters).ok}
+    out = {
+        "kinds_before": kinds_before,
+        "kinds_after": sorted({m.kind for b in sync.buckets for m in b.members}),
+        "grad_is_mean": torch.equal(seen["g"], _base(ln) * 1.5),
+        "exp_avg": torch.equal(exp_avg, 0.1 * _base(ln) * 1.5),
+        "same": [torch.equal(*gather(t)) for t in (ln, exp_avg, opt.state[ln]["exp_avg_sq"])],
+        "report": detect_drift(model, opt, master_params=masters).ok,
+    }
     sync.detach()
     # Paddle's convention: optimizer._master_weights created after attach (at the first step)
     model = TinyTP()
@@ -94,9 +100,12 @@ def _mesh_as_group(rank: int, world: int) -> dict:
     mesh2 = init_device_mesh("cpu", (1, world), mesh_dim_names=("dp", "tp"))
     mesh3 = init_device_mesh("cpu", (1, world), mesh_dim_names=("x", "y"))
     out = {}
-    for label, kwargs in (("1-D", {"group": mesh}), ("2-D", {"group": mesh2}),
-                          ("2-D mesh_dim", {"group": mesh3, "mesh_dim": "y"}),
-                          ("slice", {"group": mesh2["tp"]})):
+    for label, kwargs in (
+        ("1-D", {"group": mesh}),
+        ("2-D", {"group": mesh2}),
+        ("2-D mesh_dim", {"group": mesh3, "mesh_dim": "y"}),
+        ("slice", {"group": mesh2["tp"]}),
+    ):
         model = TinyTP()
         fill(model, rank)
         ref = model.norm.weight.detach().clone()
@@ -106,8 +115,11 @@ def _mesh_as_group(rank: int, world: int) -> dict:
         report = detect_drift(model, **kwargs)
         sync = ReplicaSync(model, None, **kwargs)
         sync.broadcast_now()
-        out[label] = ([(r.name, r.ranks, r.max_abs_diff) for r in report.rows],
-                      torch.equal(model.norm.weight.detach(), ref), sync.world)
+        out[label] = (
+            [(r.name, r.ranks, r.max_abs_diff) for r in report.rows],
+            torch.equal(model.norm.weight.detach(), ref),
+            sync.world,
+        )
     model = TinyTP()
     opt = torch.optim.SGD(model.parameters())
     out["paddle"] = add_extra_synchronization(model, opt, mesh).world
@@ -118,8 +130,8 @@ def _mesh_as_group(rank: int, world: int) -> dict:
 class _TinyLM(nn.Module):
     def __init__(self) -> None:
         super().__init__()
-        self.up = nn.Linear(H, 6)       # column-parallel
-        self.down = nn.Linear(6, H)     # row-parallel: its bias is a Replicate DTensor
+        self.up = nn.Linear(H, 6)  # column-parallel
+        self.down = nn.Linear(6, H)  # row-parallel: its bias is a Replicate DTensor
         self.norm = nn.LayerNorm(H)
         self.lm_head = nn.Linear(H, 11, bias=False)  # left out of the plan: a plain replica
 
@@ -138,8 +150,7 @@ def _dtensor_model(rank: int, world: int) -> dict:
         model.lm_head.weight.copy_(_base(model.lm_head.weight, 0.125))
     ref = model.lm_head.weight.detach().clone()
     sel = select_replicated(model)
-    out = {"selected": [(c.name, c.rule) for c in sel.selected],
-           "skipped": [(c.name, c.rule) for c in sel.skipped]}
+    out = {"selected": [(c.name, c.rule) for c in sel.selected], "skipped": [(c.name, c.rule) for c in sel.skipped]}
     with torch.no_grad():
         if rank == 1:
             model.lm_head.weight[3, 5] += 0.5
@@ -168,13 +179,19 @@ def _clean_broadcast_sync(rank: int, world: int) -> dict:
     opt.step()
     report = detect_drift(model, opt)
     with_grads = detect_drift(model, opt, what=(*DEFAULT_WHAT, "grad"))
-    return {"default": (report.ok, report.checked, str(report)),
-            "grads": (with_grads.checked, [(r.name, r.kind, r.ranks, r.max_abs_diff)
-                                           for r in with_grads.rows])}
+    return {
+        "default": (report.ok, report.checked, str(report)),
+        "grads": (with_grads.checked, [(r.name, r.kind, r.ranks, r.max_abs_diff) for r in with_grads.rows]),
+    }
 
 
-CHECKS = {"frozen": _frozen, "masters": _masters_added_after_attach, "mesh": _mesh_as_group,
-          "dtensor": _dtensor_model, "drift_default": _clean_broadcast_sync}
+CHECKS = {
+    "frozen": _frozen,
+    "masters": _masters_added_after_attach,
+    "mesh": _mesh_as_group,
+    "dtensor": _dtensor_model,
+    "drift_default": _clean_broadcast_sync,
+}
 
 
 def _worker(rank: int, world: int) -> dict:
@@ -201,12 +218,14 @@ def _result(outcomes: list[dict], name: str) -> dict:
 
 def test_requires_grad_mismatch_raises_on_every_rank(outcomes: list[dict]) -> None:
     o = _result(outcomes, "frozen")
-    message = ("replica sync preflight: requires_grad differs across the ranks for 2 replicated "
-               "parameter(s):\n"
-               "  blocks.1.ln.bias: requires_grad=True on rank(s) [1], False on rank(s) [0]\n"
-               "  norm.weight: requires_grad=True on rank(s) [0], False on rank(s) [1]\n"
-               "A replica frozen on some ranks only would be updated there by the sync; freeze it "
-               "on every rank, or leave it out of the selection (exclude=...).")
+    message = (
+        "replica sync preflight: requires_grad differs across the ranks for 2 replicated "
+        "parameter(s):\n"
+        "  blocks.1.ln.bias: requires_grad=True on rank(s) [1], False on rank(s) [0]\n"
+        "  norm.weight: requires_grad=True on rank(s) [0], False on rank(s) [1]\n"
+        "A replica frozen on some ranks only would be updated there by the sync; freeze it "
+        "on every rank, or leave it out of the selection (exclude=...)."
+    )
     assert o["sync"] == ("ReplicaError", message)
     assert o["paddle"] == ("ReplicaError", message)
     assert o["frozen_everywhere"] == (True, True, True)
@@ -226,20 +245,28 @@ def test_device_mesh_is_a_group(outcomes: list[dict]) -> None:
     for label in ("1-D", "2-D", "2-D mesh_dim", "slice"):
         assert o[label] == ([("norm.weight", (1,), 0.5)], True, 2), label
     assert o["paddle"] == 2
-    assert o["no_tp_dim"] == ("ReplicaError", (
-        "group= is a 2-D device mesh with dims ('x', 'y') and mesh_dim=None names none of them; pass "
-        "the TP mesh axis as mesh_dim= (a name or an index), or the 1-D mesh of the TP mesh axis (mesh['tp'])"))
+    assert o["no_tp_dim"] == (
+        "ReplicaError",
+        (
+            "group= is a 2-D device mesh with dims ('x', 'y') and mesh_dim=None names none of them; pass "
+            "the TP mesh axis as mesh_dim= (a name or an index), or the 1-D mesh of the TP mesh axis (mesh['tp'])"
+        ),
+    )
 
 
 def test_dtensor_model_selects_every_unsharded_parameter(outcomes: list[dict]) -> None:
     o = _result(outcomes, "dtensor")
-    assert o["selected"] == [("down.bias", "default pattern '*.bias'"),
-                             ("lm_head.weight", "not sharded (the model has DTensor parameters)"),
-                             ("norm.bias", "default pattern '*norm*.bias'"),
-                             ("norm.weight", "default pattern '*norm*.weight'")]
-    assert o["skipped"] == [("down.weight", "sharded on TP (DTensor Shard(dim=1) on mesh dim 'tp')"),
-                            ("up.bias", "sharded on TP (DTensor Shard(dim=0) on mesh dim 'tp')"),
-                            ("up.weight", "sharded on TP (DTensor Shard(dim=0) on mesh dim 'tp')")]
+    assert o["selected"] == [
+        ("down.bias", "default pattern '*.bias'"),
+        ("lm_head.weight", "not sharded (the model has DTensor parameters)"),
+        ("norm.bias", "default pattern '*norm*.bias'"),
+        ("norm.weight", "default pattern '*norm*.weight'"),
+    ]
+    assert o["skipped"] == [
+        ("down.weight", "sharded on TP (DTensor Shard(dim=1) on mesh dim 'tp')"),
+        ("up.bias", "sharded on TP (DTensor Shard(dim=0) on mesh dim 'tp')"),
+        ("up.weight", "sharded on TP (DTensor Shard(dim=0) on mesh dim 'tp')"),
+    ]
     assert o["rows"] == [("lm_head.weight", "param", (11, H), "float32", (1,), 0.5)]
     assert o["repaired"] is True
     assert o["after_step"] == "no drift: 12 tensors identical on 2 rank(s)"

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from multiproc import run_ranks
-from replicas_helpers import REPLICATED, TinyTP
 from torch import nn
 
+from multiproc import run_ranks
+from replicas_helpers import REPLICATED, TinyTP
 from shardsync.errors import ReplicaError
 from shardsync.paddle import paddle_filter
 from shardsync.replicas import DEFAULT_INCLUDE, Selection, select_replicated, tp_sharding
@@ -22,8 +22,10 @@ def test_default_selection_finds_replicas_and_skips_shards() -> None:
     assert sel.rule("blocks.1.down.bias") == "default pattern '*.bias'"
     assert sel.rule("norm.weight") == "default pattern '*norm*.weight'"
     skipped = {c.name: c.rule for c in sel.skipped}
-    assert skipped == {"blocks.0.up.bias": "sharded on TP (marked is_distributed=True)",
-                       "blocks.1.up.bias": "sharded on TP (marked is_distributed=True)"}
+    assert skipped == {
+        "blocks.0.up.bias": "sharded on TP (marked is_distributed=True)",
+        "blocks.1.up.bias": "sharded on TP (marked is_distributed=True)",
+    }
     assert sel.considered == 15 and len(sel) == 9 and "norm.bias" in sel
 
 
@@ -42,13 +44,15 @@ def test_include_exclude_attribute_predicate() -> None:
     model.blocks[0].up.weight.sequence_parallel = True  # sharded: an attribute cannot select it
     model.blocks[1].down.weight.is_distributed = False
     model.blocks[1].down.weight.sequence_parallel = True
-    sel = select_replicated(model, include=["re:blocks\\.\\d\\.ln\\.weight"], by_module=False,
-                            attribute="sequence_parallel")
+    sel = select_replicated(
+        model, include=["re:blocks\\.\\d\\.ln\\.weight"], by_module=False, attribute="sequence_parallel"
+    )
     assert sel.names == ("blocks.0.ln.weight", "blocks.1.down.weight", "blocks.1.ln.weight")
     assert sel.rule("blocks.1.down.weight") == "attribute sequence_parallel"
     assert sel.rule("blocks.0.ln.weight") == "include 're:blocks\\\\.\\\\d\\\\.ln\\\\.weight'"
-    sel = select_replicated(model, include=None, by_module=False,
-                            predicate=lambda n, p: p.dim() == 2 and p.shape[0] == 5)
+    sel = select_replicated(
+        model, include=None, by_module=False, predicate=lambda n, p: p.dim() == 2 and p.shape[0] == 5
+    )
     assert sel.names == ("pos_embedding",) and sel.rule("pos_embedding") == "predicate"
     everything = select_replicated(model, include=(), predicate=lambda n, p: True)
     assert "blocks.0.up.weight" not in everything and "blocks.0.up.bias" not in everything
@@ -124,10 +128,8 @@ def _dtensor_worker(rank: int, world: int) -> dict:
     torch.manual_seed(0)  # fc is replicated: the same init on every rank
     model = M()
     sel = select_replicated(model)
-    out = {"names": sel.names, "skipped": [(c.name, c.rule) for c in sel.skipped],
-           "extra_rule": sel.rule("extra")}
-    assert select_replicated(model, include=(), by_module=False, by_placement=False,
-                             unsharded=False).names == ()
+    out = {"names": sel.names, "skipped": [(c.name, c.rule) for c in sel.skipped], "extra_rule": sel.rule("extra")}
+    assert select_replicated(model, include=(), by_module=False, by_placement=False, unsharded=False).names == ()
     out["unsharded"] = select_replicated(model, include=(), by_module=False, by_placement=False).names
     try:
         select_replicated(model, include=["q_norm.*"])

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from multiproc import run_ranks
 from replicas_helpers import REPLICATED, TinyTP, count_collectives, fill, gather, mixed_precision, mp_step
-
 from shardsync.replicas import ReplicaSync, detect_drift
 
 
@@ -24,8 +24,7 @@ def _check_grads(rank: int, world: int) -> None:
     model = TinyTP()
     params = dict(model.named_parameters())
     total = world * (world + 1) // 2  # sum of (rank + 1)
-    for mode, factor, absent_factor in (("sum", total, total - 1),
-                                        ("mean", total / world, (total - 1) / world)):
+    for mode, factor, absent_factor in (("sum", total, total - 1), ("mean", total / world, (total - 1) / world)):
         sync = ReplicaSync(model, None, grads=mode, params=None)
         for p in params.values():
             p.grad = _base(p) * (rank + 1)
@@ -50,7 +49,7 @@ def _check_bf16_sum_in_fp32(rank: int, world: int) -> None:
     """bf16 grads are summed in fp32 and rounded once."""
     model = TinyTP().to(torch.bfloat16)
     w = model.norm.weight
-    vals = [1.0, 2.0 ** -8, 2.0 ** -8, 0.0][:world]
+    vals = [1.0, 2.0**-8, 2.0**-8, 0.0][:world]
     w.grad = torch.full_like(w, vals[rank])
     sync = ReplicaSync(model, None, grads="sum", params=None, selector=lambda n, p: n == "norm.weight")
     assert sync.buckets[0].dtype == torch.float32
@@ -93,12 +92,12 @@ def _check_masters(rank: int, world: int) -> None:
     before = m.detach().clone()
     with torch.no_grad():
         if rank == 1:
-            m[2] += world * 2.0 ** -10  # the mean lands between two bf16 values
+            m[2] += world * 2.0**-10  # the mean lands between two bf16 values
     sync = ReplicaSync(model, opt, master_params=masters, params="mean")
     with count_collectives() as calls:
         sync.sync_params()
     assert calls == ["all_reduce"] * 2  # the optimizer check; masters only, params are re-derived
-    assert m[2].item() == before[2].item() + 2.0 ** -10 and _same_everywhere(m)
+    assert m[2].item() == before[2].item() + 2.0**-10 and _same_everywhere(m)
     for q, mq in masters.items():  # every param == cast(master), the re-derived one included
         assert torch.equal(q.detach(), mq.detach().to(torch.bfloat16))
     assert p[2].item() != m[2].item() and _same_everywhere(p)  # rounded to bf16, identically
@@ -157,10 +156,14 @@ def _check_hooks(rank: int, world: int) -> dict:
     handle.remove()
     mp_step(model, masters, opt, x)  # detached: no more syncs
     plan = sync.plan()
-    return {"per_step": per_step, "clean": clean, "buckets": len(sync.buckets),
-            "plan": plan.collectives_per_step, "stats": (sync.stats.steps, sync.stats.grad_syncs,
-                                                         sync.stats.param_syncs),
-            "kinds": sorted({m.kind for b in sync.buckets for m in b.members})}
+    return {
+        "per_step": per_step,
+        "clean": clean,
+        "buckets": len(sync.buckets),
+        "plan": plan.collectives_per_step,
+        "stats": (sync.stats.steps, sync.stats.grad_syncs, sync.stats.param_syncs),
+        "kinds": sorted({m.kind for b in sync.buckets for m in b.members}),
+    }
 
 
 def _check_sync_before_clipping(rank: int, world: int) -> None:

@@ -4,9 +4,9 @@ stays bit-identical with it."""
 from __future__ import annotations
 
 import torch
+
 from multiproc import run_ranks
 from replicas_helpers import REPLICATED, H, TinyTP, fill, gather
-
 from shardsync.replicas import ReplicaSync, detect_drift
 
 STEPS = 6
@@ -33,17 +33,23 @@ def _train(rank: int, synced: bool) -> dict:
         opt.zero_grad()
         losses.append(loss.item())
         params = dict(model.named_parameters())
-        identical_each_step.append(all(
-            all(torch.equal(c, gather(t)[0]) for c in gather(t))
-            for n in REPLICATED for t in (params[n], opt.state[params[n]]["exp_avg"],
-                                          opt.state[params[n]]["exp_avg_sq"])))
+        identical_each_step.append(
+            all(
+                all(torch.equal(c, gather(t)[0]) for c in gather(t))
+                for n in REPLICATED
+                for t in (params[n], opt.state[params[n]]["exp_avg"], opt.state[params[n]]["exp_avg_sq"])
+            )
+        )
     report = detect_drift(model, opt, what=("param", "exp_avg", "exp_avg_sq"))
     ln = gather(model.blocks[0].ln.weight)
     up = gather(model.blocks[0].up.weight)
-    return {"identical": identical_each_step, "rows": {(r.name, r.kind): (r.ranks, r.max_abs_diff)
-                                                       for r in report.rows},
-            "ln_diff": float((ln[0] - ln[1]).abs().max()), "losses": losses,
-            "shards_differ": not torch.equal(up[0], up[1])}
+    return {
+        "identical": identical_each_step,
+        "rows": {(r.name, r.kind): (r.ranks, r.max_abs_diff) for r in report.rows},
+        "ln_diff": float((ln[0] - ln[1]).abs().max()),
+        "losses": losses,
+        "shards_differ": not torch.equal(up[0], up[1]),
+    }
 
 
 def _training_worker(rank: int, world: int) -> dict:

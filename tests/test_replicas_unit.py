@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from replicas_helpers import REPLICATED, TinyTP, fill, mixed_precision, mp_step
 
+from replicas_helpers import REPLICATED, TinyTP, fill, mixed_precision, mp_step
 from shardsync.errors import ReplicaError
 from shardsync.replicas import ReplicaSync, detect_drift, fingerprint, watch_drift
 from shardsync.replicas import drift as drift_mod
@@ -15,24 +15,30 @@ from shardsync.replicas.replicated import resolve_replicated
 
 def test_buckets_group_by_op_device_dtype_and_split_by_size() -> None:
     m = [Member(f"t{i}", "param", (17,)) for i in range(6)]
-    items = [("mean", "cpu", torch.bfloat16, m[0]), ("mean", "cpu", torch.float32, m[1]),
-             ("broadcast", "cpu", torch.bfloat16, m[2]), ("sum", "cpu", torch.float32, m[3]),
-             ("mean", "meta", torch.float32, m[4]), ("broadcast", "cpu", torch.bfloat16, m[5])]
+    items = [
+        ("mean", "cpu", torch.bfloat16, m[0]),
+        ("mean", "cpu", torch.float32, m[1]),
+        ("broadcast", "cpu", torch.bfloat16, m[2]),
+        ("sum", "cpu", torch.float32, m[3]),
+        ("mean", "meta", torch.float32, m[4]),
+        ("broadcast", "cpu", torch.bfloat16, m[5]),
+    ]
     buckets = make_buckets(items, 1 << 20)
     got = [(b.op, b.device, b.dtype, [x.name for x in b.members]) for b in buckets]
-    assert got == [("mean", "cpu", torch.float32, ["t0", "t1"]),   # bf16 travels in fp32 for mean
-                   ("broadcast", "cpu", torch.bfloat16, ["t2", "t5"]),
-                   ("sum", "cpu", torch.float32, ["t3"]), ("mean", "meta", torch.float32, ["t4"])]
+    assert got == [
+        ("mean", "cpu", torch.float32, ["t0", "t1"]),  # bf16 travels in fp32 for mean
+        ("broadcast", "cpu", torch.bfloat16, ["t2", "t5"]),
+        ("sum", "cpu", torch.float32, ["t3"]),
+        ("mean", "meta", torch.float32, ["t4"]),
+    ]
     assert buckets[0].nbytes == 34 * 4 and buckets[1].nbytes == 34 * 2
     big = Member("big", "param", (127,))
-    split = make_buckets([("mean", "cpu", torch.float32, x) for x in (m[0], m[1], big, m[2], m[3], m[4])],
-                         3 * 17 * 4)
+    split = make_buckets([("mean", "cpu", torch.float32, x) for x in (m[0], m[1], big, m[2], m[3], m[4])], 3 * 17 * 4)
     assert [[x.name for x in b.members] for b in split] == [["t0", "t1"], ["big"], ["t2", "t3", "t4"]]
     assert comm_dtype(torch.float16, "sum") == torch.float32
     assert comm_dtype(torch.float16, "broadcast") == torch.float16
     assert comm_dtype(torch.float64, "mean") == torch.float64
-    with pytest.raises(ReplicaError,
-                       match=r"cannot sum or average non-floating tensors \['t0 \(param, int64\)'\]"):
+    with pytest.raises(ReplicaError, match=r"cannot sum or average non-floating tensors \['t0 \(param, int64\)'\]"):
         make_buckets([("mean", "cpu", torch.int64, m[0])], 100)
     flagged = make_buckets([("mean", "cpu", torch.float32, m[0])], 100, flags=True)
     assert flagged[0].flags and flagged[0].nbytes == 18 * 4
@@ -90,12 +96,27 @@ def test_one_rank_is_a_validated_no_op() -> None:
 def test_arguments_are_checked_all_at_once() -> None:
     model = TinyTP()
     with pytest.raises(ReplicaError) as info:
-        ReplicaSync(model, None, params="average", grads="avg", src=2, interval=0, bucket_bytes=0,
-                    optimizer_states="exp_avg", states_mode="sum")
+        ReplicaSync(
+            model,
+            None,
+            params="average",
+            grads="avg",
+            src=2,
+            interval=0,
+            bucket_bytes=0,
+            optimizer_states="exp_avg",
+            states_mode="sum",
+        )
     msg = str(info.value)
-    for part in ("params='average': use 'broadcast', 'mean' or None", "grads='avg'",
-                 "src=2: must be a rank of the group, 0..0", "interval=0", "bucket_bytes=0",
-                 "optimizer_states='exp_avg'", "states_mode='sum'"):
+    for part in (
+        "params='average': use 'broadcast', 'mean' or None",
+        "grads='avg'",
+        "src=2: must be a rank of the group, 0..0",
+        "interval=0",
+        "bucket_bytes=0",
+        "optimizer_states='exp_avg'",
+        "states_mode='sum'",
+    ):
         assert part in msg, part
     with pytest.raises(ReplicaError, match="partial grads must be summed on every step"):
         ReplicaSync(model, None, grads="sum", interval=4)
@@ -126,9 +147,16 @@ def test_master_params_forms_and_owner() -> None:
     assert resolve_replicated(model, ["norm.weight"], sgd, "auto")[0].master is m
     assert resolve_replicated(model, ["norm.weight"], sgd, None)[0].master is None
     with pytest.raises(ReplicaError) as info:
-        resolve_replicated(model, ["norm.weight", "norm.bias", "pos_embedding"], None,
-                        {w: torch.zeros(3), params["norm.bias"]: params["norm.bias"],
-                         params["pos_embedding"]: torch.zeros(5, 17, dtype=torch.int32)})
+        resolve_replicated(
+            model,
+            ["norm.weight", "norm.bias", "pos_embedding"],
+            None,
+            {
+                w: torch.zeros(3),
+                params["norm.bias"]: params["norm.bias"],
+                params["pos_embedding"]: torch.zeros(5, 17, dtype=torch.int32),
+            },
+        )
     msg = str(info.value)
     assert "'norm.weight': master shape [3] differs from the parameter's [17]" in msg
     assert "'norm.bias': the master is the parameter itself" in msg

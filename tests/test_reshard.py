@@ -7,9 +7,9 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+
 from dest_helpers import HIDDEN, LAYERS, MAPPING, hf_shards, hf_state, megatron_shards
 from multiproc import run_ranks
-
 from shardsync import DistributedError, LoadError, LocalShard, reshard
 
 
@@ -40,11 +40,14 @@ def _trainers_to_inference(rank: int, hf: dict) -> dict:
     dst = hf_shards({k: torch.zeros_like(v) for k, v in hf.items()}, rank - 2, 2) if rank >= 2 else None
     first = reshard(src, dst, MAPPING)
     c = first.plan.costs
-    out = {"bad": _bad(dst, hf_shards(hf, rank - 2, 2)) if dst else [],
-           "mine": sum(_local(v).numel() * 4 for v in dst.values()) if dst else 0,
-           "stats": (first.stats.bytes_sent, first.stats.bytes_received, first.stats.collectives),
-           "costs": (c.bytes_sent[rank], c.bytes_received[rank], c.collectives[rank]),
-           "kinds": sorted({s.kind for s in first.plan.steps}), "transport": first.stats.transport}
+    out = {
+        "bad": _bad(dst, hf_shards(hf, rank - 2, 2)) if dst else [],
+        "mine": sum(_local(v).numel() * 4 for v in dst.values()) if dst else 0,
+        "stats": (first.stats.bytes_sent, first.stats.bytes_received, first.stats.collectives),
+        "costs": (c.bytes_sent[rank], c.bytes_received[rank], c.collectives[rank]),
+        "kinds": sorted({s.kind for s in first.plan.steps}),
+        "transport": first.stats.transport,
+    }
     if dst:
         _zero(dst)
     gloo = reshard(src, dst, MAPPING, transport="backend")  # the same boxes through the collectives
@@ -77,8 +80,11 @@ def _replicated_inference(rank: int, hf: dict) -> dict:
     for strategy, transport in (("auto", "backend"), ("p2p", "backend"), ("p2p", "shm")):
         dst = {k: torch.zeros_like(v) for k, v in hf.items()} if rank >= 2 else None
         r = reshard(src, dst, MAPPING, strategy=strategy, transport=transport)  # type: ignore[arg-type]
-        out[strategy, transport] = {"bad": _bad(dst, hf) if dst else [], "strategy": r.plan.strategy,
-                                    "stats": (r.stats.bytes_sent, r.stats.bytes_received)}
+        out[strategy, transport] = {
+            "bad": _bad(dst, hf) if dst else [],
+            "strategy": r.plan.strategy,
+            "stats": (r.stats.bytes_sent, r.stats.bytes_received),
+        }
     return out
 
 
@@ -86,8 +92,10 @@ def _colocated(rank: int, hf: dict) -> dict:
     """Every rank holds a trainer shard (DP=2 x TP=2: two replicas of each) and an HF TP=4 shard."""
     dst = hf_shards({k: torch.zeros_like(v) for k, v in hf.items()}, rank, 4)
     r = reshard(megatron_shards(hf, rank % 2, 2), dst, MAPPING)
-    return {"bad": _bad(dst, hf_shards(hf, rank, 4)),
-            "senders": sorted({x.sender for x in r.plan.reads if x.sender is not None})}
+    return {
+        "bad": _bad(dst, hf_shards(hf, rank, 4)),
+        "senders": sorted({x.sender for x in r.plan.reads if x.sender is not None}),
+    }
 
 
 def _errors(rank: int, hf: dict) -> dict:
@@ -100,17 +108,22 @@ def _errors(rank: int, hf: dict) -> dict:
         dst["model.extra.weight"] = torch.zeros(3)  # missing
         dst["lm_head.weight"] = torch.zeros(5, 16)  # shape mismatch (not sharded any more)
         dst["model.layers.0.input_layernorm.weight"] = torch.zeros(16, dtype=torch.int32)  # dtype
-    out = {"strict": _catch(lambda: reshard(src, dst, MAPPING)),
-           "written": any(_local(v).any() for v in dst.values()) if dst else False,
-           "bad argument": _catch(lambda: reshard(src, 42 if rank == 3 else dst, MAPPING))}
+    out = {
+        "strict": _catch(lambda: reshard(src, dst, MAPPING)),
+        "written": any(_local(v).any() for v in dst.values()) if dst else False,
+        "bad argument": _catch(lambda: reshard(src, 42 if rank == 3 else dst, MAPPING)),
+    }
     return out
 
 
 def _worker(rank: int, world: int) -> dict:
     hf = hf_state()
-    return {"acceptance": _trainers_to_inference(rank, hf), "colocated": _colocated(rank, hf),
-            "replicated": _replicated_inference(rank, hf),
-            "errors": _errors(rank, hf)}
+    return {
+        "acceptance": _trainers_to_inference(rank, hf),
+        "colocated": _colocated(rank, hf),
+        "replicated": _replicated_inference(rank, hf),
+        "errors": _errors(rank, hf),
+    }
 
 
 def test_reshard_trainers_to_inference_colocated_and_errors() -> None:
@@ -149,18 +162,21 @@ def test_reshard_trainers_to_inference_colocated_and_errors() -> None:
     report = errors[0]["strict"]
     assert report.startswith("LoadError: the source does not fit the destination (4 problems")
     assert "missing 'model.extra.weight'" in report
-    assert ("unexpected 'model.norm.weight' (statement 1 `decoder.final_layernorm.weight -> "
-            "model.norm.weight`)") in report
+    assert (
+        "unexpected 'model.norm.weight' (statement 1 `decoder.final_layernorm.weight -> model.norm.weight`)"
+    ) in report
     assert "shape of 'lm_head.weight': statement 2 `output_layer.weight" in report
     assert "gives [17, 16], the destination is [5, 16]" in report
     assert "dtype of 'model.layers.0.input_layernorm.weight'" in report and "gives float32" in report
     assert not any(e["written"] for e in errors)
-    assert all(e["bad argument"].startswith("DistributedError: phase 'gather layout' failed on rank(s) [3]")
-               for e in errors)
+    assert all(
+        e["bad argument"].startswith("DistributedError: phase 'gather layout' failed on rank(s) [3]") for e in errors
+    )
     assert "the destination is a int" in errors[0]["bad argument"]
 
 
 # -- the plan alone (no processes) ------------------------------------------------------------------
+
 
 def test_plan_cuts_targets_to_destination_boxes_and_pairs_share_steps() -> None:
     from shardsync.layout import Box, GlobalLayout
@@ -171,19 +187,28 @@ def test_plan_cuts_targets_to_destination_boxes_and_pairs_share_steps() -> None:
     # "w" (8, 4): rows cut on trainers 0, 1; the destination cuts columns, on workers 2, 3; "n" (3,)
     # is on trainer 0 and wanted whole by both workers (one broadcast among 0, 2, 3)
     n = ("n", (3,), "float32", Box((0,), (3,)))
-    src = GlobalLayout.merge([[n, ("w", (8, 4), "float32", Box((0, 0), (4, 4)))],
-                              [("w", (8, 4), "float32", Box((4, 0), (4, 4)))], [], []])
-    dest = GlobalLayout.merge([[], [], [n, ("w", (8, 4), "bfloat16", Box((0, 0), (8, 2)))],
-                               [n, ("w", (8, 4), "bfloat16", Box((0, 2), (8, 2)))]])
+    src = GlobalLayout.merge(
+        [[n, ("w", (8, 4), "float32", Box((0, 0), (4, 4)))], [("w", (8, 4), "float32", Box((4, 0), (4, 4)))], [], []]
+    )
+    dest = GlobalLayout.merge(
+        [
+            [],
+            [],
+            [n, ("w", (8, 4), "bfloat16", Box((0, 0), (8, 2)))],
+            [n, ("w", (8, 4), "bfloat16", Box((0, 2), (8, 2)))],
+        ]
+    )
     boxes = box_targets(resolve(None, src), dest, src)
-    assert [(b.spec.name, b.ranks) for b in boxes] == [("n", (2, 3)), ("w[0:8, 0:2]", (2,)),
-                                                       ("w[0:8, 2:4]", (3,))]
+    assert [(b.spec.name, b.ranks) for b in boxes] == [("n", (2, 3)), ("w[0:8, 0:2]", (2,)), ("w[0:8, 2:4]", (3,))]
     assert all(p.casts == ("bfloat16",) for b in boxes[1:] for p in b.spec.pieces)
-    plan = build_plan([b.spec for b in boxes], src, PlanOptions(destinations=tuple(b.ranks for b in boxes),
-                                                                in_place=True))
+    plan = build_plan(
+        [b.spec for b in boxes], src, PlanOptions(destinations=tuple(b.ranks for b in boxes), in_place=True)
+    )
     assert plan.strategy == "multicast"
     assert [(s.kind, [(pk.src, pk.dst) for pk in s.packets]) for s in plan.steps] == [
-        ("p2p", [(0, 2), (0, 3), (1, 2), (1, 3)]), ("multicast", [(0, -1)])]
+        ("p2p", [(0, 2), (0, 3), (1, 2), (1, 3)]),
+        ("multicast", [(0, -1)]),
+    ]
     assert plan.costs.bytes_received == (0, 0, 12 + 64, 12 + 64)  # each worker: its columns and "n"
     assert plan.costs.bytes_sent == (12 + 64, 64, 0, 0)  # "n" leaves trainer 0 once
     assert plan.costs.peak_bytes[2] == 12 + 64  # buffers only: the destination is not counted

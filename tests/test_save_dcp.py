@@ -12,35 +12,47 @@ from unittest import mock
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+
+import shardsync
 from crash_helpers import Crasher
 from multiproc import run_ranks
 from reference import arange_tensor
-
-import shardsync
 from shardsync import LocalShard, shard_dim
 from shardsync.errors import FormatError, LayoutError
 from shardsync.io import dcp_writer
 
 
 def full_state(start: int = 0) -> dict[str, torch.Tensor]:
-    return {"w": arange_tensor((17, 6), start=start), "o": arange_tensor((5, 13), start=start + 500),
-            "norm": arange_tensor((7,), torch.bfloat16, start=start),
-            "experts": arange_tensor((6, 10), start=start), "step": torch.tensor(start + 7)}
+    return {
+        "w": arange_tensor((17, 6), start=start),
+        "o": arange_tensor((5, 13), start=start + 500),
+        "norm": arange_tensor((7,), torch.bfloat16, start=start),
+        "experts": arange_tensor((6, 10), start=start),
+        "step": torch.tensor(start + 7),
+    }
 
 
 def boxes(t: torch.Tensor, *spec: tuple[tuple[int, int], tuple[int, int]]) -> list[LocalShard]:
     """Shards of ``t`` at ``((row, col), (rows, cols))``."""
-    return [LocalShard(t[r:r + h, c:c + w], t.shape, (r, c)) for (r, c), (h, w) in spec]
+    return [LocalShard(t[r : r + h, c : c + w], t.shape, (r, c)) for (r, c), (h, w) in spec]
 
 
 def rank_state(rank: int, start: int = 0) -> dict:
     """Rows of w and columns of o cut unevenly (9/8, 7/6); norm and step replicated; experts as
     blocks of different shapes, two of them on rank 0."""
     full = full_state(start)
-    experts = (boxes(full["experts"], ((0, 0), (3, 4)), ((3, 0), (3, 10))) if rank == 0
-               else boxes(full["experts"], ((0, 4), (3, 6))))
-    return {"w": shard_dim(full["w"], 0, rank, 2), "o": shard_dim(full["o"], 1, rank, 2),
-            "norm": full["norm"], "experts": experts, "step": full["step"]}
+    experts = (
+        boxes(full["experts"], ((0, 0), (3, 4)), ((3, 0), (3, 10)))
+        if rank == 0
+        else boxes(full["experts"], ((0, 4), (3, 6)))
+    )
+    return {
+        "w": shard_dim(full["w"], 0, rank, 2),
+        "o": shard_dim(full["o"], 1, rank, 2),
+        "norm": full["norm"],
+        "experts": experts,
+        "step": full["step"],
+    }
 
 
 def load_full(path: Path, like: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -63,12 +75,17 @@ def _dcp_worker(rank: int, world: int, out: str) -> dict:
         refused = str(exc)
     shardsync.save(rank_state(rank, start=1000), out, overwrite=True)
     mesh = init_device_mesh("cpu", (2,))
-    targets = {"w": distribute_tensor(torch.zeros(17, 6), mesh, [Shard(1)]),
-               "experts": distribute_tensor(torch.zeros(6, 10), mesh, [Shard(1)]),
-               "o": distribute_tensor(torch.zeros(5, 13), mesh, [Shard(0)])}
+    targets = {
+        "w": distribute_tensor(torch.zeros(17, 6), mesh, [Shard(1)]),
+        "experts": distribute_tensor(torch.zeros(6, 10), mesh, [Shard(1)]),
+        "o": distribute_tensor(torch.zeros(5, 13), mesh, [Shard(0)]),
+    }
     dcp.load(targets, checkpoint_id=out)
-    return {"refused": refused, "resharded": {k: v.full_tensor() for k, v in targets.items()},
-            "local_w": targets["w"].to_local().shape}
+    return {
+        "refused": refused,
+        "resharded": {k: v.full_tensor() for k, v in targets.items()},
+        "local_w": targets["w"].to_local().shape,
+    }
 
 
 def test_uneven_shards_on_two_ranks_load_anywhere(tmp_path: Path) -> None:
@@ -94,16 +111,21 @@ def test_one_process_boxes_are_chunks(tmp_path: Path) -> None:
     metadata = shardsync.save(state, tmp_path)
     chunks = metadata.state_dict_metadata["w"].chunks
     assert sorted((tuple(c.offsets), tuple(c.sizes)) for c in chunks) == [
-        ((0, 0), (9, 5)), ((9, 0), (8, 2)), ((9, 2), (8, 3))]
+        ((0, 0), (9, 5)),
+        ((9, 0), (8, 2)),
+        ((9, 2), (8, 3)),
+    ]
     back = load_full(tmp_path, {"w": full, "b": torch.arange(3)})
     assert torch.equal(back["w"], full) and torch.equal(back["b"], torch.arange(3))
 
 
-@pytest.mark.parametrize("shards, message", [
-    ([((0, 0), (9, 5)), ((8, 0), (9, 5))],
-     r"'w': shard \[0:9, 0:5\] on ranks \[0\] overlaps shard \[8:17, 0:5\]"),
-    ([((0, 0), (9, 5))], r"'w': box \[9:17, 0:5\] is not covered"),
-])
+@pytest.mark.parametrize(
+    "shards, message",
+    [
+        ([((0, 0), (9, 5)), ((8, 0), (9, 5))], r"'w': shard \[0:9, 0:5\] on ranks \[0\] overlaps shard \[8:17, 0:5\]"),
+        ([((0, 0), (9, 5))], r"'w': box \[9:17, 0:5\] is not covered"),
+    ],
+)
 def test_bad_boxes_are_refused_before_writing(tmp_path: Path, shards: list, message: str) -> None:
     with pytest.raises(LayoutError, match=message):
         shardsync.save({"w": boxes(arange_tensor((17, 5)), *shards)}, tmp_path / "out")
@@ -118,11 +140,15 @@ def test_path_that_is_a_file(tmp_path: Path) -> None:
 
 def save_killed_before(new: dict[str, torch.Tensor], path: Path, kill_before: str) -> None:
     """Save, dying by SIGKILL just before the .metadata rename, or just after it (in a crash child)."""
+
     def die(*args: object) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
-    target = ("rename", dcp_writer._ReplacingFileSystem) if kill_before == "commit" else (
-        "_remove_old_generation", dcp_writer)
+    target = (
+        ("rename", dcp_writer._ReplacingFileSystem)
+        if kill_before == "commit"
+        else ("_remove_old_generation", dcp_writer)
+    )
     with mock.patch.object(target[1], target[0], die):
         shardsync.save(new, path, overwrite=True)
 

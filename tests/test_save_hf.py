@@ -11,24 +11,23 @@ from unittest import mock
 
 import pytest
 import torch
-from multiproc import run_ranks
-from reference import arange_tensor
 from safetensors.torch import load_file
-from test_io_commit import load_checkpoint, same
 
 import shardsync
+from multiproc import run_ranks
+from reference import arange_tensor
 from shardsync import shard_dim
 from shardsync.errors import FormatError
 from shardsync.io import save_hf as save_hf_module
 from shardsync.io.file_plan import file_owners
+from test_io_commit import load_checkpoint, same
 
 MAPPING = ["layers.$LAYER_ID.w^T -> model.layers.$LAYER_ID.weight"]
 LIMIT = 220  # bytes: five files, some straddling two ranks' parts (at world 2 and 4)
 
 
 def full_state() -> dict[str, torch.Tensor]:
-    state = {f"layers.{i}.w": arange_tensor((17, 3), torch.float32, start=100 * i, step=0.25)
-             for i in range(7)}
+    state = {f"layers.{i}.w": arange_tensor((17, 3), torch.float32, start=100 * i, step=0.25) for i in range(7)}
     state |= {f"layers.{i}.b": arange_tensor((5,), torch.float32, start=-50 * i) for i in range(7)}
     return state | {"norm": arange_tensor((7,), torch.bfloat16), "ids": torch.arange(11) * 3}
 
@@ -45,8 +44,7 @@ def expected() -> dict[str, torch.Tensor]:
 
 def rank_state(rank: int, world: int) -> dict:
     """Weights and biases cut along dim 0 (17 rows, 5 entries: uneven); norm and ids replicated."""
-    return {k: shard_dim(v, 0, rank, world) if k.startswith("layers.") else v
-            for k, v in full_state().items()}
+    return {k: shard_dim(v, 0, rank, world) if k.startswith("layers.") else v for k, v in full_state().items()}
 
 
 def _save_worker(rank: int, world: int, out: str, old: str) -> dict:
@@ -58,8 +56,11 @@ def _save_worker(rank: int, world: int, out: str, old: str) -> dict:
     failing = min(2, world - 1)
     error = None
     full_disk = OSError(28, "No space left on device")
-    with mock.patch.object(save_hf_module, "write_shard", side_effect=full_disk) if rank == failing \
-            else contextlib.nullcontext():
+    with (
+        mock.patch.object(save_hf_module, "write_shard", side_effect=full_disk)
+        if rank == failing
+        else contextlib.nullcontext()
+    ):
         try:
             shardsync.save_hf(state, old, MAPPING, max_file_size=LIMIT, dtype="bf16", overwrite=True)
         except shardsync.DistributedError as exc:
@@ -91,20 +92,27 @@ def test_parallel_writers_write_what_one_writer_writes(tmp_path: Path, world: in
 
 
 def test_index_and_header_are_exact(tmp_path: Path) -> None:
-    state = {"b.weight": arange_tensor((7,), torch.bfloat16), "a.weight": arange_tensor((3, 5)),
-             "c.ids": torch.arange(4, dtype=torch.int32), "d.big": arange_tensor((40,))}
+    state = {
+        "b.weight": arange_tensor((7,), torch.bfloat16),
+        "a.weight": arange_tensor((3, 5)),
+        "c.ids": torch.arange(4, dtype=torch.int32),
+        "d.big": arange_tensor((40,)),
+    }
     res = shardsync.save_hf(state, tmp_path, max_file_size="80B")  # 60+14 | 16 | 160 bytes
     names = [f"model-0000{i}-of-00003.safetensors" for i in (1, 2, 3)]
     assert [p.name for p in res.files] == names and (res.num_tensors, res.total_bytes) == (4, 250)
     assert res.index is not None and res.index.read_text() == (
         '{\n  "metadata": {\n    "total_size": 250\n  },\n  "weight_map": {\n'
         f'    "a.weight": "{names[0]}",\n    "b.weight": "{names[0]}",\n'
-        f'    "c.ids": "{names[1]}",\n    "d.big": "{names[2]}"\n  }}\n}}\n')
+        f'    "c.ids": "{names[1]}",\n    "d.big": "{names[2]}"\n  }}\n}}\n'
+    )
     raw = (tmp_path / names[0]).read_bytes()
     (n,) = struct.unpack("<Q", raw[:8])
-    assert raw[8:8 + n] == (b'{"__metadata__":{"format":"pt"},"a.weight":{"dtype":"F32","shape":[3,5],'
-                            b'"data_offsets":[0,60]},"b.weight":{"dtype":"BF16","shape":[7],'
-                            b'"data_offsets":[60,74]}}').ljust(n)
+    assert raw[8 : 8 + n] == (
+        b'{"__metadata__":{"format":"pt"},"a.weight":{"dtype":"F32","shape":[3,5],'
+        b'"data_offsets":[0,60]},"b.weight":{"dtype":"BF16","shape":[7],'
+        b'"data_offsets":[60,74]}}'
+    ).ljust(n)
     assert len(raw) == 8 + n + 74 and n % 8 == 0
     assert same(load_file(tmp_path / names[0]), {k: state[k] for k in ("a.weight", "b.weight")})
 
@@ -125,36 +133,50 @@ def test_dtype_casts_floating_targets_only(tmp_path: Path) -> None:
 def test_config_and_extra_files_are_copied(tmp_path: Path) -> None:
     model = tmp_path / "model"
     model.mkdir()
-    files = {"config.json": '{"model_type": "llama"}', "tokenizer.json": "{}", "generation_config.json": "{}",
-             "README.md": "not copied"}
+    files = {
+        "config.json": '{"model_type": "llama"}',
+        "tokenizer.json": "{}",
+        "generation_config.json": "{}",
+        "README.md": "not copied",
+    }
     for name, text in files.items():
         (model / name).write_text(text)
     (tmp_path / "notes.txt").write_text("extra")
     out = tmp_path / "out"
     shardsync.save_hf({"w": torch.ones(2)}, out, config_from=model, extra_files=[tmp_path / "notes.txt"])
-    assert sorted(p.name for p in out.iterdir()) == ["config.json", "generation_config.json",
-                                                      "model.safetensors", "notes.txt", "tokenizer.json"]
+    assert sorted(p.name for p in out.iterdir()) == [
+        "config.json",
+        "generation_config.json",
+        "model.safetensors",
+        "notes.txt",
+        "tokenizer.json",
+    ]
     assert (out / "config.json").read_text() == files["config.json"]
     (model / "config.json").write_text('{"model_type": "qwen2", "torch_dtype": "float32"}')
     shardsync.save_hf({"w": torch.ones(2)}, out, config_from=model, overwrite=True, dtype="bf16")
     assert json.loads((out / "config.json").read_text()) == {"model_type": "qwen2", "torch_dtype": "bfloat16"}
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    ({"config_from": "{tmp}/nowhere"}, "holds no config.json"),
-    ({"extra_files": ["{tmp}/missing.json"]}, "missing.json is not a file"),
-    ({"extra_files": ["{tmp}/a/model.safetensors"]}, "model.safetensors is a name the weights use"),
-    ({"extra_files": ["{tmp}/a/x.json", "{tmp}/b/x.json"]}, "have the same name"),
-    ({"extra_files": ["{tmp}/a/config.json"]}, "config.json is not a JSON object"),
-])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"config_from": "{tmp}/nowhere"}, "holds no config.json"),
+        ({"extra_files": ["{tmp}/missing.json"]}, "missing.json is not a file"),
+        ({"extra_files": ["{tmp}/a/model.safetensors"]}, "model.safetensors is a name the weights use"),
+        ({"extra_files": ["{tmp}/a/x.json", "{tmp}/b/x.json"]}, "have the same name"),
+        ({"extra_files": ["{tmp}/a/config.json"]}, "config.json is not a JSON object"),
+    ],
+)
 def test_bad_extra_files(tmp_path: Path, kwargs: dict, message: str) -> None:
     for sub in ("a", "b"):
         (tmp_path / sub).mkdir()
         (tmp_path / sub / "x.json").write_text("{}")
         (tmp_path / sub / "model.safetensors").write_text("{}")
         (tmp_path / sub / "config.json").write_text("{not json")
-    kwargs = {k: (v.format(tmp=tmp_path) if isinstance(v, str) else [p.format(tmp=tmp_path) for p in v])
-              for k, v in kwargs.items()}
+    kwargs = {
+        k: (v.format(tmp=tmp_path) if isinstance(v, str) else [p.format(tmp=tmp_path) for p in v])
+        for k, v in kwargs.items()
+    }
     with pytest.raises(FormatError, match=message):
         shardsync.save_hf({"w": torch.ones(2)}, tmp_path / "out", **kwargs)
     assert not (tmp_path / "out").exists()
@@ -175,14 +197,19 @@ def test_progress_bar_in_bytes(tmp_path: Path, capsys: pytest.CaptureFixture) ->
 
 def test_from_pretrained_loads_the_result(tmp_path: Path) -> None:
     transformers = pytest.importorskip("transformers")
-    config = transformers.LlamaConfig(vocab_size=67, hidden_size=16, intermediate_size=24,
-                                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                                      max_position_embeddings=32)
+    config = transformers.LlamaConfig(
+        vocab_size=67,
+        hidden_size=16,
+        intermediate_size=24,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=32,
+    )
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(config).eval()
     config.save_pretrained(tmp_path / "config")
-    shardsync.save_hf(model.state_dict(), tmp_path / "out", config_from=tmp_path / "config",
-                      max_file_size="10kB")
+    shardsync.save_hf(model.state_dict(), tmp_path / "out", config_from=tmp_path / "config", max_file_size="10kB")
     assert (tmp_path / "out" / "model.safetensors.index.json").exists()
     loaded = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "out").eval()
     ids = torch.arange(9).reshape(1, 9) * 7 % 67

@@ -24,8 +24,11 @@ def test_without_a_config_it_warns(tmp_path: Path, caplog: pytest.LogCaptureFixt
 def test_with_a_config_it_does_not(tmp_path: Path, caplog: pytest.LogCaptureFixture, how: str) -> None:
     (tmp_path / "model").mkdir()
     (tmp_path / "model" / "config.json").write_text(json.dumps({"model_type": "llama"}))
-    kw = ({"config_from": tmp_path / "model"} if how == "config_from"
-          else {"extra_files": [tmp_path / "model" / "config.json"]})
+    kw = (
+        {"config_from": tmp_path / "model"}
+        if how == "config_from"
+        else {"extra_files": [tmp_path / "model" / "config.json"]}
+    )
     with caplog.at_level(logging.WARNING, logger="shardsync.io.save_hf"):
         shardsync.save_hf({"w": torch.ones(3)}, tmp_path / "out", **kw)
     assert not [r for r in caplog.records if "config.json" in r.getMessage()]

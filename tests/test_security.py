@@ -13,10 +13,10 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from reference import arange_tensor
 from safetensors.torch import load_file, save_file
 
 import shardsync
+from reference import arange_tensor
 from shardsync.cli import main
 from shardsync.errors import FormatError
 from shardsync.sources import DcpSource
@@ -56,8 +56,12 @@ def test_crafted_metadata_runs_nothing(tmp_path: Path, how: str, capsys: pytest.
     d = _crafted(tmp_path / "evil", how)
     with pytest.raises(FormatError, match=r"names posix\.system, which DCP metadata is not made of"):
         DcpSource(d)
-    for argv in (["inspect", str(d)], ["convert", str(d), str(tmp_path / "out")],
-                 ["diff", str(d), str(d)], ["plan", str(d)]):
+    for argv in (
+        ["inspect", str(d)],
+        ["convert", str(d), str(tmp_path / "out")],
+        ["diff", str(d), str(d)],
+        ["plan", str(d)],
+    ):
         assert main(argv) == 2
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and "refusing to load it" in err, err
@@ -65,8 +69,18 @@ def test_crafted_metadata_runs_nothing(tmp_path: Path, how: str, capsys: pytest.
 
 
 def test_metadata_of_every_dtype_and_entry_kind_reads(tmp_path: Path) -> None:
-    dtypes = [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int8, torch.uint8,
-              torch.int64, torch.bool, torch.complex64, torch.float8_e4m3fn]
+    dtypes = [
+        torch.float32,
+        torch.bfloat16,
+        torch.float16,
+        torch.float64,
+        torch.int8,
+        torch.uint8,
+        torch.int64,
+        torch.bool,
+        torch.complex64,
+        torch.float8_e4m3fn,
+    ]
     state: dict[str, object] = {f"t{i}": arange_tensor((17,), torch.float32).to(dt) for i, dt in enumerate(dtypes)}
     state.update({"extra": {"step": 3}, "note": "text", "blob": b"xy"})
     with warnings.catch_warnings():
@@ -150,8 +164,10 @@ NAME = "w\x1b]0;owned\x07\x1b[2J\u202e"
 SHOWN = "w\\x1b]0;owned\\x07\\x1b[2J\\u202e"
 
 
-@pytest.mark.parametrize("argv", [["inspect", "{f}"], ["plan", "{f}"], ["explain", "{f}"],
-                                  ["diff", "{f}", "{g}"], ["inspect", "{f}", "--json"]])
+@pytest.mark.parametrize(
+    "argv",
+    [["inspect", "{f}"], ["plan", "{f}"], ["explain", "{f}"], ["diff", "{f}", "{g}"], ["inspect", "{f}", "--json"]],
+)
 def test_tensor_names_are_escaped(tmp_path: Path, capsys: pytest.CaptureFixture[str], argv: list[str]) -> None:
     f, g = tmp_path / "a.safetensors", tmp_path / "b.safetensors"
     save_file({NAME: torch.zeros(3)}, str(f))

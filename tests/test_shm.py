@@ -17,14 +17,14 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from multiproc import RankFailure, run_ranks
-from test_stream_dist import case_empty_rank, case_experts, case_fused, case_tp
-from test_stream_dist4 import case_replicas, case_tp_pp
 
 import shardsync.exec.shm as shm
+from multiproc import RankFailure, run_ranks
 from shardsync.errors import DistributedError, PlanError
 from shardsync.exec.hosts import HostInfo, host_info, same_host
 from shardsync.stream import full_params
+from test_stream_dist import case_empty_rank, case_experts, case_fused, case_tp
+from test_stream_dist4 import case_replicas, case_tp_pp
 
 CASES = (case_tp, case_fused, case_experts, case_empty_rank)
 STRATEGIES = (("broadcast", {}), ("bucketed", {"bucket_bytes": 256}), ("p2p", {}), ("auto", {}))
@@ -46,15 +46,22 @@ def stream(state: dict, mapping: Any, ref: dict, **kw: Any) -> dict[str, Any]:
         if t.dtype != want.dtype or t.shape != want.shape or not torch.equal(t, want):
             bad.append(name)
     rank, c = dist.get_rank(kw.get("group")), s.plan.costs
-    return {"targets": out, "bad": bad, "transport": s.stats.transport, "peak": s.stats.peak_bytes,
-            "stats": (s.stats.bytes_sent, s.stats.bytes_received, s.stats.collectives),
-            "costs": (c.bytes_sent[rank], c.bytes_received[rank], c.collectives[rank]),
-            "plan_peak": c.peak_bytes[rank]}
+    return {
+        "targets": out,
+        "bad": bad,
+        "transport": s.stats.transport,
+        "peak": s.stats.peak_bytes,
+        "stats": (s.stats.bytes_sent, s.stats.bytes_received, s.stats.collectives),
+        "costs": (c.bytes_sent[rank], c.bytes_received[rank], c.collectives[rank]),
+        "plan_peak": c.peak_bytes[rank],
+    }
 
 
 def both(state: dict, mapping: Any, ref: dict, **kw: Any) -> tuple[dict, dict]:
-    return (stream(state, mapping, ref, transport="shm", **kw),
-            stream(state, mapping, ref, transport="backend", **({"strategy": "broadcast"} | kw)))
+    return (
+        stream(state, mapping, ref, transport="shm", **kw),
+        stream(state, mapping, ref, transport="backend", **({"strategy": "broadcast"} | kw)),
+    )
 
 
 def leftovers(pid0: int) -> list[str]:
@@ -64,9 +71,11 @@ def leftovers(pid0: int) -> list[str]:
 def _errors(rank: int, world: int) -> dict[str, str]:
     state, _, _ = case_tp(rank, world)
     out = {}
-    for label, kw in (("mesh2d", {"strategy": "mesh2d", "mesh": (dist.group.WORLD, None)}),
-                      ("differ", {"transport": "shm" if rank == 0 else "backend"}),
-                      ("budget", {"memory_budget": 1000})):
+    for label, kw in (
+        ("mesh2d", {"strategy": "mesh2d", "mesh": (dist.group.WORLD, None)}),
+        ("differ", {"transport": "shm" if rank == 0 else "backend"}),
+        ("budget", {"memory_budget": 1000}),
+    ):
         try:
             list(full_params(state, **({"transport": "shm"} | kw)))
             out[label] = "no error"
@@ -170,8 +179,9 @@ def test_two_ranks_shm_matches_broadcast() -> None:
     for rec in records:
         transport, bad, err = rec["two hosts"]
         assert (transport, bad) == ("gloo", [])
-        assert err.startswith("transport='shm' cannot be used: the ranks are on several hosts "
-                              "(rank 0: node0, rank 1: node1)")
+        assert err.startswith(
+            "transport='shm' cannot be used: the ranks are on several hosts (rank 0: node0, rank 1: node1)"
+        )
     assert records[0]["leftovers"] == []
 
 
@@ -223,8 +233,9 @@ def test_killed_rank_leaves_no_segment(when: str) -> None:
 
 
 def test_segment_of_a_dead_process_is_swept() -> None:
-    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
-                          text=True, check=True).stdout.strip()
+    dead = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True, check=True
+    ).stdout.strip()
     path = os.path.join(shm.SHM_DIR, f"{shm.SHM_PREFIX}{dead}-0-0-{dead}")
     with open(path, "wb") as fh:
         fh.write(b"x" * 64)

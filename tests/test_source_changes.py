@@ -27,11 +27,10 @@ KEYS = [f"layers.{i}.w" for i in range(7)]
 
 
 def _state(sign: float) -> dict[str, torch.Tensor]:
-    return {k: sign * (torch.arange(127.) + 1000 * i) for i, k in enumerate(KEYS)}
+    return {k: sign * (torch.arange(127.0) + 1000 * i) for i, k in enumerate(KEYS)}
 
 
-def _stream_with_change(path: Path, change: Callable[[], None]) -> tuple[dict[str, torch.Tensor],
-                                                                         FormatError | None]:
+def _stream_with_change(path: Path, change: Callable[[], None]) -> tuple[dict[str, torch.Tensor], FormatError | None]:
     """Stream ``path`` target by target; ``change`` runs once the first target was yielded."""
     got: dict[str, torch.Tensor] = {}
     try:
@@ -58,9 +57,11 @@ def test_file_replaced_mid_stream_gives_old_values_then_an_error(tmp_path: Path)
     old = _state(1.0)
     assert got and all(torch.equal(t, old[k]) for k, t in got.items())  # never a new value
     assert len(got) < len(KEYS) and err is not None
-    assert str(err) == (f"{path} was replaced by another file while it was read (the tensors already read "
-                        "come from the old file); do not write a checkpoint while a stream reads it, and "
-                        "read it again once it is complete")
+    assert str(err) == (
+        f"{path} was replaced by another file while it was read (the tensors already read "
+        "come from the old file); do not write a checkpoint while a stream reads it, and "
+        "read it again once it is complete"
+    )
 
 
 def test_file_rewritten_in_place_mid_stream_raises(tmp_path: Path) -> None:

@@ -18,11 +18,11 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from multiproc import run_ranks
-from reference import arange_tensor
 from safetensors.torch import load_file
 
 import shardsync
+from multiproc import run_ranks
+from reference import arange_tensor
 from shardsync.cli import main
 from shardsync.errors import FormatError
 from shardsync.layout.box import Box
@@ -37,20 +37,29 @@ TOKENS = torch.tensor([[3, 17, 5, 66, 0, 12, 9, 41, 28, 7, 60]])
 
 # -- one process ---------------------------------------------------------------------------------
 
+
 def test_layout_reads_and_non_tensor_entries(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
-    state = {"w": arange_tensor((17, 3)), "h": arange_tensor((127,), torch.bfloat16, step=0.37),
-             "ids": torch.arange(7, dtype=torch.int64) * 3, "step": 1000, "blob": b"abc",
-             "extra": {"lr": 0.5}}
+    state = {
+        "w": arange_tensor((17, 3)),
+        "h": arange_tensor((127,), torch.bfloat16, step=0.37),
+        "ids": torch.arange(7, dtype=torch.int64) * 3,
+        "step": 1000,
+        "blob": b"abc",
+        "extra": {"lr": 0.5},
+    }
     dcp.save(state, checkpoint_id=tmp_path, no_dist=True)
     with caplog.at_level(logging.DEBUG, logger="shardsync.sources.dcp"):
         src = DcpSource(tmp_path)
     assert [(e.key, e.shape, e.dtype) for e in src.entries()] == [
-        ("h", (127,), "bfloat16"), ("ids", (7,), "int64"), ("w", (17, 3), "float32")]
-    assert sorted(r.getMessage().split(": ")[1] for r in caplog.records
-                  if r.name == "shardsync.sources.dcp") == [
+        ("h", (127,), "bfloat16"),
+        ("ids", (7,), "int64"),
+        ("w", (17, 3), "float32"),
+    ]
+    assert sorted(r.getMessage().split(": ")[1] for r in caplog.records if r.name == "shardsync.sources.dcp") == [
         "skipping non-tensor entry 'blob' (BytesStorageMetadata)",
         "skipping non-tensor entry 'extra.lr' (BytesStorageMetadata)",
-        "skipping non-tensor entry 'step' (BytesStorageMetadata)"]
+        "skipping non-tensor entry 'step' (BytesStorageMetadata)",
+    ]
     assert torch.equal(src.read("w", Box((5, 1), (9, 2))), state["w"][5:14, 1:3])
     assert torch.equal(src.read("h", Box((0,), (127,))), state["h"])
     stream = shardsync.full_params(tmp_path, ["w^T -> wt", "ids -> ids"])
@@ -62,21 +71,26 @@ def test_layout_reads_and_non_tensor_entries(tmp_path: Path, caplog: pytest.LogC
 
 def test_prefix_selects_one_nested_state(tmp_path: Path) -> None:
     w = arange_tensor((5, 3))
-    dcp.save({"model": {"w": w, "norm": torch.ones(3)}, "optim": {"w.exp_avg": torch.zeros(5, 3)}},
-             checkpoint_id=tmp_path, no_dist=True)
+    dcp.save(
+        {"model": {"w": w, "norm": torch.ones(3)}, "optim": {"w.exp_avg": torch.zeros(5, 3)}},
+        checkpoint_id=tmp_path,
+        no_dist=True,
+    )
     assert [e.key for e in DcpSource(tmp_path).entries()] == ["model.norm", "model.w", "optim.w.exp_avg"]
     src = DcpSource(tmp_path, prefix="model.")
     assert [e.key for e in src.entries()] == ["norm", "w"]
     assert torch.equal(dict(shardsync.full_params(src))["w"], w)
-    with pytest.raises(FormatError, match=f"^{tmp_path}: no tensor under prefix 'mdl.' in this DCP "
-                       "checkpoint$"):
+    with pytest.raises(FormatError, match=f"^{tmp_path}: no tensor under prefix 'mdl.' in this DCP checkpoint$"):
         DcpSource(tmp_path, prefix="mdl.")
 
 
 def test_metadata_errors(tmp_path: Path) -> None:
     meta = tmp_path / ".metadata"
-    with pytest.raises(FormatError, match=f"^{tmp_path} is not a torch DCP checkpoint: it has no "
-                       r"\.metadata file$"):
+    with pytest.raises(
+        FormatError,
+        match=f"^{tmp_path} is not a torch DCP checkpoint: it has no "
+        r"\.metadata file$",
+    ):
         DcpSource(tmp_path)
     meta.write_bytes(b"\x00garbage")
     cannot = rf"^{meta}: cannot read DCP metadata \(not written by torch.distributed.checkpoint.save\?\): "
@@ -86,19 +100,29 @@ def test_metadata_errors(tmp_path: Path) -> None:
     with pytest.raises(FormatError, match=f"^{meta}: holds a dict, not DCP Metadata$"):
         DcpSource(tmp_path)
     meta.write_bytes(pickle.dumps(SimpleNamespace(w=1)))  # a class DCP metadata is not made of
-    with pytest.raises(FormatError, match=f"^{meta}: names types.SimpleNamespace, which DCP metadata is "
-                       "not made of; refusing to load it"):
+    with pytest.raises(
+        FormatError,
+        match=f"^{meta}: names types.SimpleNamespace, which DCP metadata is not made of; refusing to load it",
+    ):
         DcpSource(tmp_path)
 
 
 # -- a tensor-parallel Llama ------------------------------------------------------------------------
 
+
 def _llama(path: Path) -> Any:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=67, hidden_size=32, intermediate_size=47, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    config = LlamaConfig(
+        vocab_size=67,
+        hidden_size=32,
+        intermediate_size=47,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+    )
     model = LlamaForCausalLM(config).eval()
     model.save_pretrained(path)
     return model
@@ -176,7 +200,7 @@ def test_tp_checkpoint_exports_to_hf_with_identical_logits(llama: dict[str, Any]
     q_boxes = [e.box for e in src.entries() if e.key == "model.layers.0.self_attn.q_proj.weight"]
     down = [e.box for e in src.entries() if e.key == "model.layers.1.mlp.down_proj.weight"]
     assert q_boxes == [Box((0, 0), (16, 32)), Box((16, 0), (16, 32))]  # saved as TP shards
-    assert down == [Box((0, 0), (32, 24)), Box((0, 24), (32, 23))]    # 47 columns: uneven
+    assert down == [Box((0, 0), (32, 24)), Box((0, 24), (32, 23))]  # 47 columns: uneven
     total = sum(t.numel() * t.element_size() for t in llama["ref"].values())
     (read0, sent0), (read1, sent1) = llama["export"]
     assert [read0, read1] == _shares(src, 2) and read0 + read1 == total and min(read0, read1) > 0

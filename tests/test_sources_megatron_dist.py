@@ -23,11 +23,11 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from multiproc import run_ranks
-from reference import arange_tensor
 from safetensors.torch import load_file
 
 import shardsync
+from multiproc import run_ranks
+from reference import arange_tensor
 from shardsync.cli import main
 from shardsync.cli.common import MappingFlags
 from shardsync.errors import FormatError, LayoutError
@@ -44,18 +44,30 @@ ONE_EXPERT = "decoder.layers.2.mlp.experts.experts.1.linear_fc2.weight"
 
 
 def stacked_state() -> dict[str, Any]:
-    return {QKV: arange_tensor((3, 17, 5)), NORM: arange_tensor((3, 5), start=1000),
-            EXPERTS: arange_tensor((3, 4, 6, 5), start=2000), ONE_EXPERT: arange_tensor((5, 3), start=3000),
-            "embedding.word_embeddings.weight": arange_tensor((127, 5), start=4000),
-            "optimizer.state.exp_avg." + QKV: torch.zeros(3, 17, 5),
-            "decoder.layers.self_attention.linear_qkv._extra_state/shard_0_1": b"te state"}
+    return {
+        QKV: arange_tensor((3, 17, 5)),
+        NORM: arange_tensor((3, 5), start=1000),
+        EXPERTS: arange_tensor((3, 4, 6, 5), start=2000),
+        ONE_EXPERT: arange_tensor((5, 3), start=3000),
+        "embedding.word_embeddings.weight": arange_tensor((127, 5), start=4000),
+        "optimizer.state.exp_avg." + QKV: torch.zeros(3, 17, 5),
+        "decoder.layers.self_attention.linear_qkv._extra_state/shard_0_1": b"te state",
+    }
 
 
 def write_torch_dist(path: Path, state: dict[str, Any], backend: str = "torch_dist") -> Path:
     """What dist_checkpointing.save writes: a DCP directory, metadata.json and common.pt."""
     dcp.save(state, checkpoint_id=path, no_dist=True)
-    (path / "metadata.json").write_text(json.dumps({"sharded_backend": backend, "sharded_backend_version": 1,
-                                                    "common_backend": "torch", "common_backend_version": 1}))
+    (path / "metadata.json").write_text(
+        json.dumps(
+            {
+                "sharded_backend": backend,
+                "sharded_backend_version": 1,
+                "common_backend": "torch",
+                "common_backend_version": 1,
+            }
+        )
+    )
     torch.save({"iteration": 7}, path / "common.pt")
     return path
 
@@ -63,14 +75,15 @@ def write_torch_dist(path: Path, state: dict[str, Any], backend: str = "torch_di
 def test_stacked_layers_and_experts_read_as_live_names(tmp_path: Path) -> None:
     src = open_source(write_torch_dist(tmp_path, stacked_state()))
     assert isinstance(src, MegatronDistSource)
-    want = {"embedding.word_embeddings.weight": stacked_state()["embedding.word_embeddings.weight"],
-            "decoder.layers.2.mlp.experts.local_experts.1.linear_fc2.weight": stacked_state()[ONE_EXPERT]}
+    want = {
+        "embedding.word_embeddings.weight": stacked_state()["embedding.word_embeddings.weight"],
+        "decoder.layers.2.mlp.experts.local_experts.1.linear_fc2.weight": stacked_state()[ONE_EXPERT],
+    }
     for i in range(3):
         want[f"decoder.layers.{i}.self_attention.linear_qkv.weight"] = stacked_state()[QKV][i]
         want[f"decoder.layers.{i}.self_attention.linear_qkv.layer_norm_weight"] = stacked_state()[NORM][i]
         for e in range(4):
-            want[f"decoder.layers.{i}.mlp.experts.local_experts.{e}.linear_fc1.weight"] = \
-                stacked_state()[EXPERTS][i, e]
+            want[f"decoder.layers.{i}.mlp.experts.local_experts.{e}.linear_fc1.weight"] = stacked_state()[EXPERTS][i, e]
     assert [e.key for e in src.entries()] == sorted(want)
     for e in src.entries():
         assert e.shape == tuple(want[e.key].shape) and e.box == Box.full(e.shape), e.key
@@ -83,10 +96,11 @@ def test_stacked_layers_and_experts_read_as_live_names(tmp_path: Path) -> None:
 
 def test_local_norm_names(tmp_path: Path) -> None:
     src = MegatronDistSource(write_torch_dist(tmp_path, {NORM: arange_tensor((2, 5))}), norms="local")
-    assert [e.key for e in src.entries()] == ["decoder.layers.0.input_layernorm.weight",
-                                             "decoder.layers.1.input_layernorm.weight"]
-    assert torch.equal(src.read("decoder.layers.1.input_layernorm.weight", Box((0,), (5,))),
-                       arange_tensor((2, 5))[1])
+    assert [e.key for e in src.entries()] == [
+        "decoder.layers.0.input_layernorm.weight",
+        "decoder.layers.1.input_layernorm.weight",
+    ]
+    assert torch.equal(src.read("decoder.layers.1.input_layernorm.weight", Box((0,), (5,))), arange_tensor((2, 5))[1])
     with pytest.raises(LayoutError, match="norms='TE': use 'te'"):
         MegatronDistSource(tmp_path, norms="TE")  # type: ignore[arg-type]
 
@@ -99,8 +113,7 @@ class _Boom:
 def test_format_errors(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     with pytest.raises(FormatError, match="sharded_backend 'zarr'; only 'torch_dist'"):
         open_source(write_torch_dist(tmp_path / "zarr", {QKV: torch.zeros(2, 3)}, backend="zarr"))
-    flat = write_torch_dist(tmp_path / "flat",
-                            {"decoder.layers.mlp.linear_fc1.layer_norm_weight": torch.zeros(3)})
+    flat = write_torch_dist(tmp_path / "flat", {"decoder.layers.mlp.linear_fc1.layer_norm_weight": torch.zeros(3)})
     with pytest.raises(FormatError, match=r"is \[3\], but its name says 1 stacked dims"):
         MegatronDistSource(flat)
     torn = write_torch_dist(tmp_path / "torn", {QKV: torch.zeros(2, 3)})
@@ -117,6 +130,7 @@ def test_format_errors(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
 
 # -- the settings common.pt keeps, read without running code from it --------------------------------
 
+
 def saved_enum(monkeypatch: pytest.MonkeyPatch) -> enum.Enum:
     """An enum value as Megatron's saved args hold one (``AttnBackend.auto``), defined in a module of
     its own that the reader cannot import."""
@@ -127,26 +141,40 @@ def saved_enum(monkeypatch: pytest.MonkeyPatch) -> enum.Enum:
     return backend.auto  # type: ignore[attr-defined,no-any-return]
 
 
-def test_saved_args_give_the_config_and_nothing_else_is_built(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                                              ) -> None:
-    args = argparse.Namespace(num_attention_heads=8, group_query_attention=True, num_query_groups=2,
-                              vocab_size=100, attention_backend=saved_enum(monkeypatch),
-                              params_dtype=torch.bfloat16)
+def test_saved_args_give_the_config_and_nothing_else_is_built(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    args = argparse.Namespace(
+        num_attention_heads=8,
+        group_query_attention=True,
+        num_query_groups=2,
+        vocab_size=100,
+        attention_backend=saved_enum(monkeypatch),
+        params_dtype=torch.bfloat16,
+    )
     ckpt = write_torch_dist(tmp_path / "c", {QKV: torch.zeros(2, 3)})
-    torch.save({"args": args, "iteration": 7, "rng_state": [{"random": (3, (1, 2))}], "boom": _Boom()},
-               ckpt / "common.pt")
+    torch.save(
+        {"args": args, "iteration": 7, "rng_state": [{"random": (3, (1, 2))}], "boom": _Boom()}, ckpt / "common.pt"
+    )
     monkeypatch.delitem(sys.modules, "megatron_like_enums")
     monkeypatch.chdir(tmp_path)  # _Boom would touch 'pwned' here
     config = MegatronDistSource(ckpt).config()
     assert config is not None and not (tmp_path / "pwned").exists()
-    assert {k: config[k] for k in ("num_attention_heads", "num_query_groups", "vocab_size", "params_dtype")} == \
-        {"num_attention_heads": 8, "num_query_groups": 2, "vocab_size": 100, "params_dtype": torch.bfloat16}
+    assert {k: config[k] for k in ("num_attention_heads", "num_query_groups", "vocab_size", "params_dtype")} == {
+        "num_attention_heads": 8,
+        "num_query_groups": 2,
+        "vocab_size": 100,
+        "params_dtype": torch.bfloat16,
+    }
     backend = config["attention_backend"]
     assert isinstance(backend, Opaque) and (backend.qualname, backend.args) == ("megatron_like_enums.AttnBackend", (5,))
     mapping = shardsync.Mapping.parse("megatron-llama-te", config=config)
     assert mapping.statements[0].render().endswith("keep=100")
-    torch.save({"args": argparse.Namespace(num_attention_heads=8, num_query_groups=1,
-                                           group_query_attention=False)}, ckpt / "common.pt")
+    torch.save(
+        {"args": argparse.Namespace(num_attention_heads=8, num_query_groups=1, group_query_attention=False)},
+        ckpt / "common.pt",
+    )
     assert MegatronDistSource(ckpt).config() == {"num_attention_heads": 8, "group_query_attention": False}
     torch.save({"iteration": 7}, ckpt / "common.pt")
     assert MegatronDistSource(ckpt).config() is None
@@ -163,14 +191,16 @@ def test_cli_without_saved_args_asks_for_the_parameters(tmp_path: Path, capsys: 
 
 # -- megatron-core's own dist_checkpointing.save, TP=2, converted by the CLI --------------------------
 
+
 def doc_block(marker: str, lang: str) -> str:
     """The first ``lang`` code block after ``marker`` in docs/megatron.md."""
     text = DOC.read_text()
-    return text[text.index(marker):].split(f"```{lang}\n", 1)[1].split("```", 1)[0]
+    return text[text.index(marker) :].split(f"```{lang}\n", 1)[1].split("```", 1)[0]
 
 
 SAVE = "<!-- executed by tests/test_sources_megatron_dist.py"
 CONVERT = "<!-- run by tests/test_sources_megatron_dist.py"
+
 
 def save_worker(rank: int, world: int, out: str) -> dict[str, Any] | None:
     import multiprocessing
@@ -192,7 +222,8 @@ def save_worker(rank: int, world: int, out: str) -> dict[str, Any] | None:
 
 
 def test_megatron_core_checkpoint_converts_by_cli_to_the_gathered_model(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     pytest.importorskip("megatron.core")
     ckpt, out = tmp_path / "ckpt", tmp_path / "hf"
     ckpt.mkdir()
@@ -206,14 +237,17 @@ def test_megatron_core_checkpoint_converts_by_cli_to_the_gathered_model(
     assert sorted(got) == sorted(ref["hf"])
     assert [k for k in ref["hf"] if not torch.equal(got[k], ref["hf"][k])] == []
     # the mapping's parameters came from the args Megatron's save kept in common.pt; --set wins
-    assert {k: MegatronDistSource(ckpt).config()[k] for k in ("num_attention_heads", "num_query_groups")} == \
-        {"num_attention_heads": 4, "num_query_groups": 2}
+    assert {k: MegatronDistSource(ckpt).config()[k] for k in ("num_attention_heads", "num_query_groups")} == {
+        "num_attention_heads": 4,
+        "num_query_groups": 2,
+    }
     flags = MappingFlags(mapping="megatron-llama-te", sets=(("vocab_size", "100"),))
     _, targets = flags.resolve(GlobalLayout.merge([MegatronDistSource(ckpt).entries()]), ckpt)
     assert {t.name: t.shape for t in targets}["lm_head.weight"] == (100, 64)
     local = MegatronDistSource(ckpt, norms="local")
     assert sorted({e.key for e in local.entries()}) == ref["live"]
-    mapping = shardsync.Mapping.parse("megatron-llama", params={
-        "num_heads": 4, "num_key_value_groups": 2, "vocab_size": 128})
+    mapping = shardsync.Mapping.parse(
+        "megatron-llama", params={"num_heads": 4, "num_key_value_groups": 2, "vocab_size": 128}
+    )
     streamed = dict(shardsync.full_params(local, mapping))
     assert [k for k in ref["hf"] if not torch.equal(streamed[k], ref["hf"][k])] == []

@@ -7,16 +7,15 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from reference import arange_tensor
 from safetensors.torch import save_file
 
 import shardsync
+from reference import arange_tensor
 from shardsync.cli import main
 from shardsync.errors import FormatError, LayoutError
 from shardsync.layout.box import Box
 from shardsync.layout.meta import LayoutEntry
-from shardsync.sources import (DcpSource, LocalSource, SafetensorsSource, Source, assign_boxes,
-                               open_source, spread)
+from shardsync.sources import DcpSource, LocalSource, SafetensorsSource, Source, assign_boxes, open_source, spread
 
 # dcp.save(no_dist=True) warns that it runs in one process, which is what these tests want
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
@@ -39,11 +38,11 @@ def test_what_is_not_a_checkpoint(tmp_path: Path, capsys: pytest.CaptureFixture[
     (tmp_path / "empty").mkdir()
     cases = {
         tmp_path / "dcp" / ".metadata": "is the metadata file of a DCP checkpoint; pass its directory "
-                                        f"{tmp_path / 'dcp'}",
+        f"{tmp_path / 'dcp'}",
         tmp_path / "config.json": "is not a checkpoint file; pass a .safetensors file, a "
-                                  "*.safetensors.index.json, a directory of safetensors files, a "
-                                  "torch DCP checkpoint directory (one holding .metadata), or a Megatron "
-                                  "dist_checkpointing directory (metadata.json, common.pt)",
+        "*.safetensors.index.json, a directory of safetensors files, a "
+        "torch DCP checkpoint directory (one holding .metadata), or a Megatron "
+        "dist_checkpointing directory (metadata.json, common.pt)",
         tmp_path / "empty": "is not a checkpoint: it holds no *.safetensors file and no .metadata",
         tmp_path / "nope": "does not exist",
     }
@@ -83,8 +82,13 @@ class CountingSource:
 def test_executor_reads_each_planned_box_once() -> None:
     full = {"qkv": arange_tensor((12, 5)), "w": arange_tensor((7, 3), start=100)}
     src = CountingSource(full)
-    mapping = ["qkv -> q, k, v, fused_qkv, num_heads=2, num_key_value_groups=1, axis=0",
-               "qkv^T -> qkv_t", "qkv -> qkv_copy", "w -> w", "w -> w16, dtype='float16'"]
+    mapping = [
+        "qkv -> q, k, v, fused_qkv, num_heads=2, num_key_value_groups=1, axis=0",
+        "qkv^T -> qkv_t",
+        "qkv -> qkv_copy",
+        "w -> w",
+        "w -> w16, dtype='float16'",
+    ]
     for copy in (True, False):
         src.calls.clear()
         stream = shardsync.full_params(src, mapping, copy=copy)

@@ -10,8 +10,7 @@ HEAVY = ("torch.distributed.checkpoint", "torch.distributed.tensor")
 
 
 def test_import_of_the_package_and_the_cli_leaves_dcp_and_dtensor_unloaded() -> None:
-    code = ("import sys, shardsync, shardsync.cli; "
-            f"print([m for m in {HEAVY!r} if m in sys.modules])")
+    code = f"import sys, shardsync, shardsync.cli; print([m for m in {HEAVY!r} if m in sys.modules])"
     out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True)
     assert out.stdout.strip() == "[]"
 

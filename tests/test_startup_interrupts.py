@@ -21,8 +21,9 @@ def python_handler() -> Iterator[None]:
     startup._installed.clear()
 
 
-def test_the_running_command_notes_and_raises_with_the_startup_handler(python_handler: None,
-                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_running_command_notes_and_raises_with_the_startup_handler(
+    python_handler: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setattr(startup, "is_command", lambda argv=None: True)
     startup.guard_startup()
     installed = startup._installed[0]

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from reference import arange_tensor
 
+from reference import arange_tensor
 from shardsync.errors import LayoutError, MappingError, PlanError
 from shardsync.layout import LocalShard, shard_dim
 from shardsync.paddle import full_param
@@ -21,9 +21,14 @@ def shards(full: torch.Tensor, dim: int, n: int) -> list[LocalShard]:
 
 
 def model() -> dict[str, torch.Tensor]:
-    return {"emb": arange_tensor((17, 6), step=0.37), "norm": arange_tensor((6,), start=3),
-            "proj": arange_tensor((6, 8), start=-9, step=0.71), "ids": torch.arange(5),
-            "qkv": arange_tensor((24, 5), start=100), "gu": arange_tensor((16, 5), start=500)}
+    return {
+        "emb": arange_tensor((17, 6), step=0.37),
+        "norm": arange_tensor((6,), start=3),
+        "proj": arange_tensor((6, 8), start=-9, step=0.71),
+        "ids": torch.arange(5),
+        "qkv": arange_tensor((24, 5), start=100),
+        "gu": arange_tensor((16, 5), start=500),
+    }
 
 
 def test_identity_yields_sorted_clones_one_at_a_time() -> None:
@@ -42,8 +47,7 @@ def test_identity_yields_sorted_clones_one_at_a_time() -> None:
 
 def test_copy_false_returns_the_source_or_a_view() -> None:
     full = model()
-    got = dict(full_params(full, ["emb -> e1, e2, axis=0, sizes='[5, 12]'", "proj^T -> proj_t"],
-                           copy=False))
+    got = dict(full_params(full, ["emb -> e1, e2, axis=0, sizes='[5, 12]'", "proj^T -> proj_t"], copy=False))
     assert got["norm"] is full["norm"]
     assert got["e2"]._base is full["emb"] and torch.equal(got["e2"], full["emb"][5:])
     assert got["proj_t"].is_contiguous() and torch.equal(got["proj_t"], full["proj"].T)  # one copy
@@ -51,17 +55,33 @@ def test_copy_false_returns_the_source_or_a_view() -> None:
 
 def test_sharded_sources_mapped_like_the_dense_reference() -> None:
     full = model()
-    state = {"qkv": shards(full["qkv"], 0, 2), "gu": shards(full["gu"], 0, 2),
-             "emb": shards(full["emb"], 0, 2), "proj": shards(full["proj"], 1, 2), "norm": full["norm"]}
-    mapping = [QKV, FFN, "proj^T -> proj_t", "norm -> norm, dtype='bfloat16'",
-               "emb -> emb, dtype='bfloat16'", "emb -> emb, dtype='float32'"]
+    state = {
+        "qkv": shards(full["qkv"], 0, 2),
+        "gu": shards(full["gu"], 0, 2),
+        "emb": shards(full["emb"], 0, 2),
+        "proj": shards(full["proj"], 1, 2),
+        "norm": full["norm"],
+    }
+    mapping = [
+        QKV,
+        FFN,
+        "proj^T -> proj_t",
+        "norm -> norm, dtype='bfloat16'",
+        "emb -> emb, dtype='bfloat16'",
+        "emb -> emb, dtype='float32'",
+    ]
     got = dict(full_params(state, mapping))
     w, g = full["qkv"], full["gu"]
-    ref = {"q": torch.cat([w[0:6], w[12:18]]), "k": torch.cat([w[6:9], w[18:21]]),
-           "v": torch.cat([w[9:12], w[21:24]]), "gate": torch.cat([g[0:4], g[8:12]]),
-           "up": torch.cat([g[4:8], g[12:16]]), "proj_t": full["proj"].T,
-           "norm": full["norm"].to(torch.bfloat16),
-           "emb": full["emb"].to(torch.bfloat16).to(torch.float32)}
+    ref = {
+        "q": torch.cat([w[0:6], w[12:18]]),
+        "k": torch.cat([w[6:9], w[18:21]]),
+        "v": torch.cat([w[9:12], w[21:24]]),
+        "gate": torch.cat([g[0:4], g[8:12]]),
+        "up": torch.cat([g[4:8], g[12:16]]),
+        "proj_t": full["proj"].T,
+        "norm": full["norm"].to(torch.bfloat16),
+        "emb": full["emb"].to(torch.bfloat16).to(torch.float32),
+    }
     assert list(got) == sorted(ref)
     for k, x in ref.items():
         assert got[k].dtype == x.dtype and torch.equal(got[k], x), k
@@ -79,8 +99,7 @@ def test_num_splits_are_contiguous_parts_of_sorted_names() -> None:
 def test_missing_box_names_key_and_box() -> None:
     full = model()
     with pytest.raises(LayoutError) as err:
-        list(full_params({"emb": [shard_dim(full["emb"], 0, 0, 2)],
-                          "proj": [shard_dim(full["proj"], 1, 1, 2)]}))
+        list(full_params({"emb": [shard_dim(full["emb"], 0, 0, 2)], "proj": [shard_dim(full["proj"], 1, 1, 2)]}))
     text = str(err.value)
     assert "'emb': box [9:17, 0:6] (needed by target 'emb') is held by no rank" in text
     assert "'proj': box [0:6, 0:4] (needed by target 'proj') is held by no rank" in text
@@ -110,7 +129,7 @@ def test_errors_and_once_only() -> None:
 def test_outputs_do_not_track_gradients() -> None:
     p = torch.nn.Parameter(arange_tensor((3, 4)))
     halves = [LocalShard(p[:2], (3, 4), (0, 0)), LocalShard(p[2:], (3, 4), (2, 0))]
-    (name, t), = full_params({"p": halves})
+    ((name, t),) = full_params({"p": halves})
     assert not t.requires_grad and t.grad_fn is None and torch.equal(t, p.detach())
 
 
@@ -145,26 +164,33 @@ def test_plans_are_cached_per_layout_mapping_and_options() -> None:
     assert other.plan is not first.plan and _planned.cache_info().misses == 3
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    ({"strategy": "bogus"}, "strategy 'bogus' is unknown; use one of ['auto', 'broadcast', 'bucketed', "
-                            "'mesh2d', 'p2p', 'multicast']"),
-    ({"strategy": "mesh2d"}, "strategy 'mesh2d' needs mesh=(horizontal group, vertical group)"),
-    ({"num_splits": 2, "split_index": 2}, "num_splits=2, split_index=2: use integers with num_splits >= 1"),
-    ({"split_index": -1}, "num_splits=1, split_index=-1: use integers"),
-    ({"num_splits": 0}, "num_splits=0, split_index=0: use integers"),
-    ({"split_by": "size"}, "split_by 'size' is unknown; use 'count' or 'bytes'"),
-    ({"consumers": "rank0"}, "consumers='rank0': use 'all', a rank, or a list of ranks"),
-    ({"consumers": 1.5}, "consumers=1.5: use 'all', a rank, or a list of ranks"),
-    ({"consumers": [1]}, "consumers [1]: use distinct ranks in [0, 1)"),
-    ({"consumers": [0, 0]}, "consumers [0, 0]: use distinct ranks in [0, 1)"),
-    ({"consumers": 0, "strategy": "bucketed"},
-     "strategy 'bucketed' delivers to every rank; with consumers use one of ['auto', 'p2p', 'multicast']"),
-    ({"bucket_bytes": 0}, "bucket_bytes=0: use a positive number of bytes"),
-    ({"bucket_bytes": 1.5}, "bucket_bytes=1.5: use a positive number of bytes"),
-    ({"memory_budget": -1}, "memory_budget=-1: use a positive number of bytes"),
-    ({"mesh_threshold_bytes": 0}, "mesh_threshold_bytes=0: use a positive number of bytes"),
-    ({"mesh": "2x2"}, "mesh must be a 2-D DeviceMesh or (horizontal group, vertical group); got str"),
-])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (
+            {"strategy": "bogus"},
+            "strategy 'bogus' is unknown; use one of ['auto', 'broadcast', 'bucketed', 'mesh2d', 'p2p', 'multicast']",
+        ),
+        ({"strategy": "mesh2d"}, "strategy 'mesh2d' needs mesh=(horizontal group, vertical group)"),
+        ({"num_splits": 2, "split_index": 2}, "num_splits=2, split_index=2: use integers with num_splits >= 1"),
+        ({"split_index": -1}, "num_splits=1, split_index=-1: use integers"),
+        ({"num_splits": 0}, "num_splits=0, split_index=0: use integers"),
+        ({"split_by": "size"}, "split_by 'size' is unknown; use 'count' or 'bytes'"),
+        ({"consumers": "rank0"}, "consumers='rank0': use 'all', a rank, or a list of ranks"),
+        ({"consumers": 1.5}, "consumers=1.5: use 'all', a rank, or a list of ranks"),
+        ({"consumers": [1]}, "consumers [1]: use distinct ranks in [0, 1)"),
+        ({"consumers": [0, 0]}, "consumers [0, 0]: use distinct ranks in [0, 1)"),
+        (
+            {"consumers": 0, "strategy": "bucketed"},
+            "strategy 'bucketed' delivers to every rank; with consumers use one of ['auto', 'p2p', 'multicast']",
+        ),
+        ({"bucket_bytes": 0}, "bucket_bytes=0: use a positive number of bytes"),
+        ({"bucket_bytes": 1.5}, "bucket_bytes=1.5: use a positive number of bytes"),
+        ({"memory_budget": -1}, "memory_budget=-1: use a positive number of bytes"),
+        ({"mesh_threshold_bytes": 0}, "mesh_threshold_bytes=0: use a positive number of bytes"),
+        ({"mesh": "2x2"}, "mesh must be a 2-D DeviceMesh or (horizontal group, vertical group); got str"),
+    ],
+)
 def test_argument_errors_are_raised_by_the_call(kwargs: dict, message: str) -> None:
     with pytest.raises(PlanError) as err:
         full_params(model(), **kwargs)  # not iterated: the call itself raises
@@ -180,13 +206,17 @@ def test_every_argument_error_is_reported_at_once() -> None:
         "invalid stream options:\n"
         "  strategy 'bogus' is unknown; use one of ['auto', 'broadcast', 'bucketed', 'mesh2d', 'p2p', 'multicast']\n"
         "  split_by 'size' is unknown; use 'count' or 'bytes'\n"
-        "  bucket_bytes=0: use a positive number of bytes")
+        "  bucket_bytes=0: use a positive number of bytes"
+    )
 
 
 def test_a_module_is_streamed_like_its_state() -> None:
     net = torch.nn.Linear(3, 2)
-    with pytest.raises(LayoutError, match=r"state must be a mapping of names to tensors, a Source, a module or a "
-                                          r"checkpoint path, got list"):
+    with pytest.raises(
+        LayoutError,
+        match=r"state must be a mapping of names to tensors, a Source, a module or a "
+        r"checkpoint path, got list",
+    ):
         full_params([torch.zeros(2)])
     got = dict(full_params(net))
     assert list(got) == ["bias", "weight"] and torch.equal(got["weight"], net.weight.detach())
@@ -197,18 +227,26 @@ def test_a_module_is_streamed_like_its_state() -> None:
 
 def test_meta_tensors_are_refused_by_key() -> None:
     state = {"w": arange_tensor((4, 3)), "lazy": torch.empty(5, 3, device="meta")}
-    with pytest.raises(LayoutError, match=r"^'lazy' is a meta tensor \(a shape without data\), so there "
-                                          r"is nothing to stream; materialise it first"):
+    with pytest.raises(
+        LayoutError,
+        match=r"^'lazy' is a meta tensor \(a shape without data\), so there "
+        r"is nothing to stream; materialise it first",
+    ):
         list(full_params(state))
-    halves = [LocalShard(torch.empty(2, 3, device="meta"), (4, 3), (0, 0)),
-              LocalShard(arange_tensor((2, 3)), (4, 3), (2, 0))]
+    halves = [
+        LocalShard(torch.empty(2, 3, device="meta"), (4, 3), (0, 0)),
+        LocalShard(arange_tensor((2, 3)), (4, 3), (2, 0)),
+    ]
     with pytest.raises(LayoutError, match=r"^'half' is a meta tensor"):
         list(full_params({"half": halves}))
 
 
 def test_keys_that_are_not_strings_are_named() -> None:
-    with pytest.raises(LayoutError, match=r"^state key 3 \(int\) is not a string; state dict keys must "
-                                          r"be strings"):
+    with pytest.raises(
+        LayoutError,
+        match=r"^state key 3 \(int\) is not a string; state dict keys must "
+        r"be strings",
+    ):
         list(full_params({"w": torch.zeros(2), 3: torch.ones(2)}))
     with pytest.raises(LayoutError, match=r"^state key \('a', 1\) \(tuple\) is not a string"):
         plan({("a", 1): torch.ones(2)})

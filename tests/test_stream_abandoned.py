@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from multiproc import run_ranks
-from test_stream_dist import case_tp
 
+from multiproc import run_ranks
 from shardsync.stream import full_params
+from test_stream_dist import case_tp
 
 DEFAULT_TIMEOUT = 1800.0
 DEADLINE = 240.0

@@ -10,9 +10,9 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+
 from multiproc import BACKEND, on_device, run_ranks
 from reference import arange_tensor
-
 from shardsync.errors import DistributedError, LayoutError, PlanError
 from shardsync.layout import LocalShard, shard_dim
 from shardsync.stream import full_params
@@ -22,34 +22,48 @@ H, G, D, FFN = 8, 4, 2, 8  # query heads, kv heads, head dim, ffn width: qkv has
 
 # -- dense references --------------------------------------------------------------------------------
 
+
 def split_qkv(w: torch.Tensor, tp: int) -> list[torch.Tensor]:
     """Megatron's blocked fused QKV: each of ``tp`` row blocks is [Q_r | K_r | V_r]."""
     q, k = H // tp * D, G // tp * D
     blocks = w.chunk(tp, 0)
-    return [torch.cat([b[:q] for b in blocks]), torch.cat([b[q:q + k] for b in blocks]),
-            torch.cat([b[q + k:] for b in blocks])]
+    return [
+        torch.cat([b[:q] for b in blocks]),
+        torch.cat([b[q : q + k] for b in blocks]),
+        torch.cat([b[q + k :] for b in blocks]),
+    ]
 
 
 def split_ffn(w: torch.Tensor, tp: int) -> list[torch.Tensor]:
     blocks = w.chunk(tp, 0)
-    return [torch.cat([b[:FFN // tp] for b in blocks]), torch.cat([b[FFN // tp:] for b in blocks])]
+    return [torch.cat([b[: FFN // tp] for b in blocks]), torch.cat([b[FFN // tp :] for b in blocks])]
 
 
 def qkv_statement(prefix: str) -> str:
-    return (f"{prefix}.qkv -> {prefix}.q, {prefix}.k, {prefix}.v, fused_qkv_old, num_heads={H}, "
-            f"num_key_value_groups={G}, axis=0")
+    return (
+        f"{prefix}.qkv -> {prefix}.q, {prefix}.k, {prefix}.v, fused_qkv_old, num_heads={H}, "
+        f"num_key_value_groups={G}, axis=0"
+    )
 
 
 # -- cases: (state of this rank, mapping, reference) ---------------------------------------------------
 
+
 def case_tp(rank: int, world: int) -> tuple[dict, Any, dict]:
     n = 17 if world == 2 else 127
-    full = {"a": arange_tensor((n, 3)), "b": arange_tensor((5, n), start=1000),
-            "h": arange_tensor((n, 2), step=0.37).to(torch.bfloat16), "norm": arange_tensor((6,), start=7),
-            "ids": torch.arange(7) * 3}
-    state: dict[str, Any] = {"a": shard_dim(full["a"], 0, rank, world), "norm": full["norm"],
-                             "b": shard_dim(full["b"], 1, rank, world),
-                             "h": shard_dim(full["h"], 0, rank, world)}
+    full = {
+        "a": arange_tensor((n, 3)),
+        "b": arange_tensor((5, n), start=1000),
+        "h": arange_tensor((n, 2), step=0.37).to(torch.bfloat16),
+        "norm": arange_tensor((6,), start=7),
+        "ids": torch.arange(7) * 3,
+    }
+    state: dict[str, Any] = {
+        "a": shard_dim(full["a"], 0, rank, world),
+        "norm": full["norm"],
+        "b": shard_dim(full["b"], 1, rank, world),
+        "h": shard_dim(full["h"], 0, rank, world),
+    }
     if rank == 0:
         state["ids"] = full["ids"]
     return state, None, full
@@ -63,15 +77,21 @@ def case_fused(rank: int, world: int) -> tuple[dict, Any, dict]:
         qkv = arange_tensor(((H + 2 * G) * D, 5), start=1000 * layer)
         fc1 = arange_tensor((2 * FFN, 5), start=500 + 1000 * layer)
         proj = arange_tensor((5, H * D), start=-300 - 1000 * layer)
-        state |= {f"{p}.qkv": shard_dim(qkv, 0, rank, world), f"{p}.fc1": shard_dim(fc1, 0, rank, world),
-                  f"{p}.proj": shard_dim(proj, 1, rank, world)}
+        state |= {
+            f"{p}.qkv": shard_dim(qkv, 0, rank, world),
+            f"{p}.fc1": shard_dim(fc1, 0, rank, world),
+            f"{p}.proj": shard_dim(proj, 1, rank, world),
+        }
         ref |= dict(zip([f"{p}.q", f"{p}.k", f"{p}.v"], split_qkv(qkv, world)))
         ref |= dict(zip([f"{p}.gate", f"{p}.up"], split_ffn(fc1, world)))
         ref[f"{p}.proj_t"] = proj.T
-    mapping = [qkv_statement("layers.$LAYER_ID"),
-               "layers.$LAYER_ID.fc1 -> layers.$LAYER_ID.gate, layers.$LAYER_ID.up, fused_ffn, axis=0",
-               "layers.$LAYER_ID.proj^T -> layers.$LAYER_ID.proj_t",
-               "norm -> norm, dtype='bfloat16'", "norm -> norm, dtype='float32'"]
+    mapping = [
+        qkv_statement("layers.$LAYER_ID"),
+        "layers.$LAYER_ID.fc1 -> layers.$LAYER_ID.gate, layers.$LAYER_ID.up, fused_ffn, axis=0",
+        "layers.$LAYER_ID.proj^T -> layers.$LAYER_ID.proj_t",
+        "norm -> norm, dtype='bfloat16'",
+        "norm -> norm, dtype='float32'",
+    ]
     return state, mapping, ref
 
 
@@ -99,6 +119,7 @@ def case_count(rank: int, world: int) -> tuple[dict, Any, dict]:
 
 # -- running and comparing -----------------------------------------------------------------------------
 
+
 def run(state: dict, mapping: Any, ref: dict, **kw: Any) -> dict[str, Any]:
     kw.setdefault("transport", "backend")  # the strategies' collectives (test_shm.py: shared memory)
     stream = full_params(on_device(state), mapping, **kw)
@@ -113,15 +134,25 @@ def run(state: dict, mapping: Any, ref: dict, **kw: Any) -> dict[str, Any]:
         if name in state and isinstance(state[name], torch.Tensor) and kw.get("copy") is False and on_cpu:
             problems += [] if t is state[name] else [f"{name} copied"]
     s, c, rank = stream.stats, stream.plan.costs, dist.get_rank(kw.get("group"))
-    return {"names": names, "problems": problems, "strategy": stream.plan.strategy,
-            "stats": (s.bytes_sent, s.bytes_received, s.collectives), "peak": s.peak_bytes,
-            "costs": (c.bytes_sent[rank], c.bytes_received[rank], c.collectives[rank]),
-            "plan_peak": c.peak_bytes[rank]}
+    return {
+        "names": names,
+        "problems": problems,
+        "strategy": stream.plan.strategy,
+        "stats": (s.bytes_sent, s.bytes_received, s.collectives),
+        "peak": s.peak_bytes,
+        "costs": (c.bytes_sent[rank], c.bytes_received[rank], c.collectives[rank]),
+        "plan_peak": c.peak_bytes[rank],
+    }
 
 
 def strategies(world: int, mesh: Any) -> list[tuple[str, dict]]:
-    return [("broadcast", {}), ("bucketed", {"bucket_bytes": 256}), ("p2p", {}),
-            ("mesh2d", {"mesh": mesh}), ("auto", {})]
+    return [
+        ("broadcast", {}),
+        ("bucketed", {"bucket_bytes": 256}),
+        ("p2p", {}),
+        ("mesh2d", {"mesh": mesh}),
+        ("auto", {}),
+    ]
 
 
 def _catch(fn: Any) -> str:
@@ -136,11 +167,12 @@ def _errors(rank: int, world: int) -> dict[str, str]:
     full = arange_tensor((17, 3))
     holes = {"w": LocalShard(full[:5], (17, 3), (0, 0))} if rank == 0 else {}
     bad_map = ["nope -> x"] if rank == 1 else None
-    return {"holes": _catch(lambda: list(full_params(holes))),
-            "shape": _catch(lambda: list(full_params({"w": torch.zeros(3 + rank)}))),
-            "one bad mapping": _catch(lambda: list(full_params({"w": full}, bad_map))),
-            "options differ": _catch(lambda: list(full_params({"w": full, "v": full}, num_splits=2,
-                                                               split_index=rank)))}
+    return {
+        "holes": _catch(lambda: list(full_params(holes))),
+        "shape": _catch(lambda: list(full_params({"w": torch.zeros(3 + rank)}))),
+        "one bad mapping": _catch(lambda: list(full_params({"w": full}, bad_map))),
+        "options differ": _catch(lambda: list(full_params({"w": full, "v": full}, num_splits=2, split_index=rank))),
+    }
 
 
 def worker_w2(rank: int, world: int) -> dict:
@@ -165,8 +197,7 @@ def worker_w2(rank: int, world: int) -> dict:
     out["count"] = run(state, None, ref, strategy="bucketed", bucket_bytes=2 * 2 * 4 * 4)
     mesh = init_device_mesh("cpu" if BACKEND == "gloo" else "cuda", (world,))
     full = arange_tensor((17, 5))
-    dstate = {"d": distribute_tensor(full, mesh, [Shard(0)]),
-              "r": distribute_tensor(full, mesh, [Replicate()])}
+    dstate = {"d": distribute_tensor(full, mesh, [Shard(0)]), "r": distribute_tensor(full, mesh, [Replicate()])}
     out["dtensor"] = run(dstate, None, {"d": full, "r": full})
     out["errors"] = _errors(rank, world)
     return out

@@ -6,13 +6,23 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+
 from multiproc import BACKEND, run_ranks
 from reference import arange_tensor
-from test_stream_dist import (case_count, case_empty_rank, case_experts, case_fused, case_tp, check,
-                              qkv_statement, run, split_qkv, strategies)
-
 from shardsync.layout import shard_dim
 from shardsync.stream import plan
+from test_stream_dist import (
+    case_count,
+    case_empty_rank,
+    case_experts,
+    case_fused,
+    case_tp,
+    check,
+    qkv_statement,
+    run,
+    split_qkv,
+    strategies,
+)
 
 CASES = (case_tp, case_fused, case_experts, case_empty_rank)
 
@@ -30,8 +40,7 @@ def case_tp_pp(rank: int, world: int) -> tuple[dict, Any, dict]:
             state[f"layers.{layer}.proj"] = shard_dim(proj, 1, tp, 2)
         ref |= dict(zip([f"layers.{layer - 1}.{x}" for x in "qkv"], split_qkv(qkv, 2)))
         ref[f"layers.{layer - 1}.proj"] = proj
-    mapping = [qkv_statement("layers.$LAYER_ID_OFFSET"),
-               "layers.$LAYER_ID_OFFSET.proj -> layers.$LAYER_ID_OFFSET.proj"]
+    mapping = [qkv_statement("layers.$LAYER_ID_OFFSET"), "layers.$LAYER_ID_OFFSET.proj -> layers.$LAYER_ID_OFFSET.proj"]
     return state, mapping, ref
 
 
@@ -70,8 +79,9 @@ def worker_w4(rank: int, world: int) -> dict:
     state.pop("pair", None)
     ref.pop("pair")
     for by in ("count", "bytes"):
-        out[("dp split", by)] = run(state, None, ref, group=groups[rank // 2], num_splits=2,
-                                    split_index=rank // 2, split_by=by)
+        out[("dp split", by)] = run(
+            state, None, ref, group=groups[rank // 2], num_splits=2, split_index=rank // 2, split_by=by
+        )
     return out
 
 

@@ -7,11 +7,11 @@ from typing import Any
 
 import pytest
 import torch.distributed as dist
-from multiproc import RankFailure, new_group, run_ranks, run_ranks_one_dies, short_wait_group
-from test_stream_dist import case_tp
 
+from multiproc import RankFailure, new_group, run_ranks, run_ranks_one_dies, short_wait_group
 from shardsync.errors import DistributedError, PlanError
 from shardsync.stream import full_params
+from test_stream_dist import case_tp
 
 #: Seconds rank 0 waits in a collective for the rank whose shard vanished (it has recorded why by then:
 #: it raises as soon as it finds the shard gone, while rank 0 waits).
@@ -98,6 +98,7 @@ def _w4_scenarios(rank: int, world: int) -> dict[str, tuple]:
             if rank == 3:
                 os._exit(3)
         return names
+
     out["dies"] = _drain(dying) + (names,)
     return out
 
@@ -108,8 +109,9 @@ def w4() -> dict[int, dict[str, tuple]]:
 
 
 def test_a_rank_that_never_calls_full_params_is_named(w4: dict) -> None:
-    never = ("never entered phase 'gather layout' (it entered no phase of this group yet; did it call "
-             "this on every rank?)")
+    never = (
+        "never entered phase 'gather layout' (it entered no phase of this group yet; did it call this on every rank?)"
+    )
     for rank in (0, 1):
         assert w4[rank]["never calls"] == ("DistributedError", "gather layout", {2: never})
     for rank in (0, 2):
@@ -120,8 +122,10 @@ def test_an_argument_error_is_raised_by_the_call_and_named_to_the_peers(w4: dict
     for rank in (0, 1, 2):
         kind, phase, failures = w4[rank]["bad argument"]
         assert (kind, phase, list(failures)) == ("DistributedError", "gather layout", [3])
-        assert failures[3] == ("PlanError: invalid stream options:\n  num_splits=1, split_index=5: use "
-                               "integers with num_splits >= 1 and 0 <= split_index < num_splits")
+        assert failures[3] == (
+            "PlanError: invalid stream options:\n  num_splits=1, split_index=5: use "
+            "integers with num_splits >= 1 and 0 <= split_index < num_splits"
+        )
 
 
 def test_every_survivor_blames_only_the_rank_that_died(w4: dict) -> None:

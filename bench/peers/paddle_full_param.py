@@ -35,8 +35,13 @@ def state(rank: int, world: int, weights: dict[str, np.ndarray]) -> dict:
     sd = {}
     for key, w in weights.items():
         local, offset = (w, (0,) * w.ndim) if world == 1 else W.local_shard(w, key, rank, world)
-        sd[key] = ShardedWeight(key=key, local_tensor=paddle.to_tensor(local), local_shape=local.shape,
-                                global_shape=w.shape, global_offset=offset)
+        sd[key] = ShardedWeight(
+            key=key,
+            local_tensor=paddle.to_tensor(local),
+            local_shape=local.shape,
+            global_shape=w.shape,
+            global_offset=offset,
+        )
     return sd
 
 

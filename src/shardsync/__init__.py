@@ -27,9 +27,19 @@ import torch.distributed.nn.functional  # noqa: F401,E402  isort: skip
 from .caches import release
 from .destinations import LoadResult, load, reshard
 from .digests import VerifyReport, digest, verify
+from .errors import (
+    DistributedError,
+    DriftError,
+    FormatError,
+    LayoutError,
+    LoadError,
+    MappingError,
+    PlanError,
+    ReplicaError,
+    ShardsyncError,
+    VerifyError,
+)
 from .exec.box_hash import tensor_digest
-from .errors import (DistributedError, DriftError, FormatError, LayoutError, LoadError, MappingError,
-                     PlanError, ReplicaError, ShardsyncError, VerifyError)
 from .io import save_safetensors
 from .io.save_dcp import save_dcp
 from .io.save_hf import save_hf
@@ -41,15 +51,51 @@ from .replicas import DriftReport, ReplicaSync, detect_drift, select_replicated,
 from .sources import from_megatron, read_layout, read_tensors
 from .stream import ParamStream, full_params, plan
 
-__all__ = ["Box", "GlobalLayout", "LocalShard", "from_dtensor", "shard_dim", "Mapping", "resolve",
-           "explain", "full_params", "from_megatron", "plan", "Plan", "ParamStream", "TargetSpec",
-           "save_safetensors", "read_layout",
-           "read_tensors", "select_replicated", "ReplicaSync", "detect_drift", "watch_drift",
-           "DriftReport", "ShardsyncError", "MappingError", "LayoutError",
-           "PlanError", "FormatError", "DistributedError", "ReplicaError", "DriftError", "save_hf", "save",
-           "save_dcp",
-           "load", "reshard", "LoadResult", "LoadError", "digest", "verify", "VerifyReport",
-           "VerifyError", "tensor_digest", "release"]
+__all__ = [
+    "Box",
+    "GlobalLayout",
+    "LocalShard",
+    "from_dtensor",
+    "shard_dim",
+    "Mapping",
+    "resolve",
+    "explain",
+    "full_params",
+    "from_megatron",
+    "plan",
+    "Plan",
+    "ParamStream",
+    "TargetSpec",
+    "save_safetensors",
+    "read_layout",
+    "read_tensors",
+    "select_replicated",
+    "ReplicaSync",
+    "detect_drift",
+    "watch_drift",
+    "DriftReport",
+    "ShardsyncError",
+    "MappingError",
+    "LayoutError",
+    "PlanError",
+    "FormatError",
+    "DistributedError",
+    "ReplicaError",
+    "DriftError",
+    "save_hf",
+    "save",
+    "save_dcp",
+    "load",
+    "reshard",
+    "LoadResult",
+    "LoadError",
+    "digest",
+    "verify",
+    "VerifyReport",
+    "VerifyError",
+    "tensor_digest",
+    "release",
+]
 __version__ = "0.1.0"
 
 if TYPE_CHECKING:
@@ -71,8 +117,11 @@ def __getattr__(name: str) -> Any:
 
         from . import paddle
 
-        warnings.warn(f"shardsync.{name} is deprecated: import it from shardsync.paddle "
-                      f"(from shardsync.paddle import {name})", DeprecationWarning, stacklevel=2)
+        warnings.warn(
+            f"shardsync.{name} is deprecated: import it from shardsync.paddle (from shardsync.paddle import {name})",
+            DeprecationWarning,
+            stacklevel=2,
+        )
         return getattr(paddle, name)
     if name == "ShardedTensor":  # renamed: torch has a class of that name (issue 18)
         from .layout import sharded

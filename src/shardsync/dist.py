@@ -38,8 +38,18 @@ from .roll_call import STOPPED, RollCall, TransportFailure, describe, is_transpo
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
 
-__all__ = ["is_distributed", "group_rank", "group_size", "GroupRanks", "Agreed", "agree", "data_phase",
-           "abandon", "transport_errors", "TransportFailure"]
+__all__ = [
+    "is_distributed",
+    "group_rank",
+    "group_size",
+    "GroupRanks",
+    "Agreed",
+    "agree",
+    "data_phase",
+    "abandon",
+    "transport_errors",
+    "TransportFailure",
+]
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -126,17 +136,30 @@ class Agreed(Generic[T, S]):
 
 
 @overload
-def agree(phase: str, fn: Callable[[], T], group: ProcessGroup | None = None, *,
-          unanimous: bool = False) -> Agreed[T, T]: ...
+def agree(
+    phase: str, fn: Callable[[], T], group: ProcessGroup | None = None, *, unanimous: bool = False
+) -> Agreed[T, T]: ...
 
 
 @overload
-def agree(phase: str, fn: Callable[[], T], group: ProcessGroup | None = None, *,
-          share: Callable[[T], S], unanimous: bool = False) -> Agreed[T, S]: ...
+def agree(
+    phase: str,
+    fn: Callable[[], T],
+    group: ProcessGroup | None = None,
+    *,
+    share: Callable[[T], S],
+    unanimous: bool = False,
+) -> Agreed[T, S]: ...
 
 
-def agree(phase: str, fn: Callable[[], Any], group: ProcessGroup | None = None, *,
-          share: Callable[[Any], Any] | None = None, unanimous: bool = False) -> Agreed[Any, Any]:
+def agree(
+    phase: str,
+    fn: Callable[[], Any],
+    group: ProcessGroup | None = None,
+    *,
+    share: Callable[[Any], Any] | None = None,
+    unanimous: bool = False,
+) -> Agreed[Any, Any]:
     """Run ``fn`` on every rank and gather what it shares; raise on all ranks if any rank failed.
 
     Args:
@@ -213,8 +236,7 @@ def data_phase(phase: str, group: ProcessGroup | None = None) -> Iterator[None]:
     try:
         yield
     except GeneratorExit:
-        roll.record(STOPPED, f"stopped iterating during phase {phase!r} (the caller left the loop or "
-                             "raised)")
+        roll.record(STOPPED, f"stopped iterating during phase {phase!r} (the caller left the loop or raised)")
         raise
     except DistributedError:
         raise

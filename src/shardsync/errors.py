@@ -44,8 +44,7 @@ class MappingError(ShardsyncError, ValueError):
         self.diagnostics = tuple(diagnostics)
         n = len(self.diagnostics)
         head = "mapping error:" if n == 1 else f"{n} mapping errors:"
-        super().__init__(head + "".join(f"\n  {d}".replace("\n    ", "\n      ")
-                                        for d in self.diagnostics))
+        super().__init__(head + "".join(f"\n  {d}".replace("\n    ", "\n      ") for d in self.diagnostics))
 
 
 class LayoutError(ShardsyncError, ValueError):
@@ -63,8 +62,9 @@ class LoadError(LayoutError):
         mismatched: shape and dtype mismatches (``.name``, ``.kind``, ``.expected``, ``.got``).
     """
 
-    def __init__(self, message: str, missing: Sequence[str] = (), unexpected: Sequence[str] = (),
-                 mismatched: Sequence[Any] = ()) -> None:
+    def __init__(
+        self, message: str, missing: Sequence[str] = (), unexpected: Sequence[str] = (), mismatched: Sequence[Any] = ()
+    ) -> None:
         super().__init__(message)
         self.missing, self.unexpected, self.mismatched = tuple(missing), tuple(unexpected), tuple(mismatched)
 
@@ -94,8 +94,7 @@ class DistributedError(ShardsyncError, RuntimeError):
           rank 1 [global 3]: died
     """
 
-    def __init__(self, phase: str, failures: dict[int, str],
-                 global_ranks: Sequence[int] | None = None) -> None:
+    def __init__(self, phase: str, failures: dict[int, str], global_ranks: Sequence[int] | None = None) -> None:
         self.phase = phase
         self.failures = dict(sorted(failures.items()))
         self.global_ranks = {r: global_ranks[r] if global_ranks is not None else r for r in self.failures}

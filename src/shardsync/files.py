@@ -18,9 +18,13 @@ from .errors import FormatError
 
 __all__ = ["FileStamp", "file_kind", "open_regular", "read_bounded", "check_unchanged"]
 
-_KINDS = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO (named pipe)"),
-          (stat.S_ISSOCK, "a socket"), (stat.S_ISCHR, "a character device"),
-          (stat.S_ISBLK, "a block device"))
+_KINDS = (
+    (stat.S_ISDIR, "a directory"),
+    (stat.S_ISFIFO, "a FIFO (named pipe)"),
+    (stat.S_ISSOCK, "a socket"),
+    (stat.S_ISCHR, "a character device"),
+    (stat.S_ISBLK, "a block device"),
+)
 
 
 class FileStamp(NamedTuple):
@@ -89,8 +93,7 @@ def read_bounded(path: Path, limit: int) -> bytes:
     fh, stamp = open_regular(path)
     with fh:
         if stamp.size > limit:
-            raise FormatError(f"{path} holds {stamp.size} bytes, more than the {limit} a file of its "
-                              "kind may hold")
+            raise FormatError(f"{path} holds {stamp.size} bytes, more than the {limit} a file of its kind may hold")
         data = fh.read(limit + 1)
     if len(data) > limit:
         raise FormatError(f"{path} grew past {limit} bytes while it was read")
@@ -109,11 +112,15 @@ def check_unchanged(path: Path, stamp: FileStamp) -> None:
     try:
         now = FileStamp.of(os.stat(path))
     except OSError as exc:
-        raise FormatError(f"{path} changed while it was read (it is gone: {exc.strerror or exc}); "
-                          "read a checkpoint only once it is complete, and do not replace it while "
-                          "a stream reads it") from None
+        raise FormatError(
+            f"{path} changed while it was read (it is gone: {exc.strerror or exc}); "
+            "read a checkpoint only once it is complete, and do not replace it while "
+            "a stream reads it"
+        ) from None
     if now != stamp:
         how = "replaced by another file" if now[:2] != stamp[:2] else "rewritten in place"
-        raise FormatError(f"{path} was {how} while it was read (the tensors already read come from the "
-                          "old file); do not write a checkpoint while a stream reads it, and read it "
-                          "again once it is complete")
+        raise FormatError(
+            f"{path} was {how} while it was read (the tensors already read come from the "
+            "old file); do not write a checkpoint while a stream reads it, and read it "
+            "again once it is complete"
+        )

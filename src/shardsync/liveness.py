@@ -23,8 +23,14 @@ __all__ = ["ProcessRecord", "this_process", "is_gone", "peer_left"]
 
 #: Substrings of transport errors raised because a peer's end of a connection went away (gloo's TCP
 #: pairs, and the errors of sockets underneath the store and NCCL's bootstrap).
-_LEFT = ("closed by peer", "reset by peer", "broken pipe", "connection refused", "remote process exited",
-         "socket closed")
+_LEFT = (
+    "closed by peer",
+    "reset by peer",
+    "broken pipe",
+    "connection refused",
+    "remote process exited",
+    "socket closed",
+)
 
 
 class ProcessRecord(NamedTuple):

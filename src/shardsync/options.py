@@ -68,10 +68,21 @@ class Options:
     progress: bool = False
 
     @classmethod
-    def of(cls, group: ProcessGroup | None, *, meshed: bool = False, transport: Any = "auto",
-           replica_check: Any = "sampled", verify: bool = False, reuse: Any = "dropped",
-           quantize: Any = None, quantize_block: Any = DEFAULT_BLOCK, quantize_patterns: Any = None,
-           progress: bool = False, **plan: Any) -> Options:
+    def of(
+        cls,
+        group: ProcessGroup | None,
+        *,
+        meshed: bool = False,
+        transport: Any = "auto",
+        replica_check: Any = "sampled",
+        verify: bool = False,
+        reuse: Any = "dropped",
+        quantize: Any = None,
+        quantize_block: Any = DEFAULT_BLOCK,
+        quantize_patterns: Any = None,
+        progress: bool = False,
+        **plan: Any,
+    ) -> Options:
         """The checked options of one call on ``group``; ``plan`` holds
         :class:`~shardsync.planning.PlanOptions` fields (sizes as bytes or strings like ``"64MiB"``).
 
@@ -88,14 +99,15 @@ class Options:
         _check_multicast(plan.get("strategy"), group)
         options = PlanOptions(backend=backend_of(group), **sizes_in(plan))
         check_options(options, group_size(group), meshed=meshed)
-        fp8 = Fp8Quantize.of(quantize, quantize_block,
-                             None if quantize_patterns is None else tuple(quantize_patterns))
+        fp8 = Fp8Quantize.of(quantize, quantize_block, None if quantize_patterns is None else tuple(quantize_patterns))
         return cls(options, transport, replica_check, bool(verify), fp8, reuse, bool(progress))
 
 
 def _check_multicast(strategy: object, group: ProcessGroup | None) -> None:
     # its subgroups are made by new_group, which every rank of the world must call
     if strategy == "multicast" and is_distributed(group) and group_size(group) != dist.get_world_size():
-        raise PlanError(f"strategy='multicast' broadcasts on subgroups, which every rank of the whole world "
-                        f"must create, and this group has {group_size(group)} of the "
-                        f"{dist.get_world_size()} ranks; use strategy='p2p' (or 'auto') on a subgroup")
+        raise PlanError(
+            f"strategy='multicast' broadcasts on subgroups, which every rank of the whole world "
+            f"must create, and this group has {group_size(group)} of the "
+            f"{dist.get_world_size()} ranks; use strategy='p2p' (or 'auto') on a subgroup"
+        )

@@ -16,48 +16,75 @@ from __future__ import annotations
 from types import MappingProxyType
 from typing import Final
 
-__all__ = ["PHASES", "CHECK", "GATHER", "PLAN", "STREAM", "LOAD", "RESHARD", "DIGEST",
-           "RECEIVED", "VERIFY", "DIGEST_GATHER", "SHM_PUBLISH", "SHM_OPEN", "SAVE_HF_CHECK",
-           "SAVE_HF_MOVE", "SAVE_HF_WRITE", "SAVE_HF_COMMIT", "DCP_CHECK", "DCP_VALIDATE",
-           "DCP_REMOVE_OLD", "SAVE_DCP_CHECK",
-           "SYNC_PREFLIGHT", "SYNC_OPTIMIZER_CHANGED", "SYNC_OPTIMIZER_STATES", "SYNC_SIGNATURE", "DRIFT_FINGERPRINTS", "DRIFT_EXACT", "PADDLE_ARGUMENTS"]
+__all__ = [
+    "PHASES",
+    "CHECK",
+    "GATHER",
+    "PLAN",
+    "STREAM",
+    "LOAD",
+    "RESHARD",
+    "DIGEST",
+    "RECEIVED",
+    "VERIFY",
+    "DIGEST_GATHER",
+    "SHM_PUBLISH",
+    "SHM_OPEN",
+    "SAVE_HF_CHECK",
+    "SAVE_HF_MOVE",
+    "SAVE_HF_WRITE",
+    "SAVE_HF_COMMIT",
+    "DCP_CHECK",
+    "DCP_VALIDATE",
+    "DCP_REMOVE_OLD",
+    "SAVE_DCP_CHECK",
+    "SYNC_PREFLIGHT",
+    "SYNC_OPTIMIZER_CHANGED",
+    "SYNC_OPTIMIZER_STATES",
+    "SYNC_SIGNATURE",
+    "DRIFT_FINGERPRINTS",
+    "DRIFT_EXACT",
+    "PADDLE_ARGUMENTS",
+]
 
 #: Every phase: its constant's name -> the name errors show.
-PHASES: Final = MappingProxyType({
-    # the orchestrator, every verb
-    "CHECK": "check layout",
-    "GATHER": "gather layout",
-    "PLAN": "plan",
-    # the data phases, one per destination kind
-    "STREAM": "stream",
-    "LOAD": "load",
-    "RESHARD": "reshard",
-    # checks of what moved
-    "DIGEST": "digest",
-    "RECEIVED": "verify received",
-    "VERIFY": "verify",
-    "DIGEST_GATHER": "digest: gather layout",
-    # the same-host transport
-    "SHM_PUBLISH": "shm publish",
-    "SHM_OPEN": "shm open",
-    # the writers
-    "SAVE_HF_CHECK": "save_hf: check options",
-    "SAVE_HF_MOVE": "save_hf: move targets to their file's writer",
-    "SAVE_HF_WRITE": "save_hf: write files",
-    "SAVE_HF_COMMIT": "save_hf: commit",
-    "SAVE_DCP_CHECK": "save_dcp: check options",
-    "DCP_CHECK": "save: check",
-    "DCP_VALIDATE": "save: validate layout",
-    "DCP_REMOVE_OLD": "save: remove the old generation",
-    # replica sync and drift checks
-    "SYNC_PREFLIGHT": "replica sync: preflight",
-    "SYNC_OPTIMIZER_CHANGED": "replica sync: optimizer changed",
-    "SYNC_OPTIMIZER_STATES": "replica sync: optimizer states",
-    "SYNC_SIGNATURE": "replica sync: optimizer check",
-    "DRIFT_FINGERPRINTS": "drift check: fingerprints",
-    "DRIFT_EXACT": "drift check: exact differences",
-    "PADDLE_ARGUMENTS": "add_extra_synchronization: arguments",
-})
+PHASES: Final = MappingProxyType(
+    {
+        # the orchestrator, every verb
+        "CHECK": "check layout",
+        "GATHER": "gather layout",
+        "PLAN": "plan",
+        # the data phases, one per destination kind
+        "STREAM": "stream",
+        "LOAD": "load",
+        "RESHARD": "reshard",
+        # checks of what moved
+        "DIGEST": "digest",
+        "RECEIVED": "verify received",
+        "VERIFY": "verify",
+        "DIGEST_GATHER": "digest: gather layout",
+        # the same-host transport
+        "SHM_PUBLISH": "shm publish",
+        "SHM_OPEN": "shm open",
+        # the writers
+        "SAVE_HF_CHECK": "save_hf: check options",
+        "SAVE_HF_MOVE": "save_hf: move targets to their file's writer",
+        "SAVE_HF_WRITE": "save_hf: write files",
+        "SAVE_HF_COMMIT": "save_hf: commit",
+        "SAVE_DCP_CHECK": "save_dcp: check options",
+        "DCP_CHECK": "save: check",
+        "DCP_VALIDATE": "save: validate layout",
+        "DCP_REMOVE_OLD": "save: remove the old generation",
+        # replica sync and drift checks
+        "SYNC_PREFLIGHT": "replica sync: preflight",
+        "SYNC_OPTIMIZER_CHANGED": "replica sync: optimizer changed",
+        "SYNC_OPTIMIZER_STATES": "replica sync: optimizer states",
+        "SYNC_SIGNATURE": "replica sync: optimizer check",
+        "DRIFT_FINGERPRINTS": "drift check: fingerprints",
+        "DRIFT_EXACT": "drift check: exact differences",
+        "PADDLE_ARGUMENTS": "add_extra_synchronization: arguments",
+    }
+)
 
 CHECK: Final = PHASES["CHECK"]
 GATHER: Final = PHASES["GATHER"]

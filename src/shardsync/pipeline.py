@@ -54,8 +54,18 @@ from .sources import FileSource, Source, SourceLike, open_path, open_source, spr
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
 
-__all__ = ["Destination", "Sink", "Planned", "Call", "Prepared", "prepare", "execute_into", "run",
-           "first_phase", "release_plans"]
+__all__ = [
+    "Destination",
+    "Sink",
+    "Planned",
+    "Call",
+    "Prepared",
+    "prepare",
+    "execute_into",
+    "run",
+    "first_phase",
+    "release_plans",
+]
 
 R = TypeVar("R", covariant=True)
 
@@ -108,8 +118,14 @@ class Destination(Protocol):
         ...
 
     @staticmethod
-    def plan(mapping: ParsedMapping | None, layout: GlobalLayout, dest: GlobalLayout, options: PlanOptions,
-             topology: Topology | None, settings: Hashable) -> Planned:
+    def plan(
+        mapping: ParsedMapping | None,
+        layout: GlobalLayout,
+        dest: GlobalLayout,
+        options: PlanOptions,
+        topology: Topology | None,
+        settings: Hashable,
+    ) -> Planned:
         """Resolve ``mapping`` over ``layout`` for ``dest`` and plan it (pure: the same on every rank)."""
         ...
 
@@ -161,8 +177,9 @@ class Call:
     def parse(self) -> ParsedMapping | None:
         if self.mapping is None and self.reverse is None:
             return None
-        return ParsedMapping.parse(self.mapping if self.mapping is not None else [],
-                                   reverse=True if self.reverse else None)
+        return ParsedMapping.parse(
+            self.mapping if self.mapping is not None else [], reverse=True if self.reverse else None
+        )
 
 
 @dataclass(frozen=True)
@@ -260,12 +277,12 @@ def _open(call: Call, ranks: GroupRanks | None) -> _Opened:
 
 
 def _inputs(call: Call, layout: _RankLayout) -> Any:
-    return (layout.key(), call.parse(), call.options.plan, call.destination.settings,
-            type(call.destination))
+    return (layout.key(), call.parse(), call.options.plan, call.destination.settings, type(call.destination))
 
 
-def _fast_path(call: Call, ranks: GroupRanks, opened: _Opened | None, inputs: Any,
-               last: _Last) -> tuple[Planned | None, list[HostChoice]]:
+def _fast_path(
+    call: Call, ranks: GroupRanks, opened: _Opened | None, inputs: Any, last: _Last
+) -> tuple[Planned | None, list[HostChoice]]:
     """One small agreed phase: every rank's host and whether its inputs changed since the last call
     (None: it failed to open); the last plan when no rank's did. Replicas' values are compared."""
     device = run_device(call.options.plan.backend, opened.source if opened else None).type
@@ -282,8 +299,14 @@ def _fast_path(call: Call, ranks: GroupRanks, opened: _Opened | None, inputs: An
 
 
 @functools.lru_cache(maxsize=8)
-def _planned(plan: Callable[..., Planned], gathered: tuple[_RankLayout, ...], mapping: ParsedMapping | None,
-             options: PlanOptions, settings: Hashable, meshed: bool) -> Planned:
+def _planned(
+    plan: Callable[..., Planned],
+    gathered: tuple[_RankLayout, ...],
+    mapping: ParsedMapping | None,
+    options: PlanOptions,
+    settings: Hashable,
+    meshed: bool,
+) -> Planned:
     """The destination's plan for a gathered layout. Cached: a training loop that moves the same
     layout every step plans once (a plan is immutable, and equal inputs give equal plans)."""
     layout = GlobalLayout.merge([r.entries for r in gathered])
@@ -303,11 +326,12 @@ def _agree_on_plan(gathered: list[_RankLayout], call: Call) -> Planned:
         key = tuple(r.key() for r in gathered)
         return _planned(type(dest).plan, key, parsed, call.options.plan, dest.settings, call.groups is not None)
 
-    agreed = agree(phases.PLAN, build, call.group, share=lambda p: f"{p.fingerprint} {dest.settings!r}",
-                   unanimous=True)
+    agreed = agree(phases.PLAN, build, call.group, share=lambda p: f"{p.fingerprint} {dest.settings!r}", unanimous=True)
     if len(set(agreed.all)) > 1:
-        raise PlanError(f"ranks built different plans (fingerprints by rank: {agreed.all}); pass the "
-                        "same mapping and options on every rank of the group")
+        raise PlanError(
+            f"ranks built different plans (fingerprints by rank: {agreed.all}); pass the "
+            "same mapping and options on every rank of the group"
+        )
     return agreed.mine
 
 
@@ -340,23 +364,36 @@ def prepare(call: Call) -> Prepared:
         if ranks is not None and last is not None:
             planned, hosts = _fast_path(call, ranks, opened, inputs, last)
         if planned is None or opened is None:
-            gathered = agree(phases.GATHER, lambda: opened if opened is not None else _open(call, ranks),
-                             call.group, share=lambda o: o.layout, unanimous=True)
+            gathered = agree(
+                phases.GATHER,
+                lambda: opened if opened is not None else _open(call, ranks),
+                call.group,
+                share=lambda o: o.layout,
+                unanimous=True,
+            )
             opened = gathered.mine
             hosts = hosts or [r.host for r in gathered.all if r.host is not None]
             planned = _agree_on_plan(gathered.all, call)
             if ranks is not None:  # on every rank, so that every rank takes the same path next time
                 _last[_group_key(call.group)] = _Last(inputs, planned, _replicated(gathered.all))
         backend = call.options.plan.backend
-        chosen = choose_transport(planned.plan, ranks, call.groups, hosts, backend,
-                                  call.options.plan.memory_budget)
+        chosen = choose_transport(planned.plan, ranks, call.groups, hosts, backend, call.options.plan.memory_budget)
     except BaseException:
         if opened is not None:
             opened.close()
         raise
-    return Prepared(call, planned, chosen.plan, opened.source, chosen.transport, chosen.kind,
-                    ranks.rank if ranks is not None else 0, run_device(backend, opened.source),
-                    time.perf_counter() - start, opened.files)
+    return Prepared(
+        call,
+        planned,
+        chosen.plan,
+        opened.source,
+        chosen.transport,
+        chosen.kind,
+        ranks.rank if ranks is not None else 0,
+        run_device(backend, opened.source),
+        time.perf_counter() - start,
+        opened.files,
+    )
 
 
 def execute_into(prepared: Prepared, stats: Stats) -> Iterator[tuple[str, torch.Tensor]]:
@@ -365,9 +402,18 @@ def execute_into(prepared: Prepared, stats: Stats) -> Iterator[tuple[str, torch.
     call = prepared.call
     stats.plan_seconds = prepared.seconds
     stats.transport = prepared.kind
-    return execute(prepared.plan, prepared.source, prepared.transport, prepared.rank, stats,
-                   group=call.group, device=prepared.device, into=call.destination.into(prepared.planned),
-                   reuse=call.options.reuse, phase=call.destination.phase)
+    return execute(
+        prepared.plan,
+        prepared.source,
+        prepared.transport,
+        prepared.rank,
+        stats,
+        group=call.group,
+        device=prepared.device,
+        into=call.destination.into(prepared.planned),
+        reuse=call.options.reuse,
+        phase=call.destination.phase,
+    )
 
 
 def run(call: Call, sink: Sink[R]) -> R:

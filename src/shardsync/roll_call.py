@@ -38,8 +38,18 @@ from .liveness import ProcessRecord, is_gone, peer_left, this_process
 if TYPE_CHECKING:
     from .dist import GroupRanks
 
-__all__ = ["TransportFailure", "transport_errors", "is_transport_failure", "describe", "RollCall",
-           "FAILED", "STOPPED", "TRANSPORT", "MAX_GRACE_SECONDS", "POLL_SECONDS"]
+__all__ = [
+    "TransportFailure",
+    "transport_errors",
+    "is_transport_failure",
+    "describe",
+    "RollCall",
+    "FAILED",
+    "STOPPED",
+    "TRANSPORT",
+    "MAX_GRACE_SECONDS",
+    "POLL_SECONDS",
+]
 
 #: Kinds of failure record: this rank raised; it stopped iterating; a collective failed under it.
 FAILED, STOPPED, TRANSPORT = "failed", "stopped", "transport"
@@ -259,9 +269,14 @@ class RollCall:
         closed = peer_left(exc)
         short, long = now + grace, now + max(0.0, timeout - waited) + grace
         if waited < timeout:
-            log.warning("phase %r: a collective failed on %s (%s); waiting up to %.0f s for the other "
-                        "ranks to report, to name the one at fault", self.phase,
-                        self.ranks.label(self.ranks.rank), exc, (short if closed else long) - now)
+            log.warning(
+                "phase %r: a collective failed on %s (%s); waiting up to %.0f s for the other "
+                "ranks to report, to name the one at fault",
+                self.phase,
+                self.ranks.label(self.ranks.rank),
+                exc,
+                (short if closed else long) - now,
+            )
         while True:
             reports = self._reports()
             causes = {r: rep.message for r, rep in reports.items() if rep.kind != TRANSPORT}
@@ -281,16 +296,20 @@ class RollCall:
                 break
             time.sleep(POLL_SECONDS)
         if self.store_down:
-            return {self.ranks.rank: f"transport failure: {mine}; the group's store stopped answering, "
-                                     "so the other ranks cannot be asked (the process that hosts it, "
-                                     "rank 0 or the launcher, has probably died)"}
+            return {
+                self.ranks.rank: f"transport failure: {mine}; the group's store stopped answering, "
+                "so the other ranks cannot be asked (the process that hosts it, "
+                "rank 0 or the launcher, has probably died)"
+            }
         if silent:
             if left:  # live peers on this machine are victims; name the ones that may be gone
                 suspects = {r: pos for r, pos in silent.items() if self._gone(r) is None}
                 silent = suspects or silent
             return {r: self._silence(pos, left) for r, pos in silent.items()}
-        return {self.ranks.rank: f"transport failure: {mine}",
-                **{r: f"transport failure: {rep.message}" for r, rep in reports.items()}}
+        return {
+            self.ranks.rank: f"transport failure: {mine}",
+            **{r: f"transport failure: {rep.message}" for r, rep in reports.items()},
+        }
 
     def _departed(self, gone: dict[int, _Position]) -> dict[int, str]:
         """``{rank: why}`` for silent peers whose process has ended (a failure one of them recorded
@@ -303,14 +322,14 @@ class RollCall:
             if pos.seq == self.seq:
                 out[r] = f"entered phase {self.phase!r} and then its process ended (it died or exited)"
             else:
-                out[r] = (f"its process ended (it died or exited) before it entered phase {self.phase!r} "
-                          f"({self._last(pos)})")
+                out[r] = (
+                    f"its process ended (it died or exited) before it entered phase {self.phase!r} ({self._last(pos)})"
+                )
         return out
 
     def _silent(self, reports: dict[int, _Report]) -> dict[int, _Position]:
         """Peers that reported nothing here and have not moved on to a later phase."""
-        positions = {r: self._position(r) for r in range(self.ranks.world)
-                     if r != self.ranks.rank and r not in reports}
+        positions = {r: self._position(r) for r in range(self.ranks.world) if r != self.ranks.rank and r not in reports}
         return {r: pos for r, pos in positions.items() if pos.seq <= self.seq}
 
     @staticmethod
@@ -322,7 +341,7 @@ class RollCall:
     def _silence(self, position: _Position, left: bool = False) -> str:
         closed = "; a connection to it closed, so it probably exited or died" if left else ""
         if position.seq == self.seq:
-            return (f"entered phase {self.phase!r} and then stopped answering (it died, or hangs "
-                    f"outside shardsync){closed}")
-        return (f"never entered phase {self.phase!r} ({self._last(position)}; did it call this on every "
-                f"rank?){closed}")
+            return (
+                f"entered phase {self.phase!r} and then stopped answering (it died, or hangs outside shardsync){closed}"
+            )
+        return f"never entered phase {self.phase!r} ({self._last(position)}; did it call this on every rank?){closed}"

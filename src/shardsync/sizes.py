@@ -17,8 +17,18 @@ from .errors import FormatError
 __all__ = ["SIZE_OPTIONS", "parse_size", "sizes_in"]
 
 #: Decimal units (as HuggingFace and disk vendors count) and binary ones; no unit means bytes.
-_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
-          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+_UNITS = {
+    "": 1,
+    "B": 1,
+    "KB": 10**3,
+    "MB": 10**6,
+    "GB": 10**9,
+    "TB": 10**12,
+    "KIB": 2**10,
+    "MIB": 2**20,
+    "GIB": 2**30,
+    "TIB": 2**40,
+}
 _SIZE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]I?B|B)?\s*")
 _HINT = "write e.g. '5GB', '500MB' or '512MiB'"
 
@@ -65,5 +75,4 @@ def sizes_in(options: Mapping[str, Any]) -> dict[str, Any]:
         >>> sizes_in({"memory_budget": "64MiB", "bucket_bytes": 4096, "copy": True})
         {'memory_budget': 67108864, 'bucket_bytes': 4096, 'copy': True}
     """
-    return {k: parse_size(v, k) if k in SIZE_OPTIONS and isinstance(v, str) else v
-            for k, v in options.items()}
+    return {k: parse_size(v, k) if k in SIZE_OPTIONS and isinstance(v, str) else v for k, v in options.items()}

@@ -66,8 +66,10 @@ def is_command(argv: list[str] | None = None) -> bool:
 
 
 def _can_install() -> bool:
-    return (threading.current_thread() is threading.main_thread()
-            and signal.getsignal(signal.SIGINT) is signal.default_int_handler)
+    return (
+        threading.current_thread() is threading.main_thread()
+        and signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    )
 
 
 def guard_startup() -> None:

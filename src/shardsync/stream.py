@@ -30,8 +30,15 @@ from .mapping import Mapping as ParsedMapping
 from .mapping import MappingLike, resolve
 from .options import Options
 from .pipeline import Call, Planned, Prepared, execute_into, first_phase, prepare
-from .planning import (DEFAULT_BUCKET_BYTES, DEFAULT_MESH_THRESHOLD_BYTES, Plan, PlanOptions, SplitBy,
-                       StrategyChoice, build_plan)
+from .planning import (
+    DEFAULT_BUCKET_BYTES,
+    DEFAULT_MESH_THRESHOLD_BYTES,
+    Plan,
+    PlanOptions,
+    SplitBy,
+    StrategyChoice,
+    build_plan,
+)
 from .planning.mesh import Topology
 from .quant.fp8 import DEFAULT_BLOCK, check_fp8_casts
 from .sources import Source, SourceLike
@@ -41,8 +48,16 @@ from .sources.fp8 import fp8_block
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
 
-__all__ = ["full_params", "plan", "ParamStream", "ToConsumers", "Consumers", "TransportChoice",
-           "GATHER_PHASE", "PLAN_PHASE"]
+__all__ = [
+    "full_params",
+    "plan",
+    "ParamStream",
+    "ToConsumers",
+    "Consumers",
+    "TransportChoice",
+    "GATHER_PHASE",
+    "PLAN_PHASE",
+]
 
 log = logging.getLogger(__name__)
 
@@ -83,8 +98,14 @@ class ToConsumers:
         return ()
 
     @staticmethod
-    def plan(mapping: ParsedMapping | None, layout: GlobalLayout, dest: GlobalLayout, options: PlanOptions,
-             topology: Topology | None, settings: Hashable) -> Planned:
+    def plan(
+        mapping: ParsedMapping | None,
+        layout: GlobalLayout,
+        dest: GlobalLayout,
+        options: PlanOptions,
+        topology: Topology | None,
+        settings: Hashable,
+    ) -> Planned:
         """Resolve the mapping into targets and plan them for their consumers."""
         assert isinstance(settings, tuple)
         targets = resolve(mapping, layout, fp8_block=settings[1])
@@ -96,18 +117,28 @@ class ToConsumers:
         return None
 
 
-def _call(state: Any, mapping: MappingLike | None, group: ProcessGroup | None, mesh: MeshLike | None,
-          consumers: Consumers, **options: Any) -> Call:
+def _call(
+    state: Any,
+    mapping: MappingLike | None,
+    group: ProcessGroup | None,
+    mesh: MeshLike | None,
+    consumers: Consumers,
+    **options: Any,
+) -> Call:
     """Check the arguments on this rank, before anything runs (a caller mistake raises here, and the
     peers already waiting in the first phase learn why)."""
     if group is not None and is_distributed() and torch.distributed.get_rank(group) < 0:
-        raise PlanError(f"global rank {torch.distributed.get_rank()} is not in the group it passed; call "
-                        "this on the group's ranks only")
+        raise PlanError(
+            f"global rank {torch.distributed.get_rank()} is not in the group it passed; call "
+            "this on the group's ranks only"
+        )
     try:
         if state is not None and not isinstance(state, (Mapping, Source, str, os.PathLike, torch.nn.Module)):
-            raise LayoutError(f"state must be a mapping of names to tensors, a Source, a module or a "
-                              f"checkpoint path, got {type(state).__name__}; pass model.state_dict() or a dict "
-                              "(None: nothing on this rank)")
+            raise LayoutError(
+                f"state must be a mapping of names to tensors, a Source, a module or a "
+                f"checkpoint path, got {type(state).__name__}; pass model.state_dict() or a dict "
+                "(None: nothing on this rank)"
+            )
         groups = mesh_groups(mesh) if mesh is not None else None
         opts = Options.of(group, meshed=mesh is not None, consumers=_consumer_ranks(consumers), **options)
     except ShardsyncError as exc:
@@ -214,29 +245,47 @@ class ParamStream:
         if not is_distributed(self._call.group):
             return
         mine = sum(1 for t in self.plan.targets if rank in t.consumers) if self.plan else 0
-        log.warning("full_params: the caller stopped iterating after %d of %d targets; finishing this "
-                    "rank's part of the stream so the other ranks are not left waiting", taken, mine)
+        log.warning(
+            "full_params: the caller stopped iterating after %d of %d targets; finishing this "
+            "rank's part of the stream so the other ranks are not left waiting",
+            taken,
+            mine,
+        )
         self.stats.abandoned = True
         for _ in targets:
             pass
 
 
-def full_params(state: SourceLike, mapping: MappingLike | None = None, *,
-                group: ProcessGroup | None = None, strategy: StrategyChoice = "auto",
-                mesh: MeshLike | None = None, num_splits: int = 1, split_index: int = 0,
-                split_by: SplitBy = "count", consumers: Consumers = "all",
-                bucket_bytes: int | str = DEFAULT_BUCKET_BYTES, memory_budget: int | str | None = None,
-                mesh_threshold_bytes: int | str = DEFAULT_MESH_THRESHOLD_BYTES, copy: bool = True,
-                transport: TransportChoice = "auto", reuse: Reuse = "dropped",
-                replica_check: ReplicaCheck = "sampled", verify: bool = False,
-                quantize: Literal["fp8"] | None = None, quantize_block: tuple[int, int] = DEFAULT_BLOCK,
-                quantize_patterns: Sequence[str] | None = None) -> ParamStream:
+def full_params(
+    state: SourceLike,
+    mapping: MappingLike | None = None,
+    *,
+    group: ProcessGroup | None = None,
+    strategy: StrategyChoice = "auto",
+    mesh: MeshLike | None = None,
+    num_splits: int = 1,
+    split_index: int = 0,
+    split_by: SplitBy = "count",
+    consumers: Consumers = "all",
+    bucket_bytes: int | str = DEFAULT_BUCKET_BYTES,
+    memory_budget: int | str | None = None,
+    mesh_threshold_bytes: int | str = DEFAULT_MESH_THRESHOLD_BYTES,
+    copy: bool = True,
+    transport: TransportChoice = "auto",
+    reuse: Reuse = "dropped",
+    replica_check: ReplicaCheck = "sampled",
+    verify: bool = False,
+    quantize: Literal["fp8"] | None = None,
+    quantize_block: tuple[int, int] = DEFAULT_BLOCK,
+    quantize_patterns: Sequence[str] | None = None,
+) -> ParamStream:
     """Stream full (mapped) tensors out of sharded state; call on every rank of the group.
 
     Args:
         state: this rank's state dict (values are tensors (full or replicated), LocalShard, DTensor,
             or lists of LocalShard; keys are strings), an ``nn.Module`` (its tensors, read in
-            place), a :class:`~shardsync.sources.Source`, None (nothing on this rank), or a checkpoint path (safetensors file or directory,
+            place), a :class:`~shardsync.sources.Source`, None (nothing on this rank), or a
+            checkpoint path (safetensors file or directory,
             or torch DCP directory; see :func:`~shardsync.sources.open_source`). Every rank of a
             group sees a checkpoint's files: each reads its own share of the boxes.
         mapping: None (every source is a target) or a mapping program (statements, text, dict, path).
@@ -305,17 +354,41 @@ def full_params(state: SourceLike, mapping: MappingLike | None = None, *,
         ...     print(name, tuple(tensor.shape), torch.equal(tensor, full.T))
         w_t (2, 17) True
     """
-    return ParamStream(_call(state, mapping, group, mesh, consumers, strategy=strategy, num_splits=num_splits,
-                             split_index=split_index, split_by=split_by, bucket_bytes=bucket_bytes,
-                             memory_budget=memory_budget, mesh_threshold_bytes=mesh_threshold_bytes, copy=copy,
-                             transport=transport, reuse=reuse, replica_check=replica_check, verify=verify,
-                             quantize=quantize, quantize_block=quantize_block,
-                             quantize_patterns=quantize_patterns))
+    return ParamStream(
+        _call(
+            state,
+            mapping,
+            group,
+            mesh,
+            consumers,
+            strategy=strategy,
+            num_splits=num_splits,
+            split_index=split_index,
+            split_by=split_by,
+            bucket_bytes=bucket_bytes,
+            memory_budget=memory_budget,
+            mesh_threshold_bytes=mesh_threshold_bytes,
+            copy=copy,
+            transport=transport,
+            reuse=reuse,
+            replica_check=replica_check,
+            verify=verify,
+            quantize=quantize,
+            quantize_block=quantize_block,
+            quantize_patterns=quantize_patterns,
+        )
+    )
 
 
-def plan(state: SourceLike, mapping: MappingLike | None = None, *,
-         group: ProcessGroup | None = None, mesh: MeshLike | None = None, consumers: Consumers = "all",
-         **options: Any) -> Plan:
+def plan(
+    state: SourceLike,
+    mapping: MappingLike | None = None,
+    *,
+    group: ProcessGroup | None = None,
+    mesh: MeshLike | None = None,
+    consumers: Consumers = "all",
+    **options: Any,
+) -> Plan:
     """The plan :func:`full_params` would run, for inspection (collective: call on every rank).
 
     Takes the same arguments as :func:`full_params`; moves no tensor data.

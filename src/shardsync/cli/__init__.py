@@ -26,14 +26,13 @@ from pathlib import Path
 from typing import Literal, TextIO
 
 from .. import __version__
+from ..exec.memory import tune_allocator
 from ..layout.meta import GlobalLayout
 from ..mapping.explain import describe_targets
-from ..exec.memory import tune_allocator
 from ..sources import open_source
 from ..startup import noting_interrupts
 from .args import commands, parser
-from .common import (MappingFlags, command_logging, dtype_flag, parse_sets, size_flag, source_dir,
-                     workers_flag)
+from .common import MappingFlags, command_logging, dtype_flag, parse_sets, size_flag, source_dir, workers_flag
 from .convert import ConvertConfig, run_convert
 from .diff import DiffConfig, run_diff
 from .inspect import InspectConfig, run_inspect
@@ -63,8 +62,10 @@ def _layout_json(path: Path) -> GlobalLayout:
     try:
         return GlobalLayout.from_json(text.decode("utf-8"))
     except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as exc:
-        raise FormatError(f"{path} is not a layout JSON (as GlobalLayout.to_json writes) nor a checkpoint: "
-                          f"{type(exc).__name__}: {exc}; pass a checkpoint or a layout JSON") from exc
+        raise FormatError(
+            f"{path} is not a layout JSON (as GlobalLayout.to_json writes) nor a checkpoint: "
+            f"{type(exc).__name__}: {exc}; pass a checkpoint or a layout JSON"
+        ) from exc
 
 
 def _print(text: str, file: TextIO | None = None) -> None:
@@ -88,15 +89,24 @@ def convert_config(args: argparse.Namespace, to: Literal["hf", "dcp"] | None = N
         UsageError: a flag value that is wrong (size, dtype, number of workers).
     """
     nproc = workers_flag(args.nproc)
-    return ConvertConfig(args.source, args.out, _mapping_flags(args),
-                         to=to or args.to, dtype=dtype_flag(args.dtype),
-                         max_shard_size=size_flag(args.max_shard_size, "--max-shard-size"),
-                         memory_budget=size_flag(args.memory_budget, "--memory-budget"),
-                         nproc=nproc, config_from=args.config_from,
-                         overwrite=args.overwrite, progress=_progress(args), prefix=args.prefix,
-                         keys=tuple(args.keys), quantize=args.quantize,
-                         quantize_block=_block_flag(args.quantize_block),
-                         cast_unscaled_fp8=args.cast_unscaled_fp8)
+    return ConvertConfig(
+        args.source,
+        args.out,
+        _mapping_flags(args),
+        to=to or args.to,
+        dtype=dtype_flag(args.dtype),
+        max_shard_size=size_flag(args.max_shard_size, "--max-shard-size"),
+        memory_budget=size_flag(args.memory_budget, "--memory-budget"),
+        nproc=nproc,
+        config_from=args.config_from,
+        overwrite=args.overwrite,
+        progress=_progress(args),
+        prefix=args.prefix,
+        keys=tuple(args.keys),
+        quantize=args.quantize,
+        quantize_block=_block_flag(args.quantize_block),
+        cast_unscaled_fp8=args.cast_unscaled_fp8,
+    )
 
 
 def _block_flag(value: str) -> tuple[int, int]:
@@ -115,8 +125,9 @@ def _convert(args: argparse.Namespace, to: Literal["hf", "dcp"] | None = None) -
     cfg = convert_config(args, to)
     if launched_world() > 1:
         if cfg.nproc > 1:
-            raise UsageError(f"--nproc {cfg.nproc} under torchrun, which already started "
-                             f"{launched_world()} workers", "drop --nproc")
+            raise UsageError(
+                f"--nproc {cfg.nproc} under torchrun, which already started {launched_world()} workers", "drop --nproc"
+            )
         line, status = run_launched(cfg)
         if line and (status or not args.quiet):
             _print(line, sys.stderr if status else sys.stdout)
@@ -134,9 +145,13 @@ def _inspect(args: argparse.Namespace) -> int:
 
 def _plan_config(args: argparse.Namespace) -> PlanConfig:
     extra = vars(args)  # explain has the source and mapping flags only
-    return PlanConfig(args.source, _mapping_flags(args), nproc=extra.get("nproc", 1),
-                      memory_budget=size_flag(extra.get("memory_budget"), "--memory-budget"),
-                      as_json=extra.get("json", False))
+    return PlanConfig(
+        args.source,
+        _mapping_flags(args),
+        nproc=extra.get("nproc", 1),
+        memory_budget=size_flag(extra.get("memory_budget"), "--memory-budget"),
+        as_json=extra.get("json", False),
+    )
 
 
 def _plan(args: argparse.Namespace) -> int:
@@ -153,9 +168,16 @@ def _diff(args: argparse.Namespace) -> int:
     atol = args.atol
     if not atol >= 0:
         raise UsageError(f"--atol {atol} is not a tolerance", "give 0 or a positive number")
-    cfg = DiffConfig(args.a, args.b, _mapping_flags(args), atol=atol, ignore_dtype=args.ignore_dtype,
-                     memory_budget=size_flag(args.memory_budget, "--memory-budget"), as_json=args.json,
-                     progress=_progress(args))
+    cfg = DiffConfig(
+        args.a,
+        args.b,
+        _mapping_flags(args),
+        atol=atol,
+        ignore_dtype=args.ignore_dtype,
+        memory_budget=size_flag(args.memory_budget, "--memory-budget"),
+        as_json=args.json,
+        progress=_progress(args),
+    )
     out, status = run_diff(cfg)
     if not args.quiet:
         _print(out)
@@ -177,8 +199,14 @@ def _silence_stdout() -> None:
 
 
 _COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
-    "convert": _convert, "export": lambda args: _convert(args, "hf"), "inspect": _inspect,
-    "plan": _plan, "diff": _diff, "explain": _explain, "verify": _verify}
+    "convert": _convert,
+    "export": lambda args: _convert(args, "hf"),
+    "inspect": _inspect,
+    "plan": _plan,
+    "diff": _diff,
+    "explain": _explain,
+    "verify": _verify,
+}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

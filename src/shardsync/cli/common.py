@@ -27,15 +27,30 @@ from ..sources.megatron_config import checkpoint_config
 from ..sources.megatron_dist import is_megatron_dist
 from .messages import UsageError, printable
 
-__all__ = ["MappingFlags", "source_dir", "command_logging", "layout_of", "resolve_targets", "unconsumed_sources", "size_flag",
-           "workers_flag", "MAX_WORKERS",
-           "dtype_flag", "parse_sets", "progress_bar"]
+__all__ = [
+    "MappingFlags",
+    "source_dir",
+    "command_logging",
+    "layout_of",
+    "resolve_targets",
+    "unconsumed_sources",
+    "size_flag",
+    "workers_flag",
+    "MAX_WORKERS",
+    "dtype_flag",
+    "parse_sets",
+    "progress_bar",
+]
 
 log = logging.getLogger(__name__)
 
 
-def _load_mapping(arg: str | None, sets: dict[str, str], config_dir: Path | None, reverse: bool | None,
-                  ) -> Mapping | None:
+def _load_mapping(
+    arg: str | None,
+    sets: dict[str, str],
+    config_dir: Path | None,
+    reverse: bool | None,
+) -> Mapping | None:
     """The mapping ``--mapping`` names (None: identity): a shipped name, a file, or statements inline.
 
     The one place the command line turns its mapping flags into a :class:`Mapping`. Parameters come
@@ -49,19 +64,27 @@ def _load_mapping(arg: str | None, sets: dict[str, str], config_dir: Path | None
     """
     if arg is None:
         if sets:
-            raise UsageError(" ".join(f"--set {k}={v}" for k, v in sets.items())
-                             + ": the identity mapping (no --mapping) takes no parameters",
-                             "give --mapping NAME of a shipped mapping, or remove --set")
+            raise UsageError(
+                " ".join(f"--set {k}={v}" for k, v in sets.items())
+                + ": the identity mapping (no --mapping) takes no parameters",
+                "give --mapping NAME of a shipped mapping, or remove --set",
+            )
         return None if reverse is None else Mapping.parse([], reverse=reverse)
     if "->" in arg or "\n" in arg:  # statements given inline
         return Mapping.parse(arg, reverse=reverse, params=sets or None)
     looks_like_path = "/" in arg or "." in arg  # shipped names have neither
     if looks_like_path and not Path(arg).exists():
-        raise MappingError(f"mapping file {arg!r} does not exist; give the path of a .txt, .json or .yaml "
-                           "mapping file, a shipped mapping name, or statements such as 'a -> b'")
+        raise MappingError(
+            f"mapping file {arg!r} does not exist; give the path of a .txt, .json or .yaml "
+            "mapping file, a shipped mapping name, or statements such as 'a -> b'"
+        )
     # a shipped name (megatron-llama) or a file; parameters from --set win over the config
-    return Mapping.parse(arg if not Path(arg).exists() else Path(arg), reverse=reverse,
-                         params=sets or None, config=_model_config(config_dir))
+    return Mapping.parse(
+        arg if not Path(arg).exists() else Path(arg),
+        reverse=reverse,
+        params=sets or None,
+        config=_model_config(config_dir),
+    )
 
 
 def _model_config(config_dir: Path | None) -> Path | dict[str, Any] | None:
@@ -74,8 +97,9 @@ def _model_config(config_dir: Path | None) -> Path | dict[str, Any] | None:
     if is_megatron_dist(config_dir):
         found = checkpoint_config(config_dir)
         if found is not None:
-            log.info("mapping parameters not given by --set come from %s (Megatron's saved args)",
-                     config_dir / "common.pt")
+            log.info(
+                "mapping parameters not given by --set come from %s (Megatron's saved args)", config_dir / "common.pt"
+            )
         return found
     return None
 
@@ -94,8 +118,9 @@ class MappingFlags:
     sets: tuple[tuple[str, str], ...] = ()
     strict: bool = False
 
-    def resolve(self, layout: GlobalLayout, config_dir: Path | None,
-                fp8_block: Block = DEFAULT_BLOCK) -> tuple[Mapping | None, list[TargetSpec]]:
+    def resolve(
+        self, layout: GlobalLayout, config_dir: Path | None, fp8_block: Block = DEFAULT_BLOCK
+    ) -> tuple[Mapping | None, list[TargetSpec]]:
         """The mapping (parameters from ``--set``, then ``config_dir``'s config.json) and the targets it
         gives over ``layout`` (``fp8_block``: the block of its block-FP8 weights)."""
         mapping = _load_mapping(self.mapping, dict(self.sets), config_dir, self.reverse)
@@ -123,8 +148,9 @@ def layout_of(source: Source) -> GlobalLayout:
     return GlobalLayout.merge([source.entries()])
 
 
-def resolve_targets(mapping: Mapping | None, layout: GlobalLayout, *, strict: bool = False,
-                    fp8_block: Block = DEFAULT_BLOCK) -> list[TargetSpec]:
+def resolve_targets(
+    mapping: Mapping | None, layout: GlobalLayout, *, strict: bool = False, fp8_block: Block = DEFAULT_BLOCK
+) -> list[TargetSpec]:
     """Resolve the mapping against a source's layout, with the command line's checks.
 
     A mapping that does not fit the source as written but does when run the other way is an error
@@ -145,8 +171,9 @@ def resolve_targets(mapping: Mapping | None, layout: GlobalLayout, *, strict: bo
         except MappingError:
             raise exc from None
         fix = "pass --reverse" if not mapping.reverse else "drop --reverse (or pass --no-reverse)"
-        raise UsageError("the mapping does not fit the source's names as written, but does when run the "
-                         "other way", fix) from exc
+        raise UsageError(
+            "the mapping does not fit the source's names as written, but does when run the other way", fix
+        ) from exc
     unused = unconsumed_sources(mapping, layout.keys())
     if unused:
         n = len(unused)
@@ -155,8 +182,7 @@ def resolve_targets(mapping: Mapping | None, layout: GlobalLayout, *, strict: bo
         moe = moe_hint(unused, mapping) if mapping is not None else None  # dense lines, MoE layers
         if strict:
             raise UsageError(what, moe or "map them, drop them with `NAME -> _`, or leave out --strict")
-        passes = ("it passes through under its own name" if n == 1
-                  else "they pass through under their own names")
+        passes = "it passes through under its own name" if n == 1 else "they pass through under their own names"
         log.warning("%s: %s (--strict makes this an error)%s", what, passes, f"; {moe}" if moe else "")
     return targets
 
@@ -212,8 +238,10 @@ def workers_flag(value: int) -> int:
         4
     """
     if not 1 <= value <= MAX_WORKERS:
-        raise UsageError(f"--nproc {value} is not a number of local workers",
-                         f"give 1 to {MAX_WORKERS}; for more ranks, start them with torchrun")
+        raise UsageError(
+            f"--nproc {value} is not a number of local workers",
+            f"give 1 to {MAX_WORKERS}; for more ranks, start them with torchrun",
+        )
     return value
 
 
@@ -230,8 +258,9 @@ def dtype_flag(value: str | None) -> torch.dtype | None:
     except ValueError:
         dtype = None
     if dtype is None or not dtype.is_floating_point:
-        raise UsageError(f"--dtype {value!r} is not a floating dtype",
-                         "use bf16, fp16, fp32 or a torch name such as bfloat16")
+        raise UsageError(
+            f"--dtype {value!r} is not a floating dtype", "use bf16, fp16, fp32 or a torch name such as bfloat16"
+        )
     return dtype
 
 
@@ -244,9 +273,16 @@ def progress_bar(enabled: bool, desc: str, total: int | None = None) -> Any:
     except ImportError:
         log.warning("progress bars need tqdm (pip install tqdm)")
         return None
-    return tqdm(total=total, desc=desc, unit="B", unit_scale=True, unit_divisor=1000, file=sys.stderr,
-                leave=False, dynamic_ncols=True)
-
+    return tqdm(
+        total=total,
+        desc=desc,
+        unit="B",
+        unit_scale=True,
+        unit_divisor=1000,
+        file=sys.stderr,
+        leave=False,
+        dynamic_ncols=True,
+    )
 
 
 class _Formatter(logging.Formatter):

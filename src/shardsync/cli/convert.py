@@ -32,8 +32,8 @@ from ..mapping import Mapping, TargetSpec
 from ..planning import split_ranges
 from ..quant.fp8 import DEFAULT_BLOCK
 from ..sources import Source, dequantized, open_source
-from ..sources.fp8 import fp8_block
 from ..sources.dcp import METADATA_FILE
+from ..sources.fp8 import fp8_block
 from ..sources.select import select_keys
 from .common import MappingFlags, layout_of, source_dir
 from .messages import UsageError
@@ -82,9 +82,11 @@ class Converted:
             wrote 4 tensors (350 KB) in 1 file to hf in 0.50 s (700 KB/s)
         """
         workers = f" with {self.workers} workers" if self.workers > 1 else ""
-        return (f"wrote {self.tensors} tensors ({human_bytes(self.nbytes)}) in {self.files} file"
-                f"{'s' if self.files != 1 else ''} to {out} in {human_seconds(self.seconds)}{workers} "
-                f"({human_rate(self.nbytes, self.seconds)})")
+        return (
+            f"wrote {self.tensors} tensors ({human_bytes(self.nbytes)}) in {self.files} file"
+            f"{'s' if self.files != 1 else ''} to {out} in {human_seconds(self.seconds)}{workers} "
+            f"({human_rate(self.nbytes, self.seconds)})"
+        )
 
 
 @dataclass(frozen=True)
@@ -109,8 +111,9 @@ def prepare(cfg: ConvertConfig) -> _Prepared:
     source = select_keys(open_source(cfg.source), cfg.prefix, cfg.keys)
     if cfg.dtype is not None:  # a dtype asks for values: block-FP8 weights are dequantised
         source = dequantized(source, unscaled="cast" if cfg.cast_unscaled_fp8 else "error")
-    mapping, targets = cfg.flags.resolve(layout_of(source), cfg.config_from or source_dir(cfg.source),
-                                         fp8_block(source))
+    mapping, targets = cfg.flags.resolve(
+        layout_of(source), cfg.config_from or source_dir(cfg.source), fp8_block(source)
+    )
     config_from = cfg.config_from
     if cfg.to == "hf" and config_from is None and mapping is None:
         # same names, same model: its config.json and tokenizer files belong with the weights
@@ -127,17 +130,22 @@ def _check_output(cfg: ConvertConfig) -> None:
     if cfg.out.exists() and not cfg.out.is_dir():
         raise UsageError(f"{cfg.out} is a file, not a directory", "choose a directory for the checkpoint")
     if cfg.out.resolve() == source_dir(cfg.source).resolve():
-        raise UsageError(f"{cfg.out} is the directory of the source {cfg.source}: the output would replace "
-                         "the files being read", "write to another directory")
+        raise UsageError(
+            f"{cfg.out} is the directory of the source {cfg.source}: the output would replace the files being read",
+            "write to another directory",
+        )
     if cfg.overwrite:
         return
     if cfg.to == "dcp" and (cfg.out / METADATA_FILE).exists():
-        raise UsageError(f"{cfg.out} already holds a DCP checkpoint",
-                         "pass --overwrite to replace it, or choose another directory")
+        raise UsageError(
+            f"{cfg.out} already holds a DCP checkpoint", "pass --overwrite to replace it, or choose another directory"
+        )
     committed = scan(cfg.out, CheckpointNames()).committed if cfg.to == "hf" else ()
     if committed:
-        raise UsageError(f"{cfg.out} already holds a checkpoint ({committed[0]})",
-                         "pass --overwrite to replace it, or choose another directory")
+        raise UsageError(
+            f"{cfg.out} already holds a checkpoint ({committed[0]})",
+            "pass --overwrite to replace it, or choose another directory",
+        )
 
 
 def run_convert(cfg: ConvertConfig) -> Converted:
@@ -178,13 +186,24 @@ def write(cfg: ConvertConfig, prepared: _Prepared, group: Any) -> Converted:
     start = time.perf_counter()
     progress = cfg.progress and group_rank(group) == 0
     if cfg.to == "hf":
-        result = save_hf(prepared.source, cfg.out, prepared.mapping, group=group,
-                         max_file_size=cfg.max_shard_size or "5GB", dtype=cfg.dtype,
-                         config_from=prepared.config_from, overwrite=cfg.overwrite, progress=progress,
-                         memory_budget=cfg.memory_budget, quantize=cfg.quantize,
-                         quantize_block=cfg.quantize_block, cast_unscaled_fp8=cfg.cast_unscaled_fp8)
-        return Converted(result.num_tensors, result.total_bytes, len(result.files),
-                         time.perf_counter() - start, group_size(group))
+        result = save_hf(
+            prepared.source,
+            cfg.out,
+            prepared.mapping,
+            group=group,
+            max_file_size=cfg.max_shard_size or "5GB",
+            dtype=cfg.dtype,
+            config_from=prepared.config_from,
+            overwrite=cfg.overwrite,
+            progress=progress,
+            memory_budget=cfg.memory_budget,
+            quantize=cfg.quantize,
+            quantize_block=cfg.quantize_block,
+            cast_unscaled_fp8=cfg.cast_unscaled_fp8,
+        )
+        return Converted(
+            result.num_tensors, result.total_bytes, len(result.files), time.perf_counter() - start, group_size(group)
+        )
     return _write_dcp(cfg, prepared, group, progress, start)
 
 
@@ -213,22 +232,39 @@ def _stream_budget(cfg: ConvertConfig, targets: list[TargetSpec], world: int) ->
     share = max(_dcp_shares(targets, world, cfg.dtype), default=0)
     if cfg.memory_budget - share >= largest:
         return cfg.memory_budget - share
-    fits = next((w for w in range(world + 1, len(targets) + 1)
-                 if max(_dcp_shares(targets, w, cfg.dtype)) + largest <= cfg.memory_budget), None)
+    fits = next(
+        (
+            w
+            for w in range(world + 1, len(targets) + 1)
+            if max(_dcp_shares(targets, w, cfg.dtype)) + largest <= cfg.memory_budget
+        ),
+        None,
+    )
     more = f"use --nproc {fits} or more, " if fits is not None else ""
-    raise UsageError(f"--to dcp holds each worker's share of the targets until it is written (up to "
-                     f"{human_bytes(share)}), which leaves less of --memory-budget "
-                     f"{human_bytes(cfg.memory_budget)} than the largest target ({human_bytes(largest)}) "
-                     "to read and build them", f"{more}raise --memory-budget, or write --to hf")
+    raise UsageError(
+        f"--to dcp holds each worker's share of the targets until it is written (up to "
+        f"{human_bytes(share)}), which leaves less of --memory-budget "
+        f"{human_bytes(cfg.memory_budget)} than the largest target ({human_bytes(largest)}) "
+        "to read and build them",
+        f"{more}raise --memory-budget, or write --to hf",
+    )
 
 
-def _write_dcp(cfg: ConvertConfig, prepared: _Prepared, group: Any, progress: bool,
-               start: float) -> Converted:
+def _write_dcp(cfg: ConvertConfig, prepared: _Prepared, group: Any, progress: bool, start: float) -> Converted:
     world = group_size(group)
-    metadata = save_dcp(prepared.source, cfg.out, prepared.mapping, group=group, dtype=cfg.dtype,
-                        overwrite=cfg.overwrite, progress=progress,
-                        memory_budget=_stream_budget(cfg, prepared.targets, world), quantize=cfg.quantize,
-                        quantize_block=cfg.quantize_block, cast_unscaled_fp8=cfg.cast_unscaled_fp8)
+    metadata = save_dcp(
+        prepared.source,
+        cfg.out,
+        prepared.mapping,
+        group=group,
+        dtype=cfg.dtype,
+        overwrite=cfg.overwrite,
+        progress=progress,
+        memory_budget=_stream_budget(cfg, prepared.targets, world),
+        quantize=cfg.quantize,
+        quantize_block=cfg.quantize_block,
+        cast_unscaled_fp8=cfg.cast_unscaled_fp8,
+    )
     files = {info.relative_path for info in (metadata.storage_data or {}).values()}
     nbytes = sum(_out_bytes(t, cfg.dtype) for t in prepared.targets)
     return Converted(len(prepared.targets), nbytes, len(files), time.perf_counter() - start, world)

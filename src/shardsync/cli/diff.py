@@ -76,7 +76,7 @@ def max_abs_diff(a: torch.Tensor, b: torch.Tensor) -> float:
     exact = not (x.is_floating_point() or y.is_floating_point() or x.is_complex() or y.is_complex())
     worst = 0.0
     for start in range(0, x.numel(), CHUNK_ELEMENTS):
-        cx, cy = x[start:start + CHUNK_ELEMENTS], y[start:start + CHUNK_ELEMENTS]
+        cx, cy = x[start : start + CHUNK_ELEMENTS], y[start : start + CHUNK_ELEMENTS]
         if exact:
             d = (cx.to(torch.int64) - cy.to(torch.int64)).abs().to(torch.float64)
         else:
@@ -98,15 +98,13 @@ def compare(cfg: DiffConfig) -> DiffReport:
     source_a, source_b, mapping, resolved = cfg.open()
     targets = {t.name: t for t in resolved}
     layout_b = layout_of(source_b)
-    report = DiffReport(sorted(set(targets) - set(layout_b.keys())),
-                        sorted(set(layout_b.keys()) - set(targets)))
+    report = DiffReport(sorted(set(targets) - set(layout_b.keys())), sorted(set(layout_b.keys()) - set(targets)))
     bar = progress_bar(cfg.progress, "diff", sum(t.nbytes for t in targets.values()))
     try:
         for name, tensor in full_params(source_a, mapping, copy=False, memory_budget=cfg.memory_budget):
             if name in layout_b:
                 meta = layout_b[name]
-                other = (source_b.read(name, Box.full(meta.shape)) if meta.shape == tuple(tensor.shape)
-                         else None)
+                other = source_b.read(name, Box.full(meta.shape)) if meta.shape == tuple(tensor.shape) else None
                 report.tensors.append(_one(name, tensor, meta.shape, meta.dtype, other, cfg))
             if bar is not None:
                 bar.update(tensor.numel() * tensor.element_size())
@@ -116,8 +114,9 @@ def compare(cfg: DiffConfig) -> DiffReport:
     return report
 
 
-def _one(name: str, a: torch.Tensor, shape_b: tuple[int, ...], dtype_b: str, b: torch.Tensor | None,
-         cfg: DiffConfig) -> TensorDiff:
+def _one(
+    name: str, a: torch.Tensor, shape_b: tuple[int, ...], dtype_b: str, b: torch.Tensor | None, cfg: DiffConfig
+) -> TensorDiff:
     dtype_a = dtype_name(a.dtype)
     if b is None:
         return TensorDiff(name, "shape", tuple(a.shape), shape_b, dtype_a, dtype_b, None)
@@ -135,17 +134,36 @@ def _number(x: float | None) -> Any:
 
 def document(report: DiffReport, cfg: DiffConfig) -> dict[str, Any]:
     """The JSON document ``diff --json`` prints."""
-    return {**cfg.header(), "equal": report.equal, "atol": cfg.atol,
-            "only_in_a": report.only_in_a, "only_in_b": report.only_in_b,
-            "tensors": {t.name: {"status": t.status, "shape_a": list(t.shape_a), "shape_b": list(t.shape_b),
-                                 "dtype_a": t.dtype_a, "dtype_b": t.dtype_b,
-                                 "max_abs_diff": _number(t.max_abs_diff)} for t in report.tensors}}
+    return {
+        **cfg.header(),
+        "equal": report.equal,
+        "atol": cfg.atol,
+        "only_in_a": report.only_in_a,
+        "only_in_b": report.only_in_b,
+        "tensors": {
+            t.name: {
+                "status": t.status,
+                "shape_a": list(t.shape_a),
+                "shape_b": list(t.shape_b),
+                "dtype_a": t.dtype_a,
+                "dtype_b": t.dtype_b,
+                "max_abs_diff": _number(t.max_abs_diff),
+            }
+            for t in report.tensors
+        },
+    }
 
 
 def _lines(differ: list[TensorDiff], atol: float) -> list[str]:
     """One line per kind of difference, tensors that differ alike folded (``layers.{0..3}.w``)."""
-    rows = [Row((t.name,), (t.status, tuple(t.shape_a), tuple(t.shape_b), t.dtype_a, t.dtype_b),
-                sets=(frozenset({t.max_abs_diff or 0.0}),)) for t in differ]
+    rows = [
+        Row(
+            (t.name,),
+            (t.status, tuple(t.shape_a), tuple(t.shape_b), t.dtype_a, t.dtype_b),
+            sets=(frozenset({t.max_abs_diff or 0.0}),),
+        )
+        for t in differ
+    ]
     out = []
     for (name,), row in fold(rows):
         status, shape_a, shape_b, dtype_a, dtype_b = row.same
@@ -177,8 +195,10 @@ def text(report: DiffReport, cfg: DiffConfig) -> str:
         within = f" (within --atol {cfg.atol:g})" if worst > 0 else ""
         lines.append(f"equal: {common} tensors, max abs diff {worst:.6g}{within}")
     else:
-        lines.append(f"differ: {len(differ)} of {common} common tensors, {len(report.only_in_a)} only in A, "
-                     f"{len(report.only_in_b)} only in B")
+        lines.append(
+            f"differ: {len(differ)} of {common} common tensors, {len(report.only_in_a)} only in A, "
+            f"{len(report.only_in_b)} only in B"
+        )
     return "\n".join(lines)
 
 

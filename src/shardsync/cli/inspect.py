@@ -33,8 +33,13 @@ def _shards(source: Source, root: Path) -> dict[str, list[dict[str, Any]]]:
     out: dict[str, list[dict[str, Any]]] = {}
     if isinstance(source, SafetensorsSource):
         for key, info in source.tensors.items():
-            out[key] = [{"offsets": [0] * len(info.shape), "sizes": list(info.shape),
-                         "file": info.file.relative_to(root).as_posix()}]
+            out[key] = [
+                {
+                    "offsets": [0] * len(info.shape),
+                    "sizes": list(info.shape),
+                    "file": info.file.relative_to(root).as_posix(),
+                }
+            ]
         return out
     assert isinstance(source, DcpSource)  # open_source makes one of the two from a path
     from torch.distributed.checkpoint.metadata import MetadataIndex
@@ -42,8 +47,13 @@ def _shards(source: Source, root: Path) -> dict[str, list[dict[str, Any]]]:
     storage = source.reader.storage_data
     for e in source.entries():
         stored = storage.get(MetadataIndex(e.key, e.box.offsets))
-        out.setdefault(e.key, []).append({"offsets": list(e.box.offsets), "sizes": list(e.box.sizes),
-                                          "file": None if stored is None else stored.relative_path})
+        out.setdefault(e.key, []).append(
+            {
+                "offsets": list(e.box.offsets),
+                "sizes": list(e.box.sizes),
+                "file": None if stored is None else stored.relative_path,
+            }
+        )
     return out
 
 
@@ -66,13 +76,23 @@ def describe_checkpoint(path: Path) -> dict[str, Any]:
     shards = _shards(source, root)
     layout = {e.key: e for e in source.entries()}
     names = sorted({s["file"] for boxes in shards.values() for s in boxes if s["file"] is not None})
-    tensors = {key: {"shape": list(layout[key].shape), "dtype": layout[key].dtype,
-                     "bytes": math.prod(layout[key].shape) * itemsize(layout[key].dtype),
-                     "shards": boxes} for key, boxes in sorted(shards.items())}
-    return {"path": str(path), "format": "dcp" if isinstance(source, DcpSource) else "safetensors",
-            "files": [{"name": n, "bytes": (root / n).stat().st_size} for n in names],
-            "num_tensors": len(tensors), "total_bytes": sum(t["bytes"] for t in tensors.values()),
-            "tensors": tensors}
+    tensors = {
+        key: {
+            "shape": list(layout[key].shape),
+            "dtype": layout[key].dtype,
+            "bytes": math.prod(layout[key].shape) * itemsize(layout[key].dtype),
+            "shards": boxes,
+        }
+        for key, boxes in sorted(shards.items())
+    }
+    return {
+        "path": str(path),
+        "format": "dcp" if isinstance(source, DcpSource) else "safetensors",
+        "files": [{"name": n, "bytes": (root / n).stat().st_size} for n in names],
+        "num_tensors": len(tensors),
+        "total_bytes": sum(t["bytes"] for t in tensors.values()),
+        "tensors": tensors,
+    }
 
 
 def _files_cell(files: frozenset[Any]) -> str:
@@ -81,14 +101,34 @@ def _files_cell(files: frozenset[Any]) -> str:
 
 def table(doc: dict[str, Any]) -> str:
     """The folded table ``inspect`` prints for a :func:`describe_checkpoint` document."""
-    rows = [Row((key,), (tuple(t["shape"]), t["dtype"], len(t["shards"])), 1, t["bytes"],
-                (frozenset(s["file"] for s in t["shards"]),)) for key, t in doc["tensors"].items()]
-    body = [(names[0], str(row.count), str(list(row.same[0])), str(row.same[1]), str(row.same[2]),
-             _files_cell(row.sets[0]), human_bytes(row.nbytes)) for names, row in fold(rows)]
+    rows = [
+        Row(
+            (key,),
+            (tuple(t["shape"]), t["dtype"], len(t["shards"])),
+            1,
+            t["bytes"],
+            (frozenset(s["file"] for s in t["shards"]),),
+        )
+        for key, t in doc["tensors"].items()
+    ]
+    body = [
+        (
+            names[0],
+            str(row.count),
+            str(list(row.same[0])),
+            str(row.same[1]),
+            str(row.same[2]),
+            _files_cell(row.sets[0]),
+            human_bytes(row.nbytes),
+        )
+        for names, row in fold(rows)
+    ]
     nfiles = len(doc["files"])
-    head = (f"{doc['path']}: {'torch DCP' if doc['format'] == 'dcp' else 'safetensors'} checkpoint, "
-            f"{doc['num_tensors']} tensors, {human_bytes(doc['total_bytes'])} in {nfiles} file"
-            f"{'s' if nfiles != 1 else ''}")
+    head = (
+        f"{doc['path']}: {'torch DCP' if doc['format'] == 'dcp' else 'safetensors'} checkpoint, "
+        f"{doc['num_tensors']} tensors, {human_bytes(doc['total_bytes'])} in {nfiles} file"
+        f"{'s' if nfiles != 1 else ''}"
+    )
     cols = ("tensor", "n", "shape", "dtype", "shards", "files", "bytes")
     return head + "\n" + render(cols, body, right=(1, 4, 6))
 

@@ -22,8 +22,8 @@ from typing import Any
 
 from ..errors import ShardsyncError
 from ..io.commit import CheckpointNames, remove_uncommitted
-from .convert import ConvertConfig, Converted, prepare, write
 from .common import command_logging
+from .convert import ConvertConfig, Converted, prepare, write
 from .messages import INTERRUPTED, one_line
 
 __all__ = ["launch", "launched_world", "run_launched", "leave_group", "WorkerFailed"]
@@ -105,8 +105,11 @@ def _launcher_logs() -> Iterator[None]:
         yield
         return
     # each of torch's elastic modules sets its logger's own level, so each is raised
-    loggers = [x for name, x in logging.root.manager.loggerDict.items()
-               if name.startswith(_LAUNCHER_LOGGERS) and isinstance(x, logging.Logger)]
+    loggers = [
+        x
+        for name, x in logging.root.manager.loggerDict.items()
+        if name.startswith(_LAUNCHER_LOGGERS) and isinstance(x, logging.Logger)
+    ]
     saved = [x.level for x in loggers]
     for x in loggers:
         x.setLevel(logging.CRITICAL + 1)
@@ -156,21 +159,35 @@ def launch(cfg: ConvertConfig, nproc: int) -> list[Converted]:
 
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     if nproc > cores:
-        log.warning("--nproc %d starts more workers than this machine gives the process cores (%d): "
-                    "they share the cores and each starts slower; --nproc %d is usually faster",
-                    nproc, cores, cores)
-    config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=uuid.uuid4().hex,
-                          rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=0,
-                          monitor_interval=MONITOR_SECONDS, start_method="spawn")
+        log.warning(
+            "--nproc %d starts more workers than this machine gives the process cores (%d): "
+            "they share the cores and each starts slower; --nproc %d is usually faster",
+            nproc,
+            cores,
+            cores,
+        )
+    config = LaunchConfig(
+        min_nodes=1,
+        max_nodes=1,
+        nproc_per_node=nproc,
+        run_id=uuid.uuid4().hex,
+        rdzv_backend="c10d",
+        rdzv_endpoint="localhost:0",
+        max_restarts=0,
+        monitor_interval=MONITOR_SECONDS,
+        start_method="spawn",
+    )
     try:
         with _launcher_logs():
             outcomes: dict[int, Any] = elastic_launch(config, _worker)(cfg, False, True)
     except ChildFailedError as exc:
         _remove_uncommitted(cfg)
         rank, failure = min(exc.failures.items())
-        raise WorkerFailed(f"shardsync convert: worker {rank} died with exit code {failure.exitcode} "
-                           "(out of memory or killed? run with --debug to see the launcher's report)",
-                           2) from exc
+        raise WorkerFailed(
+            f"shardsync convert: worker {rank} died with exit code {failure.exitcode} "
+            "(out of memory or killed? run with --debug to see the launcher's report)",
+            2,
+        ) from exc
     except (SignalException, KeyboardInterrupt) as exc:  # the launcher turns Ctrl-C into SignalException
         _remove_uncommitted(cfg)
         raise WorkerFailed("shardsync convert: interrupted", INTERRUPTED) from exc

@@ -39,25 +39,49 @@ class UsageError(ShardsyncError, ValueError):
 
 
 # Python argument names in library messages -> the flags that set them.
-_FLAGS = [(re.compile(p), r) for p, r in (
-    (r"\boverwrite=True\b", "--overwrite"),
-    (r"\bmemory_budget=", "--memory-budget "),
-    (r"\bmemory_budget\b", "--memory-budget"),
-    (r"\bmax_shard_size=", "--max-shard-size "),
-    (r"\bmax_file_size=", "--max-shard-size "),
-    (r"\bmax_shard_size\b", "--max-shard-size"),
-    (r"\bextra_files or config_from\b", "--config-from"),
-    (r"\bconfig_from=", "--config-from "),
-    (r"\bconfig_from\b", "--config-from"),
-    (r"\bdtype=", "--dtype "),
-    (r"(?<![\w.])(\d{4,}) B\b", lambda m: human_bytes(int(m[1]))),
-)]
+_FLAGS = [
+    (re.compile(p), r)
+    for p, r in (
+        (r"\boverwrite=True\b", "--overwrite"),
+        (r"\bmemory_budget=", "--memory-budget "),
+        (r"\bmemory_budget\b", "--memory-budget"),
+        (r"\bmax_shard_size=", "--max-shard-size "),
+        (r"\bmax_file_size=", "--max-shard-size "),
+        (r"\bmax_shard_size\b", "--max-shard-size"),
+        (r"\bextra_files or config_from\b", "--config-from"),
+        (r"\bconfig_from=", "--config-from "),
+        (r"\bconfig_from\b", "--config-from"),
+        (r"\bdtype=", "--dtype "),
+        (r"(?<![\w.])(\d{4,}) B\b", lambda m: human_bytes(int(m[1]))),
+    )
+]
 # A message's last "; ..." clause is its fix when it starts with one of these words.
-_FIX_WORDS = ("pass", "choose", "use", "give", "write", "raise", "fix", "did you mean", "drop", "check",
-              "add", "remove", "call", "run", "rename", "map", "set", "or ")
-_GENERIC_FIX = {"MappingError": "fix the mapping", "FormatError": "check the checkpoint path",
-                "LayoutError": "check that the checkpoint is complete",
-                "PlanError": "check --memory-budget and --nproc"}
+_FIX_WORDS = (
+    "pass",
+    "choose",
+    "use",
+    "give",
+    "write",
+    "raise",
+    "fix",
+    "did you mean",
+    "drop",
+    "check",
+    "add",
+    "remove",
+    "call",
+    "run",
+    "rename",
+    "map",
+    "set",
+    "or ",
+)
+_GENERIC_FIX = {
+    "MappingError": "fix the mapping",
+    "FormatError": "check the checkpoint path",
+    "LayoutError": "check that the checkpoint is complete",
+    "PlanError": "check --memory-budget and --nproc",
+}
 _OS_FIXES = {
     errno.ENOSPC: ("no space left on the device of {f}", "free some space, or write to another directory"),
     errno.EDQUOT: ("disk quota exceeded writing {f}", "free some space, or write to another directory"),
@@ -163,8 +187,9 @@ def _with_fix(text: str, generic: str) -> str:
 
 
 # Control characters (C0, DEL, C1) and the invisible format characters that reorder or hide text.
-_UNPRINTABLE = re.compile("[\x00-\x1f\x7f-\x9f\xad\u061c\u180e\u200b-\u200f\u202a-\u202e"
-                          "\u2060-\u206f\ufeff\ufff9-\ufffb]")
+_UNPRINTABLE = re.compile(
+    "[\x00-\x1f\x7f-\x9f\xad\u061c\u180e\u200b-\u200f\u202a-\u202e\u2060-\u206f\ufeff\ufff9-\ufffb]"
+)
 
 
 def printable(text: str, keep: str = "\n\t") -> str:
@@ -175,6 +200,7 @@ def printable(text: str, keep: str = "\n\t") -> str:
         >>> print(printable("layers.0.w\x1b[2J\u202e"))
         layers.0.w\\x1b[2J\\u202e
     """
+
     def escape(m: re.Match[str]) -> str:
         c = m[0]
         return c if c in keep else c.encode("unicode_escape").decode("ascii")

@@ -106,8 +106,11 @@ def _classes(cut: tuple[tuple[str, ...], ...], numbers: list[list[int]]) -> _Gro
             continue
         linked = [p]
         for q in range(p + 1, n):
-            if (q not in taken and not (column[q] == 0 and 0 in {column[x] for x in linked})
-                    and len({nums[q] - nums[p] for nums in numbers}) == 1):
+            if (
+                q not in taken
+                and not (column[q] == 0 and 0 in {column[x] for x in linked})
+                and len({nums[q] - nums[p] for nums in numbers}) == 1
+            ):
                 linked.append(q)
         taken.update(linked)
         positions.append(linked)
@@ -125,8 +128,9 @@ def _fold_class(items: list[_Folding], k: int) -> list[_Folding]:
             continue
         have.values[k] = have.values[k] | item.values[k]
         a, b = have.row, item.row
-        have.row = Row(a.names, a.same, a.count + b.count, a.nbytes + b.nbytes,
-                       tuple(x | y for x, y in zip(a.sets, b.sets)))
+        have.row = Row(
+            a.names, a.same, a.count + b.count, a.nbytes + b.nbytes, tuple(x | y for x, y in zip(a.sets, b.sets))
+        )
     return list(merged.values())
 
 
@@ -180,8 +184,10 @@ def render(head: Sequence[str], body: Sequence[Sequence[str]], right: Sequence[i
     """
     rows = [list(head), *([printable(c, keep="") for c in r] for r in body)]  # names from a file
     widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
-    lines = ["  ".join(c.rjust(w) if i in right else c.ljust(w)
-                       for i, (c, w) in enumerate(zip(r, widths))).rstrip() for r in rows]
+    lines = [
+        "  ".join(c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths))).rstrip()
+        for r in rows
+    ]
     return "\n".join(lines)
 
 
@@ -201,6 +207,7 @@ def json_text(doc: object) -> str:
         }
     """
     text = json.dumps(doc, indent=2)
+
     def one_line(m: re.Match[str]) -> str:
         return "[" + ", ".join(x.strip() for x in (m[1] or "").split(",") if x.strip()) + "]"
 

@@ -33,15 +33,16 @@ def document(report: VerifyReport, cfg: VerifyConfig) -> dict[str, Any]:
 def text(report: VerifyReport) -> str:
     """The lines ``verify`` prints: what differs or is missing, then a summary line."""
     lines = []
-    for what, names in (("different", report.different), ("only in A", report.only_a),
-                        ("only in B", report.only_b)):
+    for what, names in (("different", report.different), ("only in A", report.only_a), ("only in B", report.only_b)):
         if names:
             lines.append(f"{what} ({len(names)}): {folded_list(names)}")
     if report.ok:
         lines.append(f"equal: {len(report.equal)} tensors, every digest matches")
     else:
-        lines.append(f"differ: {len(report.different)} different, {len(report.equal)} equal, "
-                     f"{len(report.only_a)} only in A, {len(report.only_b)} only in B")
+        lines.append(
+            f"differ: {len(report.different)} different, {len(report.equal)} equal, "
+            f"{len(report.only_a)} only in A, {len(report.only_b)} only in B"
+        )
     return "\n".join(lines)
 
 

@@ -21,8 +21,7 @@ from ..mapping.pieces import TargetSpec
 from ..mapping.program import Mapping
 from ..mapping.syntax import Statement, suggest
 
-__all__ = ["Mismatch", "Report", "Provenance", "provenance", "fills_padded", "check_targets", "describe",
-           "load_error"]
+__all__ = ["Mismatch", "Report", "Provenance", "provenance", "fills_padded", "check_targets", "describe", "load_error"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,8 +47,7 @@ class Mismatch:
     origin: str
 
     def __str__(self) -> str:
-        return (f"{self.kind} of {self.name!r}: {self.origin} gives {self.got}, the destination is "
-                f"{self.expected}")
+        return f"{self.kind} of {self.name!r}: {self.origin} gives {self.got}, the destination is {self.expected}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,8 +104,12 @@ def provenance(mapping: Mapping | None, src_keys: Sequence[str], dst_keys: Seque
     expanded, _ = expand_macros(mapping.statements, src_keys, dst_keys, reverse=mapping.reverse)
     padded: dict[str, int] = {}
     if mapping.reverse:  # the trimmed side of `a -> b, axis=k, keep=N` is the destination's `a`
-        padded = {n.text: dim for st in expanded if st.has("keep") and isinstance(dim := st.attr("axis"), int)
-                  for n in st.left}
+        padded = {
+            n.text: dim
+            for st in expanded
+            if st.has("keep") and isinstance(dim := st.attr("axis"), int)
+            for n in st.left
+        }
         expanded = reverse_program(expanded)
     binders: dict[str, Statement] = {}
     untouched: set[str] = set()
@@ -151,8 +153,11 @@ def _mismatch(t: TargetSpec, want: TensorMeta, origin: str, pad_dim: int | None)
     return None
 
 
-def check_targets(targets: Sequence[TargetSpec], dest: GlobalLayout, why: Provenance,
-                  ) -> tuple[list[TargetSpec], Report]:
+def check_targets(
+    targets: Sequence[TargetSpec],
+    dest: GlobalLayout,
+    why: Provenance,
+) -> tuple[list[TargetSpec], Report]:
     """Split resolved ``targets`` into those that fit their destination and a :class:`Report`.
 
     A padded target (:attr:`Provenance.padded`) fits a destination that is longer along its dim.
@@ -198,14 +203,22 @@ def describe(report: Report, targets: Sequence[TargetSpec], why: Provenance) -> 
         "missing 'b': nothing in the source maps "
     """
     by_name = {t.name: t for t in targets}
-    lines = [f"missing {k!r}: nothing in the source maps to it{suggest(k, report.unexpected)}; map a "
-             f"source to it, or declare it untouched with `_ -> {k}`" for k in report.missing]
+    lines = [
+        f"missing {k!r}: nothing in the source maps to it{suggest(k, report.unexpected)}; map a "
+        f"source to it, or declare it untouched with `_ -> {k}`"
+        for k in report.missing
+    ]
     for n in report.unexpected:
-        lines.append(f"unexpected {n!r} ({why.origin(n, by_name[n].sources)}): the destination has no "
-                     f"such key{suggest(n, report.missing)}; map it to one, or drop it with `{n} -> _`")
+        lines.append(
+            f"unexpected {n!r} ({why.origin(n, by_name[n].sources)}): the destination has no "
+            f"such key{suggest(n, report.missing)}; map it to one, or drop it with `{n} -> _`"
+        )
     for m in report.mismatched:
-        fix = ("fix the mapping (split, concat, transpose) or the destination" if m.kind == "shape" else
-               f"cast with `{m.name} -> {m.name}, dtype='{m.expected}'` or fix the mapping's cast")
+        fix = (
+            "fix the mapping (split, concat, transpose) or the destination"
+            if m.kind == "shape"
+            else f"cast with `{m.name} -> {m.name}, dtype='{m.expected}'` or fix the mapping's cast"
+        )
         lines.append(f"{m}; {fix}")
     return tuple(lines)
 
@@ -217,7 +230,8 @@ def load_error(report: Report, lines: Sequence[str]) -> LoadError:
         >>> load_error(Report(("b",), (), ()), ["missing 'b'"]).missing
         ('b',)
     """
-    head = (f"the source does not fit the destination ({len(lines)} problem{'s' if len(lines) != 1 else ''}"
-            "; nothing was written; strict=False loads what fits and returns these lists)")
-    return LoadError(head + ":\n  " + "\n  ".join(lines), report.missing, report.unexpected,
-                     report.mismatched)
+    head = (
+        f"the source does not fit the destination ({len(lines)} problem{'s' if len(lines) != 1 else ''}"
+        "; nothing was written; strict=False loads what fits and returns these lists)"
+    )
+    return LoadError(head + ":\n  " + "\n  ".join(lines), report.missing, report.unexpected, report.mismatched)

@@ -63,14 +63,19 @@ class Shards:
         self.shards: dict[str, list[LocalShard]] = {k: local_shards(k, v) for k, v in state.items()}
         aliased = sorted({k for k, shards in self.shards.items() for s in shards if self_overlapping(s.local)})
         if aliased:
-            raise LayoutError(f"destination tensors {aliased} have elements that share memory (made by "
-                              "expand() or a stride-0 view), so they cannot be written in place; pass "
-                              "tensors that own their memory, e.g. t.expand(...).clone()")
+            raise LayoutError(
+                f"destination tensors {aliased} have elements that share memory (made by "
+                "expand() or a stride-0 view), so they cannot be written in place; pass "
+                "tensors that own their memory, e.g. t.expand(...).clone()"
+            )
 
     def entries(self) -> list[LayoutEntry]:
         """This rank's destination entries ``(key, global shape, dtype, box)``, sorted by key."""
-        return [LayoutEntry(key, s.global_shape, dtype_name(s.dtype), s.box)
-                for key in sorted(self.shards) for s in self.shards[key]]
+        return [
+            LayoutEntry(key, s.global_shape, dtype_name(s.dtype), s.box)
+            for key in sorted(self.shards)
+            for s in self.shards[key]
+        ]
 
     def memory(self, key: str, box: Box) -> torch.Tensor:
         """The tensor holding ``box`` of ``key`` on this rank, detached (writes land in the state):
@@ -85,5 +90,7 @@ class Shards:
                 return s.local.detach()
             if s.box.contains(box):  # the part of a shard that a shorter (padded) target fills
                 return s.local.detach()[box.relative_to(s.box).slices()]
-        raise LayoutError(f"{key!r}: this rank holds no destination shard {box}; the destination "
-                          "changed after its layout was gathered")
+        raise LayoutError(
+            f"{key!r}: this rank holds no destination shard {box}; the destination "
+            "changed after its layout was gathered"
+        )

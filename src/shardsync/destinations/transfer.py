@@ -22,6 +22,7 @@ from .. import phases
 from ..dist import abandon, is_distributed
 from ..errors import PlanError, ShardsyncError
 from ..exec import Stats
+from ..exec.shm import TransportChoice
 from ..layout.box import Box
 from ..layout.meta import GlobalLayout, LayoutEntry
 from ..mapping import Mapping, MappingLike, resolve
@@ -34,13 +35,20 @@ from ..quant.fp8 import check_fp8_casts, check_fp8_fills
 from ..sources import Source, SourceLike
 from ..sources.fingerprint import ReplicaCheck
 from ..sources.fp8_quantized import for_destination
-from ..exec.shm import TransportChoice
 from .check import Mismatch, Report, check_targets, describe, load_error, provenance
 from .state import DestinationLike, Shards
 from .verify import check_written
 
-__all__ = ["load", "reshard", "LoadResult", "InPlace", "DestinationStrategy", "CHECK_PHASE", "LOAD_PHASE",
-           "RESHARD_PHASE"]
+__all__ = [
+    "load",
+    "reshard",
+    "LoadResult",
+    "InPlace",
+    "DestinationStrategy",
+    "CHECK_PHASE",
+    "LOAD_PHASE",
+    "RESHARD_PHASE",
+]
 
 #: ``"auto"``: a box several ranks want goes by one broadcast among them (when the group is the whole
 #: world), else point to point; ``"p2p"``: always one message per receiving rank.
@@ -119,8 +127,14 @@ class InPlace:
         return self.shards.entries()
 
     @staticmethod
-    def plan(mapping: Mapping | None, layout: GlobalLayout, dest: GlobalLayout, options: PlanOptions,
-             topology: Topology | None, settings: Hashable) -> Planned:
+    def plan(
+        mapping: Mapping | None,
+        layout: GlobalLayout,
+        dest: GlobalLayout,
+        options: PlanOptions,
+        topology: Topology | None,
+        settings: Hashable,
+    ) -> Planned:
         """Resolve with the destination layout, check the fit, cut to destination boxes and plan."""
         targets = resolve(mapping, layout, dest=dest)
         why = provenance(mapping if mapping is not None else Mapping.parse([]), layout.keys(), dest.keys())
@@ -129,8 +143,7 @@ class InPlace:
         dtypes = {k: layout[k].dtype for k in layout.keys()}
         check_fp8_casts([b.spec for b in boxes], dtypes)
         check_fp8_fills([(b.name, b.spec) for b in boxes], dtypes, dest.keys())
-        plan = build_plan([b.spec for b in boxes], layout,
-                          replace(options, destinations=tuple(b.ranks for b in boxes)))
+        plan = build_plan([b.spec for b in boxes], layout, replace(options, destinations=tuple(b.ranks for b in boxes)))
         notes = _Notes(report, describe(report, targets, why), tuple((b.name, b.box) for b in boxes))
         return Planned(plan, plan.fingerprint(), notes)
 
@@ -150,8 +163,9 @@ class InPlace:
         notes = prepared.planned.notes
         if self.verify:
             assert self._source is not None
-            check_written(prepared.planned.plan, notes.boxes, self._source, self.shards, prepared.rank,
-                          prepared.call.group)
+            check_written(
+                prepared.planned.plan, notes.boxes, self._source, self.shards, prepared.rank, prepared.call.group
+            )
         r = notes.report
         return LoadResult(r.missing, r.unexpected, r.mismatched, prepared.plan, stats)
 
@@ -159,8 +173,17 @@ class InPlace:
         """Nothing to release: what was written stays written (the error says the load failed)."""
 
 
-def _transfer(source: SourceLike, dst: DestinationLike, mapping: MappingLike | None, group: Any,
-              reverse: bool, strict: bool, phase: str, verify: bool, **options: Any) -> LoadResult:
+def _transfer(
+    source: SourceLike,
+    dst: DestinationLike,
+    mapping: MappingLike | None,
+    group: Any,
+    reverse: bool,
+    strict: bool,
+    phase: str,
+    verify: bool,
+    **options: Any,
+) -> LoadResult:
     """Check the arguments (raised here; the peers waiting in the first phase learn why), then run."""
     try:
         opts = _options(group, **options)
@@ -179,11 +202,21 @@ def _options(group: Any, strategy: DestinationStrategy, **options: Any) -> Optio
     return Options.of(group, strategy=strategy, in_place=True, **options)
 
 
-def load(dst: DestinationLike, source: SourceLike, mapping: MappingLike | None = None, *,
-         group: Any = None, reverse: bool = False, strict: bool = True,
-         memory_budget: int | str | None = None, bucket_bytes: int | str = DEFAULT_BUCKET_BYTES,
-         strategy: DestinationStrategy = "auto", transport: TransportChoice = "auto",
-         replica_check: ReplicaCheck = "sampled", verify: bool = False) -> LoadResult:
+def load(
+    dst: DestinationLike,
+    source: SourceLike,
+    mapping: MappingLike | None = None,
+    *,
+    group: Any = None,
+    reverse: bool = False,
+    strict: bool = True,
+    memory_budget: int | str | None = None,
+    bucket_bytes: int | str = DEFAULT_BUCKET_BYTES,
+    strategy: DestinationStrategy = "auto",
+    transport: TransportChoice = "auto",
+    replica_check: ReplicaCheck = "sampled",
+    verify: bool = False,
+) -> LoadResult:
     """Fill ``dst`` in place from ``source``, through ``mapping`` in the load direction; call on every
     rank of the group.
 
@@ -239,16 +272,38 @@ def load(dst: DestinationLike, source: SourceLike, mapping: MappingLike | None =
         >>> model.weight.tolist()
         [[0.0, 2.0, 4.0], [1.0, 3.0, 5.0]]
     """
-    return _transfer(source, dst, mapping, group, reverse, strict, LOAD_PHASE, verify, strategy=strategy,
-                     memory_budget=memory_budget, bucket_bytes=bucket_bytes, transport=transport,
-                     replica_check=replica_check)
+    return _transfer(
+        source,
+        dst,
+        mapping,
+        group,
+        reverse,
+        strict,
+        LOAD_PHASE,
+        verify,
+        strategy=strategy,
+        memory_budget=memory_budget,
+        bucket_bytes=bucket_bytes,
+        transport=transport,
+        replica_check=replica_check,
+    )
 
 
-def reshard(src_state: SourceLike, dst_state: DestinationLike, mapping: MappingLike | None = None, *,
-            group: Any = None, reverse: bool = False, strict: bool = True,
-            memory_budget: int | str | None = None, bucket_bytes: int | str = DEFAULT_BUCKET_BYTES,
-            strategy: DestinationStrategy = "auto", transport: TransportChoice = "auto",
-            replica_check: ReplicaCheck = "sampled", verify: bool = False) -> LoadResult:
+def reshard(
+    src_state: SourceLike,
+    dst_state: DestinationLike,
+    mapping: MappingLike | None = None,
+    *,
+    group: Any = None,
+    reverse: bool = False,
+    strict: bool = True,
+    memory_budget: int | str | None = None,
+    bucket_bytes: int | str = DEFAULT_BUCKET_BYTES,
+    strategy: DestinationStrategy = "auto",
+    transport: TransportChoice = "auto",
+    replica_check: ReplicaCheck = "sampled",
+    verify: bool = False,
+) -> LoadResult:
     """Move live sharded state into another live sharded layout, in place; call on every rank.
 
     Ranks may hold sources only (trainers: ``dst_state=None``), destinations only (inference workers:
@@ -275,6 +330,18 @@ def reshard(src_state: SourceLike, dst_state: DestinationLike, mapping: MappingL
         >>> dst["w"].sum().item()
         6.0
     """
-    return _transfer(src_state, dst_state, mapping, group, reverse, strict, RESHARD_PHASE, verify,
-                     strategy=strategy, memory_budget=memory_budget, bucket_bytes=bucket_bytes,
-                     transport=transport, replica_check=replica_check)
+    return _transfer(
+        src_state,
+        dst_state,
+        mapping,
+        group,
+        reverse,
+        strict,
+        RESHARD_PHASE,
+        verify,
+        strategy=strategy,
+        memory_budget=memory_budget,
+        bucket_bytes=bucket_bytes,
+        transport=transport,
+        replica_check=replica_check,
+    )

@@ -82,8 +82,11 @@ def _as_ints(t: torch.Tensor) -> np.ndarray:
 
 def _raw(dst: torch.Tensor, src: torch.Tensor) -> bool:
     """Whether the copy is a move of bytes that numpy can do on row runs."""
-    return dst.dtype == src.dtype and dst.element_size() in _INTS and \
-        all(t.dim() == 0 or t.stride(-1) == 1 or t.shape[-1] == 1 for t in (dst, src))
+    return (
+        dst.dtype == src.dtype
+        and dst.element_size() in _INTS
+        and all(t.dim() == 0 or t.stride(-1) == 1 or t.shape[-1] == 1 for t in (dst, src))
+    )
 
 
 def _torch_small(dst: torch.Tensor, src: torch.Tensor) -> None:
@@ -99,7 +102,7 @@ def _torch_small(dst: torch.Tensor, src: torch.Tensor) -> None:
         return
     step = TORCH_GRAIN // row
     for i in range(0, dst.shape[0], step):
-        dst[i:i + step].copy_(src[i:i + step])
+        dst[i : i + step].copy_(src[i : i + step])
 
 
 def _jobs(dst: torch.Tensor, src: torch.Tensor, raw: bool) -> list[tuple[Any, Any, Any]]:
@@ -108,8 +111,8 @@ def _jobs(dst: torch.Tensor, src: torch.Tensor, raw: bool) -> list[tuple[Any, An
     rows = max(1, CHUNK_BYTES // (max(1, dst[0].numel()) * size))
     if raw:
         d, s = _as_ints(dst), _as_ints(src)
-        return [(np.copyto, d[i:i + rows], s[i:i + rows]) for i in range(0, dst.shape[0], rows)]
-    return [(_torch_small, dst[i:i + rows], src[i:i + rows]) for i in range(0, dst.shape[0], rows)]
+        return [(np.copyto, d[i : i + rows], s[i : i + rows]) for i in range(0, dst.shape[0], rows)]
+    return [(_torch_small, dst[i : i + rows], src[i : i + rows]) for i in range(0, dst.shape[0], rows)]
 
 
 @torch.no_grad()

@@ -75,9 +75,16 @@ def _read_uses(plan: Plan, rank: int, sends: Counter[int]) -> Counter[int]:
 class _Run:
     """One rank's state while executing a plan; also the :class:`PacketIO` its transport uses."""
 
-    def __init__(self, plan: Plan, source: Source, rank: int, stats: Stats,
-                 device: torch.device, into: Callable[[int], torch.Tensor] | None = None,
-                 pool: BlockPool | None = None) -> None:
+    def __init__(
+        self,
+        plan: Plan,
+        source: Source,
+        rank: int,
+        stats: Stats,
+        device: torch.device,
+        into: Callable[[int], torch.Tensor] | None = None,
+        pool: BlockPool | None = None,
+    ) -> None:
         self.plan, self.source, self.rank, self.stats, self.device = plan, source, rank, stats, device
         self.into, self.pool = into, pool
         self.open: dict[int, torch.Tensor] = {}
@@ -158,7 +165,7 @@ class _Run:
         buf = self.buffer(pk.nbytes)
         for i, off in zip(pk.reads, pk.offsets):
             r = self.plan.reads[i]
-            dst = buf[off:off + r.nbytes].view(to_torch_dtype(r.dtype)).view(r.box.sizes)
+            dst = buf[off : off + r.nbytes].view(to_torch_dtype(r.dtype)).view(r.box.sizes)
             copy_into(dst, only if only is not None else self.read(i))
         return buf
 
@@ -167,7 +174,7 @@ class _Run:
         if len(pk.reads) != 1 or len(self.remote.get(pk.reads[0], ())) != 1:
             return None
         i = pk.reads[0]
-        (t, piece), = self.remote[i]
+        ((t, piece),) = self.remote[i]
         identity = piece.perm is None or tuple(piece.perm) == tuple(range(len(piece.perm)))
         if not identity or piece.casts or piece.source_box != self.plan.reads[i].box or t not in self.open:
             return None
@@ -232,10 +239,19 @@ def _pool(plan: Plan, rank: int, device: torch.device, reuse: Reuse) -> BlockPoo
     return shared_pool(plan.costs.peak_bytes[rank] + 2 * largest)
 
 
-def execute(plan: Plan, source: Source, transport: Transport, rank: int, stats: Stats,
-            *, group: ProcessGroup | None = None, device: torch.device | None = None,
-            into: Callable[[int], torch.Tensor] | None = None, reuse: Reuse = "dropped",
-            phase: str = STREAM_PHASE) -> Iterator[tuple[str, torch.Tensor]]:
+def execute(
+    plan: Plan,
+    source: Source,
+    transport: Transport,
+    rank: int,
+    stats: Stats,
+    *,
+    group: ProcessGroup | None = None,
+    device: torch.device | None = None,
+    into: Callable[[int], torch.Tensor] | None = None,
+    reuse: Reuse = "dropped",
+    phase: str = STREAM_PHASE,
+) -> Iterator[tuple[str, torch.Tensor]]:
     """Run ``plan`` on this rank; yield ``(name, tensor)`` for each target this rank consumes.
 
     ``into(t)``, when given, is the memory target ``t`` is written into (a destination shard, written

@@ -59,8 +59,7 @@ def host_info(segments: str = "", data_device: str = "cpu") -> HostInfo:
         dev, free = st.st_dev, vfs.f_bavail * vfs.f_frsize if os.access(SHM_DIR, os.W_OK) else 0
     except OSError:
         dev, free = -1, 0
-    return HostInfo(socket.gethostname(), boot, dev, free, os.getpid(), next(_streams), segments,
-                    data_device)
+    return HostInfo(socket.gethostname(), boot, dev, free, os.getpid(), next(_streams), segments, data_device)
 
 
 def describe_hosts(hosts: Sequence[HostInfo]) -> str:

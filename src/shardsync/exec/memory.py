@@ -28,8 +28,16 @@ from typing import Literal
 import numpy as np
 import torch
 
-__all__ = ["Reuse", "REUSE_MODES", "BlockPool", "shared_pool", "release_memory", "tune_allocator",
-           "MMAP_THRESHOLD_BYTES", "POOL_MIN_BYTES"]
+__all__ = [
+    "Reuse",
+    "REUSE_MODES",
+    "BlockPool",
+    "shared_pool",
+    "release_memory",
+    "tune_allocator",
+    "MMAP_THRESHOLD_BYTES",
+    "POOL_MIN_BYTES",
+]
 
 log = logging.getLogger(__name__)
 

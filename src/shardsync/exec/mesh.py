@@ -65,13 +65,14 @@ def mesh_groups(mesh: MeshLike) -> MeshGroups:
 
     if isinstance(mesh, DeviceMesh):
         if mesh.ndim != 2:
-            raise PlanError(f"mesh2d needs a 2-D DeviceMesh, got {mesh.ndim} dims; pass "
-                            "(horizontal group, vertical group) for other shapes")
+            raise PlanError(
+                f"mesh2d needs a 2-D DeviceMesh, got {mesh.ndim} dims; pass "
+                "(horizontal group, vertical group) for other shapes"
+            )
         return MeshGroups(mesh.get_group(1), mesh.get_group(0))
     if isinstance(mesh, (tuple, list)) and len(mesh) == 2 and mesh[0] is not None:
         return MeshGroups(mesh[0], mesh[1])
-    raise PlanError("mesh must be a 2-D DeviceMesh or (horizontal group, vertical group); got "
-                    f"{type(mesh).__name__}")
+    raise PlanError(f"mesh must be a 2-D DeviceMesh or (horizontal group, vertical group); got {type(mesh).__name__}")
 
 
 def local_mesh_info(groups: MeshGroups, ranks: GroupRanks) -> MeshPlace:
@@ -83,15 +84,19 @@ def local_mesh_info(groups: MeshGroups, ranks: GroupRanks) -> MeshPlace:
     Example:
         >>> place = local_mesh_info(mesh_groups(device_mesh), GroupRanks.of(None))  # doctest: +SKIP
     """
+
     def members(g: ProcessGroup | None) -> tuple[int, ...]:
         if g is None:
             return (ranks.rank,)
         glob = dist.get_process_group_ranks(g)
         outside = [r for r in glob if r not in ranks.global_ranks]
         if outside:
-            raise PlanError(f"mesh group with global ranks {glob} reaches global ranks {outside} outside "
-                            "the stream's group; build the mesh from the same ranks")
+            raise PlanError(
+                f"mesh group with global ranks {glob} reaches global ranks {outside} outside "
+                "the stream's group; build the mesh from the same ranks"
+            )
         return tuple(ranks.global_ranks.index(r) for r in glob)
+
     return MeshPlace(members(groups.horizontal), members(groups.vertical))
 
 
@@ -112,8 +117,9 @@ class MeshTransport(Plain):
         self.ranks = ranks
         self.h, self.v = groups.horizontal, groups.vertical
         self.topology = topology
-        self.row, self.col = next((i, j) for i, row in enumerate(topology)
-                                  for j, r in enumerate(row) if r == ranks.rank)
+        self.row, self.col = next(
+            (i, j) for i, row in enumerate(topology) for j, r in enumerate(row) if r == ranks.rank
+        )
 
     def start(self, step: Step, io: PacketIO, stats: Stats) -> Pending:
         if step.kind == "mesh_hv":
@@ -137,8 +143,10 @@ class MeshTransport(Plain):
         buf = io.fill(pk) if pk.src == me else landing(pk, io) if pk.src >= 0 else io.buffer(n)
         if pk.src >= 0 and len(self.topology) > 1:
             self._down(buf, pk.src, stats, self.v)
-        outs = [landing(p, io) if p.src >= 0 and c != self.col and p.src != me else io.buffer(n)
-                for c, p in enumerate(step.packets)]
+        outs = [
+            landing(p, io) if p.src >= 0 and c != self.col and p.src != me else io.buffer(n)
+            for c, p in enumerate(step.packets)
+        ]
         with transport_errors():
             dist.all_gather(outs, buf, group=self.h)
         stats.collectives += 1

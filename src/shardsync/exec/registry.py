@@ -8,7 +8,6 @@ from typing import NamedTuple
 
 import torch
 
-
 from ..dist import GroupRanks
 from ..errors import PlanError
 from ..planning import STRATEGIES, Plan
@@ -23,8 +22,7 @@ __all__ = ["TRANSPORTS", "transport_for", "Chosen", "choose_transport", "run_dev
 
 def _mesh(ranks: GroupRanks, plan: Plan, groups: MeshGroups | None) -> Transport:
     if groups is None or plan.topology is None:
-        raise PlanError("strategy 'mesh2d' needs mesh=(horizontal group, vertical group) or a 2-D "
-                        "DeviceMesh")
+        raise PlanError("strategy 'mesh2d' needs mesh=(horizontal group, vertical group) or a 2-D DeviceMesh")
     return MeshTransport(ranks, groups, plan.topology)
 
 
@@ -74,9 +72,14 @@ class Chosen(NamedTuple):
     kind: str  # "local", "shm", or the backend's name
 
 
-def choose_transport(plan: Plan, ranks: GroupRanks | None, groups: MeshGroups | None,
-                     hosts: Sequence[HostChoice], backend: str,
-                     budget: int | None = None) -> Chosen:
+def choose_transport(
+    plan: Plan,
+    ranks: GroupRanks | None,
+    groups: MeshGroups | None,
+    hosts: Sequence[HostChoice],
+    backend: str,
+    budget: int | None = None,
+) -> Chosen:
     """Shared memory where every rank is on one host and ``transport=`` allows it (see
     :func:`~shardsync.exec.shm.use_shm`), else the strategy's transport on the group's ``backend``.
 

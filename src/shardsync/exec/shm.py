@@ -45,17 +45,30 @@ import torch.distributed as dist
 
 from .. import phases
 from ..dist import GroupRanks, agree, transport_errors
+from ..errors import PlanError
 from ..layout.dtypes import to_torch_dtype
 from ..planning.model import Costs, Packet, Plan, Step
 from ..planning.schedule import ALIGN
-from ..errors import PlanError
 from .copies import copy_into
 from .hosts import SHM_DIR, HostInfo, describe_hosts, same_host
 from .stats import Stats
 from .transport import PacketIO, Posted, Received
 
-__all__ = ["ShmTransport", "TransportChoice", "TRANSPORT_CHOICES", "HostChoice", "check_transport", "use_shm", "shm_costs", "cached_token", "release", "release_all", "group_name", "SHM_DIR",
-           "SHM_PREFIX"]
+__all__ = [
+    "ShmTransport",
+    "TransportChoice",
+    "TRANSPORT_CHOICES",
+    "HostChoice",
+    "check_transport",
+    "use_shm",
+    "shm_costs",
+    "cached_token",
+    "release",
+    "release_all",
+    "group_name",
+    "SHM_DIR",
+    "SHM_PREFIX",
+]
 
 log = logging.getLogger(__name__)
 
@@ -135,25 +148,33 @@ def use_shm(plan: Plan, hosts: Sequence[tuple[HostInfo, str]], budget: int | Non
         >>> plan = shardsync.plan({"w": torch.zeros(3)})
         >>> use_shm(plan, [(host_info(), "auto")], None)   # nothing to move
         False
-        >>> use_shm(plan, [(host_info(), "shm"), (host_info(data_device="cuda"), "shm")], None)
+        >>> use_shm(plan, [(host_info(), "shm"), (host_info(data_device="cuda"), "shm")], None)  # doctest: +ELLIPSIS
         Traceback (most recent call last):
         ...
-        shardsync.errors.PlanError: transport='shm' cannot be used: targets of some ranks are on cuda, not cpu; pass transport='backend' or 'auto'
+        shardsync.errors.PlanError: transport='shm' cannot be used: targets of some ranks are on cuda, ...
     """
     choices = {choice for _, choice in hosts}
     if len(choices) > 1:
-        raise PlanError(f"ranks passed different transport= values {sorted(choices)}; pass the same "
-                        "on every rank of the group")
+        raise PlanError(
+            f"ranks passed different transport= values {sorted(choices)}; pass the same on every rank of the group"
+        )
     infos, choice = [h for h, _ in hosts], choices.pop()
     need = sum(r.nbytes for r in plan.reads if r.receivers)
     peak = max(shm_costs(plan).peak_bytes, default=0)
     off_cpu = ", ".join(sorted({h.data_device for h in infos} - {"cpu"}))  # every rank's, gathered
-    why = ("the strategy is mesh2d (its transport is the mesh's groups)" if plan.strategy == "mesh2d"
-           else f"targets of some ranks are on {off_cpu}, not cpu" if off_cpu
-           else f"the ranks are on several hosts ({describe_hosts(infos)})" if not same_host(infos)
-           else f"{infos[0].shm_free} B free in /dev/shm, {need} B needed" if need > infos[0].shm_free
-           else f"its segments raise the peak to {peak} B, over memory_budget={budget} B"
-           if budget is not None and peak > budget else "")
+    why = (
+        "the strategy is mesh2d (its transport is the mesh's groups)"
+        if plan.strategy == "mesh2d"
+        else f"targets of some ranks are on {off_cpu}, not cpu"
+        if off_cpu
+        else f"the ranks are on several hosts ({describe_hosts(infos)})"
+        if not same_host(infos)
+        else f"{infos[0].shm_free} B free in /dev/shm, {need} B needed"
+        if need > infos[0].shm_free
+        else f"its segments raise the peak to {peak} B, over memory_budget={budget} B"
+        if budget is not None and peak > budget
+        else ""
+    )
     if choice == "shm" and why:
         raise PlanError(f"transport='shm' cannot be used: {why}; pass transport='backend' or 'auto'")
     return choice != "backend" and not why and need > 0
@@ -279,9 +300,11 @@ def _open_handle(handle: tuple) -> torch.Tensor:
         try:
             same = os.stat(path).st_ino == ino
         except OSError as exc:
-            raise RuntimeError(f"cannot reach the shared tensor storage of process {pid} through {path} "
-                               f"({exc.strerror}): ranks must run as the same user and see each other's "
-                               "/proc; or pass transport='backend'") from exc
+            raise RuntimeError(
+                f"cannot reach the shared tensor storage of process {pid} through {path} "
+                f"({exc.strerror}): ranks must run as the same user and see each other's "
+                "/proc; or pass transport='backend'"
+            ) from exc
         if not same:
             raise RuntimeError(f"{path} is no longer the shared storage published by process {pid}")
     else:
@@ -393,15 +416,17 @@ class ShmTransport:
             try:
                 own = (layout, ("seg", self.ranks.rank, path, size), _bytes(_map(path, size, create=True)))
             except OSError as exc:
-                raise RuntimeError(f"cannot create a {size} B shared-memory segment {path} ({exc.strerror}); "
-                                   f"free space in {SHM_DIR} (docker: --shm-size) or pass "
-                                   "transport='backend'") from exc
+                raise RuntimeError(
+                    f"cannot create a {size} B shared-memory segment {path} ({exc.strerror}); "
+                    f"free space in {SHM_DIR} (docker: --shm-size) or pass "
+                    "transport='backend'"
+                ) from exc
             self.kept.own = own
         self.held = size
         stats.hold(size)
         for (i, view), off in zip(copied, offsets):
             r = self.plan.reads[i]
-            copy_into(own[2][off:off + r.nbytes].view(to_torch_dtype(r.dtype)).view(r.box.sizes), view)
+            copy_into(own[2][off : off + r.nbytes].view(to_torch_dtype(r.dtype)).view(r.box.sizes), view)
         return {i: (own[1], off) for (i, _), off in zip(copied, offsets)}
 
     def _open(self, tables: list[dict[int, tuple[tuple, int]]]) -> None:
@@ -420,7 +445,7 @@ class ShmTransport:
         for handle in [h for h in maps if h not in used and (h[0] != "seg" or h[1] in owners)]:
             del maps[handle]
         for i, (handle, off) in needed.items():
-            self.views[i] = maps[handle][off:off + self.plan.reads[i].nbytes]
+            self.views[i] = maps[handle][off : off + self.plan.reads[i].nbytes]
 
 
 def _idle(kept: _Kept) -> None:

@@ -58,6 +58,9 @@ class Stats:
     def summary(self) -> str:
         """One line: targets, bytes, collectives, peak memory, seconds."""
         rate = self.bytes_yielded / self.seconds / 1e9 if self.seconds > 0 else 0.0
-        return (f"{self.targets} targets, {self.bytes_yielded} B yielded in {self.seconds:.3f} s "
-                f"({rate:.2f} GB/s); read {self.bytes_read} B; sent {self.bytes_sent} B, received {self.bytes_received} B in "
-                f"{self.collectives} collectives; peak {self.peak_bytes} B held")
+        return (
+            f"{self.targets} targets, {self.bytes_yielded} B yielded in {self.seconds:.3f} s "
+            f"({rate:.2f} GB/s); read {self.bytes_read} B; sent {self.bytes_sent} B, "
+            f"received {self.bytes_received} B in "
+            f"{self.collectives} collectives; peak {self.peak_bytes} B held"
+        )

@@ -24,9 +24,19 @@ from ..layout.dtypes import to_torch_dtype
 from ..planning.model import Packet, Read, Step
 from .stats import Stats
 
-
-__all__ = ["Transport", "Plain", "Pending", "PacketIO", "Received", "Posted", "unpack",
-           "BroadcastTransport", "P2PTransport", "LocalTransport", "broadcast_packet"]
+__all__ = [
+    "Transport",
+    "Plain",
+    "Pending",
+    "PacketIO",
+    "Received",
+    "Posted",
+    "unpack",
+    "BroadcastTransport",
+    "P2PTransport",
+    "LocalTransport",
+    "broadcast_packet",
+]
 
 
 class Received(NamedTuple):
@@ -74,8 +84,7 @@ class Pending(Protocol):
         >>> received = transport.start(step, io, stats).wait()   # doctest: +SKIP
     """
 
-    def wait(self) -> list[Received]:
-        ...
+    def wait(self) -> list[Received]: ...
 
 
 @dataclass
@@ -113,7 +122,7 @@ def unpack(buf: torch.Tensor, packet: Packet, reads: Sequence[Read]) -> dict[int
     out = {}
     for i, off in zip(packet.reads, packet.offsets):
         r = reads[i]
-        out[i] = buf[off:off + r.nbytes].view(to_torch_dtype(r.dtype)).view(r.box.sizes)
+        out[i] = buf[off : off + r.nbytes].view(to_torch_dtype(r.dtype)).view(r.box.sizes)
     return out
 
 
@@ -125,7 +134,8 @@ class Transport(Protocol):
     step of the plan, in plan order - also ranks with nothing to send or receive in that step, and
     also for ``local`` steps (which move nothing) - and later ``wait()`` on each returned
     :class:`Pending`, in the same order, then :meth:`close` once after the last step (inside the data
-    phase). Transports with nothing to set up or close inherit :class:`Plain`'s no-ops. Collectives are issued in packet order, so all ranks match them. Senders take
+    phase). Transports with nothing to set up or close inherit :class:`Plain`'s no-ops. Collectives
+    are issued in packet order, so all ranks match them. Senders take
     their bytes from ``io.fill``; receivers land packets where ``io.sink`` says or in ``io.buffer``.
     Implementations count ``bytes_sent``, ``bytes_received`` and ``collectives`` in ``stats``.
 
@@ -163,8 +173,7 @@ class Plain:
         """Nothing to release."""
 
 
-def broadcast_packet(pk: Packet, io: PacketIO, stats: Stats, posted: Posted, ranks: GroupRanks,
-                     group: Any) -> None:
+def broadcast_packet(pk: Packet, io: PacketIO, stats: Stats, posted: Posted, ranks: GroupRanks, group: Any) -> None:
     """Post ``pk`` as one async broadcast over ``group`` (which holds its sender and this rank): the
     sender's bytes, or where this rank receives them.
 

@@ -49,9 +49,23 @@ from ..files import file_kind, read_bounded
 from ..layout.dtypes import itemsize
 from ..sources.safetensors_files import read_header
 
-__all__ = ["CheckpointNames", "DirectoryState", "scan", "prepare_directory", "new_tag", "fsync_path",
-           "durable_write", "index_text", "complete_sets", "commit", "remove_files", "remove_uncommitted",
-           "stage_hook", "mark_stage", "output_dir"]
+__all__ = [
+    "CheckpointNames",
+    "DirectoryState",
+    "scan",
+    "prepare_directory",
+    "new_tag",
+    "fsync_path",
+    "durable_write",
+    "index_text",
+    "complete_sets",
+    "commit",
+    "remove_files",
+    "remove_uncommitted",
+    "stage_hook",
+    "mark_stage",
+    "output_dir",
+]
 
 log = logging.getLogger(__name__)
 
@@ -113,11 +127,16 @@ class CheckpointNames:
     def is_own(self, name: str) -> bool:
         """Whether ``name`` is one the writer may create (and so may remove)."""
         p = re.escape(self.prefix)
-        return re.fullmatch(
-            rf"{p}\.safetensors|{p}\.safetensors\.index\.json|{p}-\d{{5}}-of-\d{{5}}(-[0-9a-f]{{8}})?"
-            rf"\.safetensors|\.{p}\.[0-9a-f]{{8}}\..+\.tmp"
-            # temporary names of shardsync 0.1 (no fsync, no tag), left behind by killed saves
-            rf"|\.{p}-\d{{5}}\.safetensors\.tmp\d+|{p}\.safetensors\.index\.json\.tmp\d+", name) is not None
+        return (
+            re.fullmatch(
+                rf"{p}\.safetensors|{p}\.safetensors\.index\.json|{p}-\d{{5}}-of-\d{{5}}(-[0-9a-f]{{8}})?"
+                rf"\.safetensors|\.{p}\.[0-9a-f]{{8}}\..+\.tmp"
+                # temporary names of shardsync 0.1 (no fsync, no tag), left behind by killed saves
+                rf"|\.{p}-\d{{5}}\.safetensors\.tmp\d+|{p}\.safetensors\.index\.json\.tmp\d+",
+                name,
+            )
+            is not None
+        )
 
 
 @dataclass(frozen=True)
@@ -167,10 +186,17 @@ def complete_sets(present: Sequence[str], names: CheckpointNames) -> tuple[str, 
         ('model-00001-of-00002.safetensors', 'model-00002-of-00002.safetensors')
     """
     found = set(present)
-    sizes = {int(m[1]) for f in present
-             if (m := re.fullmatch(rf"{re.escape(names.prefix)}-\d{{5}}-of-(\d{{5}})\.safetensors", f))}
-    out = [names.shard(i, n) for n in sorted(sizes)
-           if all(names.shard(i, n) in found for i in range(1, n + 1)) for i in range(1, n + 1)]
+    sizes = {
+        int(m[1])
+        for f in present
+        if (m := re.fullmatch(rf"{re.escape(names.prefix)}-\d{{5}}-of-(\d{{5}})\.safetensors", f))
+    }
+    out = [
+        names.shard(i, n)
+        for n in sorted(sizes)
+        if all(names.shard(i, n) in found for i in range(1, n + 1))
+        for i in range(1, n + 1)
+    ]
     return tuple(out)
 
 
@@ -186,8 +212,9 @@ def output_dir(path: str | os.PathLike[str], what: str = "the output directory")
         PosixPath('out')
     """
     if not os.fspath(path):
-        raise FormatError(f"{what} is an empty path, which would mean the working directory; give the "
-                          "directory to write to")
+        raise FormatError(
+            f"{what} is an empty path, which would mean the working directory; give the directory to write to"
+        )
     return Path(path)
 
 
@@ -206,11 +233,15 @@ def prepare_directory(directory: Path, names: CheckpointNames, overwrite: bool) 
     odd = sorted(f for f in finals if os.path.lexists(directory / f) and not (directory / f).is_file())
     if odd:
         what = ", ".join(f"{f} ({_kind(directory / f)})" for f in odd)
-        raise FormatError(f"{directory} holds {what}, where the checkpoint's files go, and not as a "
-                          "regular file; remove it, or choose another directory")
+        raise FormatError(
+            f"{directory} holds {what}, where the checkpoint's files go, and not as a "
+            "regular file; remove it, or choose another directory"
+        )
     if state.committed and not overwrite:
-        raise FormatError(f"{directory} already holds a checkpoint ({state.committed[0]}); pass "
-                          "overwrite=True to replace it, or choose another directory")
+        raise FormatError(
+            f"{directory} already holds a checkpoint ({state.committed[0]}); pass "
+            "overwrite=True to replace it, or choose another directory"
+        )
     try:
         directory.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
@@ -290,13 +321,14 @@ def _rename(tmp: Path, final: Path) -> None:
     try:
         os.replace(tmp, final)
     except FileNotFoundError as exc:
-        raise FormatError(f"{tmp} is missing: another save into {tmp.parent} at the same time removed "
-                          "it (run one save per directory at a time), or a rank wrote it where this "
-                          "rank cannot see it (write to a file system every rank shares)") from exc
+        raise FormatError(
+            f"{tmp} is missing: another save into {tmp.parent} at the same time removed "
+            "it (run one save per directory at a time), or a rank wrote it where this "
+            "rank cannot see it (write to a file system every rank shares)"
+        ) from exc
 
 
-def _index_old_set(directory: Path, names: CheckpointNames, old: DirectoryState,
-                   tag: str) -> DirectoryState:
+def _index_old_set(directory: Path, names: CheckpointNames, old: DirectoryState, tag: str) -> DirectoryState:
     """Give an old checkpoint that is a set of files without an index an index naming exactly its
     files (a reader sees the same tensors), so that the new files stay unseen until the commit."""
     weight_map: dict[str, str] = {}
@@ -316,8 +348,15 @@ def _index_old_set(directory: Path, names: CheckpointNames, old: DirectoryState,
     return DirectoryState((names.index, *old.committed), ())
 
 
-def commit(directory: Path, names: CheckpointNames, temps: Sequence[Path], weight_map: Mapping[str, int],
-           total_size: int, old: DirectoryState, tag: str) -> tuple[tuple[Path, ...], Path | None]:
+def commit(
+    directory: Path,
+    names: CheckpointNames,
+    temps: Sequence[Path],
+    weight_map: Mapping[str, int],
+    total_size: int,
+    old: DirectoryState,
+    tag: str,
+) -> tuple[tuple[Path, ...], Path | None]:
     """Steps 3-5 of the protocol: publish fsynced shard files ``temps`` as the new checkpoint.
 
     Args:
@@ -344,8 +383,7 @@ def commit(directory: Path, names: CheckpointNames, temps: Sequence[Path], weigh
         index = None
     else:
         plain = [names.shard(i + 1, n) for i in range(n)]
-        finals = plain if not set(plain) & set(old.committed) else [names.shard(i + 1, n, tag)
-                                                                    for i in range(n)]
+        finals = plain if not set(plain) & set(old.committed) else [names.shard(i + 1, n, tag) for i in range(n)]
         for tmp, final in zip(temps, finals):
             _rename(tmp, directory / final)
             mark_stage(f"renamed {final}")

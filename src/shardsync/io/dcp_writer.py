@@ -26,8 +26,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.filesystem import FileSystem
-from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, Metadata, MetadataIndex,
-                                                   TensorProperties)
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata, MetadataIndex, TensorProperties
 from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
 
 from .. import phases
@@ -66,8 +65,12 @@ class BoxSavePlanner(DefaultSavePlanner):
 
     def __init__(self, shards: Mapping[str, list[LocalShard]]) -> None:
         super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
-        self.by_index = {(key, s.global_offset): s for key in sorted(shards) for s in shards[key]
-                         if not s.box.empty or Box.full(s.global_shape).empty}
+        self.by_index = {
+            (key, s.global_offset): s
+            for key in sorted(shards)
+            for s in shards[key]
+            if not s.box.empty or Box.full(s.global_shape).empty
+        }
 
     def set_up_planner(self, state_dict: Any, storage_meta: Any = None, is_coordinator: bool = False) -> None:
         self.state_dict = state_dict
@@ -84,9 +87,11 @@ class BoxSavePlanner(DefaultSavePlanner):
 def _write_item(key: str, s: LocalShard) -> WriteItem:
     kind = WriteItemType.TENSOR if s.box == Box.full(s.global_shape) else WriteItemType.SHARD
     chunk = ChunkStorageMetadata(torch.Size(s.global_offset), torch.Size(s.local.shape))
-    return WriteItem(MetadataIndex(key, s.global_offset), kind,
-                     tensor_data=TensorWriteData(chunk, TensorProperties.create_from_tensor(s.local),
-                                                 torch.Size(s.global_shape)))
+    return WriteItem(
+        MetadataIndex(key, s.global_offset),
+        kind,
+        tensor_data=TensorWriteData(chunk, TensorProperties.create_from_tensor(s.local), torch.Size(s.global_shape)),
+    )
 
 
 class _ReplacingFileSystem(FileSystem):
@@ -116,16 +121,19 @@ class _TaggedWriter(dcp.FileSystemWriter):
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         plans = super().prepare_global_plan(plans)
-        return [replace(p, storage_data=replace(p.storage_data, prefix=f"__{self.tag}_{i}_"))
-                for i, p in enumerate(plans)]
+        return [
+            replace(p, storage_data=replace(p.storage_data, prefix=f"__{self.tag}_{i}_")) for i, p in enumerate(plans)
+        ]
 
 
 def _check(path: Path, overwrite: bool, source: LocalSource) -> list[Any]:
     if path.exists() and not path.is_dir():
         raise FormatError(f"{path} is a file, not a directory; choose a directory for the checkpoint")
     if (path / ".metadata").exists() and not overwrite:
-        raise FormatError(f"{path} already holds a DCP checkpoint (.metadata); pass overwrite=True to "
-                          "replace it, or choose another directory")
+        raise FormatError(
+            f"{path} already holds a DCP checkpoint (.metadata); pass overwrite=True to "
+            "replace it, or choose another directory"
+        )
     return source.entries()
 
 
@@ -150,9 +158,11 @@ def _remove_old_generation(path: Path, metadata: Metadata) -> None:
 def _not_a_state(state: object) -> LayoutError:
     if isinstance(state, torch.nn.Module):
         return megatron_module_error(state, "the state") or LayoutError(
-            "save takes a state dict, not a torch.nn.Module: pass model.state_dict()")
-    return LayoutError(f"save takes a state dict (tensors, LocalShard, DTensor), not a "
-                       f"{type(state).__name__}")
+            "save takes a state dict, not a torch.nn.Module: pass model.state_dict()"
+        )
+    return LayoutError(f"save takes a state dict (tensors, LocalShard, DTensor), not a {type(state).__name__}")
+
+
 def remove_partial(path: Path, tag: str | None = None) -> None:
     """Remove what an interrupted save left in ``path``: torch's ``.metadata.tmp`` and the data files
     of save ``tag`` (None: of every save whose files the current ``.metadata`` does not name).
@@ -166,8 +176,14 @@ def remove_partial(path: Path, tag: str | None = None) -> None:
             return  # not a checkpoint shardsync can read: touch nothing
     mine = re.compile(rf"__{tag or '[0-9a-f]{8}'}_\d+_\d+\.distcp")
     with contextlib.suppress(OSError):
-        remove_files(path, [p.name for p in path.iterdir()
-                            if (mine.fullmatch(p.name) and p.name not in keep) or p.name == ".metadata.tmp"])
+        remove_files(
+            path,
+            [
+                p.name
+                for p in path.iterdir()
+                if (mine.fullmatch(p.name) and p.name not in keep) or p.name == ".metadata.tmp"
+            ],
+        )
 
 
 def _first_failure(exc: BaseException, path: Path) -> BaseException:
@@ -186,12 +202,15 @@ def _first_failure(exc: BaseException, path: Path) -> BaseException:
         disk = os.statvfs(path)
         if disk.f_bavail * disk.f_frsize < FULL_DISK_BYTES:
             return OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
-    return FormatError(f"torch's DCP writer failed on rank {rank}: {type(first).__name__}: {first}; check "
-                       "the output directory and its disk")
+    return FormatError(
+        f"torch's DCP writer failed on rank {rank}: {type(first).__name__}: {first}; check "
+        "the output directory and its disk"
+    )
 
 
-def save(state: Mapping[str, StateValue], path: str | os.PathLike, *, group: Any = None,
-         overwrite: bool = False) -> Metadata:
+def save(
+    state: Mapping[str, StateValue], path: str | os.PathLike, *, group: Any = None, overwrite: bool = False
+) -> Metadata:
     """Write this rank's shards of ``state`` as one torch DCP checkpoint; call on every rank.
 
     ``torch.distributed.checkpoint.load`` reads the result into tensors of any sharding (full tensors
@@ -240,12 +259,20 @@ def save(state: Mapping[str, StateValue], path: str | os.PathLike, *, group: Any
     try:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*(torch.distributed is disabled|existing checkpoint)")
-            metadata = dcp.save(source.shards, storage_writer=writer, planner=BoxSavePlanner(source.shards),
-                                process_group=group, no_dist=not is_distributed(group))
+            metadata = dcp.save(
+                source.shards,
+                storage_writer=writer,
+                planner=BoxSavePlanner(source.shards),
+                process_group=group,
+                no_dist=not is_distributed(group),
+            )
     except BaseException as exc:  # a full disk, Ctrl-C: what this save wrote goes, the old one stays
         error = _first_failure(exc, where)  # before the removal frees the space it ran out of
         remove_partial(where, writer.tag)
         raise error from exc
-    agree(phases.DCP_REMOVE_OLD,
-          lambda: _remove_old_generation(where, metadata) if group_rank(group) == 0 else None, group)
+    agree(
+        phases.DCP_REMOVE_OLD,
+        lambda: _remove_old_generation(where, metadata) if group_rank(group) == 0 else None,
+        group,
+    )
     return metadata

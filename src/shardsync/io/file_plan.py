@@ -73,8 +73,9 @@ def output_dtype(dtype: str, cast: torch.dtype | None) -> str:
     return dtype
 
 
-def written_tensors(targets: Sequence[TargetPlan], cast: torch.dtype | None = None,
-                    fp8: Fp8Quantize | None = None) -> list[TargetPlan]:
+def written_tensors(
+    targets: Sequence[TargetPlan], cast: torch.dtype | None = None, fp8: Fp8Quantize | None = None
+) -> list[TargetPlan]:
     """The tensors written for ``targets``, sorted by name, each in the dtype it is written in: a target
     ``fp8`` selects as its codes and its scales (``<name>_scale_inv``), every other floating one cast.
 
@@ -89,20 +90,25 @@ def written_tensors(targets: Sequence[TargetPlan], cast: torch.dtype | None = No
     out = []
     for t in targets:
         if fp8 is not None and fp8.selects(t.name, t.shape, t.dtype):
-            out += [TargetPlan(t.name, t.shape, "float8_e4m3fn", t.consumers, ()),
-                    TargetPlan(scale_key(t.name), scale_shape(t.shape, fp8.block), "float32", t.consumers, ())]
+            out += [
+                TargetPlan(t.name, t.shape, "float8_e4m3fn", t.consumers, ()),
+                TargetPlan(scale_key(t.name), scale_shape(t.shape, fp8.block), "float32", t.consumers, ()),
+            ]
         else:
             out.append(TargetPlan(t.name, t.shape, output_dtype(t.dtype, cast), t.consumers, ()))
     names = [t.name for t in out]
     twice = sorted({n for n in names if names.count(n) > 1})
     if twice:
-        raise PlanError(f"quantize='fp8' would write {twice} twice: targets already named like the scales "
-                        "of quantised weights; rename them in the mapping, or narrow quantize_patterns")
+        raise PlanError(
+            f"quantize='fp8' would write {twice} twice: targets already named like the scales "
+            "of quantised weights; rename them in the mapping, or narrow quantize_patterns"
+        )
     return sorted(out, key=lambda t: t.name)
 
 
-def plan_files(targets: Sequence[TargetPlan], limit: int, cast: torch.dtype | None = None,
-               fp8: Fp8Quantize | None = None) -> FilePlan:
+def plan_files(
+    targets: Sequence[TargetPlan], limit: int, cast: torch.dtype | None = None, fp8: Fp8Quantize | None = None
+) -> FilePlan:
     """Pack ``targets`` (in the plan's order: sorted by name) into files of at most ``limit`` bytes.
 
     A target larger than the limit gets a file of its own; no targets give one empty file (rank 0).
@@ -125,14 +131,17 @@ def plan_files(targets: Sequence[TargetPlan], limit: int, cast: torch.dtype | No
     writers = tuple(_receiver(f[0]) for f in files)
     strays = sorted(t.name for f, w in zip(files, writers) for t in f if _receiver(t) != w)
     if strays:
-        raise PlanError(f"targets {strays} are received by another rank than their file's writer; plan "
-                        "the targets with file_owners()")
+        raise PlanError(
+            f"targets {strays} are received by another rank than their file's writer; plan "
+            "the targets with file_owners()"
+        )
     total = sum(_nbytes(t) for f in files for t in f)
     return FilePlan(tuple(tuple(t.name for t in f) for f in files), writers, total)
 
 
-def file_owners(targets: Sequence[TargetSpec], limit: int, cast: torch.dtype | None, fp8: Fp8Quantize | None,
-                world: int) -> tuple[tuple[int], ...]:
+def file_owners(
+    targets: Sequence[TargetSpec], limit: int, cast: torch.dtype | None, fp8: Fp8Quantize | None, world: int
+) -> tuple[tuple[int], ...]:
     """The rank that receives (and writes) each of ``targets`` (sorted by name), for ``world`` writers.
 
     Files are cut into runs no target straddles, and the runs into ``world`` contiguous parts of

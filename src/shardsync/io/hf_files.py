@@ -20,14 +20,26 @@ __all__ = ["HF_FILES", "extra_files", "copy_files"]
 _DTYPE_KEYS = ("torch_dtype", "dtype")
 
 #: What ``config_from=DIR`` copies when present (``config.json`` must be).
-HF_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
-            "special_tokens_map.json", "added_tokens.json", "tokenizer.model", "vocab.json",
-            "merges.txt", "vocab.txt", "chat_template.jinja", "chat_template.json",
-            "preprocessor_config.json")
+HF_FILES = (
+    "config.json",
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "tokenizer.model",
+    "vocab.json",
+    "merges.txt",
+    "vocab.txt",
+    "chat_template.jinja",
+    "chat_template.json",
+    "preprocessor_config.json",
+)
 
 
-def extra_files(paths: Iterable[str | os.PathLike] | None, config_from: str | os.PathLike | None,
-                names: CheckpointNames) -> tuple[Path, ...]:
+def extra_files(
+    paths: Iterable[str | os.PathLike] | None, config_from: str | os.PathLike | None, names: CheckpointNames
+) -> tuple[Path, ...]:
     """The files to copy next to the weights, checked.
 
     Args:
@@ -48,23 +60,26 @@ def extra_files(paths: Iterable[str | os.PathLike] | None, config_from: str | os
     if config_from is not None:
         source = Path(config_from)
         if not (source / "config.json").is_file():
-            raise FormatError(f"config_from={str(source)!r} holds no config.json; give the directory of "
-                              "a HuggingFace model (where save_pretrained wrote config.json)")
+            raise FormatError(
+                f"config_from={str(source)!r} holds no config.json; give the directory of "
+                "a HuggingFace model (where save_pretrained wrote config.json)"
+            )
         found = [source / f for f in HF_FILES if (source / f).is_file()]
-        problems += [f"{p} is a symbolic link to {p.resolve()}, outside {source}" for p in found
-                     if not _links_within(p, source)]
+        problems += [
+            f"{p} is a symbolic link to {p.resolve()}, outside {source}" for p in found if not _links_within(p, source)
+        ]
         files += found
     problems += [f"{p} is not a file" for p in files if not p.is_file()]
-    problems += [f"{p} is not a JSON object" for p in files if p.name == "config.json" and p.is_file()
-                 and not _is_json_object(p)]
+    problems += [
+        f"{p} is not a JSON object" for p in files if p.name == "config.json" and p.is_file() and not _is_json_object(p)
+    ]
     problems += [f"{p.name} is a name the weights use" for p in files if names.is_own(p.name)]
     by_name: dict[str, Path] = {}
     for p in files:
         if by_name.setdefault(p.name, p) != p:
             problems.append(f"{by_name[p.name]} and {p} have the same name")
     if problems:
-        raise FormatError("cannot copy the extra files: " + "; ".join(problems) + " (fix extra_files "
-                          "or config_from)")
+        raise FormatError("cannot copy the extra files: " + "; ".join(problems) + " (fix extra_files or config_from)")
     return tuple(by_name.values())
 
 
@@ -78,8 +93,14 @@ def _links_within(path: Path, source: Path) -> bool:
     return any(target.is_relative_to(r) for r in roots)
 
 
-def copy_files(files: Iterable[Path], directory: Path, names: CheckpointNames, tag: str,
-               dtype: str | None = None, quantization: dict[str, Any] | None | Literal["keep"] = "keep") -> None:
+def copy_files(
+    files: Iterable[Path],
+    directory: Path,
+    names: CheckpointNames,
+    tag: str,
+    dtype: str | None = None,
+    quantization: dict[str, Any] | None | Literal["keep"] = "keep",
+) -> None:
     """Copy each file into ``directory``, replacing a file of that name atomically (temp, fsync,
     rename), with the file's permission bits. With ``dtype`` (the weights were cast), ``config.json``
     says that dtype, so that ``from_pretrained(dtype="auto")`` loads them as written; ``quantization``

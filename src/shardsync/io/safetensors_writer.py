@@ -18,11 +18,28 @@ from safetensors.torch import save_file
 
 from ..errors import FormatError
 from ..sizes import parse_size  # exported here too: shardsync.io.parse_size
-from .commit import (CheckpointNames, commit, fsync_path, mark_stage, new_tag, output_dir,
-                     prepare_directory, remove_files, remove_uncommitted)
+from .commit import (
+    CheckpointNames,
+    commit,
+    fsync_path,
+    mark_stage,
+    new_tag,
+    output_dir,
+    prepare_directory,
+    remove_files,
+    remove_uncommitted,
+)
 
-__all__ = ["SafetensorsWriter", "WriteResult", "save_safetensors", "parse_size", "starts_new_shard",
-           "file_ready", "work_dir", "write_shard"]
+__all__ = [
+    "SafetensorsWriter",
+    "WriteResult",
+    "save_safetensors",
+    "parse_size",
+    "starts_new_shard",
+    "file_ready",
+    "work_dir",
+    "write_shard",
+]
 
 log = logging.getLogger(__name__)
 
@@ -134,9 +151,15 @@ class SafetensorsWriter:
         1
     """
 
-    def __init__(self, directory: str | os.PathLike, *, max_shard_bytes: int | str = "5GB",
-                 prefix: str = "model", metadata: dict[str, str] | None = None,
-                 overwrite: bool = False) -> None:
+    def __init__(
+        self,
+        directory: str | os.PathLike,
+        *,
+        max_shard_bytes: int | str = "5GB",
+        prefix: str = "model",
+        metadata: dict[str, str] | None = None,
+        overwrite: bool = False,
+    ) -> None:
         self.dir = output_dir(directory, "directory")
         self.limit = parse_size(max_shard_bytes)
         self.names = CheckpointNames(prefix)
@@ -167,8 +190,7 @@ class SafetensorsWriter:
         write_shard(tmp, self._pending, self.metadata)
         for name in self._pending:
             self._weight_map[name] = len(self._temps) - 1
-        log.debug("wrote shard %s (%d tensors, %d bytes)", tmp.name, len(self._pending),
-                  self._pending_bytes)
+        log.debug("wrote shard %s (%d tensors, %d bytes)", tmp.name, len(self._pending), self._pending_bytes)
         self._pending, self._pending_bytes = {}, 0
 
     def close(self) -> WriteResult:
@@ -178,8 +200,9 @@ class SafetensorsWriter:
         if self._pending or not self._temps:
             self._flush()
         try:
-            files, index = commit(self.dir, self.names, self._temps, self._weight_map, self._total,
-                                  self._old, self._tag)
+            files, index = commit(
+                self.dir, self.names, self._temps, self._weight_map, self._total, self._old, self._tag
+            )
         except BaseException:
             remove_uncommitted(self.dir, self.names)
             raise
@@ -195,17 +218,24 @@ class SafetensorsWriter:
     def __enter__(self) -> SafetensorsWriter:
         return self
 
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> None:
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
         if exc_type is not None:
             self.abort()
         elif not self._closed:
             self.close()
 
 
-def save_safetensors(tensors: Iterable[tuple[str, torch.Tensor]], directory: str | os.PathLike, *,
-                     max_shard_bytes: int | str = "5GB", prefix: str = "model",
-                     metadata: dict[str, str] | None = None, overwrite: bool = False) -> WriteResult:
+def save_safetensors(
+    tensors: Iterable[tuple[str, torch.Tensor]],
+    directory: str | os.PathLike,
+    *,
+    max_shard_bytes: int | str = "5GB",
+    prefix: str = "model",
+    metadata: dict[str, str] | None = None,
+    overwrite: bool = False,
+) -> WriteResult:
     """Write a stream of ``(name, tensor)`` as HF safetensors (see :class:`SafetensorsWriter`).
 
     Returns:
@@ -217,8 +247,9 @@ def save_safetensors(tensors: Iterable[tuple[str, torch.Tensor]], directory: str
         ...     save_safetensors([("w", torch.ones(3))], d).files[0].name
         'model.safetensors'
     """
-    with SafetensorsWriter(directory, max_shard_bytes=max_shard_bytes, prefix=prefix,
-                           metadata=metadata, overwrite=overwrite) as writer:
+    with SafetensorsWriter(
+        directory, max_shard_bytes=max_shard_bytes, prefix=prefix, metadata=metadata, overwrite=overwrite
+    ) as writer:
         for name, tensor in tensors:
             writer.add(name, tensor)
         return writer.close()

@@ -49,8 +49,10 @@ def _check(path: str | os.PathLike, overwrite: bool, dtype: Any) -> tuple[Path, 
     if where.exists() and not where.is_dir():
         raise FormatError(f"{where} is a file, not a directory; choose a directory for the checkpoint")
     if (where / ".metadata").exists() and not overwrite:
-        raise FormatError(f"{where} already holds a DCP checkpoint (.metadata); pass overwrite=True to "
-                          "replace it, or choose another directory")
+        raise FormatError(
+            f"{where} already holds a DCP checkpoint (.metadata); pass overwrite=True to "
+            "replace it, or choose another directory"
+        )
     cast = None if dtype is None else to_torch_dtype(dtype)
     if cast is not None and not cast.is_floating_point:
         raise PlanError(f"dtype={dtype!r} is not a floating dtype; give e.g. torch.bfloat16 or 'bf16'")
@@ -73,9 +75,17 @@ class DcpFiles(ToConsumers):
 
     kind = "dcp files"
 
-    def __init__(self, path: Path, *, rank: int, dtype: torch.dtype | None = None,
-                 fp8: Fp8Quantize | None = None, overwrite: bool = False, progress: bool = False,
-                 cast_unscaled_fp8: bool = False) -> None:
+    def __init__(
+        self,
+        path: Path,
+        *,
+        rank: int,
+        dtype: torch.dtype | None = None,
+        fp8: Fp8Quantize | None = None,
+        overwrite: bool = False,
+        progress: bool = False,
+        cast_unscaled_fp8: bool = False,
+    ) -> None:
         super().__init__()
         self.path, self.rank, self.dtype, self.fp8, self.overwrite = path, rank, dtype, fp8, overwrite
         self.cast_unscaled_fp8 = cast_unscaled_fp8
@@ -119,11 +129,21 @@ class DcpFiles(ToConsumers):
             self.bar = None
 
 
-def save_dcp(source: SourceLike, path: str | os.PathLike, mapping: MappingLike | None = None, *,
-             group: Any = None, dtype: torch.dtype | str | None = None, overwrite: bool = False,
-             progress: bool = False, memory_budget: int | str | None = None,
-             quantize: Literal["fp8"] | None = None, quantize_block: tuple[int, int] = DEFAULT_BLOCK,
-             quantize_patterns: Iterable[str] | None = None, cast_unscaled_fp8: bool = False) -> Metadata:
+def save_dcp(
+    source: SourceLike,
+    path: str | os.PathLike,
+    mapping: MappingLike | None = None,
+    *,
+    group: Any = None,
+    dtype: torch.dtype | str | None = None,
+    overwrite: bool = False,
+    progress: bool = False,
+    memory_budget: int | str | None = None,
+    quantize: Literal["fp8"] | None = None,
+    quantize_block: tuple[int, int] = DEFAULT_BLOCK,
+    quantize_patterns: Iterable[str] | None = None,
+    cast_unscaled_fp8: bool = False,
+) -> Metadata:
     """Write ``source``, mapped, as a torch DCP checkpoint; call on every rank.
 
     The arguments are :func:`~shardsync.save_hf`'s, less those of safetensors files (``max_file_size``,
@@ -161,15 +181,25 @@ def save_dcp(source: SourceLike, path: str | os.PathLike, mapping: MappingLike |
     """
     world = group_size(group)
     try:
-        opts = Options.of(group, copy=False, split_by="bytes", memory_budget=memory_budget,
-                          consumers=tuple(range(world)) if world > 1 else None)
-        fp8 = Fp8Quantize.of(quantize, quantize_block,
-                             None if quantize_patterns is None else tuple(quantize_patterns))
+        opts = Options.of(
+            group,
+            copy=False,
+            split_by="bytes",
+            memory_budget=memory_budget,
+            consumers=tuple(range(world)) if world > 1 else None,
+        )
+        fp8 = Fp8Quantize.of(quantize, quantize_block, None if quantize_patterns is None else tuple(quantize_patterns))
     except ShardsyncError as exc:
         abandon(phases.SAVE_DCP_CHECK, group, exc)
         raise
-    where, cast = agree(phases.SAVE_DCP_CHECK, lambda: _check(path, overwrite, dtype), group,
-                        unanimous=True).all[0]
-    sink = DcpFiles(where, rank=group_rank(group), dtype=cast, fp8=fp8, overwrite=overwrite, progress=progress,
-                    cast_unscaled_fp8=cast_unscaled_fp8)
+    where, cast = agree(phases.SAVE_DCP_CHECK, lambda: _check(path, overwrite, dtype), group, unanimous=True).all[0]
+    sink = DcpFiles(
+        where,
+        rank=group_rank(group),
+        dtype=cast,
+        fp8=fp8,
+        overwrite=overwrite,
+        progress=progress,
+        cast_unscaled_fp8=cast_unscaled_fp8,
+    )
     return run(Call(source, mapping, sink, opts, group), sink)

@@ -42,8 +42,16 @@ from ..planning.mesh import Topology
 from ..quant.fp8 import DEFAULT_BLOCK, Block, Fp8Quantize, check_fp8_casts, quantization_config, written
 from ..sources import Source, SourceLike
 from ..sources.fp8 import dequantized, fp8_block
-from .commit import (CheckpointNames, DirectoryState, commit, new_tag, output_dir, prepare_directory,
-                     remove_files, remove_uncommitted)
+from .commit import (
+    CheckpointNames,
+    DirectoryState,
+    commit,
+    new_tag,
+    output_dir,
+    prepare_directory,
+    remove_files,
+    remove_uncommitted,
+)
 from .file_plan import FilePlan, file_owners, output_dtype, plan_files
 from .hf_files import copy_files, extra_files
 from .safetensors_writer import WriteResult, parse_size, work_dir, write_shard
@@ -74,9 +82,16 @@ class _Job:
         return self.dir / self.names.temp(self.tag, f"{file + 1:05d}")
 
 
-def _check(out: str | os.PathLike, max_file_size: int | str, dtype: Any,
-           extras: Iterable[str | os.PathLike] | None, config_from: str | os.PathLike | None,
-           overwrite: bool, fp8: Fp8Quantize | None = None, cast_unscaled_fp8: bool = False) -> _Job:
+def _check(
+    out: str | os.PathLike,
+    max_file_size: int | str,
+    dtype: Any,
+    extras: Iterable[str | os.PathLike] | None,
+    config_from: str | os.PathLike | None,
+    overwrite: bool,
+    fp8: Fp8Quantize | None = None,
+    cast_unscaled_fp8: bool = False,
+) -> _Job:
     directory = output_dir(out, "path")
     names = CheckpointNames("model")
     limit = parse_size(max_file_size)
@@ -85,8 +100,9 @@ def _check(out: str | os.PathLike, max_file_size: int | str, dtype: Any,
         raise PlanError(f"dtype={dtype!r} is not a floating dtype; give e.g. torch.bfloat16 or 'bf16'")
     files = extra_files(extras, config_from, names)
     old = prepare_directory(directory, names, overwrite)  # leftovers are removed at the commit
-    return _Job(directory, names, old, new_tag(old.committed + old.leftovers), limit, cast, files, fp8,
-                cast_unscaled_fp8)
+    return _Job(
+        directory, names, old, new_tag(old.committed + old.leftovers), limit, cast, files, fp8, cast_unscaled_fp8
+    )
 
 
 class _PartWriter:
@@ -110,8 +126,11 @@ class _PartWriter:
         self.targets = tuple(plan.targets)
         self.file_of = self.plan.weight_map()
         if self.bar is not None:
-            self.bar.total = sum(math.prod(t.shape) * itemsize(output_dtype(t.dtype, self.job.dtype))
-                                 for t in plan.targets if self.rank in t.consumers)
+            self.bar.total = sum(
+                math.prod(t.shape) * itemsize(output_dtype(t.dtype, self.job.dtype))
+                for t in plan.targets
+                if self.rank in t.consumers
+            )
 
     def take(self, name: str, tensor: torch.Tensor) -> None:
         for n, t in written(name, tensor, self.job.fp8, self.job.dtype):  # quantised: codes, then scales
@@ -165,19 +184,22 @@ def _quantization(job: _Job, targets: Iterable[TargetPlan]) -> dict[str, Any] | 
     weights are values), else as it was."""
     if job.fp8 is not None:
         fp8 = job.fp8
-        skipped = [t.name.removesuffix(".weight") for t in targets if t.name.endswith(".weight")
-                   and len(t.shape) == 2 and not fp8.selects(t.name, t.shape, t.dtype)]
+        skipped = [
+            t.name.removesuffix(".weight")
+            for t in targets
+            if t.name.endswith(".weight") and len(t.shape) == 2 and not fp8.selects(t.name, t.shape, t.dtype)
+        ]
         return quantization_config(fp8.block, skipped)
     return None if job.dtype is not None else "keep"
 
 
 def _commit(job: _Job, plan: FilePlan, quantization: dict[str, Any] | None | Literal["keep"]) -> WriteResult:
     try:
-        copy_files(job.extras, job.dir, job.names, job.tag,
-                   None if job.dtype is None else dtype_name(job.dtype), quantization)
+        copy_files(
+            job.extras, job.dir, job.names, job.tag, None if job.dtype is None else dtype_name(job.dtype), quantization
+        )
         temps = [job.temp(f) for f in range(len(plan.files))]
-        files, index = commit(job.dir, job.names, temps, plan.weight_map(), plan.total_bytes, job.old,
-                              job.tag)
+        files, index = commit(job.dir, job.names, temps, plan.weight_map(), plan.total_bytes, job.old, job.tag)
     except BaseException:
         remove_uncommitted(job.dir, job.names)
         raise
@@ -248,8 +270,14 @@ class Files:
         return ()
 
     @staticmethod
-    def plan(mapping: Mapping | None, layout: GlobalLayout, dest: GlobalLayout, options: PlanOptions,
-             topology: Topology | None, settings: Hashable) -> Planned:
+    def plan(
+        mapping: Mapping | None,
+        layout: GlobalLayout,
+        dest: GlobalLayout,
+        options: PlanOptions,
+        topology: Topology | None,
+        settings: Hashable,
+    ) -> Planned:
         """Resolve, pack into files, and plan each target to its file's writer."""
         assert isinstance(settings, _Packing)
         limit, cast, fp8, world, block = settings
@@ -286,8 +314,9 @@ class Files:
         plan = self.part.plan
         assert plan is not None and self.part.targets is not None
         quantization = _quantization(self.job, self.part.targets)
-        result = agree(phases.SAVE_HF_COMMIT,
-                       lambda: _commit(self.job, plan, quantization) if self.rank == 0 else None, group).all[0]
+        result = agree(
+            phases.SAVE_HF_COMMIT, lambda: _commit(self.job, plan, quantization) if self.rank == 0 else None, group
+        ).all[0]
         assert result is not None  # rank 0's result, sent to every rank
         return result
 
@@ -302,14 +331,26 @@ class Files:
             self.part.bar = None
 
 
-def save_hf(source: SourceLike, path: str | os.PathLike | None = None, mapping: MappingLike | None = None, *,
-            group: Any = None, max_file_size: int | str | None = None, dtype: torch.dtype | str | None = None,
-            extra_files: Iterable[str | os.PathLike] | None = None,
-            config_from: str | os.PathLike | None = None, overwrite: bool = False,
-            progress: bool = False, memory_budget: int | str | None = None,
-            quantize: Literal["fp8"] | None = None, quantize_block: tuple[int, int] = DEFAULT_BLOCK,
-            quantize_patterns: Iterable[str] | None = None, cast_unscaled_fp8: bool = False,
-            out_dir: str | os.PathLike | None = None, max_shard_size: int | str | None = None) -> WriteResult:
+def save_hf(
+    source: SourceLike,
+    path: str | os.PathLike | None = None,
+    mapping: MappingLike | None = None,
+    *,
+    group: Any = None,
+    max_file_size: int | str | None = None,
+    dtype: torch.dtype | str | None = None,
+    extra_files: Iterable[str | os.PathLike] | None = None,
+    config_from: str | os.PathLike | None = None,
+    overwrite: bool = False,
+    progress: bool = False,
+    memory_budget: int | str | None = None,
+    quantize: Literal["fp8"] | None = None,
+    quantize_block: tuple[int, int] = DEFAULT_BLOCK,
+    quantize_patterns: Iterable[str] | None = None,
+    cast_unscaled_fp8: bool = False,
+    out_dir: str | os.PathLike | None = None,
+    max_shard_size: int | str | None = None,
+) -> WriteResult:
     """Write ``source``, mapped, as a HuggingFace safetensors checkpoint; call on every rank.
 
     Every rank writes the files whose tensors it receives, in parallel; rank 0 writes the index last,
@@ -366,30 +407,42 @@ def save_hf(source: SourceLike, path: str | os.PathLike | None = None, mapping: 
     except ShardsyncError as exc:
         abandon(phases.SAVE_HF_CHECK, group, exc)
         raise
-    job = agree(phases.SAVE_HF_CHECK, lambda: _check(path, max_file_size, dtype, extra_files, config_from,
-                                                      overwrite, fp8, cast_unscaled_fp8),
-                group, unanimous=True).all[0]
+    job = agree(
+        phases.SAVE_HF_CHECK,
+        lambda: _check(path, max_file_size, dtype, extra_files, config_from, overwrite, fp8, cast_unscaled_fp8),
+        group,
+        unanimous=True,
+    ).all[0]
     files = Files(job, rank=rank, world=world, progress=progress)
     result = run(Call(source, mapping, files, opts, group), files)
     if rank == 0 and not any(f.name == "config.json" for f in job.extras):
-        log.warning("save_hf: %s has no config.json, so from_pretrained will not load it; pass "
-                    "config_from=<the model's directory> (command line: --config-from DIR)", job.dir)
+        log.warning(
+            "save_hf: %s has no config.json, so from_pretrained will not load it; pass "
+            "config_from=<the model's directory> (command line: --config-from DIR)",
+            job.dir,
+        )
     return result
 
 
 def _renamed(path: Any, out_dir: Any, size: Any, max_shard_size: Any) -> tuple[Any, Any]:
     """``path`` and ``max_file_size``, taking the deprecated ``out_dir=`` and ``max_shard_size=``."""
     if out_dir is not None:
-        warnings.warn("save_hf(out_dir=...) is deprecated; pass path=... (or the directory as the second "
-                      "argument)", DeprecationWarning, stacklevel=3)
+        warnings.warn(
+            "save_hf(out_dir=...) is deprecated; pass path=... (or the directory as the second argument)",
+            DeprecationWarning,
+            stacklevel=3,
+        )
         if path is not None:
             raise PlanError("save_hf: pass path= only (out_dir= is its deprecated name)")
         path = out_dir
     if path is None:
         raise PlanError("save_hf: pass the checkpoint directory, save_hf(source, path)")
     if max_shard_size is not None:
-        warnings.warn("save_hf(max_shard_size=...) is deprecated; pass max_file_size=... (the same sizes)",
-                      DeprecationWarning, stacklevel=3)
+        warnings.warn(
+            "save_hf(max_shard_size=...) is deprecated; pass max_file_size=... (the same sizes)",
+            DeprecationWarning,
+            stacklevel=3,
+        )
         if size is not None:
             raise PlanError("save_hf: pass max_file_size= only (max_shard_size= is its deprecated name)")
         size = max_shard_size

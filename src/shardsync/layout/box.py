@@ -52,14 +52,16 @@ class Box:
         """The common region, or None when it is empty."""
         lo = tuple(max(a, b) for a, b in zip(self.offsets, other.offsets))
         hi = tuple(min(a, b) for a, b in zip(self.stops, other.stops))
-        if any(h <= l for l, h in zip(lo, hi)):
+        if any(h <= a for a, h in zip(lo, hi)):
             return None
-        return Box(lo, tuple(h - l for l, h in zip(lo, hi)))
+        return Box(lo, tuple(h - a for a, h in zip(lo, hi)))
 
     def contains(self, other: Box) -> bool:
         """Whether ``other`` lies wholly inside this box."""
-        return all(a <= b and b_stop <= a_stop for a, b, a_stop, b_stop
-                   in zip(self.offsets, other.offsets, self.stops, other.stops))
+        return all(
+            a <= b and b_stop <= a_stop
+            for a, b, a_stop, b_stop in zip(self.offsets, other.offsets, self.stops, other.stops)
+        )
 
     def within(self, shape: Sequence[int]) -> bool:
         """Whether the box lies inside a tensor of ``shape``."""

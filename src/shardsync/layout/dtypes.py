@@ -19,23 +19,58 @@ DTYPES: dict[str, torch.dtype] = {
     "uint8": torch.uint8,
     "bool": torch.bool,
 }
-for _name in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu",
-              "complex64", "complex128", "uint16", "uint32", "uint64"):
+for _name in (
+    "float8_e4m3fn",
+    "float8_e5m2",
+    "float8_e4m3fnuz",
+    "float8_e5m2fnuz",
+    "float8_e8m0fnu",
+    "complex64",
+    "complex128",
+    "uint16",
+    "uint32",
+    "uint64",
+):
     if hasattr(torch, _name):
         DTYPES[_name] = getattr(torch, _name)
 
 #: Safetensors dtype code -> dtype name, for every code the format defines. None: a sub-byte dtype
 #: (F4, F6_*) that has no torch dtype with one element per value, so boxes of it cannot be cut.
 SAFETENSORS_DTYPES: dict[str, str | None] = {
-    "BOOL": "bool", "U8": "uint8", "I8": "int8", "I16": "int16", "U16": "uint16", "F16": "float16",
-    "BF16": "bfloat16", "I32": "int32", "U32": "uint32", "F32": "float32", "F64": "float64",
-    "I64": "int64", "U64": "uint64", "C64": "complex64", "F8_E5M2": "float8_e5m2",
-    "F8_E4M3": "float8_e4m3fn", "F8_E4M3FNUZ": "float8_e4m3fnuz", "F8_E5M2FNUZ": "float8_e5m2fnuz",
-    "F8_E8M0": "float8_e8m0fnu", "F4": None, "F6_E2M3": None, "F6_E3M2": None,
+    "BOOL": "bool",
+    "U8": "uint8",
+    "I8": "int8",
+    "I16": "int16",
+    "U16": "uint16",
+    "F16": "float16",
+    "BF16": "bfloat16",
+    "I32": "int32",
+    "U32": "uint32",
+    "F32": "float32",
+    "F64": "float64",
+    "I64": "int64",
+    "U64": "uint64",
+    "C64": "complex64",
+    "F8_E5M2": "float8_e5m2",
+    "F8_E4M3": "float8_e4m3fn",
+    "F8_E4M3FNUZ": "float8_e4m3fnuz",
+    "F8_E5M2FNUZ": "float8_e5m2fnuz",
+    "F8_E8M0": "float8_e8m0fnu",
+    "F4": None,
+    "F6_E2M3": None,
+    "F6_E3M2": None,
 }
 
-_ALIASES = {"float": "float32", "double": "float64", "half": "float16", "bf16": "bfloat16",
-            "fp32": "float32", "fp16": "float16", "int": "int32", "long": "int64"}
+_ALIASES = {
+    "float": "float32",
+    "double": "float64",
+    "half": "float16",
+    "bf16": "bfloat16",
+    "fp32": "float32",
+    "fp16": "float16",
+    "int": "int32",
+    "long": "int64",
+}
 _NAMES = {v: k for k, v in DTYPES.items()}
 
 

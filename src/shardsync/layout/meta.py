@@ -14,8 +14,7 @@ from typing import Any, NamedTuple
 from ..errors import LayoutError
 from .box import Box
 
-__all__ = ["LayoutEntry", "ShardSpec", "TensorMeta", "GlobalLayout", "check_replicas", "without_values",
-           "EXACT_PREFIX"]
+__all__ = ["LayoutEntry", "ShardSpec", "TensorMeta", "GlobalLayout", "check_replicas", "without_values", "EXACT_PREFIX"]
 
 
 class LayoutEntry(NamedTuple):
@@ -55,13 +54,18 @@ def _replica_problems(per_rank: Sequence[Iterable[EntryLike]]) -> list[str]:
             continue
         groups = " vs ".join(f"ranks {ranks}" for ranks in sorted(prints.values()))
         whole = box.offsets == (0,) * len(box.offsets) and box.sizes == shapes[key]
-        fix = ("a plain tensor is taken as a replica, and this looks like a per-rank shard: wrap it in "
-               "LocalShard, or use shardsync.from_megatron(model)" if whole else
-               "ranks holding the same box of a key are taken as replicas: check the global offsets "
-               "(do pipeline stages or expert-parallel ranks reuse the same names?)")
+        fix = (
+            "a plain tensor is taken as a replica, and this looks like a per-rank shard: wrap it in "
+            "LocalShard, or use shardsync.from_megatron(model)"
+            if whole
+            else "ranks holding the same box of a key are taken as replicas: check the global offsets "
+            "(do pipeline stages or expert-parallel ranks reuse the same names?)"
+        )
         kind = "exact digests" if any(p.startswith(EXACT_PREFIX) for p in prints) else "sampled fingerprints"
-        problems.append(f"{key!r}: {groups} hold box {box} with different values ({kind} differ); {fix}; "
-                        "if these are replicas that drifted apart, sync them first (shardsync.detect_drift)")
+        problems.append(
+            f"{key!r}: {groups} hold box {box} with different values ({kind} differ); {fix}; "
+            "if these are replicas that drifted apart, sync them first (shardsync.detect_drift)"
+        )
     return problems
 
 
@@ -160,8 +164,7 @@ class GlobalLayout:
                 shape = tuple(shape)
                 shapes.setdefault(key, {}).setdefault((shape, dtype), []).append(rank)
                 if not box.within(shape):
-                    problems.append(f"{key!r}: rank {rank} holds box {box} outside global shape "
-                                    f"{list(shape)}")
+                    problems.append(f"{key!r}: rank {rank} holds box {box} outside global shape {list(shape)}")
                 shards.setdefault(key, []).append(ShardSpec(rank, box))
         metas = {}
         for key in sorted(shapes):
@@ -170,7 +173,7 @@ class GlobalLayout:
                 desc = "; ".join(f"ranks {r} say shape {list(s)} {d}" for (s, d), r in variants.items())
                 problems.append(f"{key!r}: ranks disagree on global shape/dtype: {desc}")
                 continue
-            (shape, dtype), = variants
+            ((shape, dtype),) = variants
             specs = sorted(shards[key], key=lambda s: (s.rank, s.box.offsets))
             metas[key] = TensorMeta(key, shape, dtype, tuple(specs))
         problems += _replica_problems(per_rank)
@@ -180,13 +183,20 @@ class GlobalLayout:
 
     def to_json(self) -> str:
         """Serialise to JSON (see :meth:`from_json`)."""
-        return json.dumps({
-            "world_size": self.world_size,
-            "tensors": {k: {"shape": list(m.shape), "dtype": m.dtype,
-                            "shards": [[s.rank, list(s.box.offsets), list(s.box.sizes)]
-                                       for s in m.shards]}
-                        for k, m in sorted(self.tensors.items())},
-        }, indent=1)
+        return json.dumps(
+            {
+                "world_size": self.world_size,
+                "tensors": {
+                    k: {
+                        "shape": list(m.shape),
+                        "dtype": m.dtype,
+                        "shards": [[s.rank, list(s.box.offsets), list(s.box.sizes)] for s in m.shards],
+                    }
+                    for k, m in sorted(self.tensors.items())
+                },
+            },
+            indent=1,
+        )
 
     @classmethod
     def from_json(cls, text: str) -> GlobalLayout:

@@ -124,12 +124,15 @@ def shard_boxes(shape: Sequence[int], splits: Sequence[Split]) -> list[tuple[Box
         offsets = tuple(runs[0][0] if runs else n for runs, n in zip(per_dim, shape))
         local = tuple(sum(length for _, length in runs) for runs in per_dim)
         return [(Box(offsets, local), Box((0,) * len(shape), local))]
-    local_starts = [list(itertools.accumulate((length for _, length in runs[:-1]), initial=0))
-                    for runs in per_dim]
+    local_starts = [list(itertools.accumulate((length for _, length in runs[:-1]), initial=0)) for runs in per_dim]
     out = []
     for combo in itertools.product(*(range(len(runs)) for runs in per_dim)):
         runs = [per_dim[d][i] for d, i in enumerate(combo)]
         sizes = tuple(length for _, length in runs)
-        out.append((Box(tuple(start for start, _ in runs), sizes),
-                    Box(tuple(local_starts[d][i] for d, i in enumerate(combo)), sizes)))
+        out.append(
+            (
+                Box(tuple(start for start, _ in runs), sizes),
+                Box(tuple(local_starts[d][i] for d, i in enumerate(combo)), sizes),
+            )
+        )
     return out

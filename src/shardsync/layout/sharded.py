@@ -17,8 +17,7 @@ from .dtypes import dtype_name
 from .meta import LayoutEntry
 from .placements import Split, shard_boxes
 
-__all__ = ["LocalShard", "StateValue", "shard_dim", "from_dtensor", "dtensor_shards", "local_shards",
-           "local_layout"]
+__all__ = ["LocalShard", "StateValue", "shard_dim", "from_dtensor", "dtensor_shards", "local_shards", "local_layout"]
 
 
 class LocalShard:
@@ -41,20 +40,26 @@ class LocalShard:
 
     __slots__ = ("local", "global_shape", "global_offset")
 
-    def __init__(self, local: torch.Tensor, global_shape: Sequence[int], global_offset: Sequence[int],
-                 *, key: str = "<tensor>") -> None:
+    def __init__(
+        self, local: torch.Tensor, global_shape: Sequence[int], global_offset: Sequence[int], *, key: str = "<tensor>"
+    ) -> None:
         global_shape = tuple(int(s) for s in global_shape)
         global_offset = tuple(int(o) for o in global_offset)
         if not (local.dim() == len(global_shape) == len(global_offset)):
-            raise LayoutError(f"{key!r}: local shape {list(local.shape)}, global shape "
-                              f"{list(global_shape)} and offset {list(global_offset)} need the same "
-                              "number of dims")
-        bad = [d for d in range(local.dim())
-               if global_offset[d] < 0 or global_offset[d] + local.shape[d] > global_shape[d]]
+            raise LayoutError(
+                f"{key!r}: local shape {list(local.shape)}, global shape "
+                f"{list(global_shape)} and offset {list(global_offset)} need the same "
+                "number of dims"
+            )
+        bad = [
+            d for d in range(local.dim()) if global_offset[d] < 0 or global_offset[d] + local.shape[d] > global_shape[d]
+        ]
         if bad:
-            raise LayoutError(f"{key!r}: shard at offset {list(global_offset)} with local shape "
-                              f"{list(local.shape)} does not fit in global shape {list(global_shape)} "
-                              f"(dims {bad}); fix the offset or the global shape")
+            raise LayoutError(
+                f"{key!r}: shard at offset {list(global_offset)} with local shape "
+                f"{list(local.shape)} does not fit in global shape {list(global_shape)} "
+                f"(dims {bad}); fix the offset or the global shape"
+            )
         self.local = local
         self.global_shape = global_shape
         self.global_offset = global_offset
@@ -68,8 +73,10 @@ class LocalShard:
         return self.local.dtype
 
     def __repr__(self) -> str:
-        return (f"LocalShard(local={list(self.local.shape)} {self.local.dtype}, "
-                f"global_shape={list(self.global_shape)}, global_offset={list(self.global_offset)})")
+        return (
+            f"LocalShard(local={list(self.local.shape)} {self.local.dtype}, "
+            f"global_shape={list(self.global_shape)}, global_offset={list(self.global_offset)})"
+        )
 
 
 #: What a state dict may hold per key: a full tensor, one shard, or several shards of one tensor.
@@ -116,22 +123,27 @@ def dtensor_shards(dt: Any, *, key: str = "<tensor>") -> list[LocalShard]:
         raise TypeError(f"expected a DTensor, got {type(dt).__name__}")
     bad = [p for p in dt.placements if not isinstance(p, (Shard, _StridedShard, Replicate))]
     if bad:
-        raise LayoutError(f"{key!r}: DTensor placement {bad[0]!r} is not supported; use Shard, "
-                          "_StridedShard or Replicate (redistribute partial tensors first)")
+        raise LayoutError(
+            f"{key!r}: DTensor placement {bad[0]!r} is not supported; use Shard, "
+            "_StridedShard or Replicate (redistribute partial tensors first)"
+        )
     coordinate = dt.device_mesh.get_coordinate()
     local = dt.to_local()
     if coordinate is None:  # this rank is not in the mesh: it holds nothing
         return [LocalShard(local.new_empty((0,) * dt.dim()), tuple(dt.shape), tuple(dt.shape))]
-    splits = [Split(p.dim, dt.device_mesh.size(m), coordinate[m],
-                    int(p.split_factor) if isinstance(p, _StridedShard) else 1)
-              for m, p in enumerate(dt.placements) if isinstance(p, (Shard, _StridedShard))]
+    splits = [
+        Split(p.dim, dt.device_mesh.size(m), coordinate[m], int(p.split_factor) if isinstance(p, _StridedShard) else 1)
+        for m, p in enumerate(dt.placements)
+        if isinstance(p, (Shard, _StridedShard))
+    ]
     boxes = shard_boxes(tuple(dt.shape), splits)
     held = boxes[-1][1].stops  # the last box ends where the local tensor does
     if held != tuple(local.shape):
-        raise LayoutError(f"{key!r}: DTensor {list(dt.shape)} with placements {list(dt.placements)}: the "
-                          f"local tensor is {list(local.shape)}, the placements give {list(held)}")
-    return [LocalShard(local[loc.slices()], tuple(dt.shape), glob.offsets, key=key)
-            for glob, loc in boxes]
+        raise LayoutError(
+            f"{key!r}: DTensor {list(dt.shape)} with placements {list(dt.placements)}: the "
+            f"local tensor is {list(local.shape)}, the placements give {list(held)}"
+        )
+    return [LocalShard(local[loc.slices()], tuple(dt.shape), glob.offsets, key=key) for glob, loc in boxes]
 
 
 def from_dtensor(dt: Any) -> LocalShard:
@@ -142,8 +154,10 @@ def from_dtensor(dt: Any) -> LocalShard:
     """
     shards = dtensor_shards(dt)
     if len(shards) > 1:
-        raise LayoutError(f"DTensor with placements {list(dt.placements)}: this rank holds "
-                          f"{len(shards)} boxes, not one; use dtensor_shards(dt) for the list")
+        raise LayoutError(
+            f"DTensor with placements {list(dt.placements)}: this rank holds "
+            f"{len(shards)} boxes, not one; use dtensor_shards(dt) for the list"
+        )
     return shards[0]
 
 
@@ -161,13 +175,17 @@ def local_shards(key: str, value: StateValue) -> list[LocalShard]:
         shardsync.errors.LayoutError: state key 0 (int) is not a string; state dict keys must be ...
     """
     if not isinstance(key, str):
-        raise LayoutError(f"state key {key!r} ({type(key).__name__}) is not a string; state dict keys "
-                          "must be strings (as model.state_dict() makes them)")
+        raise LayoutError(
+            f"state key {key!r} ({type(key).__name__}) is not a string; state dict keys "
+            "must be strings (as model.state_dict() makes them)"
+        )
     shards = _normalise(key, value)
     if any(s.local.is_meta for s in shards):
-        raise LayoutError(f"{key!r} is a meta tensor (a shape without data), so there is nothing to "
-                          "stream; materialise it first (e.g. model.to_empty(device='cpu'), then load "
-                          "the weights)")
+        raise LayoutError(
+            f"{key!r} is a meta tensor (a shape without data), so there is nothing to "
+            "stream; materialise it first (e.g. model.to_empty(device='cpu'), then load "
+            "the weights)"
+        )
     return shards
 
 
@@ -182,11 +200,15 @@ def _normalise(key: str, value: StateValue) -> list[LocalShard]:
         shapes = {v.global_shape for v in value}
         dtypes = {v.dtype for v in value}
         if len(shapes) > 1 or len(dtypes) > 1:
-            raise LayoutError(f"{key!r}: the shards held on this rank disagree on global shape or "
-                              f"dtype: {sorted(map(list, shapes))}, {sorted(map(str, dtypes))}")
+            raise LayoutError(
+                f"{key!r}: the shards held on this rank disagree on global shape or "
+                f"dtype: {sorted(map(list, shapes))}, {sorted(map(str, dtypes))}"
+            )
         return list(value)
-    raise LayoutError(f"{key!r}: unsupported state value {type(value).__name__}; use a torch.Tensor, "
-                      "a LocalShard, a DTensor, or a list of LocalShard")
+    raise LayoutError(
+        f"{key!r}: unsupported state value {type(value).__name__}; use a torch.Tensor, "
+        "a LocalShard, a DTensor, or a list of LocalShard"
+    )
 
 
 def local_layout(state: Mapping[str, StateValue]) -> list[LayoutEntry]:
@@ -197,16 +219,18 @@ def local_layout(state: Mapping[str, StateValue]) -> list[LayoutEntry]:
         (2, 3)
     """
     shards = {key: local_shards(key, value) for key, value in state.items()}  # checks keys first
-    return [LayoutEntry(key, s.global_shape, dtype_name(s.dtype), s.box)
-            for key in sorted(shards) for s in shards[key]]
+    return [LayoutEntry(key, s.global_shape, dtype_name(s.dtype), s.box) for key in sorted(shards) for s in shards[key]]
 
 
 def __getattr__(name: str) -> Any:
     if name == "ShardedTensor":
         import warnings
 
-        warnings.warn("shardsync.ShardedTensor is deprecated: it is shardsync.LocalShard (this rank's shard "
-                      "of a global tensor; torch's ShardedTensor is another class)", DeprecationWarning,
-                      stacklevel=2)
+        warnings.warn(
+            "shardsync.ShardedTensor is deprecated: it is shardsync.LocalShard (this rank's shard "
+            "of a global tensor; torch's ShardedTensor is another class)",
+            DeprecationWarning,
+            stacklevel=2,
+        )
         return LocalShard
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

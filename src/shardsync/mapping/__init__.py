@@ -8,6 +8,19 @@ from .resolver import OPTIMIZER_SUFFIXES, SCALAR_SUFFIXES, resolve, unconsumed
 from .shipped import CONFIG_KEYS, ConfigLike, ParamValue, shipped_mappings, shipped_parameters
 from .syntax import Diagnostic
 
-__all__ = ["Piece", "TargetSpec", "Mapping", "MappingLike", "resolve", "unconsumed", "Diagnostic",
-           "OPTIMIZER_SUFFIXES", "SCALAR_SUFFIXES", "shipped_mappings", "shipped_parameters",
-           "ParamValue", "ConfigLike", "CONFIG_KEYS"]
+__all__ = [
+    "Piece",
+    "TargetSpec",
+    "Mapping",
+    "MappingLike",
+    "resolve",
+    "unconsumed",
+    "Diagnostic",
+    "OPTIMIZER_SUFFIXES",
+    "SCALAR_SUFFIXES",
+    "shipped_mappings",
+    "shipped_parameters",
+    "ParamValue",
+    "ConfigLike",
+    "CONFIG_KEYS",
+]

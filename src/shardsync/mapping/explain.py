@@ -30,15 +30,16 @@ def describe_targets(targets: list[TargetSpec]) -> str:
     for t in targets:
         total += t.nbytes
         srcs = ", ".join(t.sources)
-        lines.append(f"{t.name}  {list(t.shape)} {t.dtype}  ({len(t.pieces)} piece"
-                     f"{'s' if len(t.pieces) != 1 else ''} from {srcs or 'nothing'})")
+        lines.append(
+            f"{t.name}  {list(t.shape)} {t.dtype}  ({len(t.pieces)} piece"
+            f"{'s' if len(t.pieces) != 1 else ''} from {srcs or 'nothing'})"
+        )
         lines += [_piece_line(p) for p in t.pieces]
     lines.append(f"{len(targets)} targets, {total / 2**20:.2f} MiB")
     return "\n".join(lines)
 
 
-def explain(state_or_layout: Any, mapping: MappingLike | None = None, *,
-            reverse: bool | None = None) -> str:
+def explain(state_or_layout: Any, mapping: MappingLike | None = None, *, reverse: bool | None = None) -> str:
     """Describe how every target of ``mapping`` is built from ``state_or_layout``.
 
     Args:

@@ -58,16 +58,21 @@ def _blocks(st: Statement, name: Name, v: VTensor | None, dim: int, count: Shard
         side = "destination" if v is None else "source"
         return _Blocks(n, f"{n} {side} shard{'s' * (n != 1)} along dim {dim}", name)
     if not isinstance(tp, int) or tp <= 0:
-        raise StatementError(f"tp={tp!r} must be a positive integer: the tensor-parallel size the fused "
-                             "tensor was written with", st.attr_name("tp"))
+        raise StatementError(
+            f"tp={tp!r} must be a positive integer: the tensor-parallel size the fused tensor was written with",
+            st.attr_name("tp"),
+        )
     return _Blocks(tp, f"tp={tp}", st.attr_name("tp"))
 
 
 def _check_blocks(name: Name, size: int, dim: int, b: _Blocks, per_block: int = 1) -> None:
     if size % (b.n * per_block):
-        raise StatementError(f"dim {dim} of {name.text!r} has size {size}, not divisible into {b.n} "
-                             f"blocks ({b.why})" + (f" of {per_block} equal parts" if per_block > 1 else ""),
-                             b.at, ("check tp= (or how the tensor is sharded) and axis=",))
+        raise StatementError(
+            f"dim {dim} of {name.text!r} has size {size}, not divisible into {b.n} "
+            f"blocks ({b.why})" + (f" of {per_block} equal parts" if per_block > 1 else ""),
+            b.at,
+            ("check tp= (or how the tensor is sharded) and axis=",),
+        )
 
 
 def _heads(st: Statement) -> tuple[int, int]:
@@ -81,16 +86,22 @@ def _heads(st: Statement) -> tuple[int, int]:
 
 def _check_heads(name: Name, b: _Blocks, h: int, g: int) -> None:
     if h % b.n or g % b.n:
-        raise StatementError(f"{name.text!r} is read in {b.n} blocks ({b.why}), which must divide "
-                             f"num_heads={h} and num_key_value_groups={g}", b.at)
+        raise StatementError(
+            f"{name.text!r} is read in {b.n} blocks ({b.why}), which must divide "
+            f"num_heads={h} and num_key_value_groups={g}",
+            b.at,
+        )
 
 
 def _head_dim(st: Statement, w: VTensor, dim: int, h: int, g: int) -> int:
     n = w.shape[dim]
     if n % (h + 2 * g):
-        raise StatementError(f"dim {dim} of {st.left[0].text!r} has size {n}, not divisible by "
-                             f"num_heads + 2 * num_key_value_groups = {h + 2 * g}", st.left[0],
-                             ("check num_heads/num_key_value_groups and axis",))
+        raise StatementError(
+            f"dim {dim} of {st.left[0].text!r} has size {n}, not divisible by "
+            f"num_heads + 2 * num_key_value_groups = {h + 2 * g}",
+            st.left[0],
+            ("check num_heads/num_key_value_groups and axis",),
+        )
     return n // (h + 2 * g)
 
 
@@ -98,8 +109,10 @@ def _check_qkv(st: Statement, q: VTensor, k: VTensor, v: VTensor, dim: int, h: i
     concat_checked(st, [q, k, v], dim)  # same dtype and other dims, or a clear error
     d = q.shape[dim] // h
     if q.shape[dim] != h * d or k.shape[dim] != g * d or v.shape[dim] != g * d:
-        raise StatementError(f"q, k, v sizes {q.shape[dim]}, {k.shape[dim]}, {v.shape[dim]} along dim "
-                             f"{dim} do not fit {h} query and {g} key/value heads of one head size")
+        raise StatementError(
+            f"q, k, v sizes {q.shape[dim]}, {k.shape[dim]}, {v.shape[dim]} along dim "
+            f"{dim} do not fit {h} query and {g} key/value heads of one head size"
+        )
 
 
 def _interleaved(st: Statement, ins: Sequence[VTensor], dim: int, count: ShardCount) -> list[VTensor]:
@@ -162,18 +175,28 @@ def _ffn(st: Statement, ins: Sequence[VTensor], dim: int, count: ShardCount) -> 
 _QKV_ATTRS = frozenset({"num_heads", "num_key_value_groups", "axis"})
 #: Every fused form, by keyword.
 FUSED_FORMS: dict[str, FusedForm] = {
-    "fused_qkv": FusedForm(_QKV_ATTRS, frozenset({(1, 3), (3, 1)}),
-                           "`qkv -> q, k, v, fused_qkv, ...` or `q, k, v -> qkv, fused_qkv, ...`", _interleaved),
-    "fused_qkv_old": FusedForm(_QKV_ATTRS | {"tp"}, frozenset({(1, 3), (3, 1), (1, 1)}),
-                               "`W -> q, k, v, fused_qkv_old, ...`, `q, k, v -> W, fused_qkv_old, ...` or "
-                               "`W -> W2, fused_qkv_old, ...`", _qkv_old),
-    "fused_ffn": FusedForm(frozenset({"axis", "tp"}), frozenset({(1, 2), (2, 1), (1, 1)}),
-                           "`W -> gate, up, fused_ffn`, `gate, up -> W, fused_ffn` or `W -> W2, fused_ffn`",
-                           _ffn),
-    "stack": FusedForm(frozenset({"axis"}), AnyToOne(), "`a, b, c -> s, stack [, axis=k]`", apply_stack,
-                       stack_dim),
-    "unstack": FusedForm(frozenset({"axis"}), OneToAny(), "`s -> a, b, c, unstack [, axis=k]`",
-                         apply_unstack, unstack_dim),
+    "fused_qkv": FusedForm(
+        _QKV_ATTRS,
+        frozenset({(1, 3), (3, 1)}),
+        "`qkv -> q, k, v, fused_qkv, ...` or `q, k, v -> qkv, fused_qkv, ...`",
+        _interleaved,
+    ),
+    "fused_qkv_old": FusedForm(
+        _QKV_ATTRS | {"tp"},
+        frozenset({(1, 3), (3, 1), (1, 1)}),
+        "`W -> q, k, v, fused_qkv_old, ...`, `q, k, v -> W, fused_qkv_old, ...` or `W -> W2, fused_qkv_old, ...`",
+        _qkv_old,
+    ),
+    "fused_ffn": FusedForm(
+        frozenset({"axis", "tp"}),
+        frozenset({(1, 2), (2, 1), (1, 1)}),
+        "`W -> gate, up, fused_ffn`, `gate, up -> W, fused_ffn` or `W -> W2, fused_ffn`",
+        _ffn,
+    ),
+    "stack": FusedForm(frozenset({"axis"}), AnyToOne(), "`a, b, c -> s, stack [, axis=k]`", apply_stack, stack_dim),
+    "unstack": FusedForm(
+        frozenset({"axis"}), OneToAny(), "`s -> a, b, c, unstack [, axis=k]`", apply_unstack, unstack_dim
+    ),
 }
 
 
@@ -194,20 +217,25 @@ def apply_fused(st: Statement, ins: Sequence[VTensor], count: ShardCount) -> lis
     """
     kinds = [a.key for a in st.attrs if a.value is None]
     if len(kinds) > 1:
-        raise StatementError(f"a statement takes one macro keyword, got {' and '.join(kinds)}",
-                             st.attr_name(kinds[1]))
+        raise StatementError(f"a statement takes one macro keyword, got {' and '.join(kinds)}", st.attr_name(kinds[1]))
     kind = kinds[0]
     form = FUSED_FORMS[kind]
     others = [a.key for a in st.attrs if a.key != kind and a.key not in form.attrs]
     if others:
-        raise StatementError(f"{kind} does not take {', '.join(others)} (it takes "
-                             f"{', '.join(a + '=' for a in sorted(form.attrs))})",
-                             st.attr_name(others[0]))
+        raise StatementError(
+            f"{kind} does not take {', '.join(others)} (it takes {', '.join(a + '=' for a in sorted(form.attrs))})",
+            st.attr_name(others[0]),
+        )
     if (len(st.left), len(st.right)) not in form.arities:
         raise StatementError(f"{kind} has the forms {form.usage}")
     if len(st.left) == len(st.right) == 1 and st.has("tp"):
-        raise StatementError(f"tp= fixes the block count of one fused tensor; re-blocking "
-                             f"`{st.left[0].text} -> {st.right[0].text}` has two", st.attr_name("tp"),
-                             (f"split into the parts with tp=<source blocks>, then join them with "
-                              f"tp=<destination blocks>, in two {kind} statements",))
+        raise StatementError(
+            f"tp= fixes the block count of one fused tensor; re-blocking "
+            f"`{st.left[0].text} -> {st.right[0].text}` has two",
+            st.attr_name("tp"),
+            (
+                f"split into the parts with tp=<source blocks>, then join them with "
+                f"tp=<destination blocks>, in two {kind} statements",
+            ),
+        )
     return form.apply(st, ins, form.dim(st, ins), count)

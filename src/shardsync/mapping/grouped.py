@@ -36,8 +36,9 @@ class OneToAny:
 def _axis(st: Statement, ndim: int, what: str) -> int:
     raw = st.attr("axis", 0)
     if not isinstance(raw, int) or not -ndim <= raw < ndim:
-        raise StatementError(f"axis={raw!r} is out of range: {what} has {ndim} dims (axis {-ndim} to "
-                             f"{ndim - 1})", st.attr_name("axis"))
+        raise StatementError(
+            f"axis={raw!r} is out of range: {what} has {ndim} dims (axis {-ndim} to {ndim - 1})", st.attr_name("axis")
+        )
     return raw % ndim
 
 
@@ -55,8 +56,11 @@ def apply_stack(st: Statement, ins: Sequence[VTensor], dim: int, count: ShardCou
     """``a, b, ... -> s, stack, axis=dim``: the inputs (one shape and dtype) along a new dim."""
     for name, v in zip(st.left[1:], ins[1:]):
         if v.shape != ins[0].shape:
-            raise StatementError(f"{name.text!r} has shape {list(v.shape)}, {st.left[0].text!r} has "
-                                 f"{list(ins[0].shape)}: stacked tensors must have one shape", name)
+            raise StatementError(
+                f"{name.text!r} has shape {list(v.shape)}, {st.left[0].text!r} has "
+                f"{list(ins[0].shape)}: stacked tensors must have one shape",
+                name,
+            )
     return [concat_checked(st, [unsqueeze(v, dim) for v in ins], dim)]
 
 
@@ -64,8 +68,11 @@ def apply_unstack(st: Statement, ins: Sequence[VTensor], dim: int, count: ShardC
     """``s -> a, b, ..., unstack, axis=dim``: one output per entry of ``dim``, that dim removed."""
     v = ins[0]
     if v.shape[dim] != len(st.right):
-        raise StatementError(f"unstack gives one tensor per entry of dim {dim} of {st.left[0].text!r} "
-                             f"(shape {list(v.shape)}): {v.shape[dim]} names are needed, "
-                             f"{len(st.right)} are given", st.left[0],
-                             ("name them all, or write one name with '*' (numbered 0, 1, ...)",))
+        raise StatementError(
+            f"unstack gives one tensor per entry of dim {dim} of {st.left[0].text!r} "
+            f"(shape {list(v.shape)}): {v.shape[dim]} names are needed, "
+            f"{len(st.right)} are given",
+            st.left[0],
+            ("name them all, or write one name with '*' (numbered 0, 1, ...)",),
+        )
     return [squeeze(take(v, dim, i, i + 1), dim) for i in range(v.shape[dim])]

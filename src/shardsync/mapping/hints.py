@@ -22,10 +22,16 @@ def with_prefix_hint(diags: list[Diagnostic], keys: Sequence[str], program: Mapp
     wrapper = re.match(r"(?:module\.)+", min(keys, default="")) if not program.reverse else None
     if wrapper is None or program.prefix or not all(k.startswith(wrapper.group()) for k in keys):
         return diags
-    hint = (f"every source key starts with {wrapper.group()!r} (a wrapped model's state dict): parse the "
-            f"mapping with prefix={wrapper.group()!r}")
-    return [replace(d, hints=d.hints + (hint,)) if "matches no source key" in d.message
-            or d.message.startswith("unknown name") else d for d in diags]
+    hint = (
+        f"every source key starts with {wrapper.group()!r} (a wrapped model's state dict): parse the "
+        f"mapping with prefix={wrapper.group()!r}"
+    )
+    return [
+        replace(d, hints=d.hints + (hint,))
+        if "matches no source key" in d.message or d.message.startswith("unknown name")
+        else d
+        for d in diags
+    ]
 
 
 def moe_hint(keys: Sequence[str], program: Mapping) -> str | None:
@@ -50,11 +56,16 @@ def moe_hint(keys: Sequence[str], program: Mapping) -> str | None:
     names = [f"megatron-mixtral{kinds}", f"megatron-qwen2-moe{kinds}"]
     if any(".shared_expert" in k for k in keys):
         names.reverse()
-    which = "" if kinds else (" (their -te variants for the Transformer Engine layer spec, -grouped for "
-                              "GroupedMLP experts)")
-    return (f"the source holds mixture-of-experts tensors (e.g. {found!r}) and this mapping has no expert "
-            f"lines: use the shipped {names[0]!r} or {names[1]!r}{which}, which read the router and every "
-            "expert (and dense layers among them)")
+    which = (
+        ""
+        if kinds
+        else (" (their -te variants for the Transformer Engine layer spec, -grouped for GroupedMLP experts)")
+    )
+    return (
+        f"the source holds mixture-of-experts tensors (e.g. {found!r}) and this mapping has no expert "
+        f"lines: use the shipped {names[0]!r} or {names[1]!r}{which}, which read the router and every "
+        "expert (and dense layers among them)"
+    )
 
 
 def with_moe_hint(diags: list[Diagnostic], keys: Sequence[str], program: Mapping) -> list[Diagnostic]:

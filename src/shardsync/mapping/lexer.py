@@ -18,8 +18,9 @@ __all__ = ["Token", "TokenKind", "tokenize", "parameter_names", "parse_int", "pa
 
 #: ``ERROR`` tokens carry a message (a bad character, an unterminated string) for the parser to report
 #: in the statement where it occurs.
-TokenKind = Literal["ARROW", "EQ", "COLON", "LBRACK", "RBRACK", "COMMA", "INT", "STRING", "NAME",
-                    "PARAM", "NEWLINE", "EOF", "ERROR"]
+TokenKind = Literal[
+    "ARROW", "EQ", "COLON", "LBRACK", "RBRACK", "COMMA", "INT", "STRING", "NAME", "PARAM", "NEWLINE", "EOF", "ERROR"
+]
 _PUNCT: dict[str, TokenKind] = {"=": "EQ", ":": "COLON", "[": "LBRACK", "]": "RBRACK", ",": "COMMA"}
 _NAME_CHARS = frozenset(".$_*^")
 _DIGITS = frozenset("0123456789")
@@ -88,8 +89,11 @@ def _param_token(text: str, i: int) -> tuple[Token, int]:
     line_end = text.find("\n", i)
     stop = len(text) if line_end < 0 else line_end
     end = j + 1 if 0 <= j < stop else stop
-    return Token("ERROR", f"a parameter is written {{name}} (a letter or '_', then letters, digits or "
-                          f"'_'), not {text[i:end]!r}", i), end
+    return Token(
+        "ERROR",
+        f"a parameter is written {{name}} (a letter or '_', then letters, digits or '_'), not {text[i:end]!r}",
+        i,
+    ), end
 
 
 def _int_token(digits: str, pos: int) -> Token:
@@ -138,7 +142,7 @@ def tokenize(text: str) -> list[Token]:
                 j = text.find("\n", i)
                 i = n if j < 0 else j
                 continue
-            tokens.append(Token("STRING", text[i + 1:j], i))
+            tokens.append(Token("STRING", text[i + 1 : j], i))
             i = j + 1
         elif c == "{":
             tok, i = _param_token(text, i)

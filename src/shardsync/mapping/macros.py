@@ -62,14 +62,17 @@ def _template(name: Name) -> re.Pattern[str]:
     text = name.text.removesuffix(_T)
     out, at, seen = [], 0, set()
     for m in _SLOT.finditer(text):
-        nxt = text[m.end():m.end() + 1]
+        nxt = text[m.end() : m.end() + 1]
         ph = m.group(1)
-        segment = ph is None and text[m.start() - 1:m.start()] in ("", ".") and nxt in ("", ".")
+        segment = ph is None and text[m.start() - 1 : m.start()] in ("", ".") and nxt in ("", ".")
         if not segment and (nxt.isascii() and nxt.isdigit() or _SLOT.match(text, m.end())):
-            raise _MacroFail(f"{name.text!r}: {m.group()!r} is directly followed by {nxt!r}; a placeholder "
-                             "or '*' must end the name or be followed by a non-digit, so that a run of "
-                             "digits in a key can be cut only one way", name)
-        out.append(re.escape(text[at:m.start()]))
+            raise _MacroFail(
+                f"{name.text!r}: {m.group()!r} is directly followed by {nxt!r}; a placeholder "
+                "or '*' must end the name or be followed by a non-digit, so that a run of "
+                "digits in a key can be cut only one way",
+                name,
+            )
+        out.append(re.escape(text[at : m.start()]))
         star = f"({_SEGMENT})" if segment else f"({_RUN})"
         out.append(star if ph is None else f"(?P={ph})" if ph in seen else f"(?P<{ph}>{_RUN})")
         seen.add(ph)
@@ -84,8 +87,7 @@ def _expand_offset(st: Statement, keys: Sequence[str], reverse: bool) -> list[St
     carrier = next((n for n in src if _OFFSET in n.text), None)
     missing = [n for n in names if _OFFSET not in n.text and n.text != "_"]
     if missing:
-        raise _MacroFail(f"{missing[0].text!r} lacks {_OFFSET}: with {_OFFSET} every name must carry it",
-                         missing[0])
+        raise _MacroFail(f"{missing[0].text!r} lacks {_OFFSET}: with {_OFFSET} every name must carry it", missing[0])
     if carrier is None:
         raise _MacroFail(f"{_OFFSET} must appear on the source side", names[0])
     pat = _template(carrier)
@@ -93,19 +95,27 @@ def _expand_offset(st: Statement, keys: Sequence[str], reverse: bool) -> list[St
     if not ids and st.optional:
         return []
     if not ids:
-        raise _MacroFail(f"{carrier.text!r} matches no source key", carrier,
-                         (f"source keys look like {sorted(keys)[:3]}",))
+        raise _MacroFail(
+            f"{carrier.text!r} matches no source key", carrier, (f"source keys look like {sorted(keys)[:3]}",)
+        )
     out = []
     for lid in ids:
         # stage-local numbering on the load side, global on the model side: L on the left, L-1 right
         s_id, d_id = (lid, lid + 1) if reverse else (lid, lid - 1)
-        out.append(_rebuild(st, reverse, [Name(n.text.replace(_OFFSET, str(s_id)), n.col) for n in src],
-                            [Name(n.text.replace(_OFFSET, str(d_id)), n.col) for n in dst]))
+        out.append(
+            _rebuild(
+                st,
+                reverse,
+                [Name(n.text.replace(_OFFSET, str(s_id)), n.col) for n in src],
+                [Name(n.text.replace(_OFFSET, str(d_id)), n.col) for n in dst],
+            )
+        )
     return out
 
 
-def _expand_placeholders(st: Statement, src_keys: Sequence[str], dst_keys: Sequence[str] | None,
-                         reverse: bool, shown: Sequence[str]) -> list[Statement]:
+def _expand_placeholders(
+    st: Statement, src_keys: Sequence[str], dst_keys: Sequence[str] | None, reverse: bool, shown: Sequence[str]
+) -> list[Statement]:
     """One statement per combination of placeholder values; ``src_keys`` are matched (the sources and
     the names bound so far), ``shown`` are the keys an error shows (the sources)."""
     src, dst = _sides(st, reverse)
@@ -114,15 +124,13 @@ def _expand_placeholders(st: Statement, src_keys: Sequence[str], dst_keys: Seque
     if not carriers:
         carriers = [n for n in dst if _PLACEHOLDER.search(n.text)]
         if dst_keys is None:
-            raise _MacroFail("placeholders only on the destination side need a destination layout",
-                             carriers[0])
+            raise _MacroFail("placeholders only on the destination side need a destination layout", carriers[0])
         keys = dst_keys
     first = carriers[0]
     phs = sorted(set(_PLACEHOLDER.findall(first.text)))
     for n in src + dst:
         if n.text != "_" and sorted(set(_PLACEHOLDER.findall(n.text))) != phs:
-            raise _MacroFail(f"{n.text!r} must carry the same placeholders as {first.text!r} "
-                             f"(${', $'.join(phs)})", n)
+            raise _MacroFail(f"{n.text!r} must carry the same placeholders as {first.text!r} (${', $'.join(phs)})", n)
 
     def combos(name: Name) -> set[tuple[int, ...]]:
         pat = _template(name)
@@ -132,22 +140,25 @@ def _expand_placeholders(st: Statement, src_keys: Sequence[str], dst_keys: Seque
     if not found and st.optional:
         return []
     if not found:
-        raise _MacroFail(f"{first.text!r} matches no {'source' if keys is src_keys else 'destination'} "
-                         "key", first,
-                         (f"keys look like {sorted(shown if keys is src_keys else keys)[:3]}",))
+        raise _MacroFail(
+            f"{first.text!r} matches no {'source' if keys is src_keys else 'destination'} key",
+            first,
+            (f"keys look like {sorted(shown if keys is src_keys else keys)[:3]}",),
+        )
     for other in carriers[1:]:
         if combos(other) != found:
-            raise _MacroFail(f"{other.text!r} matches other ${'/$'.join(phs)} values than "
-                             f"{first.text!r}", other)
+            raise _MacroFail(f"{other.text!r} matches other ${'/$'.join(phs)} values than {first.text!r}", other)
     out = []
     # Only the combinations present (ragged experts per layer work); placeholder names sorted, so
     # EXPERT_ID varies slowest, as in Paddle.
     for combo in sorted(found):
+
         def sub(n: Name, combo: tuple[int, ...] = combo) -> Name:
             text = n.text
             for ph, v in zip(phs, combo):
                 text = text.replace("$" + ph, str(v))
             return Name(text, n.col)
+
         out.append(_rebuild(st, reverse, [sub(n) for n in src], [sub(n) for n in dst]))
     return out
 
@@ -164,16 +175,23 @@ def _star_hits(name: Name, keys: Sequence[str]) -> list[tuple[tuple[int, int, st
     return sorted((_order(m.group(1)), k) for k in dict.fromkeys(keys) if (m := pat.fullmatch(k)))
 
 
-def _star(name: Name, keys: Sequence[str] | None, which: str, shown: Sequence[str] | None = None,
-          ) -> list[Name]:
+def _star(
+    name: Name,
+    keys: Sequence[str] | None,
+    which: str,
+    shown: Sequence[str] | None = None,
+) -> list[Name]:
     if name.text.count("*") != 1:
         raise _MacroFail(f"{name.text!r}: a name may hold one '*'", name)
     if keys is None:
         raise _MacroFail(f"{name.text!r}: '*' on the destination side needs a destination layout", name)
     hits = _star_hits(name, keys)
     if not hits:
-        raise _MacroFail(f"{name.text!r} matches no {which} key", name,
-                         (f"{which} keys look like {sorted(keys if shown is None else shown)[:3]}",))
+        raise _MacroFail(
+            f"{name.text!r} matches no {which} key",
+            name,
+            (f"{which} keys look like {sorted(keys if shown is None else shown)[:3]}",),
+        )
     suffix = _T if name.text.endswith(_T) else ""
     return [Name(k + suffix, name.col) for _, k in hits]
 
@@ -184,25 +202,34 @@ def _unstacks(st: Statement, reverse: bool) -> bool:
     return any(a.key == keyword and a.value is None for a in st.attrs)
 
 
-def _numbered(src: Sequence[Name], dst: Sequence[Name], st: Statement,
-              shapes: Mapping[str, Sequence[int]]) -> list[Name]:
+def _numbered(
+    src: Sequence[Name], dst: Sequence[Name], st: Statement, shapes: Mapping[str, Sequence[int]]
+) -> list[Name]:
     """The outputs ``x.*.y`` of an unstack, numbered ``0 .. n-1`` by the size of the unstacked dim."""
     out = dst[0]
     if len(src) != 1 or len(dst) != 1 or out.text.count("*") != 1:
-        raise _MacroFail("an unstack numbers its outputs with '*' when it has one input and one output "
-                         "name holding one '*'", out)
+        raise _MacroFail(
+            "an unstack numbers its outputs with '*' when it has one input and one output name holding one '*'", out
+        )
     shape = shapes.get(src[0].text)
     axis = st.attr("axis", 0)
     if shape is None:  # an unknown input: the statement reports it when it runs
         return list(dst)
     if not isinstance(axis, int) or not -len(shape) <= axis < len(shape):
-        raise _MacroFail(f"axis={axis!r} is out of range for {src[0].text!r} of shape {list(shape)}",
-                         st.attr_name("axis"))
+        raise _MacroFail(
+            f"axis={axis!r} is out of range for {src[0].text!r} of shape {list(shape)}", st.attr_name("axis")
+        )
     return [Name(out.text.replace("*", str(i)), out.col) for i in range(shape[axis])]
 
 
-def _expand_star(st: Statement, src_keys: Sequence[str], dst_keys: Sequence[str] | None,
-                 reverse: bool, shapes: Mapping[str, Sequence[int]], shown: Sequence[str]) -> list[Statement]:
+def _expand_star(
+    st: Statement,
+    src_keys: Sequence[str],
+    dst_keys: Sequence[str] | None,
+    reverse: bool,
+    shapes: Mapping[str, Sequence[int]],
+    shown: Sequence[str],
+) -> list[Statement]:
     """``*`` expanded on both sides (an unstack's outputs numbered); an optional statement whose
     source-side ``*`` matches nothing is dropped."""
     src, dst = _sides(st, reverse)
@@ -221,17 +248,26 @@ def _expand_transpose(st: Statement) -> list[Statement]:
     for n in st.right:
         if n.text.endswith(_T):
             base = n.text.removesuffix(_T)
-            raise _MacroFail(f"cannot assign to a transpose ({n.text!r} is a view, not a variable)", n,
-                             (f"assign first, then transpose: `... -> {base}` and `{base}^T -> {base}`",))
-    pre = [replace(st, left=(Name(n.text.removesuffix(_T), n.col),), right=(n,),
-                   attrs=(Attr("permute", "[]"),))
-           for n in dict.fromkeys(n for n in st.left if n.text.endswith(_T))]
+            raise _MacroFail(
+                f"cannot assign to a transpose ({n.text!r} is a view, not a variable)",
+                n,
+                (f"assign first, then transpose: `... -> {base}` and `{base}^T -> {base}`",),
+            )
+    pre = [
+        replace(st, left=(Name(n.text.removesuffix(_T), n.col),), right=(n,), attrs=(Attr("permute", "[]"),))
+        for n in dict.fromkeys(n for n in st.left if n.text.endswith(_T))
+    ]
     return pre + [st]
 
 
-def _expand_one(st: Statement, src_keys: Sequence[str], known: Sequence[str],
-                dst_keys: Sequence[str] | None, reverse: bool,
-                shapes: Mapping[str, Sequence[int]]) -> list[Statement]:
+def _expand_one(
+    st: Statement,
+    src_keys: Sequence[str],
+    known: Sequence[str],
+    dst_keys: Sequence[str] | None,
+    reverse: bool,
+    shapes: Mapping[str, Sequence[int]],
+) -> list[Statement]:
     todo = [st]
     if any(_OFFSET in n.text for n in st.left + st.right):
         todo = [s for t in todo for s in _expand_offset(t, src_keys, reverse)]
@@ -241,10 +277,15 @@ def _expand_one(st: Statement, src_keys: Sequence[str], known: Sequence[str],
     return [s for t in todo for s in _expand_transpose(t)]
 
 
-def expand_macros(statements: Sequence[Statement], src_keys: Sequence[str],
-                  dst_keys: Sequence[str] | None = None, *, reverse: bool = False,
-                  shapes: Mapping[str, Sequence[int]] | None = None, bound: Sequence[str] = (),
-                  ) -> tuple[list[Statement], list[Diagnostic]]:
+def expand_macros(
+    statements: Sequence[Statement],
+    src_keys: Sequence[str],
+    dst_keys: Sequence[str] | None = None,
+    *,
+    reverse: bool = False,
+    shapes: Mapping[str, Sequence[int]] | None = None,
+    bound: Sequence[str] = (),
+) -> tuple[list[Statement], list[Diagnostic]]:
     """Expand every key-dependent macro; return the expanded statements and any diagnostics.
 
     Statements are expanded in the order they run (the reverse of the written order in reverse mode),
@@ -258,14 +299,14 @@ def expand_macros(statements: Sequence[Statement], src_keys: Sequence[str],
         try:
             chunk = _expand_one(st, src_keys, known, dst_keys, reverse, shapes or {})
             chunks.append(chunk)
-            known += [n.text for t in chunk for n in _sides(t, reverse)[1]
-                      if n.text != "_" and not n.text.endswith(_T)]
+            known += [n.text for t in chunk for n in _sides(t, reverse)[1] if n.text != "_" and not n.text.endswith(_T)]
         except _MacroFail as f:
             col = f.name.col if f.name else 0
             name = f.name.text if f.name else None
             if name and "matches no" in f.message:
-                f.hints = f.hints + ((suggest(name, src_keys).removeprefix("; ").rstrip("?") + "?",)
-                                     if suggest(name, src_keys) else ())
+                f.hints = f.hints + (
+                    (suggest(name, src_keys).removeprefix("; ").rstrip("?") + "?",) if suggest(name, src_keys) else ()
+                )
             diags.append(Diagnostic(f.message, st.index, st.text, col, name, f.hints))
     out = [s for chunk in (reversed(chunks) if reverse else chunks) for s in chunk]
     return out, diags
@@ -293,8 +334,14 @@ def invert_permutation(spec: str) -> str:
 
 
 #: Attributes (and keywords) that reverse mode exchanges.
-_REVERSED_KEYS = {"src_dtype": "dst_dtype", "dst_dtype": "src_dtype", "src_shape": "dst_shape",
-                  "dst_shape": "src_shape", "stack": "unstack", "unstack": "stack"}
+_REVERSED_KEYS = {
+    "src_dtype": "dst_dtype",
+    "dst_dtype": "src_dtype",
+    "src_shape": "dst_shape",
+    "dst_shape": "src_shape",
+    "stack": "unstack",
+    "unstack": "stack",
+}
 
 
 def _reverse_attr(a: Attr) -> Attr:
@@ -315,7 +362,8 @@ def reverse_program(statements: Sequence[Statement]) -> list[Statement]:
     with the rows it has)."""
     out = []
     for st in reversed(statements):
-        attrs = tuple(_reverse_attr(a) for a in st.attrs
-                      if not (a.key == "sizes" and len(st.right) > 1) and a.key != "keep")
+        attrs = tuple(
+            _reverse_attr(a) for a in st.attrs if not (a.key == "sizes" and len(st.right) > 1) and a.key != "keep"
+        )
         out.append(replace(st, left=st.right, right=st.left, attrs=attrs))
     return out

@@ -69,8 +69,11 @@ class _Parser:
         col = tok.pos - start
         if tok.value.endswith("?"):
             if right:
-                raise _Fail(f"{tok.value!r}: '?' marks an optional statement and goes after a name on "
-                            "the left of '->'", tok, tok.value)
+                raise _Fail(
+                    f"{tok.value!r}: '?' marks an optional statement and goes after a name on the left of '->'",
+                    tok,
+                    tok.value,
+                )
             self.optional = True
             tok = Token(tok.kind, tok.value[:-1], tok.pos)
         if self.peek().kind != "LBRACK":
@@ -82,12 +85,15 @@ class _Parser:
         self.take("RBRACK", "']' closing name[a:b]")
         hi = int(hi_tok.value)
         if hi <= lo:
-            raise _Fail(f"empty range {tok.value}[{lo}:{hi}]: the end must exceed the start",
-                        hi_tok, tok.value)
+            raise _Fail(f"empty range {tok.value}[{lo}:{hi}]: the end must exceed the start", hi_tok, tok.value)
         if hi - lo > MAX_RANGE_NAMES:
-            raise _Fail(f"{tok.value}[{lo}:{hi}] would expand to {hi - lo} names; a range expands to at "
-                        f"most {MAX_RANGE_NAMES}: check the bounds, or match the keys with a '*' or "
-                        "$NAME placeholder instead", tok, tok.value)
+            raise _Fail(
+                f"{tok.value}[{lo}:{hi}] would expand to {hi - lo} names; a range expands to at "
+                f"most {MAX_RANGE_NAMES}: check the bounds, or match the keys with a '*' or "
+                "$NAME placeholder instead",
+                tok,
+                tok.value,
+            )
         return [Name(f"{tok.value}_{k}", col) for k in range(lo, hi)]
 
     def attr(self, start: int, seen: list[Attr]) -> Attr:
@@ -100,8 +106,7 @@ class _Parser:
                 raise _Fail(f"attribute {key.value!r} needs a value ({key.value}=...)", key, key.value)
             return Attr(key.value, None, col)
         if key.value in FUSED_FORMS:
-            raise _Fail(f"{key.value} is a bare keyword and takes no value (`..., {key.value}, ...`)",
-                        key, key.value)
+            raise _Fail(f"{key.value} is a bare keyword and takes no value (`..., {key.value}, ...`)", key, key.value)
         self.i += 1
         tok = self.peek()
         if tok.kind == "INT":
@@ -125,8 +130,7 @@ class _Parser:
                 self.i += 1
             self.take("RBRACK", "']' closing the list")
             return Attr(key.value, "[" + ", ".join(items) + "]", col)
-        raise _Fail(f"attribute {key.value!r} needs an integer or a quoted string (or a {{parameter}})",
-                    tok, key.value)
+        raise _Fail(f"attribute {key.value!r} needs an integer or a quoted string (or a {{parameter}})", tok, key.value)
 
     def list_item(self) -> str:
         """An integer of a ``[...]`` list, or a ``{parameter}`` whose value is an integer."""
@@ -138,8 +142,9 @@ class _Parser:
         if value is None:
             raise _Fail(f"parameter {{{tok.value}}} has no value", tok, tok.value)
         if not isinstance(value, int):
-            raise _Fail(f"parameter {{{tok.value}}} is {value!r}; in a [...] list it must be an integer",
-                        tok, tok.value)
+            raise _Fail(
+                f"parameter {{{tok.value}}} is {value!r}; in a [...] list it must be an integer", tok, tok.value
+            )
         return str(value)
 
     def statement(self, index: int) -> Statement:
@@ -158,8 +163,7 @@ class _Parser:
             raise _Fail(f"unexpected {end_tok.value!r} after the statement", end_tok)
         end = self.toks[self.i - 1]
         stop = end.pos + len(end.value) + (2 if end.kind in ("STRING", "PARAM") else 0)
-        return Statement(tuple(left), tuple(right), tuple(attrs), index, self.text[start:stop].strip(),
-                         self.optional)
+        return Statement(tuple(left), tuple(right), tuple(attrs), index, self.text[start:stop].strip(), self.optional)
 
     def skip_line(self) -> None:
         while self.toks[self.i].kind not in ("NEWLINE", "EOF"):
@@ -174,8 +178,11 @@ def _line_of(text: str, pos: int) -> tuple[str, int]:
     return stripped.rstrip(), pos - lo - (len(line) - len(stripped))
 
 
-def parse_text(text: str, first_index: int = 0, params: Mapping[str, int | str] | None = None,
-               ) -> tuple[list[Statement], list[Diagnostic]]:
+def parse_text(
+    text: str,
+    first_index: int = 0,
+    params: Mapping[str, int | str] | None = None,
+) -> tuple[list[Statement], list[Diagnostic]]:
     """Parse one chunk of program text; statement indices start at ``first_index``; ``params`` gives
     the values of ``{name}`` parameters.
 

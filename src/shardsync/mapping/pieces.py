@@ -43,20 +43,26 @@ class Piece:
             ok = self.source_box.sizes == self.target_box.sizes
         else:
             kept = [p for p in self.perm if p >= 0]
-            ok = (len(self.perm) == self.target_box.ndim and len(set(kept)) == len(kept)
-                  and all(p < self.source_box.ndim for p in kept)
-                  and self.to_target(self.source_box).sizes == self.target_box.sizes
-                  and all(n == 1 for d, n in enumerate(self.source_box.sizes) if d not in kept))
+            ok = (
+                len(self.perm) == self.target_box.ndim
+                and len(set(kept)) == len(kept)
+                and all(p < self.source_box.ndim for p in kept)
+                and self.to_target(self.source_box).sizes == self.target_box.sizes
+                and all(n == 1 for d, n in enumerate(self.source_box.sizes) if d not in kept)
+            )
         if not ok:
-            raise ValueError(f"piece {self.source}{self.source_box} -> {self.target_box}: sizes differ "
-                             f"after perm {self.perm}")
+            raise ValueError(
+                f"piece {self.source}{self.source_box} -> {self.target_box}: sizes differ after perm {self.perm}"
+            )
 
     def to_target(self, box: Box) -> Box:
         """``box`` (in source dims) in target dims: permuted, unit dims dropped or added."""
         if self.perm is None:
             return box
-        return Box(tuple(box.offsets[p] if p >= 0 else 0 for p in self.perm),
-                   tuple(box.sizes[p] if p >= 0 else 1 for p in self.perm))
+        return Box(
+            tuple(box.offsets[p] if p >= 0 else 0 for p in self.perm),
+            tuple(box.sizes[p] if p >= 0 else 1 for p in self.perm),
+        )
 
     def to_source(self, box: Box) -> Box:
         """``box`` (relative to ``target_box``, in target dims) as a box of the source (global)."""

@@ -51,9 +51,16 @@ class Mapping:
     strict: bool = False
 
     @classmethod
-    def parse(cls, source: MappingLike, *, reverse: bool | None = None,
-              params: AbcMapping[str, ParamValue] | None = None, config: ConfigLike | None = None,
-              prefix: str | None = None, strict: bool | None = None) -> Mapping:
+    def parse(
+        cls,
+        source: MappingLike,
+        *,
+        reverse: bool | None = None,
+        params: AbcMapping[str, ParamValue] | None = None,
+        config: ConfigLike | None = None,
+        prefix: str | None = None,
+        strict: bool | None = None,
+    ) -> Mapping:
         """Parse a program.
 
         Args:
@@ -86,10 +93,16 @@ class Mapping:
         """
         if isinstance(source, Mapping):
             if params is not None or config is not None:
-                raise MappingError("params and config fill parameters while a program is parsed, and this "
-                                   "Mapping is parsed already: give the mapping's name, file or text")
-            return cls(source.statements, source.reverse if reverse is None else reverse,
-                       source.prefix if prefix is None else prefix, source.strict if strict is None else strict)
+                raise MappingError(
+                    "params and config fill parameters while a program is parsed, and this "
+                    "Mapping is parsed already: give the mapping's name, file or text"
+                )
+            return cls(
+                source.statements,
+                source.reverse if reverse is None else reverse,
+                source.prefix if prefix is None else prefix,
+                source.strict if strict is None else strict,
+            )
         path, what = _locate(source)
         chunks, file_reverse = _from_source(source) if path is None else _read_file(path)
         needed = list(dict.fromkeys(n for chunk in chunks for n in parameter_names(chunk)))
@@ -105,8 +118,7 @@ class Mapping:
         if diags:
             where = None if path is None else str(path)
             raise MappingError([replace(d, file=where) for d in sorted(diags, key=lambda d: d.index)])
-        return cls(tuple(statements), file_reverse if reverse is None else reverse, prefix or "",
-                   bool(strict))
+        return cls(tuple(statements), file_reverse if reverse is None else reverse, prefix or "", bool(strict))
 
     def __len__(self) -> int:
         return len(self.statements)
@@ -145,8 +157,10 @@ def _from_source(source: Any) -> tuple[list[str], bool]:
         return [source], False
     if isinstance(source, Sequence) and all(isinstance(s, str) for s in source):
         return list(source), False
-    raise MappingError(f"cannot read a mapping from {type(source).__name__}; give a list of statements, "
-                       "a string, a dict with 'aoa_statements', or a .txt/.json/.yaml path")
+    raise MappingError(
+        f"cannot read a mapping from {type(source).__name__}; give a list of statements, "
+        "a string, a dict with 'aoa_statements', or a .txt/.json/.yaml path"
+    )
 
 
 def _from_doc(doc: Any, where: str) -> tuple[list[str], bool]:
@@ -154,16 +168,15 @@ def _from_doc(doc: Any, where: str) -> tuple[list[str], bool]:
     if isinstance(doc, list):
         doc = {"aoa_statements": doc}
     if not isinstance(doc, dict):
-        raise MappingError(f"{where}: expected a list of statements or a dict with 'aoa_statements', "
-                           f"found {type(doc).__name__}")
+        raise MappingError(
+            f"{where}: expected a list of statements or a dict with 'aoa_statements', found {type(doc).__name__}"
+        )
     if "aoa_statements" not in doc:
-        raise MappingError(f"{where}: a mapping dict needs the key 'aoa_statements' (found "
-                           f"{sorted(map(str, doc))})")
+        raise MappingError(f"{where}: a mapping dict needs the key 'aoa_statements' (found {sorted(map(str, doc))})")
     stmts = doc["aoa_statements"]
     if isinstance(stmts, str):
         stmts = [stmts]
-    bad = ([i for i, s in enumerate(stmts) if not isinstance(s, str)] if isinstance(stmts, list)
-           else None)
+    bad = [i for i, s in enumerate(stmts) if not isinstance(s, str)] if isinstance(stmts, list) else None
     if bad is None or bad:
         found = type(stmts).__name__ if bad is None else f"item {bad[0]} is {type(stmts[bad[0]]).__name__}"
         raise MappingError(f"{where}: 'aoa_statements' must be a list of statement strings ({found})")
@@ -181,18 +194,22 @@ def _read_file(path: Path) -> tuple[list[str], bool]:
     try:
         text = read_bounded(path, MAX_MAPPING_BYTES).decode("utf-8")
     except FormatError as exc:
-        raise MappingError(f"cannot read mapping file {str(path)!r}: {exc} (a mapping file is a regular "
-                           f"file of at most {MAX_MAPPING_BYTES >> 20} MiB)") from None
+        raise MappingError(
+            f"cannot read mapping file {str(path)!r}: {exc} (a mapping file is a regular "
+            f"file of at most {MAX_MAPPING_BYTES >> 20} MiB)"
+        ) from None
     except UnicodeError as exc:
         raise MappingError(f"cannot read mapping file {str(path)!r}: {exc}") from None
     if path.suffix == ".json":
         try:
             doc = json.loads(text)
         except json.JSONDecodeError as exc:
-            raise MappingError(f"{path}, line {exc.lineno}, column {exc.colno}: invalid JSON: "
-                               f"{exc.msg}") from None
+            raise MappingError(f"{path}, line {exc.lineno}, column {exc.colno}: invalid JSON: {exc.msg}") from None
         except RecursionError:
-            raise MappingError(f"{path}: invalid JSON: nested too deeply to read (beyond Python's recursion limit); fix the mapping file") from None
+            raise MappingError(
+                f"{path}: invalid JSON: nested too deeply to read (beyond Python's recursion limit); "
+                "fix the mapping file"
+            ) from None
     elif path.suffix in (".yaml", ".yml"):
         doc = _load_yaml(path, text)
     else:
@@ -204,8 +221,7 @@ def _load_yaml(path: Path, text: str) -> Any:
     try:
         import yaml  # optional: only YAML mapping files need it
     except ImportError as exc:
-        raise MappingError(f"{path}: reading YAML needs PyYAML (pip install pyyaml), or use "
-                           ".json/.txt") from exc
+        raise MappingError(f"{path}: reading YAML needs PyYAML (pip install pyyaml), or use .json/.txt") from exc
     try:
         return yaml.safe_load(text)
     except yaml.YAMLError as exc:
@@ -214,4 +230,6 @@ def _load_yaml(path: Path, text: str) -> Any:
         problem = getattr(exc, "problem", None) or str(exc)
         raise MappingError(f"{path}{at}: invalid YAML: {problem}") from None
     except RecursionError:
-        raise MappingError(f"{path}: invalid YAML: nested too deeply to read (beyond Python's recursion limit); fix the mapping file") from None
+        raise MappingError(
+            f"{path}: invalid YAML: nested too deeply to read (beyond Python's recursion limit); fix the mapping file"
+        ) from None

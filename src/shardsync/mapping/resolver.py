@@ -17,12 +17,12 @@ from typing import NamedTuple
 from ..errors import MappingError
 from ..layout.meta import GlobalLayout, TensorMeta
 from ..quant.fp8 import DEFAULT_BLOCK, Block
+from .fused import apply_fused
+from .hints import moe_hint, with_moe_hint, with_prefix_hint
 from .macros import expand_macros, reverse_program
 from .parser import attribute_names
 from .pieces import Piece, TargetSpec
 from .program import Mapping, MappingLike
-from .fused import apply_fused
-from .hints import moe_hint, with_moe_hint, with_prefix_hint
 from .scales import fp8_pairs, scale_targets
 from .statements import StatementError, apply_statement
 from .syntax import Diagnostic, Name, Statement, suggest
@@ -61,8 +61,11 @@ class _Run:
     tolerate: Callable[[str], bool]  # unknown names that skip their statement silently
 
     def fail(self, st: Statement, e: StatementError) -> None:
-        self.diags.append(Diagnostic(e.message, st.index, st.text, e.name.col if e.name else 0,
-                                     e.name.text if e.name else None, e.hints))
+        self.diags.append(
+            Diagnostic(
+                e.message, st.index, st.text, e.name.col if e.name else 0, e.name.text if e.name else None, e.hints
+            )
+        )
         self.failed.update(n.text for n in st.right)
 
     def lookup(self, st: Statement, i: int) -> VTensor | None:
@@ -70,8 +73,11 @@ class _Run:
         found = self.bound[name.text] if name.text in self.bound else self.sources.get(name.text)
         if found is None and name.text not in self.failed and not self.tolerate(name.text):
             known = list(self.bound) + list(self.sources)
-            self.diags.append(Diagnostic(f"unknown name {name.text!r}{suggest(name.text, known)}",
-                                         st.index, st.text, name.col, name.text))
+            self.diags.append(
+                Diagnostic(
+                    f"unknown name {name.text!r}{suggest(name.text, known)}", st.index, st.text, name.col, name.text
+                )
+            )
         return found
 
     def shard_count(self, name: Name, v: VTensor | None, dim: int) -> int:
@@ -86,16 +92,20 @@ class _Run:
             return _equal_bands(name, meta, dim, 0, meta.shape[dim], f"destination {name.text!r}")
         whole = [f for f in v.frags if f.box.sizes == v.shape]
         if len(whole) != 1:
-            raise StatementError(f"{name.text!r} must be one source tensor (renamed, cast or permuted at "
-                                 "most) so that its shards can be counted", name,
-                                 ("or give the block count: tp=<tensor-parallel size>",))
+            raise StatementError(
+                f"{name.text!r} must be one source tensor (renamed, cast or permuted at "
+                "most) so that its shards can be counted",
+                name,
+                ("or give the block count: tp=<tensor-parallel size>",),
+            )
         f = whole[0]
         sdim = f.perm[dim]
         if sdim < 0:
             return 1  # a unit dim the source lacks: one block
         what = repr(name.text) if f.source == name.text else f"{name.text!r} (source {f.source!r})"
-        return _equal_bands(name, self.layout[f.source], sdim, f.source_box.offsets[sdim],
-                            f.source_box.stops[sdim], what)
+        return _equal_bands(
+            name, self.layout[f.source], sdim, f.source_box.offsets[sdim], f.source_box.stops[sdim], what
+        )
 
 
 def _equal_bands(name: Name, meta: TensorMeta, dim: int, lo: int, hi: int, what: str) -> int:
@@ -103,10 +113,12 @@ def _equal_bands(name: Name, meta: TensorMeta, dim: int, lo: int, hi: int, what:
     cuts = sorted({lo, hi} | {o for o in meta.offsets_along(dim) if lo < o < hi})
     sizes = [b - a for a, b in zip(cuts, cuts[1:])]
     if len(set(sizes)) > 1:
-        raise StatementError(f"{what} is cut along dim {dim} into shards of sizes {sizes}; a fused form "
-                             "reads each shard as one block, so they must be the same size", name,
-                             ("give the block count explicitly: tp=<tensor-parallel size the weights "
-                              "were written with>",))
+        raise StatementError(
+            f"{what} is cut along dim {dim} into shards of sizes {sizes}; a fused form "
+            "reads each shard as one block, so they must be the same size",
+            name,
+            ("give the block count explicitly: tp=<tensor-parallel size the weights were written with>",),
+        )
     return max(1, len(sizes))
 
 
@@ -132,8 +144,7 @@ def _run_statement(run: _Run, st: Statement) -> None:
         return
     if [n.text for n in st.left] == ["_"]:
         return  # `_ -> y`: y has no source; nothing is produced for it on export
-    if st.optional and not any(n.text in run.bound or n.text in run.sources or n.text in run.failed
-                               for n in st.left):
+    if st.optional and not any(n.text in run.bound or n.text in run.sources or n.text in run.failed for n in st.left):
         return  # `a? -> b` without `a`: skipped; a reader of `b` reports it unknown
     inputs = [run.lookup(st, i) for i in range(len(st.left))]
     if any(v is None for v in inputs):
@@ -141,20 +152,28 @@ def _run_statement(run: _Run, st: Statement) -> None:
         return
     try:
         fused = any(a.value is None for a in st.attrs)
-        outputs = (apply_fused(st, inputs, run.shard_count) if fused  # type: ignore[arg-type]
-                   else apply_statement(st, inputs))  # type: ignore[arg-type]
+        if fused:
+            outputs = apply_fused(st, inputs, run.shard_count)  # type: ignore[arg-type]
+        else:
+            outputs = apply_statement(st, inputs)  # type: ignore[arg-type]
     except StatementError as e:
         run.fail(st, e)
         return
     for n in st.left:
         run.live.pop(n.text, None)
-    shadowed = [n for n in st.right if n.text in run.sources and n.text in run.live
-                and n.text not in {m.text for m in st.left}]
+    shadowed = [
+        n for n in st.right if n.text in run.sources and n.text in run.live and n.text not in {m.text for m in st.left}
+    ]
     if shadowed:
         n = shadowed[0]
-        run.fail(st, StatementError(f"{n.text!r} is also a source that no statement consumes: both "
-                                    "would be outputs of that name", n,
-                                    (f"drop the source first (`{n.text} -> _`) or choose another name",)))
+        run.fail(
+            st,
+            StatementError(
+                f"{n.text!r} is also a source that no statement consumes: both would be outputs of that name",
+                n,
+                (f"drop the source first (`{n.text} -> _`) or choose another name",),
+            ),
+        )
         return
     if _produced_twice(run, st):
         return
@@ -174,8 +193,11 @@ def _drop_optional_strays(run: _Run) -> None:
     tensor (an ``lm_head`` for a tied model) is still reported."""
     if run.dest is None:
         return
-    strays = {n: run.producers[n] for n in run.live if n in run.producers and run.producers[n].optional
-              and run.dest_prefix + n not in run.dest}
+    strays = {
+        n: run.producers[n]
+        for n in run.live
+        if n in run.producers and run.producers[n].optional and run.dest_prefix + n not in run.dest
+    }
     stray_ids = {id(st) for st in strays.values()}
     read_elsewhere = {m.text for st in run.producers.values() if id(st) not in stray_ids for m in st.left}
     for name, st in strays.items():
@@ -187,17 +209,23 @@ def _produced_twice(run: _Run, st: Statement) -> bool:
     """Report a name of ``st``'s right side that an earlier statement bound and nothing has read
     since: both would produce that target, and the later one would silently win."""
     reads = {m.text for m in st.left}
-    n = next((n for n in st.right if n.text in run.producers and n.text in run.live
-              and n.text not in reads), None)
+    n = next((n for n in st.right if n.text in run.producers and n.text in run.live and n.text not in reads), None)
     if n is None:
         return False
     first = run.producers[n.text]
-    where = "an earlier expansion of this statement" if first.index == st.index else \
-        f"statement {first.index} `{first.text}`"
-    run.fail(st, StatementError(f"{n.text!r} is already produced by {where}: two statements would produce "
-                                "the same target", n,
-                                ("give one of them another name, or read the first one before binding "
-                                 f"{n.text!r} again",)))
+    where = (
+        "an earlier expansion of this statement"
+        if first.index == st.index
+        else f"statement {first.index} `{first.text}`"
+    )
+    run.fail(
+        st,
+        StatementError(
+            f"{n.text!r} is already produced by {where}: two statements would produce the same target",
+            n,
+            (f"give one of them another name, or read the first one before binding {n.text!r} again",),
+        ),
+    )
     return True
 
 
@@ -205,26 +233,40 @@ def _strip(keys: Sequence[str], prefix: str) -> dict[str, str]:
     """``{name the program reads: key}``: each key less ``prefix`` where it has it."""
     names: dict[str, str] = {}
     for k in keys:
-        name = k[len(prefix):] if prefix and k.startswith(prefix) else k
+        name = k[len(prefix) :] if prefix and k.startswith(prefix) else k
         if name in names:
-            raise MappingError(f"source keys {names[name]!r} and {k!r} both read as {name!r} with "
-                               f"prefix={prefix!r}; drop one of them or give no prefix")
+            raise MappingError(
+                f"source keys {names[name]!r} and {k!r} both read as {name!r} with "
+                f"prefix={prefix!r}; drop one of them or give no prefix"
+            )
         names[name] = k
     return names
 
 
 def _one_way(statements: Sequence[Statement]) -> list[Diagnostic]:
     """``dtype=`` and ``shape=`` in a program run in reverse: each an error saying what to write."""
-    fixes = {"dtype": "write src_dtype='<checkpoint dtype>', dst_dtype='<model dtype>'",
-             "shape": "write src_shape='<checkpoint shape>', dst_shape='<model shape>'"}
-    return [Diagnostic(f"{a.key}= is one-way and cannot run in reverse", st.index, st.text, a.col, a.key,
-                       (fixes[a.key],))
-            for st in statements for a in st.attrs if a.key in fixes]
+    fixes = {
+        "dtype": "write src_dtype='<checkpoint dtype>', dst_dtype='<model dtype>'",
+        "shape": "write src_shape='<checkpoint shape>', dst_shape='<model shape>'",
+    }
+    return [
+        Diagnostic(f"{a.key}= is one-way and cannot run in reverse", st.index, st.text, a.col, a.key, (fixes[a.key],))
+        for st in statements
+        for a in st.attrs
+        if a.key in fixes
+    ]
 
 
-def resolve_program(statements: Sequence[Statement], layout: GlobalLayout, *,
-                    dest: GlobalLayout | None = None, reverse: bool = False, keys: Sequence[str] | None = None,
-                    tolerate: Callable[[str], bool] = lambda name: False, prefix: str = "") -> Resolved:
+def resolve_program(
+    statements: Sequence[Statement],
+    layout: GlobalLayout,
+    *,
+    dest: GlobalLayout | None = None,
+    reverse: bool = False,
+    keys: Sequence[str] | None = None,
+    tolerate: Callable[[str], bool] = lambda name: False,
+    prefix: str = "",
+) -> Resolved:
     """Expand and evaluate ``statements`` over the sources ``keys`` (default: every layout key).
 
     ``tolerate(name)`` says which unknown names skip their statement (and its dependents) silently.
@@ -233,14 +275,14 @@ def resolve_program(statements: Sequence[Statement], layout: GlobalLayout, *,
     names = _strip(layout.keys() if keys is None else list(keys), "" if reverse else prefix)
     dest_keys = None if dest is None else list(_strip(dest.keys(), prefix if reverse else ""))
     sources = {n: source_tensor(k, layout[k].shape, layout[k].dtype) for n, k in names.items()}
-    run = _Run(layout, dest, prefix if reverse else "", sources, {}, dict.fromkeys(names), {}, [], set(),
-               tolerate)
+    run = _Run(layout, dest, prefix if reverse else "", sources, {}, dict.fromkeys(names), {}, [], set(), tolerate)
     # Each statement is expanded just before it runs, against the sources and the names bound so far
     # (with their shapes: an unstack's '*' outputs are numbered by them).
     for st in reversed(statements) if reverse else statements:
         shapes = {n: v.shape for n, v in run.sources.items()} | {n: v.shape for n, v in run.bound.items()}
-        expanded, diags = expand_macros([st], list(run.sources), dest_keys, reverse=reverse, shapes=shapes,
-                                        bound=list(run.bound))
+        expanded, diags = expand_macros(
+            [st], list(run.sources), dest_keys, reverse=reverse, shapes=shapes, bound=list(run.bound)
+        )
         run.diags += diags
         if reverse:
             run.diags += _one_way(expanded)
@@ -254,20 +296,33 @@ def resolve_program(statements: Sequence[Statement], layout: GlobalLayout, *,
     return Resolved({out_prefix + n: values[n] for n in sorted(run.live)}, run.diags, passed)
 
 
-def _resolve(program: Mapping, layout: GlobalLayout, dest: GlobalLayout | None, state_suffixes: Sequence[str],
-             scalar_suffixes: Sequence[str], block: Block = DEFAULT_BLOCK) -> tuple[list[TargetSpec], list[str]]:
+def _resolve(
+    program: Mapping,
+    layout: GlobalLayout,
+    dest: GlobalLayout | None,
+    state_suffixes: Sequence[str],
+    scalar_suffixes: Sequence[str],
+    block: Block = DEFAULT_BLOCK,
+) -> tuple[list[TargetSpec], list[str]]:
     """Every target, sorted by name, and the source keys passed through unconsumed. The scales of
     block-FP8 weights are not sources of their own: they follow their weights (:mod:`.scales`)."""
     named = {n.text for st in program.statements for n in st.left + st.right}
     pairs = fp8_pairs(layout, {program.prefix + n for n in named} | named)
     scales = set(pairs.values())
-    model_keys, states = _split_state_keys([k for k in layout.keys() if k not in scales], named,
-                                           tuple(state_suffixes), tuple(scalar_suffixes))
-    stems = {k[:-len(sfx)] for sfx, ks in states.items() for k in ks}
-    stems |= {k[len(program.prefix):] for k in stems if program.prefix and k.startswith(program.prefix)}
-    outputs, diags, passed = resolve_program(program.statements, layout, dest=dest, reverse=program.reverse,
-                                             keys=model_keys, tolerate=stems.__contains__,
-                                             prefix=program.prefix)
+    model_keys, states = _split_state_keys(
+        [k for k in layout.keys() if k not in scales], named, tuple(state_suffixes), tuple(scalar_suffixes)
+    )
+    stems = {k[: -len(sfx)] for sfx, ks in states.items() for k in ks}
+    stems |= {k[len(program.prefix) :] for k in stems if program.prefix and k.startswith(program.prefix)}
+    outputs, diags, passed = resolve_program(
+        program.statements,
+        layout,
+        dest=dest,
+        reverse=program.reverse,
+        keys=model_keys,
+        tolerate=stems.__contains__,
+        prefix=program.prefix,
+    )
     if diags:
         diags = with_prefix_hint(sorted(diags, key=lambda d: d.index), model_keys, program)
         raise MappingError(with_moe_hint(diags, model_keys, program))
@@ -277,10 +332,17 @@ def _resolve(program: Mapping, layout: GlobalLayout, dest: GlobalLayout | None, 
     return [targets[k] for k in sorted(targets)], passed
 
 
-def resolve(mapping: MappingLike | None, layout: GlobalLayout, *, dest: GlobalLayout | None = None,
-            reverse: bool | None = None, state_suffixes: Sequence[str] = OPTIMIZER_SUFFIXES,
-            scalar_suffixes: Sequence[str] = SCALAR_SUFFIXES, strict: bool | None = None,
-            fp8_block: Block = DEFAULT_BLOCK) -> list[TargetSpec]:
+def resolve(
+    mapping: MappingLike | None,
+    layout: GlobalLayout,
+    *,
+    dest: GlobalLayout | None = None,
+    reverse: bool | None = None,
+    state_suffixes: Sequence[str] = OPTIMIZER_SUFFIXES,
+    scalar_suffixes: Sequence[str] = SCALAR_SUFFIXES,
+    strict: bool | None = None,
+    fp8_block: Block = DEFAULT_BLOCK,
+) -> list[TargetSpec]:
     """Resolve ``mapping`` against ``layout``: every target, sorted by name, as pieces.
 
     Optimizer-state keys ``<key><suffix>`` follow ``<key>``'s mapping (a state key is one whose stem
@@ -318,17 +380,29 @@ def resolve(mapping: MappingLike | None, layout: GlobalLayout, *, dest: GlobalLa
         shown = ", ".join(map(repr, passed[:10])) + (f" and {len(passed) - 10} more" if len(passed) > 10 else "")
         moe = moe_hint(passed, program)  # a dense mapping on a model with some MoE layers
         if program.strict if strict is None else strict:
-            raise MappingError(f"the mapping leaves {len(passed)} source{'s' * (len(passed) > 1)} unconsumed: "
-                               f"{shown}; " + (moe or "map each with a statement or drop it (`name -> _`), "
-                                               "or resolve without strict to pass them through under their "
-                                               "own names"))
-        logger.warning("the mapping leaves %d source%s unconsumed; they pass through under their own "
-                       "names: %s%s", len(passed), "s" * (len(passed) > 1), shown, f"; {moe}" if moe else "")
+            raise MappingError(
+                f"the mapping leaves {len(passed)} source{'s' * (len(passed) > 1)} unconsumed: "
+                f"{shown}; "
+                + (
+                    moe
+                    or "map each with a statement or drop it (`name -> _`), "
+                    "or resolve without strict to pass them through under their "
+                    "own names"
+                )
+            )
+        logger.warning(
+            "the mapping leaves %d source%s unconsumed; they pass through under their own names: %s%s",
+            len(passed),
+            "s" * (len(passed) > 1),
+            shown,
+            f"; {moe}" if moe else "",
+        )
     return targets
 
 
-def unconsumed(mapping: MappingLike, layout: GlobalLayout, *, dest: GlobalLayout | None = None,
-               reverse: bool | None = None) -> list[str]:
+def unconsumed(
+    mapping: MappingLike, layout: GlobalLayout, *, dest: GlobalLayout | None = None, reverse: bool | None = None
+) -> list[str]:
     """The sources a mapping leaves unconsumed.
 
     Args:
@@ -355,21 +429,32 @@ def unconsumed(mapping: MappingLike, layout: GlobalLayout, *, dest: GlobalLayout
     return _resolve(program, layout, dest, OPTIMIZER_SUFFIXES, SCALAR_SUFFIXES)[1]
 
 
-def _state_targets(program: Mapping, layout: GlobalLayout, states: dict[str, list[str]],
-                   scalars: tuple[str, ...], outputs: dict[str, VTensor]) -> dict[str, TargetSpec]:
+def _state_targets(
+    program: Mapping,
+    layout: GlobalLayout,
+    states: dict[str, list[str]],
+    scalars: tuple[str, ...],
+    outputs: dict[str, VTensor],
+) -> dict[str, TargetSpec]:
     """Targets for optimizer states: shaped ones run the program with each state key standing in for
     its parameter's; scalar ones are copied whole from the first source of each target."""
     targets: dict[str, TargetSpec] = {}
     firsts = {name: v.frags[0].source for name, v in outputs.items() if v.frags}
     for sfx in (s for s in states if s not in scalars):
-        stand_in = GlobalLayout({k[:-len(sfx)]: replace(layout[k], key=k[:-len(sfx)]) for k in states[sfx]},
-                                layout.world_size)
-        state_out = resolve_program(program.statements, stand_in, reverse=program.reverse,
-                                    tolerate=lambda name: True,  # params without this state
-                                    prefix=program.prefix).outputs
+        stand_in = GlobalLayout(
+            {k[: -len(sfx)]: replace(layout[k], key=k[: -len(sfx)]) for k in states[sfx]}, layout.world_size
+        )
+        state_out = resolve_program(
+            program.statements,
+            stand_in,
+            reverse=program.reverse,
+            tolerate=lambda name: True,  # params without this state
+            prefix=program.prefix,
+        ).outputs
         for name, v in state_out.items():
-            targets[name + sfx] = TargetSpec(name + sfx, v.shape, v.dtype,
-                                             tuple(_suffixed(p, sfx) for p in to_pieces(v)))
+            targets[name + sfx] = TargetSpec(
+                name + sfx, v.shape, v.dtype, tuple(_suffixed(p, sfx) for p in to_pieces(v))
+            )
             if v.frags:
                 firsts.setdefault(name, v.frags[0].source)
     for sfx in (s for s in states if s in scalars):
@@ -381,14 +466,16 @@ def _state_targets(program: Mapping, layout: GlobalLayout, states: dict[str, lis
     return targets
 
 
-def _split_state_keys(keys: Sequence[str], named: set[str], shaped: tuple[str, ...],
-                      scalars: tuple[str, ...]) -> tuple[list[str], dict[str, list[str]]]:
+def _split_state_keys(
+    keys: Sequence[str], named: set[str], shaped: tuple[str, ...], scalars: tuple[str, ...]
+) -> tuple[list[str], dict[str, list[str]]]:
     model: list[str] = []
     states: dict[str, list[str]] = {}
     keyset = set(keys)
     for k in keys:
-        sfx = next((s for s in shaped + scalars
-                    if k.endswith(s) and (k[:-len(s)] in keyset or k[:-len(s)] in named)), None)
+        sfx = next(
+            (s for s in shaped + scalars if k.endswith(s) and (k[: -len(s)] in keyset or k[: -len(s)] in named)), None
+        )
         if sfx is None:
             model.append(k)
         else:

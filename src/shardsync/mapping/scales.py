@@ -34,13 +34,19 @@ def fp8_pairs(layout: GlobalLayout, named: Collection[str]) -> dict[str, str]:
         ({'w': 'w_scale_inv'}, {})
     """
     keys = set(layout.keys())
-    return {k: scale_key(k) for k in layout.keys()
-            if layout[k].dtype in CODE_DTYPES and len(layout[k].shape) >= 2 and scale_key(k) in keys
-            and scale_key(k) not in named}
+    return {
+        k: scale_key(k)
+        for k in layout.keys()
+        if layout[k].dtype in CODE_DTYPES
+        and len(layout[k].shape) >= 2
+        and scale_key(k) in keys
+        and scale_key(k) not in named
+    }
 
 
-def scale_targets(targets: Iterable[TargetSpec], layout: GlobalLayout, pairs: dict[str, str],
-                  block: Block = DEFAULT_BLOCK) -> list[TargetSpec]:
+def scale_targets(
+    targets: Iterable[TargetSpec], layout: GlobalLayout, pairs: dict[str, str], block: Block = DEFAULT_BLOCK
+) -> list[TargetSpec]:
     """The scale target of every target that reads block-FP8 weights, its pieces following theirs.
 
     Args:
@@ -75,10 +81,13 @@ def scale_targets(targets: Iterable[TargetSpec], layout: GlobalLayout, pairs: di
         else:
             out.append(spec)
     if problems:
-        raise MappingError("block-FP8 weights (codes with *_scale_inv scales) are mapped without a dtype, so "
-                           "their scales must follow them:\n  " + "\n  ".join(problems)
-                           + "\nask for a dtype to dequantise them (dtype=..., --dtype bf16), or cut on block "
-                           "boundaries")
+        raise MappingError(
+            "block-FP8 weights (codes with *_scale_inv scales) are mapped without a dtype, so "
+            "their scales must follow them:\n  "
+            + "\n  ".join(problems)
+            + "\nask for a dtype to dequantise them (dtype=..., --dtype bf16), or cut on block "
+            "boundaries"
+        )
     return out
 
 
@@ -102,14 +111,15 @@ def _scale_target(t: TargetSpec, layout: GlobalLayout, pairs: dict[str, str], bl
     for p in t.pieces:
         weight, scales = layout[p.source], layout[pairs[p.source]]
         if scales.shape != scale_shape(weight.shape, block):
-            return (f"its scales {pairs[p.source]!r} of shape {list(scales.shape)} do not fit weight "
-                    f"{p.source!r} of shape {list(weight.shape)} in blocks of {list(block)}, so the cut "
-                    f"{p.source}{p.source_box} cannot be followed")
+            return (
+                f"its scales {pairs[p.source]!r} of shape {list(scales.shape)} do not fit weight "
+                f"{p.source!r} of shape {list(weight.shape)} in blocks of {list(block)}, so the cut "
+                f"{p.source}{p.source_box} cannot be followed"
+            )
         why = _piece_problem(p, weight.shape, t.shape, block)
         if why:
             return why
-        pieces.append(Piece(pairs[p.source], scale_box(p.source_box, block), scale_box(p.target_box, block),
-                            p.perm))
+        pieces.append(Piece(pairs[p.source], scale_box(p.source_box, block), scale_box(p.target_box, block), p.perm))
         dtypes.add(scales.dtype)
     if len(dtypes) > 1:
         return f"its weights' scales have different dtypes ({', '.join(sorted(dtypes))})"
@@ -119,8 +129,13 @@ def _scale_target(t: TargetSpec, layout: GlobalLayout, pairs: dict[str, str], bl
 def _whole(p: Piece, layout: GlobalLayout, shape: tuple[int, ...]) -> bool:
     """Whether ``p`` copies a whole weight onto a whole target of its shape, as it is."""
     source = layout[p.source].shape
-    return (p.perm is None and not p.casts and source == shape and p.source_box == Box.full(source)
-            and p.target_box == Box.full(shape))
+    return (
+        p.perm is None
+        and not p.casts
+        and source == shape
+        and p.source_box == Box.full(source)
+        and p.target_box == Box.full(shape)
+    )
 
 
 def _piece_problem(p: Piece, source: Sequence[int], target: Sequence[int], block: Block) -> str:
@@ -136,6 +151,8 @@ def _piece_problem(p: Piece, source: Sequence[int], target: Sequence[int], block
         ends = size % b == 0 or (s0 + size == source[ds] and t0 + size == target[dt])
         if not (aligned and ends):
             what = "rows" if ds == ns - 2 else "columns"
-            return (f"{p.source}{p.source_box} -> {p.target_box} cuts blocks of {list(block)} ({what} "
-                    f"{s0}..{s0 + size} land at {t0}..{t0 + size})")
+            return (
+                f"{p.source}{p.source_box} -> {p.target_box} cuts blocks of {list(block)} ({what} "
+                f"{s0}..{s0 + size} land at {t0}..{t0 + size})"
+            )
     return ""

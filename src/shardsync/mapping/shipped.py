@@ -23,8 +23,18 @@ from ..errors import MappingError
 from .lexer import parameter_names, parse_int
 from .syntax import suggest
 
-__all__ = ["SHIPPED_DIR", "shipped_mappings", "shipped_path", "shipped_parameters", "unknown_mapping",
-           "ParamValue", "ConfigLike", "CONFIG_KEYS", "fill_parameters", "read_config"]
+__all__ = [
+    "SHIPPED_DIR",
+    "shipped_mappings",
+    "shipped_path",
+    "shipped_parameters",
+    "unknown_mapping",
+    "ParamValue",
+    "ConfigLike",
+    "CONFIG_KEYS",
+    "fill_parameters",
+    "read_config",
+]
 
 #: A parameter's value: an integer, or a string (a string of digits is taken as an integer, so values
 #: from a command line such as ``--set num_heads=32`` work as they are).
@@ -100,8 +110,10 @@ def unknown_mapping(text: str) -> MappingError:
     it suggests close shipped names and lists them all."""
     names = shipped_mappings()
     listing = "".join(f"\n  {n}: {d}" for n, d in names.items())
-    return MappingError(f"{text!r} is not a shipped mapping, a mapping file or a statement (a statement "
-                        f"has '->'){suggest(text, names)}\nshipped mappings:{listing}")
+    return MappingError(
+        f"{text!r} is not a shipped mapping, a mapping file or a statement (a statement "
+        f"has '->'){suggest(text, names)}\nshipped mappings:{listing}"
+    )
 
 
 _INT = re.compile(r"[-+]?[0-9]+")
@@ -138,8 +150,10 @@ def read_config(config: ConfigLike) -> Mapping[str, Any] | object:
     if path.is_dir():
         path = path / "config.json"
     if not path.is_file():
-        raise MappingError(f"model config {str(path)!r} does not exist; give a config.json, the "
-                           "directory holding it, or the parameters themselves (params=...)")
+        raise MappingError(
+            f"model config {str(path)!r} does not exist; give a config.json, the "
+            "directory holding it, or the parameters themselves (params=...)"
+        )
     try:
         doc = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeError) as exc:
@@ -147,7 +161,9 @@ def read_config(config: ConfigLike) -> Mapping[str, Any] | object:
     except json.JSONDecodeError as exc:
         raise MappingError(f"{path}, line {exc.lineno}, column {exc.colno}: invalid JSON: {exc.msg}") from None
     except RecursionError:
-        raise MappingError(f"model config {str(path)!r}: invalid JSON: nested too deeply to read (beyond Python's recursion limit)") from None
+        raise MappingError(
+            f"model config {str(path)!r}: invalid JSON: nested too deeply to read (beyond Python's recursion limit)"
+        ) from None
     if not isinstance(doc, dict):
         raise MappingError(f"model config {str(path)!r} holds a JSON {type(doc).__name__}, not an object")
     return doc
@@ -184,14 +200,21 @@ def _missing_error(missing: Sequence[str], what: str, had_config: bool) -> Mappi
     keys = "; ".join(" or ".join((n, *CONFIG_KEYS.get(n, ()))) for n in missing)
     example = ", ".join(f"{n!r}: ..." for n in missing)
     where = "the config given has none of the keys" if had_config else "with the keys"
-    return MappingError(f"{what} needs the parameter{'s' * (len(missing) > 1)} {', '.join(missing)}: pass "
-                        f"params={{{example}}} to shardsync.Mapping.parse (command line: --set "
-                        f"{missing[0]}=...), or config= a model config.json or its directory ({where}: "
-                        f"{keys})")
+    return MappingError(
+        f"{what} needs the parameter{'s' * (len(missing) > 1)} {', '.join(missing)}: pass "
+        f"params={{{example}}} to shardsync.Mapping.parse (command line: --set "
+        f"{missing[0]}=...), or config= a model config.json or its directory ({where}: "
+        f"{keys})"
+    )
 
 
-def fill_parameters(needed: Sequence[str], params: Mapping[str, ParamValue] | None,
-                    config: ConfigLike | None, *, what: str = "the mapping") -> dict[str, int | str]:
+def fill_parameters(
+    needed: Sequence[str],
+    params: Mapping[str, ParamValue] | None,
+    config: ConfigLike | None,
+    *,
+    what: str = "the mapping",
+) -> dict[str, int | str]:
     """The value of every parameter in ``needed``: from ``params`` first, then from ``config``.
 
     Args:

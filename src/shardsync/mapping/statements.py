@@ -13,22 +13,31 @@ from collections.abc import Callable, Sequence
 import torch
 
 from ..layout.dtypes import dtype_name, to_torch_dtype
-from .syntax import Name, Statement
 from .lexer import parse_int_list
+from .syntax import Name, Statement
 from .views import infer_shape, reshape
 from .vtensor import VTensor, cast, concat, permute, split, take
 
-__all__ = ["StatementError", "apply_statement", "ShardCount", "axis_of", "concat_checked", "cast_loss",
-           "STATEMENT_ATTRIBUTES"]
+__all__ = [
+    "StatementError",
+    "apply_statement",
+    "ShardCount",
+    "axis_of",
+    "concat_checked",
+    "cast_loss",
+    "STATEMENT_ATTRIBUTES",
+]
 
 #: How many blocks a fused tensor has along a dim: ``(name, tensor, dim) -> T``; ``tensor`` is None for a
 #: tensor being built (its destination layout decides).
 ShardCount = Callable[[Name, "VTensor | None", int], int]
 #: The attributes of statements without a macro keyword (the fused forms add their own).
-STATEMENT_ATTRIBUTES = frozenset({"axis", "permute", "dtype", "src_dtype", "dst_dtype", "sizes", "keep",
-                                  "shape", "src_shape", "dst_shape", "lossy"})
-_ONE_TO_ONE = frozenset({"permute", "dtype", "axis", "src_dtype", "dst_dtype", "keep", "shape",
-                         "src_shape", "dst_shape", "lossy"})
+STATEMENT_ATTRIBUTES = frozenset(
+    {"axis", "permute", "dtype", "src_dtype", "dst_dtype", "sizes", "keep", "shape", "src_shape", "dst_shape", "lossy"}
+)
+_ONE_TO_ONE = frozenset(
+    {"permute", "dtype", "axis", "src_dtype", "dst_dtype", "keep", "shape", "src_shape", "dst_shape", "lossy"}
+)
 _EXCLUSIVE = ("permute", "dtype", "axis", "shape", "dst_shape")
 
 
@@ -47,8 +56,9 @@ def axis_of(st: Statement, v: VTensor, default: int | None = None) -> int:
     if not isinstance(raw, int):
         raise StatementError(f"axis must be an integer, got {raw!r}", st.attr_name("axis"))
     if not -v.ndim <= raw < v.ndim:
-        raise StatementError(f"axis={raw} is out of range for a {v.ndim}-dim tensor of shape "
-                             f"{list(v.shape)}", st.attr_name("axis"))
+        raise StatementError(
+            f"axis={raw} is out of range for a {v.ndim}-dim tensor of shape {list(v.shape)}", st.attr_name("axis")
+        )
     return raw % v.ndim
 
 
@@ -56,8 +66,7 @@ def _int_list(st: Statement, key: str) -> list[int]:
     try:
         return parse_int_list(str(st.attr(key)))
     except ValueError as exc:
-        raise StatementError(f"{key}= must be a list of integers like '[2, 0, 1]': {exc}",
-                             st.attr_name(key)) from None
+        raise StatementError(f"{key}= must be a list of integers like '[2, 0, 1]': {exc}", st.attr_name(key)) from None
 
 
 def _dtype(st: Statement, key: str) -> str:
@@ -96,12 +105,14 @@ def _cast(st: Statement, v: VTensor, key: str) -> VTensor:
     dtype = _dtype(st, key)
     flag = st.attr("lossy")
     if st.has("lossy") and flag != 1:
-        raise StatementError(f"lossy={flag!r}: write lossy=1 to accept a cast that loses values",
-                             st.attr_name("lossy"))
+        raise StatementError(f"lossy={flag!r}: write lossy=1 to accept a cast that loses values", st.attr_name("lossy"))
     loss = cast_loss(v.dtype, dtype)
     if loss is not None and flag is None:
-        raise StatementError(f"casting {st.left[0].text!r} from {v.dtype} to {dtype} {loss}",
-                             st.attr_name(key), ("add lossy=1 to the statement to cast anyway",))
+        raise StatementError(
+            f"casting {st.left[0].text!r} from {v.dtype} to {dtype} {loss}",
+            st.attr_name(key),
+            ("add lossy=1 to the statement to cast anyway",),
+        )
     return cast(v, dtype)
 
 
@@ -110,12 +121,13 @@ def _permute(st: Statement, v: VTensor) -> VTensor:
     if not perm:
         return permute(v, list(range(v.ndim))[::-1])
     if len(perm) != v.ndim:
-        raise StatementError(f"permute={perm} has {len(perm)} entries but the tensor has {v.ndim} dims "
-                             f"(shape {list(v.shape)})", st.attr_name("permute"))
+        raise StatementError(
+            f"permute={perm} has {len(perm)} entries but the tensor has {v.ndim} dims (shape {list(v.shape)})",
+            st.attr_name("permute"),
+        )
     norm = [p % v.ndim if -v.ndim <= p < v.ndim else None for p in perm]
     if None in norm or sorted(norm) != list(range(v.ndim)):  # type: ignore[type-var]
-        raise StatementError(f"permute={perm} is not a permutation of dims 0..{v.ndim - 1}",
-                             st.attr_name("permute"))
+        raise StatementError(f"permute={perm} is not a permutation of dims 0..{v.ndim - 1}", st.attr_name("permute"))
     return permute(v, norm)  # type: ignore[arg-type]
 
 
@@ -123,14 +135,16 @@ def _keep(st: Statement, v: VTensor) -> VTensor:
     """``a -> b, axis=k, keep=N``: the first N entries of ``a`` along dim k (a padded vocabulary
     trimmed to its real size)."""
     if not st.has("axis"):
-        raise StatementError("keep= needs axis=<dim>: the dim to keep the first entries of",
-                             st.attr_name("keep"))
+        raise StatementError("keep= needs axis=<dim>: the dim to keep the first entries of", st.attr_name("keep"))
     dim = axis_of(st, v)
     n = st.attr("keep")
     if not isinstance(n, int) or not 0 < n <= v.shape[dim]:
-        raise StatementError(f"keep={n!r} must be a positive integer at most {v.shape[dim]}, the size of "
-                             f"dim {dim} of {st.left[0].text!r} (shape {list(v.shape)})", st.attr_name("keep"),
-                             ("check the value (for a vocabulary: the model config's vocab_size)",))
+        raise StatementError(
+            f"keep={n!r} must be a positive integer at most {v.shape[dim]}, the size of "
+            f"dim {dim} of {st.left[0].text!r} (shape {list(v.shape)})",
+            st.attr_name("keep"),
+            ("check the value (for a vocabulary: the model config's vocab_size)",),
+        )
     return take(v, dim, 0, n)
 
 
@@ -138,45 +152,55 @@ def _shape(st: Statement, key: str, v: VTensor) -> tuple[int, ...]:
     try:
         return infer_shape(_int_list(st, key), math.prod(v.shape))
     except ValueError as exc:
-        raise StatementError(f"{key}={st.attr(key)!r} does not fit {st.left[0].text!r} of shape "
-                             f"{list(v.shape)}: {exc}", st.attr_name(key)) from None
+        raise StatementError(
+            f"{key}={st.attr(key)!r} does not fit {st.left[0].text!r} of shape {list(v.shape)}: {exc}",
+            st.attr_name(key),
+        ) from None
 
 
 def _reshape(st: Statement, v: VTensor) -> VTensor:
     """``a -> b, shape='[...]'`` (one way) or ``src_shape=`` / ``dst_shape=`` (reversible): ``a``
     reshaped row-major, as ``torch.reshape``; one size may be -1 (inferred)."""
     if st.has("src_shape") != st.has("dst_shape"):
-        raise StatementError("src_shape and dst_shape go together", st.attr_name("src_shape")
-                             or st.attr_name("dst_shape"))
+        raise StatementError(
+            "src_shape and dst_shape go together", st.attr_name("src_shape") or st.attr_name("dst_shape")
+        )
     if st.has("src_shape") and _shape(st, "src_shape", v) != v.shape:
-        raise StatementError(f"{st.left[0].text!r} has shape {list(v.shape)}, not src_shape="
-                             f"{st.attr('src_shape')!r}", st.attr_name("src_shape"))
+        raise StatementError(
+            f"{st.left[0].text!r} has shape {list(v.shape)}, not src_shape={st.attr('src_shape')!r}",
+            st.attr_name("src_shape"),
+        )
     return reshape(v, _shape(st, "shape" if st.has("shape") else "dst_shape", v))
 
 
 def _one_to_one(st: Statement, v: VTensor) -> VTensor:
     extra = sorted(a.key for a in st.attrs if a.key not in _ONE_TO_ONE)
     if extra:
-        raise StatementError(f"a 1 -> 1 statement takes permute=, dtype=, axis= (with keep=), shape=, "
-                             f"src_dtype=/dst_dtype= or src_shape=/dst_shape=, not {', '.join(extra)}",
-                             st.attr_name(extra[0]))
+        raise StatementError(
+            f"a 1 -> 1 statement takes permute=, dtype=, axis= (with keep=), shape=, "
+            f"src_dtype=/dst_dtype= or src_shape=/dst_shape=, not {', '.join(extra)}",
+            st.attr_name(extra[0]),
+        )
     kinds = [a.key for a in st.attrs if a.key in _EXCLUSIVE]
     if len(kinds) > 1:
-        raise StatementError(f"a 1 -> 1 statement takes at most one of permute/dtype/axis/shape, got "
-                             f"{' and '.join(kinds)}", st.attr_name(kinds[1]),
-                             ("write one statement per transform",))
+        raise StatementError(
+            f"a 1 -> 1 statement takes at most one of permute/dtype/axis/shape, got {' and '.join(kinds)}",
+            st.attr_name(kinds[1]),
+            ("write one statement per transform",),
+        )
     if st.has("src_dtype") != st.has("dst_dtype"):
         raise StatementError("src_dtype and dst_dtype go together")
     if st.has("lossy") and not (st.has("dtype") or st.has("dst_dtype")):
-        raise StatementError("lossy=1 goes with a cast (dtype= or src_dtype=/dst_dtype=)",
-                             st.attr_name("lossy"))
+        raise StatementError("lossy=1 goes with a cast (dtype= or src_dtype=/dst_dtype=)", st.attr_name("lossy"))
     if st.has("src_dtype"):
         src = _dtype(st, "src_dtype")
         _dtype(st, "dst_dtype")  # every spelling checked before what it says
         if src != v.dtype:
-            raise StatementError(f"src_dtype={src!r} but {st.left[0].text!r} is {v.dtype}: src_dtype names "
-                                 "the dtype the tensor has", st.attr_name("src_dtype"),
-                                 (f"write src_dtype='{v.dtype}'",))
+            raise StatementError(
+                f"src_dtype={src!r} but {st.left[0].text!r} is {v.dtype}: src_dtype names the dtype the tensor has",
+                st.attr_name("src_dtype"),
+                (f"write src_dtype='{v.dtype}'",),
+            )
         v = _cast(st, v, "dst_dtype")
     if st.has("src_shape") or "shape" in kinds or "dst_shape" in kinds:
         return _reshape(st, v)
@@ -197,13 +221,17 @@ def _split_statement(st: Statement, v: VTensor) -> list[VTensor]:
     if st.has("sizes"):
         sizes = _int_list(st, "sizes")
         if len(sizes) != parts or sum(sizes) != n or min(sizes) < 0:
-            raise StatementError(f"sizes={sizes} must give {parts} non-negative sizes summing to {n} "
-                                 f"(the size of dim {dim})", st.attr_name("sizes"))
+            raise StatementError(
+                f"sizes={sizes} must give {parts} non-negative sizes summing to {n} (the size of dim {dim})",
+                st.attr_name("sizes"),
+            )
     else:
         if n % parts:
-            raise StatementError(f"dim {dim} of {st.left[0].text!r} has size {n}, not divisible into "
-                                 f"{parts} equal parts", st.left[0],
-                                 (f"give unequal sizes with sizes='[...]' summing to {n}",))
+            raise StatementError(
+                f"dim {dim} of {st.left[0].text!r} has size {n}, not divisible into {parts} equal parts",
+                st.left[0],
+                (f"give unequal sizes with sizes='[...]' summing to {n}",),
+            )
         sizes = [n // parts] * parts
     return split(v, dim, sizes)
 
@@ -214,13 +242,19 @@ def concat_checked(st: Statement, vs: Sequence[VTensor], dim: int | None = None)
     first = vs[0]
     for name, v in zip(st.left[1:], vs[1:]):
         if v.dtype != first.dtype:
-            raise StatementError(f"{name.text!r} is {v.dtype} but {st.left[0].text!r} is {first.dtype}; "
-                                 "concat inputs must share a dtype", name,
-                                 (f"cast first: `{name.text} -> {name.text}, dtype='{first.dtype}'`",))
+            raise StatementError(
+                f"{name.text!r} is {v.dtype} but {st.left[0].text!r} is {first.dtype}; "
+                "concat inputs must share a dtype",
+                name,
+                (f"cast first: `{name.text} -> {name.text}, dtype='{first.dtype}'`",),
+            )
         other = [i for i in range(max(v.ndim, first.ndim)) if i != dim]
         if v.ndim != first.ndim or any(v.shape[i] != first.shape[i] for i in other):
-            raise StatementError(f"{name.text!r} has shape {list(v.shape)}, {st.left[0].text!r} has "
-                                 f"{list(first.shape)}: all dims but {dim} must match to concat", name)
+            raise StatementError(
+                f"{name.text!r} has shape {list(v.shape)}, {st.left[0].text!r} has "
+                f"{list(first.shape)}: all dims but {dim} must match to concat",
+                name,
+            )
     return concat(vs, dim)
 
 
@@ -231,12 +265,13 @@ def apply_statement(st: Statement, inputs: Sequence[VTensor]) -> list[VTensor]:
         return [_one_to_one(st, inputs[0])]
     extra = sorted(a.key for a in st.attrs if a.key not in ("axis", "sizes"))
     if extra:
-        raise StatementError(f"a split or concat takes only axis= (and sizes= for a split), not "
-                             f"{', '.join(extra)}", st.attr_name(extra[0]),
-                             ("cast or permute in a statement of its own",))
+        raise StatementError(
+            f"a split or concat takes only axis= (and sizes= for a split), not {', '.join(extra)}",
+            st.attr_name(extra[0]),
+            ("cast or permute in a statement of its own",),
+        )
     if len(inputs) == 1:
         return _split_statement(st, inputs[0])
     if st.has("sizes"):
         raise StatementError("sizes= belongs to a split, not a concat", st.attr_name("sizes"))
     return [concat_checked(st, inputs)]
-

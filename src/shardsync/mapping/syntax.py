@@ -57,10 +57,12 @@ class Statement:
 
     def render(self) -> str:
         """The statement in canonical text form (used for expanded statements)."""
+
         def val(a: Attr) -> str:
             if a.value is None:
                 return a.key
             return f"{a.key}={a.value!r}" if isinstance(a.value, str) else f"{a.key}={a.value}"
+
         left = [n.text for n in self.left]
         if self.optional and left:
             left[0] += "?"

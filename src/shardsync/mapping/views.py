@@ -33,13 +33,19 @@ def _cut(f: Frag, dim: int, lo: int, hi: int) -> Frag:
 
 def _edit(seq: Sequence[int], dim: int, new: Sequence[int], drop: int = 1) -> tuple[int, ...]:
     """``seq`` with ``drop`` entries at ``dim`` replaced by ``new``."""
-    return tuple(seq[:dim]) + tuple(new) + tuple(seq[dim + drop:])
+    return tuple(seq[:dim]) + tuple(new) + tuple(seq[dim + drop :])
 
 
 def unsqueeze(v: VTensor, dim: int) -> VTensor:
     """A new dim of size 1 at ``dim`` (``0 <= dim <= v.ndim``)."""
-    frags = tuple(replace(f, box=Box(_edit(f.box.offsets, dim, [0], 0), _edit(f.box.sizes, dim, [1], 0)),
-                          perm=_edit(f.perm, dim, [-1], 0)) for f in v.frags)
+    frags = tuple(
+        replace(
+            f,
+            box=Box(_edit(f.box.offsets, dim, [0], 0), _edit(f.box.sizes, dim, [1], 0)),
+            perm=_edit(f.perm, dim, [-1], 0),
+        )
+        for f in v.frags
+    )
     return VTensor(_edit(v.shape, dim, [1], 0), v.dtype, frags)
 
 
@@ -47,8 +53,11 @@ def squeeze(v: VTensor, dim: int) -> VTensor:
     """Dim ``dim``, of size 1, removed."""
     if v.shape[dim] != 1:
         raise ValueError(f"dim {dim} has size {v.shape[dim]}, not 1")
-    frags = tuple(replace(f, box=Box(_edit(f.box.offsets, dim, []), _edit(f.box.sizes, dim, [])),
-                          perm=_edit(f.perm, dim, [])) for f in v.frags if not f.box.empty)
+    frags = tuple(
+        replace(f, box=Box(_edit(f.box.offsets, dim, []), _edit(f.box.sizes, dim, [])), perm=_edit(f.perm, dim, []))
+        for f in v.frags
+        if not f.box.empty
+    )
     return VTensor(_edit(v.shape, dim, []), v.dtype, frags)
 
 
@@ -60,9 +69,13 @@ def merge_dims(v: VTensor, dim: int) -> VTensor:
         for i in range(f.box.offsets[dim], f.box.stops[dim]):
             g = _cut(f, dim, i, i + 1)
             at = i * inner + g.box.offsets[dim + 1]
-            frags.append(replace(g, box=Box(_edit(g.box.offsets, dim, [at], 2),
-                                            _edit(g.box.sizes, dim, [g.box.sizes[dim + 1]], 2)),
-                                 perm=_edit(g.perm, dim, [])))
+            frags.append(
+                replace(
+                    g,
+                    box=Box(_edit(g.box.offsets, dim, [at], 2), _edit(g.box.sizes, dim, [g.box.sizes[dim + 1]], 2)),
+                    perm=_edit(g.perm, dim, []),
+                )
+            )
     return VTensor(_edit(v.shape, dim, [v.shape[dim] * inner], 2), v.dtype, tuple(frags))
 
 
@@ -84,9 +97,13 @@ def split_dim(v: VTensor, dim: int, outer: int) -> VTensor:
             continue
         for row, lo, hi in _rows(f.box.offsets[dim], f.box.stops[dim], inner):
             g = _cut(f, dim, lo, hi)
-            frags.append(replace(g, box=Box(_edit(g.box.offsets, dim, [row, lo - row * inner]),
-                                            _edit(g.box.sizes, dim, [1, hi - lo])),
-                                 perm=_edit(g.perm, dim, [-1, g.perm[dim]])))
+            frags.append(
+                replace(
+                    g,
+                    box=Box(_edit(g.box.offsets, dim, [row, lo - row * inner]), _edit(g.box.sizes, dim, [1, hi - lo])),
+                    perm=_edit(g.perm, dim, [-1, g.perm[dim]]),
+                )
+            )
     return VTensor(_edit(v.shape, dim, [outer, inner]), v.dtype, tuple(frags))
 
 

@@ -13,8 +13,19 @@ from dataclasses import dataclass, replace
 from ..layout.box import Box
 from .pieces import Piece
 
-__all__ = ["Frag", "VTensor", "source_tensor", "take", "split", "chunk", "concat", "permute", "cast",
-           "simplify_casts", "to_pieces"]
+__all__ = [
+    "Frag",
+    "VTensor",
+    "source_tensor",
+    "take",
+    "split",
+    "chunk",
+    "concat",
+    "permute",
+    "cast",
+    "simplify_casts",
+    "to_pieces",
+]
 
 # Casts that represent every value of the first dtype exactly in the second: dropping them from a
 # chain changes no result, which lets a chain such as f32 -> f64 -> bf16 run as one copy.
@@ -147,8 +158,7 @@ def concat(parts: Sequence[VTensor], dim: int) -> VTensor:
 
 def permute(v: VTensor, perm: Sequence[int]) -> VTensor:
     """New dim i is old dim ``perm[i]``."""
-    frags = tuple(replace(f, box=f.box.permute(perm), perm=tuple(f.perm[p] for p in perm))
-                  for f in v.frags)
+    frags = tuple(replace(f, box=f.box.permute(perm), perm=tuple(f.perm[p] for p in perm)) for f in v.frags)
     return VTensor(tuple(v.shape[p] for p in perm), v.dtype, frags)
 
 
@@ -161,7 +171,14 @@ def cast(v: VTensor, dtype: str) -> VTensor:
 
 def to_pieces(v: VTensor) -> tuple[Piece, ...]:
     """The fragments as pieces: identity permutations as None, cast chains simplified."""
-    return tuple(Piece(f.source, f.source_box, f.box,
-                       None if f.perm == tuple(range(f.source_box.ndim)) else f.perm,
-                       simplify_casts(f.source_dtype, f.casts))
-                 for f in v.frags if not f.box.empty)
+    return tuple(
+        Piece(
+            f.source,
+            f.source_box,
+            f.box,
+            None if f.perm == tuple(range(f.source_box.ndim)) else f.perm,
+            simplify_casts(f.source_dtype, f.casts),
+        )
+        for f in v.frags
+        if not f.box.empty
+    )

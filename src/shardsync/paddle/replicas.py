@@ -23,8 +23,8 @@ import torch
 from torch import nn
 
 from .. import phases
-from ..errors import ReplicaError
 from ..dist import agree
+from ..errors import ReplicaError
 from ..replicas.preflight import DEFAULT_STATES, GroupLike, SyncMode, resolve_group
 from ..replicas.select import tp_sharding
 from ..replicas.sync import ReplicaSync
@@ -34,8 +34,9 @@ __all__ = ["add_extra_synchronization", "paddle_filter"]
 log = logging.getLogger(__name__)
 
 
-def paddle_filter(name: str, param: torch.Tensor, pos_emb: bool = True, layer_norm: bool = True,
-                  bias: bool = True) -> bool:
+def paddle_filter(
+    name: str, param: torch.Tensor, pos_emb: bool = True, layer_norm: bool = True, bias: bool = True
+) -> bool:
     """Paddle's ``tensor_parallel_sync_filter_fn`` rules, on PyTorch parameter names.
 
     A name component starting with ``pos_embedding``; a name ending with ``_layer_norm_scale`` or
@@ -56,11 +57,17 @@ def paddle_filter(name: str, param: torch.Tensor, pos_emb: bool = True, layer_no
     return bias and (".b_" in name or parts[-1] == "bias") and tp_sharding(param) is None
 
 
-def add_extra_synchronization(model: nn.Module, optimizer: torch.optim.Optimizer, group: GroupLike = None,
-                              params_filter_fn: Callable[[str, torch.Tensor], bool] | None = None,
-                              sync_mode: Literal["broadcast", "average"] = "broadcast",
-                              sync_param: bool = True, sync_grad: bool = False,
-                              sync_moment: bool = False, src_rank: int = 0) -> ReplicaSync:
+def add_extra_synchronization(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    group: GroupLike = None,
+    params_filter_fn: Callable[[str, torch.Tensor], bool] | None = None,
+    sync_mode: Literal["broadcast", "average"] = "broadcast",
+    sync_param: bool = True,
+    sync_grad: bool = False,
+    sync_moment: bool = False,
+    src_rank: int = 0,
+) -> ReplicaSync:
     """Keep TP-replicated tensors in sync after every optimizer step, like Paddle's function.
 
     Args:
@@ -102,11 +109,22 @@ def add_extra_synchronization(model: nn.Module, optimizer: torch.optim.Optimizer
 
     agree(phases.PADDLE_ARGUMENTS, validate, group, unanimous=True)
     mode: SyncMode = "mean" if sync_mode == "average" else "broadcast"
-    sync = ReplicaSync(model, optimizer, group, selector=params_filter_fn,
-                       params=mode if sync_param else None, src=src_rank,
-                       grads=mode if sync_grad else None,
-                       optimizer_states=DEFAULT_STATES if sync_moment else (), states_mode=mode)
-    log.info("extra synchronization (%s) of %d parameters: %s", sync_mode, len(sync.selection),
-             ", ".join(sync.selection.names))
+    sync = ReplicaSync(
+        model,
+        optimizer,
+        group,
+        selector=params_filter_fn,
+        params=mode if sync_param else None,
+        src=src_rank,
+        grads=mode if sync_grad else None,
+        optimizer_states=DEFAULT_STATES if sync_moment else (),
+        states_mode=mode,
+    )
+    log.info(
+        "extra synchronization (%s) of %d parameters: %s",
+        sync_mode,
+        len(sync.selection),
+        ", ".join(sync.selection.names),
+    )
     sync.attach()
     return sync

@@ -22,8 +22,7 @@ from ..stream import ParamStream, full_params
 __all__ = ["full_param", "PADDLE_KEYWORDS"]
 
 #: The keywords Paddle's ``full_param`` reads from ``**kwargs``.
-PADDLE_KEYWORDS = ("process_group", "h_group", "v_group", "num_splits", "shard_idx",
-                   "memory_growth_threshold")
+PADDLE_KEYWORDS = ("process_group", "h_group", "v_group", "num_splits", "shard_idx", "memory_growth_threshold")
 
 
 def _value(key: str, v: Any) -> StateValue:
@@ -61,7 +60,13 @@ def full_param(sharded_state_dict: Mapping[str, Any], aoa_config: Any = None, **
     if (h is None) != (v is None):
         raise PlanError("both h_group and v_group must be given for the 2-D mesh path (or neither)")
     state = {k: _value(k, x) for k, x in sharded_state_dict.items()}
-    return full_params(state, aoa_config, group=kwargs.get("process_group"),
-                       strategy="mesh2d" if h is not None else "auto", mesh=(h, v) if h is not None else None,
-                       num_splits=kwargs.get("num_splits", 1), split_index=kwargs.get("shard_idx", 0),
-                       mesh_threshold_bytes=kwargs.get("memory_growth_threshold", DEFAULT_MESH_THRESHOLD_BYTES))
+    return full_params(
+        state,
+        aoa_config,
+        group=kwargs.get("process_group"),
+        strategy="mesh2d" if h is not None else "auto",
+        mesh=(h, v) if h is not None else None,
+        num_splits=kwargs.get("num_splits", 1),
+        split_index=kwargs.get("shard_idx", 0),
+        mesh_threshold_bytes=kwargs.get("memory_growth_threshold", DEFAULT_MESH_THRESHOLD_BYTES),
+    )

@@ -27,11 +27,19 @@ def subtract(box: Box, cut: Box) -> list[Box]:
     for d in range(box.ndim):
         lo, hi = inter.offsets[d], inter.stops[d]
         if lo > offsets[d]:  # the slab below the cut in dim d
-            out.append(Box(tuple(offsets[:d]) + (offsets[d],) + tuple(offsets[d + 1:]),
-                           tuple(sizes[:d]) + (lo - offsets[d],) + tuple(sizes[d + 1:])))
+            out.append(
+                Box(
+                    tuple(offsets[:d]) + (offsets[d],) + tuple(offsets[d + 1 :]),
+                    tuple(sizes[:d]) + (lo - offsets[d],) + tuple(sizes[d + 1 :]),
+                )
+            )
         if hi < offsets[d] + sizes[d]:  # and above it
-            out.append(Box(tuple(offsets[:d]) + (hi,) + tuple(offsets[d + 1:]),
-                           tuple(sizes[:d]) + (offsets[d] + sizes[d] - hi,) + tuple(sizes[d + 1:])))
+            out.append(
+                Box(
+                    tuple(offsets[:d]) + (hi,) + tuple(offsets[d + 1 :]),
+                    tuple(sizes[:d]) + (offsets[d] + sizes[d] - hi,) + tuple(sizes[d + 1 :]),
+                )
+            )
         offsets[d], sizes[d] = lo, hi - lo  # later dims only split what lies inside the cut here
     return out
 
@@ -66,7 +74,7 @@ def union_bbox(boxes: Sequence[Box]) -> Box:
     """
     lo = tuple(min(b.offsets[d] for b in boxes) for d in range(boxes[0].ndim))
     hi = tuple(max(b.stops[d] for b in boxes) for d in range(boxes[0].ndim))
-    return Box(lo, tuple(h - l for l, h in zip(lo, hi)))
+    return Box(lo, tuple(h - a for a, h in zip(lo, hi)))
 
 
 def chunk(box: Box, item: int, max_bytes: int) -> list[Box]:
@@ -89,14 +97,21 @@ def chunk(box: Box, item: int, max_bytes: int) -> list[Box]:
     per = max(1, max_bytes // (inner * item))
     heads = [Box(box.offsets[:d], box.sizes[:d])]
     for k in range(d):  # dims before d are walked one index at a time
-        heads = [Box(h.offsets[:k] + (box.offsets[k] + i,) + h.offsets[k + 1:],
-                     h.sizes[:k] + (1,) + h.sizes[k + 1:]) for h in heads for i in range(box.sizes[k])]
+        heads = [
+            Box(h.offsets[:k] + (box.offsets[k] + i,) + h.offsets[k + 1 :], h.sizes[:k] + (1,) + h.sizes[k + 1 :])
+            for h in heads
+            for i in range(box.sizes[k])
+        ]
     out = []
     for h in heads:
         for start in range(0, box.sizes[d], per):
             size = min(per, box.sizes[d] - start)
-            out.append(Box(h.offsets + (box.offsets[d] + start,) + box.offsets[d + 1:],
-                           tuple(1 for _ in range(d)) + (size,) + box.sizes[d + 1:]))
+            out.append(
+                Box(
+                    h.offsets + (box.offsets[d] + start,) + box.offsets[d + 1 :],
+                    tuple(1 for _ in range(d)) + (size,) + box.sizes[d + 1 :],
+                )
+            )
     return out
 
 
@@ -128,8 +143,14 @@ class BoxIndex:
         for i in ids:
             bands.setdefault((self._lo[i][dim], self._hi[i][dim]), []).append(i)
         keys = sorted(bands)
-        return _Node(dim, [], [k[0] for k in keys], [k[1] for k in keys],
-                     max(hi - lo for lo, hi in keys), [self._node(bands[k], dim + 1) for k in keys])
+        return _Node(
+            dim,
+            [],
+            [k[0] for k in keys],
+            [k[1] for k in keys],
+            max(hi - lo for lo, hi in keys),
+            [self._node(bands[k], dim + 1) for k in keys],
+        )
 
     def query(self, box: Box) -> list[int]:
         """Indices (ascending) of the boxes sharing at least one element with ``box``."""
@@ -146,8 +167,9 @@ class BoxIndex:
     def _collect(self, node: _Node, lo: tuple[int, ...], hi: tuple[int, ...], out: list[int]) -> None:
         d = node.dim
         if not node.bands:  # dims before d are known to meet; check the rest
-            out += [i for i in node.ids
-                    if all(self._lo[i][k] < hi[k] and lo[k] < self._hi[i][k] for k in range(d, len(lo)))]
+            out += [
+                i for i in node.ids if all(self._lo[i][k] < hi[k] and lo[k] < self._hi[i][k] for k in range(d, len(lo)))
+            ]
             return
         # A band meets [lo, hi) along d iff start < hi[d] and stop > lo[d]; no band is longer than
         # reach, so only starts above lo[d] - reach can qualify.

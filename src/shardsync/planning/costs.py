@@ -36,8 +36,7 @@ def is_zero_copy(target: TargetPlan, reads: Sequence[Read], rank: int, copy: boo
     p = c.piece
     # a perm that only drops or adds unit dims reads the same bytes, but the target has its own shape
     identity = p.perm is None or tuple(p.perm) == tuple(range(p.source_box.ndim))
-    return (identity and not p.casts and p.target_box == Box.full(target.shape)
-            and rank in reads[c.read].holders)
+    return identity and not p.casts and p.target_box == Box.full(target.shape) and rank in reads[c.read].holders
 
 
 class _Tally:
@@ -57,8 +56,9 @@ class _Tally:
                 self.recv[r] += n
 
 
-def _mesh_hv(t: _Tally, step: Step, world: int, topology: Sequence[Sequence[int]] | None,
-             reads: Sequence[Read]) -> None:
+def _mesh_hv(
+    t: _Tally, step: Step, world: int, topology: Sequence[Sequence[int]] | None, reads: Sequence[Read]
+) -> None:
     assert topology is not None  # mesh steps exist only in plans with a topology
     # Every rank holds its column's item (packed, received, or padding) and the all_gather output.
     n, ncols = step.packets[0].nbytes, len(topology[0])
@@ -74,8 +74,9 @@ def _mesh_hv(t: _Tally, step: Step, world: int, topology: Sequence[Sequence[int]
             t.buf[r] += n * (ncols + 1)
 
 
-def _mesh_global(t: _Tally, step: Step, world: int, topology: Sequence[Sequence[int]] | None,
-                 reads: Sequence[Read]) -> None:
+def _mesh_global(
+    t: _Tally, step: Step, world: int, topology: Sequence[Sequence[int]] | None, reads: Sequence[Read]
+) -> None:
     assert topology is not None  # mesh steps exist only in plans with a topology
     # Down the sender's column, then across every row from that column; one buffer on every rank.
     pk = step.packets[0]
@@ -89,24 +90,25 @@ def _mesh_global(t: _Tally, step: Step, world: int, topology: Sequence[Sequence[
             t.buf[r] += pk.nbytes
 
 
-def _broadcast(t: _Tally, step: Step, world: int, topology: Sequence[Sequence[int]] | None,
-               reads: Sequence[Read]) -> None:
+def _broadcast(
+    t: _Tally, step: Step, world: int, topology: Sequence[Sequence[int]] | None, reads: Sequence[Read]
+) -> None:
     for pk in step.packets:
         t.collective(range(world), pk.src, pk.nbytes)
         for r in range(world):
             t.buf[r] += pk.nbytes
 
 
-def _p2p(t: _Tally, step: Step, world: int, topology: Sequence[Sequence[int]] | None,
-         reads: Sequence[Read]) -> None:
+def _p2p(t: _Tally, step: Step, world: int, topology: Sequence[Sequence[int]] | None, reads: Sequence[Read]) -> None:
     for pk in step.packets:
         t.collective((pk.src, pk.dst), pk.src, pk.nbytes)
         t.buf[pk.src] += pk.nbytes
         t.buf[pk.dst] += pk.nbytes
 
 
-def _multicast(t: _Tally, step: Step, world: int, topology: Sequence[Sequence[int]] | None,
-               reads: Sequence[Read]) -> None:
+def _multicast(
+    t: _Tally, step: Step, world: int, topology: Sequence[Sequence[int]] | None, reads: Sequence[Read]
+) -> None:
     for pk in step.packets:  # among the sender and the receivers its reads share
         members = (pk.src, *reads[pk.reads[0]].receivers)
         t.collective(members, pk.src, pk.nbytes)
@@ -114,23 +116,35 @@ def _multicast(t: _Tally, step: Step, world: int, topology: Sequence[Sequence[in
             t.buf[r] += pk.nbytes
 
 
-def _local(t: _Tally, step: Step, world: int, topology: Sequence[Sequence[int]] | None,
-           reads: Sequence[Read]) -> None:
+def _local(t: _Tally, step: Step, world: int, topology: Sequence[Sequence[int]] | None, reads: Sequence[Read]) -> None:
     """A local step moves nothing: it adds no traffic and no buffers."""
 
 
 #: The cost model of each step kind: adds a step's traffic and buffers to the tally.
 StepCost = Callable[[_Tally, Step, int, Sequence[Sequence[int]] | None, Sequence[Read]], None]
 STEP_COSTS: dict[str, StepCost] = {
-    "local": _local, "broadcast": _broadcast, "p2p": _p2p, "multicast": _multicast,
-    "mesh_hv": _mesh_hv, "mesh_global": _mesh_global}
+    "local": _local,
+    "broadcast": _broadcast,
+    "p2p": _p2p,
+    "multicast": _multicast,
+    "mesh_hv": _mesh_hv,
+    "mesh_global": _mesh_global,
+}
 if set(STEP_COSTS) != set(get_args(StepKind)):
     raise ImportError(f"STEP_COSTS {sorted(STEP_COSTS)} must cost every StepKind {get_args(StepKind)}")
 
 
-def estimate_costs(steps: Sequence[Step], reads: Sequence[Read], targets: Sequence[TargetPlan],
-                   world: int, topology: Sequence[Sequence[int]] | None = None, copy: bool = True,
-                   depth: int = 2, *, in_place: bool = False) -> Costs:
+def estimate_costs(
+    steps: Sequence[Step],
+    reads: Sequence[Read],
+    targets: Sequence[TargetPlan],
+    world: int,
+    topology: Sequence[Sequence[int]] | None = None,
+    copy: bool = True,
+    depth: int = 2,
+    *,
+    in_place: bool = False,
+) -> Costs:
     """Per-rank bytes, collectives and peak memory of running ``steps`` ``depth`` deep.
 
     With ``in_place`` the targets are memory the caller already holds (load, reshard): only buffers
@@ -145,8 +159,13 @@ def estimate_costs(steps: Sequence[Step], reads: Sequence[Read], targets: Sequen
     """
     t = _Tally(world)
     held, peak = [0] * world, [0] * world
-    size = [[0 if in_place or is_zero_copy(tp, reads, r, copy) or r not in tp.consumers else tp.nbytes
-             for r in range(world)] for tp in targets]
+    size = [
+        [
+            0 if in_place or is_zero_copy(tp, reads, r, copy) or r not in tp.consumers else tp.nbytes
+            for r in range(world)
+        ]
+        for tp in targets
+    ]
     eager = {i for step in steps for i in step.opens}
     inflight: deque[tuple[Step, list[int]]] = deque()
 

@@ -25,8 +25,7 @@ from .model import Read
 from .schedule import ALIGN, RawStep, pack
 from .validate import shard_boxes
 
-__all__ = ["BoxTarget", "restrict_piece", "restrict_target", "box_targets", "schedule_multicast",
-           "MULTICAST_RECEIVERS"]
+__all__ = ["BoxTarget", "restrict_piece", "restrict_target", "box_targets", "schedule_multicast", "MULTICAST_RECEIVERS"]
 
 #: A read that at least this many ranks receive travels by one broadcast among them and its sender
 #: (a tree or ring in the backend) rather than one message to each.
@@ -73,8 +72,9 @@ def restrict_piece(piece: Piece, box: Box) -> Piece | None:
     return Piece(piece.source, source_box, hit.relative_to(box), piece.perm, piece.casts)
 
 
-def restrict_target(target: TargetSpec, box: Box, name: str, dtype: str | None = None,
-                    source_dtypes: dict[str, str] | None = None) -> TargetSpec:
+def restrict_target(
+    target: TargetSpec, box: Box, name: str, dtype: str | None = None, source_dtypes: dict[str, str] | None = None
+) -> TargetSpec:
     """``target`` cut to ``box``, named ``name``; cast to ``dtype`` when given (each piece's cast
     chain then ends in it, starting from its source's dtype in ``source_dtypes``).
 
@@ -86,13 +86,18 @@ def restrict_target(target: TargetSpec, box: Box, name: str, dtype: str | None =
     pieces = [p for p in (restrict_piece(p, box) for p in target.pieces) if p is not None]
     if dtype is not None and dtype != target.dtype:
         dtypes = source_dtypes or {}
-        pieces = [Piece(p.source, p.source_box, p.target_box, p.perm,
-                        simplify_casts(dtypes[p.source], p.casts + (dtype,))) for p in pieces]
+        pieces = [
+            Piece(p.source, p.source_box, p.target_box, p.perm, simplify_casts(dtypes[p.source], p.casts + (dtype,)))
+            for p in pieces
+        ]
     return TargetSpec(name, box.sizes, dtype or target.dtype, tuple(pieces))
 
 
-def box_targets(targets: Sequence[TargetSpec], dest: GlobalLayout, layout: GlobalLayout,
-                ) -> list[BoxTarget]:
+def box_targets(
+    targets: Sequence[TargetSpec],
+    dest: GlobalLayout,
+    layout: GlobalLayout,
+) -> list[BoxTarget]:
     """Every target that has a destination, cut to each distinct non-empty box ranks hold of it.
 
     A box covering the whole destination keeps the target's name; a part is named ``name[box]``
@@ -175,8 +180,11 @@ def _keys(r: Read) -> list[_Key]:
     return [(0, sender, (d,)) for d in r.receivers]
 
 
-def schedule_multicast(reads: Sequence[Read], cap: int, solo: int | None = None,
-                       ) -> tuple[list[RawStep], dict[int, int]]:
+def schedule_multicast(
+    reads: Sequence[Read],
+    cap: int,
+    solo: int | None = None,
+) -> tuple[list[RawStep], dict[int, int]]:
     """Buffers of at most ``cap`` bytes per (sender, receiver) pair for reads one rank receives, in
     ``p2p`` steps; then buffers per (sender, receiver set) for reads several receive, in ``multicast``
     steps (one broadcast per packet among its sender and receivers). Reads of at least ``solo`` bytes
@@ -196,8 +204,7 @@ def schedule_multicast(reads: Sequence[Read], cap: int, solo: int | None = None,
     step_of: dict[int, int] = {}
     for many, kind in ((False, "p2p"), (True, "multicast")):
         for rnd in _rounds(reads, cap, solo, many):
-            packets = tuple(pack(reads, ids, src, -1 if many else dst[0])
-                            for (_, src, dst), ids in sorted(rnd.items()))
+            packets = tuple(pack(reads, ids, src, -1 if many else dst[0]) for (_, src, dst), ids in sorted(rnd.items()))
             step_of.update({i: len(steps) for pk in packets for i in pk.reads})
             steps.append((kind, packets))  # type: ignore[arg-type]
     return steps, step_of

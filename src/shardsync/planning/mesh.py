@@ -43,8 +43,10 @@ def build_topology(h_groups: Sequence[Sequence[int]], v_groups: Sequence[Sequenc
     ncols, nrows = len(h_groups[0]), len(v_groups[0])
     problems = []
     if ncols * nrows != world:
-        problems.append(f"horizontal groups of {ncols} ranks and vertical groups of {nrows} ranks do not "
-                        f"tile a group of {world} ranks")
+        problems.append(
+            f"horizontal groups of {ncols} ranks and vertical groups of {nrows} ranks do not "
+            f"tile a group of {world} ranks"
+        )
     grid: dict[tuple[int, int], int] = {}
     for r in range(world):
         if r not in h_groups[r] or r not in v_groups[r]:
@@ -60,12 +62,17 @@ def build_topology(h_groups: Sequence[Sequence[int]], v_groups: Sequence[Sequenc
         if i is None or j is None:
             continue
         if tuple(h_groups[r]) != rows[i] or tuple(v_groups[r]) != tuple(row[j] for row in rows):
-            problems.append(f"rank {r}: horizontal group {list(h_groups[r])} / vertical group "
-                            f"{list(v_groups[r])} disagree with the mesh rows {[list(x) for x in rows]}")
+            problems.append(
+                f"rank {r}: horizontal group {list(h_groups[r])} / vertical group "
+                f"{list(v_groups[r])} disagree with the mesh rows {[list(x) for x in rows]}"
+            )
     if problems:
-        raise PlanError("the mesh is not a 2-D grid of the group:\n  " + "\n  ".join(problems) +
-                        "\nfix: pass (horizontal group, vertical group) of the same 2-D DeviceMesh on "
-                        "every rank")
+        raise PlanError(
+            "the mesh is not a 2-D grid of the group:\n  "
+            + "\n  ".join(problems)
+            + "\nfix: pass (horizontal group, vertical group) of the same 2-D DeviceMesh on "
+            "every rank"
+        )
     return rows
 
 
@@ -73,8 +80,11 @@ def _column_of(topology: Topology) -> dict[int, int]:
     return {r: j for row in topology for j, r in enumerate(row)}
 
 
-def schedule_mesh(reads: Sequence[Read], topology: Topology, threshold: int,
-                  ) -> tuple[list[RawStep], dict[int, int]]:
+def schedule_mesh(
+    reads: Sequence[Read],
+    topology: Topology,
+    threshold: int,
+) -> tuple[list[RawStep], dict[int, int]]:
     """Batch the moved reads into mesh steps (in read order; fillers come from a bounded window).
 
     Returns:
@@ -112,7 +122,8 @@ def schedule_mesh(reads: Sequence[Read], topology: Topology, threshold: int,
                 taken[k] = True
                 batch[j] = moved[k]
                 step_of[moved[k]] = len(steps)
-        packets = tuple(Packet(-1, -1, (), (), n) if i is None else
-                        Packet(reads[i].sender or 0, -1, (i,), (0,), n) for i in batch)
+        packets = tuple(
+            Packet(-1, -1, (), (), n) if i is None else Packet(reads[i].sender or 0, -1, (i,), (0,), n) for i in batch
+        )
         steps.append(("mesh_hv", packets))
     return steps, step_of

@@ -24,8 +24,19 @@ from ..layout.box import Box
 from ..layout.dtypes import itemsize
 from ..mapping.pieces import Piece
 
-__all__ = ["Strategy", "StrategyChoice", "SplitBy", "StepKind", "Read", "Copy", "TargetPlan", "Packet",
-           "Step", "Costs", "Plan"]
+__all__ = [
+    "Strategy",
+    "StrategyChoice",
+    "SplitBy",
+    "StepKind",
+    "Read",
+    "Copy",
+    "TargetPlan",
+    "Packet",
+    "Step",
+    "Costs",
+    "Plan",
+]
 
 #: A communication strategy a plan is built for.
 Strategy = Literal["broadcast", "bucketed", "mesh2d", "p2p", "multicast"]
@@ -212,8 +223,7 @@ class Plan:
 
     def targets_of(self, rank: int) -> tuple[str, ...]:
         """Names ``rank`` yields, in yield order."""
-        return tuple(self.targets[t].name for s in self.steps for t in s.ready
-                     if rank in self.targets[t].consumers)
+        return tuple(self.targets[t].name for s in self.steps for t in s.ready if rank in self.targets[t].consumers)
 
     def fingerprint(self) -> str:
         """A digest of the whole plan; equal on two ranks iff they built the same plan."""
@@ -222,11 +232,15 @@ class Plan:
     def summary(self) -> str:
         """A few human-readable lines: strategy, sizes, and per-rank costs."""
         moved = sum(r.nbytes * len(r.receivers) for r in self.reads)
-        lines = [f"plan: strategy={self.strategy} ranks={self.world_size} targets={len(self.targets)} "
-                 f"reads={len(self.reads)} pieces={self.pieces} steps={len(self.steps)} "
-                 f"bucket={self.bucket_bytes} B depth={self.depth} moved={moved} B"]
+        lines = [
+            f"plan: strategy={self.strategy} ranks={self.world_size} targets={len(self.targets)} "
+            f"reads={len(self.reads)} pieces={self.pieces} steps={len(self.steps)} "
+            f"bucket={self.bucket_bytes} B depth={self.depth} moved={moved} B"
+        ]
         c = self.costs
         for r in range(self.world_size):
-            lines.append(f"  rank {r}: sent {c.bytes_sent[r]} B, received {c.bytes_received[r]} B, "
-                         f"{c.collectives[r]} collectives, peak <= {c.peak_bytes[r]} B")
+            lines.append(
+                f"  rank {r}: sent {c.bytes_sent[r]} B, received {c.bytes_received[r]} B, "
+                f"{c.collectives[r]} collectives, peak <= {c.peak_bytes[r]} B"
+            )
         return "\n".join(lines)

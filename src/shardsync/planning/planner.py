@@ -23,9 +23,20 @@ from .schedule import attach_targets
 from .strategies import STRATEGIES, ScheduleArgs, strategy_problems
 from .validate import check_inputs, check_plan
 
-__all__ = ["PlanOptions", "build_plan", "check_options", "choose_strategy", "split_ranges", "select_split",
-           "DEFAULT_BUCKET_BYTES", "DEFAULT_MESH_THRESHOLD_BYTES", "MIN_BUCKET_BYTES", "MAX_CHUNKS",
-           "SOLO_READ_BYTES", "PIPELINE_DEPTH"]
+__all__ = [
+    "PlanOptions",
+    "build_plan",
+    "check_options",
+    "choose_strategy",
+    "split_ranges",
+    "select_split",
+    "DEFAULT_BUCKET_BYTES",
+    "DEFAULT_MESH_THRESHOLD_BYTES",
+    "MIN_BUCKET_BYTES",
+    "MAX_CHUNKS",
+    "SOLO_READ_BYTES",
+    "PIPELINE_DEPTH",
+]
 
 log = logging.getLogger(__name__)
 
@@ -77,6 +88,7 @@ class PlanOptions:
 
 
 # -- dividing the sorted targets into contiguous parts (num_splits, consumers) -----------------------
+
 
 def _by_count(total: int, parts: int) -> list[range]:
     # Paddle's split: the first ``total % parts`` parts get one more target.
@@ -149,6 +161,7 @@ def select_split(sizes: Sequence[int], parts: int, index: int, by: SplitBy = "co
 
 # -- options, strategy, fitting ------------------------------------------------------------------
 
+
 def _is_int(x: object) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
@@ -168,28 +181,33 @@ def check_options(o: PlanOptions, world: int, meshed: bool) -> None:
     """
     p = strategy_problems(o.strategy, o.consumers is not None, meshed)
     if not (_is_int(o.num_splits) and _is_int(o.split_index) and 0 <= o.split_index < o.num_splits):
-        p.append(f"num_splits={o.num_splits!r}, split_index={o.split_index!r}: use integers with "
-                 "num_splits >= 1 and 0 <= split_index < num_splits")
+        p.append(
+            f"num_splits={o.num_splits!r}, split_index={o.split_index!r}: use integers with "
+            "num_splits >= 1 and 0 <= split_index < num_splits"
+        )
     if o.split_by not in ("count", "bytes"):
         p.append(f"split_by {o.split_by!r} is unknown; use 'count' or 'bytes'")
     sizes = {"bucket_bytes": o.bucket_bytes, "mesh_threshold_bytes": o.mesh_threshold_bytes}
     if o.memory_budget is not None:
         sizes["memory_budget"] = o.memory_budget
-    p += [f"{name}={value!r}: use a positive number of bytes"
-          for name, value in sizes.items() if not (_is_int(value) and value >= 1)]
+    p += [
+        f"{name}={value!r}: use a positive number of bytes"
+        for name, value in sizes.items()
+        if not (_is_int(value) and value >= 1)
+    ]
     if o.consumers is not None:
         bad = [r for r in o.consumers if not (_is_int(r) and 0 <= r < world)]
         if bad or len(set(o.consumers)) != len(o.consumers) or not o.consumers:
             p.append(f"consumers {list(o.consumers)}: use distinct ranks in [0, {world})")
     if o.destinations is not None:
         if o.consumers is not None or o.num_splits != 1:
-            p.append("destinations name each target's ranks; do not combine them with consumers or "
-                     "num_splits")
+            p.append("destinations name each target's ranks; do not combine them with consumers or num_splits")
         if any(not (_is_int(r) and 0 <= r < world) for ranks in o.destinations for r in ranks):
             p.append(f"destinations name ranks outside [0, {world})")
         if o.strategy != "auto" and STRATEGIES[o.strategy].every_rank:
-            p.append(f"strategy {o.strategy!r} delivers to every rank; with destinations use 'auto', "
-                     "'p2p' or 'multicast'")
+            p.append(
+                f"strategy {o.strategy!r} delivers to every rank; with destinations use 'auto', 'p2p' or 'multicast'"
+            )
     if p:
         raise PlanError("invalid stream options:\n  " + "\n  ".join(p))
 
@@ -218,8 +236,9 @@ def choose_strategy(o: PlanOptions, topology: Topology | None) -> Strategy:
 def _consumers(selected: Sequence[TargetSpec], o: PlanOptions, world: int) -> list[tuple[int, ...]]:
     if o.destinations is not None:
         if len(o.destinations) != len(selected):
-            raise PlanError(f"{len(o.destinations)} destinations for {len(selected)} targets; give one "
-                            "tuple of ranks per target")
+            raise PlanError(
+                f"{len(o.destinations)} destinations for {len(selected)} targets; give one tuple of ranks per target"
+            )
         return list(o.destinations)
     if o.consumers is None:
         return [tuple(range(world))] * len(selected)
@@ -231,26 +250,42 @@ def _consumers(selected: Sequence[TargetSpec], o: PlanOptions, world: int) -> li
     return out
 
 
-def _attempt(selected: Sequence[TargetSpec], consumers: list[tuple[int, ...]], layout: GlobalLayout,
-             world: int, o: PlanOptions, topology: Topology | None, cap: int, strategy: Strategy | None,
-             depth: int) -> Plan:
+def _attempt(
+    selected: Sequence[TargetSpec],
+    consumers: list[tuple[int, ...]],
+    layout: GlobalLayout,
+    world: int,
+    o: PlanOptions,
+    topology: Topology | None,
+    cap: int,
+    strategy: Strategy | None,
+    depth: int,
+) -> Plan:
     chunked = cap if o.memory_budget is not None else None
-    reads, copies = build_reads(selected, consumers, layout, world, max_read_bytes=chunked,
-                                merge=not o.in_place)
+    reads, copies = build_reads(selected, consumers, layout, world, max_read_bytes=chunked, merge=not o.in_place)
     strategy = strategy or choose_strategy(o, topology)
-    args = ScheduleArgs(cap, SOLO_READ_BYTES if o.strategy == "auto" else None, topology,
-                        o.mesh_threshold_bytes)
+    args = ScheduleArgs(cap, SOLO_READ_BYTES if o.strategy == "auto" else None, topology, o.mesh_threshold_bytes)
     raw, step_of = STRATEGIES[strategy].schedule(reads, args)
-    targets = tuple(TargetPlan(t.name, t.shape, t.dtype, c, tuple(cp))
-                    for t, c, cp in zip(selected, consumers, copies))
+    targets = tuple(TargetPlan(t.name, t.shape, t.dtype, c, tuple(cp)) for t, c, cp in zip(selected, consumers, copies))
     steps = attach_targets(raw, step_of, copies)
     costs = estimate_costs(steps, reads, targets, world, topology, o.copy, depth, in_place=o.in_place)
-    return Plan(strategy, world, targets, tuple(reads), tuple(steps), cap, costs,
-                topology if STRATEGIES[strategy].needs_mesh else None, o.copy, depth)
+    return Plan(
+        strategy,
+        world,
+        targets,
+        tuple(reads),
+        tuple(steps),
+        cap,
+        costs,
+        topology if STRATEGIES[strategy].needs_mesh else None,
+        o.copy,
+        depth,
+    )
 
 
-def build_plan(targets: Sequence[TargetSpec], layout: GlobalLayout, options: PlanOptions,
-               topology: Topology | None = None) -> Plan:
+def build_plan(
+    targets: Sequence[TargetSpec], layout: GlobalLayout, options: PlanOptions, topology: Topology | None = None
+) -> Plan:
     """Plan the stream of ``targets`` (all resolved targets, sorted by name) out of ``layout``.
 
     Selects split ``split_index`` of ``num_splits``, assigns consumers, builds reads, picks the
@@ -269,8 +304,7 @@ def build_plan(targets: Sequence[TargetSpec], layout: GlobalLayout, options: Pla
     world = layout.world_size
     check_options(options, world, topology is not None)
     sizes = [t.nbytes for t in targets]
-    selected = [targets[i] for i in select_split(sizes, options.num_splits, options.split_index,
-                                                 options.split_by)]
+    selected = [targets[i] for i in select_split(sizes, options.num_splits, options.split_index, options.split_by)]
     check_inputs(selected, layout)
     consumers = _consumers(selected, options, world)
     plan = _fit(selected, consumers, layout, options, topology)
@@ -279,8 +313,13 @@ def build_plan(targets: Sequence[TargetSpec], layout: GlobalLayout, options: Pla
     return plan
 
 
-def _fit(selected: Sequence[TargetSpec], consumers: list[tuple[int, ...]], layout: GlobalLayout,
-         o: PlanOptions, topology: Topology | None) -> Plan:
+def _fit(
+    selected: Sequence[TargetSpec],
+    consumers: list[tuple[int, ...]],
+    layout: GlobalLayout,
+    o: PlanOptions,
+    topology: Topology | None,
+) -> Plan:
     # Without a budget: PIPELINE_DEPTH steps in flight. With one: halve the cap (cutting reads to it)
     # until the estimated peak fits - a few times two steps deep, then one step deep down to the
     # floor (MIN_BUCKET_BYTES, or reads cut in more than MAX_CHUNKS pieces). Give up at once when a
@@ -288,8 +327,7 @@ def _fit(selected: Sequence[TargetSpec], consumers: list[tuple[int, ...]], layou
     budget = o.memory_budget
     world = layout.world_size
     if budget is None:
-        return _attempt(selected, consumers, layout, world, o, topology, o.bucket_bytes, None,
-                        PIPELINE_DEPTH)
+        return _attempt(selected, consumers, layout, world, o, topology, o.bucket_bytes, None, PIPELINE_DEPTH)
     strategy: Strategy | None = None
     floor = MIN_BUCKET_BYTES
     for depth, tries in ((PIPELINE_DEPTH, 3), (1, 64)):
@@ -313,9 +351,13 @@ def _budget_message(plan: Plan, budget: int, in_place: bool) -> str:
     need = plan.costs.peak_bytes[rank]
     largest = None if in_place else max(plan.targets, key=lambda t: t.nbytes, default=None)
     if largest is not None and largest.nbytes > budget:
-        return (f"memory_budget={budget} B cannot be met: target {largest.name!r} ({largest.nbytes} B) is "
-                f"held whole while it is built; raise memory_budget above {largest.nbytes} B (the "
-                f"smallest plan tried needs {need} B)")
-    return (f"memory_budget={budget} B cannot be met: even with {plan.bucket_bytes} B buckets and reads "
-            f"cut to that size, rank {rank} holds up to {need} B (targets being built plus buffers in "
-            f"flight); raise memory_budget to {need} B or more")
+        return (
+            f"memory_budget={budget} B cannot be met: target {largest.name!r} ({largest.nbytes} B) is "
+            f"held whole while it is built; raise memory_budget above {largest.nbytes} B (the "
+            f"smallest plan tried needs {need} B)"
+        )
+    return (
+        f"memory_budget={budget} B cannot be met: even with {plan.bucket_bytes} B buckets and reads "
+        f"cut to that size, rank {rank} holds up to {need} B (targets being built plus buffers in "
+        f"flight); raise memory_budget to {need} B or more"
+    )

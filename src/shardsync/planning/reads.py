@@ -34,8 +34,7 @@ class _Group:
     frags: list[tuple[int, Piece]] = field(default_factory=list)  # (target index, restricted piece)
 
 
-def _groups(targets: Sequence[TargetSpec], consumers: Sequence[tuple[int, ...]],
-            layout: GlobalLayout) -> list[_Group]:
+def _groups(targets: Sequence[TargetSpec], consumers: Sequence[tuple[int, ...]], layout: GlobalLayout) -> list[_Group]:
     groups: dict[tuple[str, Box, tuple[int, ...]], _Group] = {}
     indexes: dict[str, tuple[BoxIndex, list[tuple[int, ...]]]] = {}
     for ti, t in enumerate(targets):
@@ -82,19 +81,24 @@ def _balance(reads: list[Read], world: int) -> list[Read]:
     # Largest first, each to the holder that has sent least so far (ties: lowest rank).
     load = [0] * world
     chosen: dict[int, int] = {}
-    order = sorted((i for i, r in enumerate(reads) if r.receivers),
-                   key=lambda i: (-reads[i].nbytes * len(reads[i].receivers), i))
+    order = sorted(
+        (i for i, r in enumerate(reads) if r.receivers), key=lambda i: (-reads[i].nbytes * len(reads[i].receivers), i)
+    )
     for i in order:
         r = reads[i]
         sender = min(r.holders, key=lambda h: (load[h], h))
         load[sender] += r.nbytes * len(r.receivers)
         chosen[i] = sender
-    return [Read(r.source, r.box, r.dtype, r.holders, r.readers, r.receivers, chosen.get(i))
-            for i, r in enumerate(reads)]
+    return [
+        Read(r.source, r.box, r.dtype, r.holders, r.readers, r.receivers, chosen.get(i)) for i, r in enumerate(reads)
+    ]
 
 
-def _order(reads: list[Read], copies: list[list[Copy]], chunk_no: list[int],
-           ) -> tuple[list[Read], list[list[Copy]]]:
+def _order(
+    reads: list[Read],
+    copies: list[list[Copy]],
+    chunk_no: list[int],
+) -> tuple[list[Read], list[list[Copy]]]:
     # Reads in the order targets first need them; within a target, reads feeding more targets first,
     # then the k-th chunks of all shards before the (k+1)-th (so every sender's bucket fills at once).
     fanout = [0] * len(reads)
@@ -103,17 +107,25 @@ def _order(reads: list[Read], copies: list[list[Copy]], chunk_no: list[int],
             fanout[i] += 1
     new_index: dict[int, int] = {}
     for per_target in copies:
-        fresh = sorted({c.read for c in per_target if c.read not in new_index},
-                       key=lambda i: (-fanout[i], chunk_no[i], reads[i].source, reads[i].box.offsets))
+        fresh = sorted(
+            {c.read for c in per_target if c.read not in new_index},
+            key=lambda i: (-fanout[i], chunk_no[i], reads[i].source, reads[i].box.offsets),
+        )
         for i in fresh:
             new_index[i] = len(new_index)
     ordered = [reads[i] for i in sorted(new_index, key=new_index.__getitem__)]
     return ordered, [[Copy(new_index[c.read], c.piece) for c in per_target] for per_target in copies]
 
 
-def build_reads(targets: Sequence[TargetSpec], consumers: Sequence[tuple[int, ...]],
-                layout: GlobalLayout, world: int, *, max_read_bytes: int | None = None,
-                merge: bool = True) -> tuple[list[Read], list[list[Copy]]]:
+def build_reads(
+    targets: Sequence[TargetSpec],
+    consumers: Sequence[tuple[int, ...]],
+    layout: GlobalLayout,
+    world: int,
+    *,
+    max_read_bytes: int | None = None,
+    merge: bool = True,
+) -> tuple[list[Read], list[list[Copy]]]:
     """Reads that feed ``targets`` and, per target, the copies that build it.
 
     Args:

@@ -20,8 +20,7 @@ from typing import TypeVar
 
 from .model import Copy, Packet, Read, Step, StepKind
 
-__all__ = ["ALIGN", "RawStep", "pack", "schedule_broadcast", "schedule_bucketed", "schedule_p2p",
-           "attach_targets"]
+__all__ = ["ALIGN", "RawStep", "pack", "schedule_broadcast", "schedule_bucketed", "schedule_p2p", "attach_targets"]
 
 #: Byte alignment of each read inside a flat buffer (any dtype can then be viewed in place).
 ALIGN = 16
@@ -69,8 +68,9 @@ def schedule_broadcast(reads: Sequence[Read]) -> tuple[list[RawStep], dict[int, 
     return steps, {i: k for k, i in enumerate(moved)}
 
 
-def _rounds(reads: Sequence[Read], cap: int, keys: Callable[[Read], list[K]],
-            solo: int | None = None) -> tuple[list[dict[K, list[int]]], dict[int, int]]:
+def _rounds(
+    reads: Sequence[Read], cap: int, keys: Callable[[Read], list[K]], solo: int | None = None
+) -> tuple[list[dict[K, list[int]]], dict[int, int]]:
     # Fill one buffer per key; when any buffer of a read would overflow, close the round first, so a
     # read's deliveries all land in one round. A read larger than cap travels alone, and so does one
     # of at least ``solo`` bytes (in a round of its own: sent from the shard, received in place).
@@ -102,8 +102,11 @@ def _renumber(rounds: Sequence[dict[K, list[int]]], step_of: dict[int, int]) -> 
     return {i: index[j] for i, j in step_of.items()}
 
 
-def schedule_bucketed(reads: Sequence[Read], cap: int, solo: int | None = None,
-                      ) -> tuple[list[RawStep], dict[int, int]]:
+def schedule_bucketed(
+    reads: Sequence[Read],
+    cap: int,
+    solo: int | None = None,
+) -> tuple[list[RawStep], dict[int, int]]:
     """Per-sender buckets of at most ``cap`` bytes; one broadcast per bucket. Reads of at least
     ``solo`` bytes (if given) get a bucket and a step of their own.
 
@@ -111,13 +114,17 @@ def schedule_bucketed(reads: Sequence[Read], cap: int, solo: int | None = None,
         >>> steps, step_of = schedule_bucketed(reads, 16 << 20, solo=1 << 20)   # doctest: +SKIP
     """
     rounds, step_of = _rounds(reads, cap, lambda r: [_sender(r)], solo)
-    steps: list[RawStep] = [("broadcast", tuple(pack(reads, ids, src) for src, ids in sorted(rnd.items())))
-                            for rnd in rounds]
+    steps: list[RawStep] = [
+        ("broadcast", tuple(pack(reads, ids, src) for src, ids in sorted(rnd.items()))) for rnd in rounds
+    ]
     return steps, step_of
 
 
-def schedule_p2p(reads: Sequence[Read], cap: int, solo: int | None = None,
-                 ) -> tuple[list[RawStep], dict[int, int]]:
+def schedule_p2p(
+    reads: Sequence[Read],
+    cap: int,
+    solo: int | None = None,
+) -> tuple[list[RawStep], dict[int, int]]:
     """Per-(sender, receiver) buffers of at most ``cap`` bytes, sent point to point (``solo`` as in
     :func:`schedule_bucketed`).
 
@@ -125,13 +132,13 @@ def schedule_p2p(reads: Sequence[Read], cap: int, solo: int | None = None,
         >>> steps, step_of = schedule_p2p(reads, 16 << 20)   # doctest: +SKIP
     """
     rounds, step_of = _rounds(reads, cap, lambda r: [(_sender(r), d) for d in r.receivers], solo)
-    steps: list[RawStep] = [("p2p", tuple(pack(reads, ids, s, d) for (s, d), ids in sorted(rnd.items())))
-                            for rnd in rounds]
+    steps: list[RawStep] = [
+        ("p2p", tuple(pack(reads, ids, s, d) for (s, d), ids in sorted(rnd.items()))) for rnd in rounds
+    ]
     return steps, step_of
 
 
-def attach_targets(raw: list[RawStep], step_of: dict[int, int],
-                   copies: Sequence[Sequence[Copy]]) -> list[Step]:
+def attach_targets(raw: list[RawStep], step_of: dict[int, int], copies: Sequence[Sequence[Copy]]) -> list[Step]:
     """Add to each step the targets that open (first moved data arrives) and complete in it.
 
     A target with no moved data opens nowhere: it is built right before it is yielded, and completes
@@ -159,5 +166,4 @@ def attach_targets(raw: list[RawStep], step_of: dict[int, int],
         by_ready[d + shift].append(t)
         if o is not None:
             by_open[o + shift].append(t)
-    return [Step(kind, packets, tuple(by_open[k]), tuple(by_ready[k]))
-            for k, (kind, packets) in enumerate(all_raw)]
+    return [Step(kind, packets, tuple(by_open[k]), tuple(by_ready[k])) for k, (kind, packets) in enumerate(all_raw)]

@@ -14,9 +14,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple, get_args
 
+from .destinations import schedule_multicast
 from .mesh import Topology, schedule_mesh
 from .model import Read, Strategy, StrategyChoice
-from .destinations import schedule_multicast
 from .schedule import RawStep, schedule_broadcast, schedule_bucketed, schedule_p2p
 
 __all__ = ["ScheduleArgs", "StrategySpec", "STRATEGIES", "STRATEGY_CHOICES", "strategy_problems"]
@@ -76,25 +76,54 @@ def _mesh(reads: Sequence[Read], a: ScheduleArgs) -> tuple[list[RawStep], dict[i
 
 
 #: Every strategy, by name.
-STRATEGIES: dict[str, StrategySpec] = {s.name: s for s in (
-    StrategySpec("broadcast", lambda reads, a: schedule_broadcast(reads), every_rank=True,
-                 needs_mesh=False, summary="one broadcast per moved read"),
-    StrategySpec("bucketed", lambda reads, a: schedule_bucketed(reads, a.cap, a.solo), every_rank=True,
-                 needs_mesh=False, summary="per-sender buckets of at most bucket_bytes, broadcast"),
-    StrategySpec("mesh2d", _mesh, every_rank=True, needs_mesh=True,
-                 summary="down the mesh columns, then all_gather across the rows"),
-    StrategySpec("p2p", lambda reads, a: schedule_p2p(reads, a.cap, a.solo), every_rank=False,
-                 needs_mesh=False, summary="point to point, to the consumers only"),
-    StrategySpec("multicast", lambda reads, a: schedule_multicast(reads, a.cap, a.solo), every_rank=False,
-                 needs_mesh=False, summary="one message or subgroup broadcast per read, to the ranks "
-                 "that want it (load, reshard)"),
-)}
+STRATEGIES: dict[str, StrategySpec] = {
+    s.name: s
+    for s in (
+        StrategySpec(
+            "broadcast",
+            lambda reads, a: schedule_broadcast(reads),
+            every_rank=True,
+            needs_mesh=False,
+            summary="one broadcast per moved read",
+        ),
+        StrategySpec(
+            "bucketed",
+            lambda reads, a: schedule_bucketed(reads, a.cap, a.solo),
+            every_rank=True,
+            needs_mesh=False,
+            summary="per-sender buckets of at most bucket_bytes, broadcast",
+        ),
+        StrategySpec(
+            "mesh2d",
+            _mesh,
+            every_rank=True,
+            needs_mesh=True,
+            summary="down the mesh columns, then all_gather across the rows",
+        ),
+        StrategySpec(
+            "p2p",
+            lambda reads, a: schedule_p2p(reads, a.cap, a.solo),
+            every_rank=False,
+            needs_mesh=False,
+            summary="point to point, to the consumers only",
+        ),
+        StrategySpec(
+            "multicast",
+            lambda reads, a: schedule_multicast(reads, a.cap, a.solo),
+            every_rank=False,
+            needs_mesh=False,
+            summary="one message or subgroup broadcast per read, to the ranks that want it (load, reshard)",
+        ),
+    )
+}
 #: What ``strategy=`` accepts: ``"auto"`` and every strategy.
 STRATEGY_CHOICES: tuple[str, ...] = ("auto", *STRATEGIES)
 
 if set(get_args(Strategy)) != set(STRATEGIES) or set(get_args(StrategyChoice)) != set(STRATEGY_CHOICES):
-    raise ImportError(f"the Strategy names {get_args(Strategy)} and the STRATEGIES table "
-                      f"{list(STRATEGIES)} disagree: add a new strategy to both")
+    raise ImportError(
+        f"the Strategy names {get_args(Strategy)} and the STRATEGIES table "
+        f"{list(STRATEGIES)} disagree: add a new strategy to both"
+    )
 
 
 def strategy_problems(strategy: str, consumers: bool, mesh: bool) -> list[str]:
@@ -114,6 +143,5 @@ def strategy_problems(strategy: str, consumers: bool, mesh: bool) -> list[str]:
         subset = ["auto"] + [s.name for s in STRATEGIES.values() if not s.every_rank]
         problems.append(f"strategy {strategy!r} delivers to every rank; with consumers use one of {subset}")
     if spec.needs_mesh and not mesh:
-        problems.append(f"strategy {strategy!r} needs mesh=(horizontal group, vertical group) or a 2-D "
-                        "DeviceMesh")
+        problems.append(f"strategy {strategy!r} needs mesh=(horizontal group, vertical group) or a 2-D DeviceMesh")
     return problems

@@ -17,8 +17,17 @@ from ..mapping.pieces import TargetSpec
 from .boxes import BoxIndex, holes_in, overlapping_pairs
 from .model import Plan
 
-__all__ = ["shard_boxes", "shard_index", "layout_problems", "coverage_problems", "target_problems",
-           "tiling_problems", "plan_problems", "check_inputs", "check_plan"]
+__all__ = [
+    "shard_boxes",
+    "shard_index",
+    "layout_problems",
+    "coverage_problems",
+    "target_problems",
+    "tiling_problems",
+    "plan_problems",
+    "check_inputs",
+    "check_plan",
+]
 
 _MAX_LISTED = 40
 
@@ -67,15 +76,20 @@ def layout_problems(layout: GlobalLayout, keys: Iterable[str] | None = None) -> 
         seen: dict[tuple[int, Box], int] = {}
         for s in meta.shards:
             seen[(s.rank, s.box)] = seen.get((s.rank, s.box), 0) + 1
-        problems += [f"{key!r}: rank {r} holds box {b} {n} times; pass each shard once"
-                     for (r, b), n in seen.items() if n > 1 and not b.empty]
+        problems += [
+            f"{key!r}: rank {r} holds box {b} {n} times; pass each shard once"
+            for (r, b), n in seen.items()
+            if n > 1 and not b.empty
+        ]
         boxes = shard_boxes(layout, key)
         distinct = list(boxes)
         for i, j in overlapping_pairs(distinct):
             a, b = distinct[i], distinct[j]
-            problems.append(f"{key!r}: shard {a} on ranks {list(boxes[a])} overlaps shard {b} on ranks "
-                            f"{list(boxes[b])} in {a.intersect(b)}; shards must be identical replicas or "
-                            "disjoint - fix the global offsets")
+            problems.append(
+                f"{key!r}: shard {a} on ranks {list(boxes[a])} overlaps shard {b} on ranks "
+                f"{list(boxes[b])} in {a.intersect(b)}; shards must be identical replicas or "
+                "disjoint - fix the global offsets"
+            )
     return problems
 
 
@@ -105,8 +119,11 @@ def coverage_problems(targets: Sequence[TargetSpec], layout: GlobalLayout) -> li
                 continue  # disjoint shards holding as many elements as the box: it is covered
             for hole in holes_in(p.source_box, boxes):
                 holes.setdefault((p.source, hole), t.name)
-    return [f"{key!r}: box {hole} (needed by target {name!r}) is held by no rank; give some rank the "
-            "shard covering it or fix the global offsets" for (key, hole), name in holes.items()]
+    return [
+        f"{key!r}: box {hole} (needed by target {name!r}) is held by no rank; give some rank the "
+        "shard covering it or fix the global offsets"
+        for (key, hole), name in holes.items()
+    ]
 
 
 def tiling_problems(what: str, shape: tuple[int, ...], boxes: Sequence[Box]) -> list[str]:
@@ -187,8 +204,9 @@ def check_inputs(targets: Sequence[TargetSpec], layout: GlobalLayout) -> None:
         raise PlanError(_format("the resolved targets are malformed", target_side))
 
 
-def _holding_ranks(layout: GlobalLayout, key: str, box: Box,
-                   indexes: dict[str, tuple[BoxIndex, list[tuple[int, ...]]]]) -> set[int]:
+def _holding_ranks(
+    layout: GlobalLayout, key: str, box: Box, indexes: dict[str, tuple[BoxIndex, list[tuple[int, ...]]]]
+) -> set[int]:
     # Ranks with a shard of ``key`` containing ``box``: a non-empty box is contained only in shards it
     # meets, which the index finds; an empty one is checked against every shard.
     if box.empty:
@@ -231,8 +249,11 @@ def _delivery_problems(plan: Plan) -> list[str]:
     for i, r in enumerate(plan.reads):
         n = to_all.get(i, 0)
         if to_one or n != 1:  # else every receiver got it exactly once, by one collective
-            problems += [f"read {i} ({r.source}{r.box}) reaches rank {d} {n + to_one.get((i, d), 0)} times"
-                         for d in r.receivers if n + to_one.get((i, d), 0) != 1]
+            problems += [
+                f"read {i} ({r.source}{r.box}) reaches rank {d} {n + to_one.get((i, d), 0)} times"
+                for d in r.receivers
+                if n + to_one.get((i, d), 0) != 1
+            ]
     ready = [t for s in plan.steps for t in s.ready]
     if sorted(ready) != list(range(len(plan.targets))):
         problems.append(f"steps yield targets {sorted(ready)}, expected each of {len(plan.targets)} once")
@@ -255,8 +276,10 @@ def plan_problems(plan: Plan, layout: GlobalLayout) -> list[str]:
         for c in t.copies:
             r = plan.reads[c.read]
             if c.piece.source != r.source or not r.box.contains(c.piece.source_box):
-                problems.append(f"target {t.name!r}: copy {c.piece.source}{c.piece.source_box} lies "
-                                f"outside its read {r.source}{r.box}")
+                problems.append(
+                    f"target {t.name!r}: copy {c.piece.source}{c.piece.source_box} lies "
+                    f"outside its read {r.source}{r.box}"
+                )
         if any(not 0 <= x < plan.world_size for x in t.consumers):
             problems.append(f"target {t.name!r}: consumers {list(t.consumers)} outside the group")
         problems += tiling_problems(f"target {t.name!r}", t.shape, [c.piece.target_box for c in t.copies])
@@ -277,5 +300,4 @@ def check_plan(plan: Plan, layout: GlobalLayout) -> None:
 def _format(head: str, problems: list[str]) -> str:
     shown = problems[:_MAX_LISTED]
     more = f"\n  ... and {len(problems) - len(shown)} more" if len(problems) > len(shown) else ""
-    return f"{head} ({len(problems)} problem{'s' if len(problems) > 1 else ''}):\n  " + \
-        "\n  ".join(shown) + more
+    return f"{head} ({len(problems)} problem{'s' if len(problems) > 1 else ''}):\n  " + "\n  ".join(shown) + more

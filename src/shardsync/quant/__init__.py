@@ -6,10 +6,34 @@ quantising a tensor. Sources (:class:`shardsync.sources.Fp8Source`), the writers
 
 from __future__ import annotations
 
-from .fp8 import (DEFAULT_BLOCK, FP8_MAX, SCALE_SUFFIX, Block, Fp8Quantize, block_size_from_config,
-                  check_fp8_casts, dequantize, quantization_config, quantize, scale_box, scale_key,
-                  scale_shape)
+from .fp8 import (
+    DEFAULT_BLOCK,
+    FP8_MAX,
+    SCALE_SUFFIX,
+    Block,
+    Fp8Quantize,
+    block_size_from_config,
+    check_fp8_casts,
+    dequantize,
+    quantization_config,
+    quantize,
+    scale_box,
+    scale_key,
+    scale_shape,
+)
 
-__all__ = ["DEFAULT_BLOCK", "FP8_MAX", "SCALE_SUFFIX", "Block", "Fp8Quantize", "block_size_from_config",
-           "check_fp8_casts", "dequantize", "quantization_config", "quantize", "scale_box", "scale_key",
-           "scale_shape"]
+__all__ = [
+    "DEFAULT_BLOCK",
+    "FP8_MAX",
+    "SCALE_SUFFIX",
+    "Block",
+    "Fp8Quantize",
+    "block_size_from_config",
+    "check_fp8_casts",
+    "dequantize",
+    "quantization_config",
+    "quantize",
+    "scale_box",
+    "scale_key",
+    "scale_shape",
+]

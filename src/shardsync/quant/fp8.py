@@ -26,9 +26,26 @@ from ..layout.dtypes import dtype_name, to_torch_dtype
 if TYPE_CHECKING:  # the mapping imports this module (its block-FP8 pairs): no import at run time
     from ..mapping import TargetSpec
 
-__all__ = ["FP8_MAX", "DEFAULT_BLOCK", "SCALE_SUFFIX", "CODE_DTYPES", "DEFAULT_SKIP", "Block", "scale_key",
-           "scale_shape", "scale_box", "dequantize", "quantize", "block_size_from_config",
-           "check_block", "quantization_config", "Fp8Quantize", "written", "check_fp8_casts", "check_fp8_fills"]
+__all__ = [
+    "FP8_MAX",
+    "DEFAULT_BLOCK",
+    "SCALE_SUFFIX",
+    "CODE_DTYPES",
+    "DEFAULT_SKIP",
+    "Block",
+    "scale_key",
+    "scale_shape",
+    "scale_box",
+    "dequantize",
+    "quantize",
+    "block_size_from_config",
+    "check_block",
+    "quantization_config",
+    "Fp8Quantize",
+    "written",
+    "check_fp8_casts",
+    "check_fp8_fills",
+]
 
 #: Largest finite ``float8_e4m3fn`` value.
 FP8_MAX = float(torch.finfo(torch.float8_e4m3fn).max)
@@ -81,8 +98,9 @@ def scale_box(box: Box, block: Block) -> Box:
     return Box((*lead_off, *first), (*lead_size, last[0] - first[0], last[1] - first[1]))
 
 
-def dequantize(q: torch.Tensor, scale: torch.Tensor, block: Block,
-               offsets: Sequence[int] | None = None) -> torch.Tensor:
+def dequantize(
+    q: torch.Tensor, scale: torch.Tensor, block: Block, offsets: Sequence[int] | None = None
+) -> torch.Tensor:
     """fp32 values of ``q`` (codes), each block multiplied by its scale.
 
     Args:
@@ -98,8 +116,8 @@ def dequantize(q: torch.Tensor, scale: torch.Tensor, block: Block,
     """
     r0, c0 = (0, 0) if offsets is None else (offsets[-2] % block[0], offsets[-1] % block[1])
     rows, cols = q.shape[-2:]
-    grid = scale.to(torch.float32).repeat_interleave(block[0], dim=-2)[..., r0:r0 + rows, :]
-    grid = grid.repeat_interleave(block[1], dim=-1)[..., c0:c0 + cols]
+    grid = scale.to(torch.float32).repeat_interleave(block[0], dim=-2)[..., r0 : r0 + rows, :]
+    grid = grid.repeat_interleave(block[1], dim=-1)[..., c0 : c0 + cols]
     return q.to(torch.float32) * grid
 
 
@@ -156,8 +174,11 @@ def check_block(size: Any, what: str = "block") -> Block:
     Raises:
         LayoutError: it is not (the message names ``what``).
     """
-    ok = (isinstance(size, (list, tuple)) and len(size) == 2
-          and all(isinstance(n, int) and not isinstance(n, bool) and n > 0 for n in size))
+    ok = (
+        isinstance(size, (list, tuple))
+        and len(size) == 2
+        and all(isinstance(n, int) and not isinstance(n, bool) and n > 0 for n in size)
+    )
     if not ok:
         raise LayoutError(f"{what} = {size!r}: give two positive integers, rows and columns (e.g. [128, 128])")
     return int(size[0]), int(size[1])
@@ -171,8 +192,12 @@ def quantization_config(block: Block, skipped: Sequence[str] = ()) -> dict[str, 
         >>> quantization_config((128, 128))["weight_block_size"]
         [128, 128]
     """
-    config: dict[str, Any] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
-                              "weight_block_size": list(block)}
+    config: dict[str, Any] = {
+        "quant_method": "fp8",
+        "fmt": "e4m3",
+        "activation_scheme": "dynamic",
+        "weight_block_size": list(block),
+    }
     if skipped:
         config["modules_to_not_convert"] = sorted(skipped)
     return config
@@ -199,8 +224,9 @@ class Fp8Quantize:
     patterns: tuple[str, ...] | None = None
 
     @classmethod
-    def of(cls, quantize: str | None, block: Any = DEFAULT_BLOCK,
-           patterns: Sequence[str] | None = None) -> Fp8Quantize | None:
+    def of(
+        cls, quantize: str | None, block: Any = DEFAULT_BLOCK, patterns: Sequence[str] | None = None
+    ) -> Fp8Quantize | None:
         """The checked options of a ``quantize=`` argument (None: no quantising).
 
         Raises:
@@ -239,8 +265,9 @@ class Fp8Quantize:
         return [(name, codes), (scale_key(name), scales)]
 
 
-def written(name: str, tensor: torch.Tensor, fp8: Fp8Quantize | None,
-            cast: torch.dtype | None) -> list[tuple[str, torch.Tensor]]:
+def written(
+    name: str, tensor: torch.Tensor, fp8: Fp8Quantize | None, cast: torch.dtype | None
+) -> list[tuple[str, torch.Tensor]]:
     """What a writer writes for target ``name``: its codes and scales when ``fp8`` selects it, else
     the tensor, cast to ``cast`` when it is floating.
 
@@ -263,24 +290,32 @@ def check_fp8_casts(targets: Sequence[TargetSpec], source_dtypes: Mapping[str, s
     Example:
         >>> from shardsync.mapping import Piece, TargetSpec
         >>> t = TargetSpec("w", (2,), "bfloat16", (Piece("w", Box((0,), (2,)), Box((0,), (2,)), None, ("bfloat16",)),))
-        >>> check_fp8_casts([t], {"w": "float8_e4m3fn"})
+        >>> check_fp8_casts([t], {"w": "float8_e4m3fn"})  # doctest: +ELLIPSIS
         Traceback (most recent call last):
         ...
-        shardsync.errors.LayoutError: FP8 codes cast to another dtype without their scales: 'w' (float8_e4m3fn -> bfloat16); read the checkpoint through shardsync.sources.Fp8Source (save_hf/convert do when given a dtype), or pass Fp8Source(..., unscaled='cast') to cast the codes as values
+        shardsync.errors.LayoutError: FP8 codes cast to another dtype without their scales: 'w' ...
     """
-    bad = sorted({f"{p.source!r} ({source_dtypes[p.source]} -> {p.casts[-1] if p.casts else t.dtype})"
-                  for t in targets for p in t.pieces
-                  if source_dtypes.get(p.source) in CODE_DTYPES
-                  and (p.casts[-1] if p.casts else t.dtype) not in CODE_DTYPES})
+    bad = sorted(
+        {
+            f"{p.source!r} ({source_dtypes[p.source]} -> {p.casts[-1] if p.casts else t.dtype})"
+            for t in targets
+            for p in t.pieces
+            if source_dtypes.get(p.source) in CODE_DTYPES and (p.casts[-1] if p.casts else t.dtype) not in CODE_DTYPES
+        }
+    )
     if bad:
-        raise LayoutError("FP8 codes cast to another dtype without their scales: " + ", ".join(bad)
-                          + "; read the checkpoint through shardsync.sources.Fp8Source (save_hf/convert do "
-                          "when given a dtype), or pass Fp8Source(..., unscaled='cast') to cast the "
-                          "codes as values")
+        raise LayoutError(
+            "FP8 codes cast to another dtype without their scales: "
+            + ", ".join(bad)
+            + "; read the checkpoint through shardsync.sources.Fp8Source (save_hf/convert do "
+            "when given a dtype), or pass Fp8Source(..., unscaled='cast') to cast the "
+            "codes as values"
+        )
 
 
-def check_fp8_fills(fills: Iterable[tuple[str, TargetSpec]], source_dtypes: Mapping[str, str],
-                    dest_keys: Iterable[str]) -> None:
+def check_fp8_fills(
+    fills: Iterable[tuple[str, TargetSpec]], source_dtypes: Mapping[str, str], dest_keys: Iterable[str]
+) -> None:
     """Raise when an FP8 destination that holds scales would get values cast to FP8 (not quantised:
     its scales would not fit its codes).
 
@@ -295,17 +330,26 @@ def check_fp8_fills(fills: Iterable[tuple[str, TargetSpec]], source_dtypes: Mapp
     Example:
         >>> from shardsync.mapping import Piece, TargetSpec
         >>> t = TargetSpec("w", (2, 2), "float8_e4m3fn", (Piece("v", Box((0, 0), (2, 2)), Box((0, 0), (2, 2))),))
-        >>> check_fp8_fills([("w", t)], {"v": "float32"}, ["w", "w_scale_inv"])
+        >>> check_fp8_fills([("w", t)], {"v": "float32"}, ["w", "w_scale_inv"])  # doctest: +ELLIPSIS
         Traceback (most recent call last):
         ...
-        shardsync.errors.LayoutError: FP8 weights with scales would get values cast to FP8 without quantising: 'w' from 'v' (float32); load quantises into FP8 + scales only a source weight of the destination's own name: convert the checkpoint with the mapping first, or load an FP8 checkpoint
+        shardsync.errors.LayoutError: FP8 weights with scales would get values cast to FP8 without quantising: ...
     """
     keys = set(dest_keys)
-    bad = sorted({f"{name!r} from {p.source!r} ({source_dtypes.get(p.source)})" for name, t in fills
-                  if t.dtype in CODE_DTYPES and scale_key(name) in keys for p in t.pieces
-                  if source_dtypes.get(p.source) not in CODE_DTYPES})
+    bad = sorted(
+        {
+            f"{name!r} from {p.source!r} ({source_dtypes.get(p.source)})"
+            for name, t in fills
+            if t.dtype in CODE_DTYPES and scale_key(name) in keys
+            for p in t.pieces
+            if source_dtypes.get(p.source) not in CODE_DTYPES
+        }
+    )
     if bad:
-        raise LayoutError("FP8 weights with scales would get values cast to FP8 without quantising: "
-                          + ", ".join(bad) + "; load quantises into FP8 + scales only a source weight of the "
-                          "destination's own name: convert the checkpoint with the mapping first, or load an "
-                          "FP8 checkpoint")
+        raise LayoutError(
+            "FP8 weights with scales would get values cast to FP8 without quantising: "
+            + ", ".join(bad)
+            + "; load quantises into FP8 + scales only a source weight of the "
+            "destination's own name: convert the checkpoint with the mapping first, or load an "
+            "FP8 checkpoint"
+        )

@@ -24,8 +24,7 @@ from ..dist import transport_errors
 from ..errors import ReplicaError
 from ..layout import dtype_name
 
-__all__ = ["Op", "Member", "Item", "Bucket", "PhasePlan", "SyncPlan", "comm_dtype", "make_buckets",
-           "exchange"]
+__all__ = ["Op", "Member", "Item", "Bucket", "PhasePlan", "SyncPlan", "comm_dtype", "make_buckets", "exchange"]
 
 log = logging.getLogger(__name__)
 
@@ -99,8 +98,13 @@ def make_buckets(items: Sequence[Item], bucket_bytes: int, *, flags: bool = Fals
         >>> [len(b.members) for b in make_buckets([Item("mean", "cpu", torch.bfloat16, m)] * 3, 1 << 20)]
         [3]
     """
-    bad = sorted({f"{m.name} ({m.kind}, {dtype_name(dt)})" for op, _, dt, m in items
-                  if op != "broadcast" and not dt.is_floating_point})
+    bad = sorted(
+        {
+            f"{m.name} ({m.kind}, {dtype_name(dt)})"
+            for op, _, dt, m in items
+            if op != "broadcast" and not dt.is_floating_point
+        }
+    )
     if bad:
         raise ReplicaError(f"cannot sum or average non-floating tensors {bad}; use broadcast for them")
     open_: dict[tuple[Op, str, torch.dtype], list[Member]] = {}
@@ -117,8 +121,9 @@ def make_buckets(items: Sequence[Item], bucket_bytes: int, *, flags: bool = Fals
     return tuple(closed)
 
 
-def exchange(bucket: Bucket, tensors: Sequence[torch.Tensor | None], *, group: Any, src: int,
-             world: int) -> list[torch.Tensor | None]:
+def exchange(
+    bucket: Bucket, tensors: Sequence[torch.Tensor | None], *, group: Any, src: int, world: int
+) -> list[torch.Tensor | None]:
     """Run one bucket's collective; return each member's result as a view of the received buffer.
 
     Args:
@@ -152,8 +157,7 @@ def exchange(bucket: Bucket, tensors: Sequence[torch.Tensor | None], *, group: A
     if bucket.op == "mean":
         buf[:numel].div_(world)
     present = segments[n].tolist() if bucket.flags else [1] * n
-    return [seg.view(m.shape) if flag else None
-            for seg, m, flag in zip(segments, bucket.members, present)]
+    return [seg.view(m.shape) if flag else None for seg, m, flag in zip(segments, bucket.members, present)]
 
 
 @dataclass(frozen=True, slots=True)
@@ -207,16 +211,19 @@ class SyncPlan:
         return sum(p.collectives for p in self.phases) if self.world > 1 else 0
 
     def __str__(self) -> str:
-        lines = [f"replica sync over {self.world} rank(s), every {self.interval} step(s): "
-                 f"{self.tensors} tensors, {self.nbytes} bytes, {self.collectives_per_step} "
-                 "collectives per synced step"]
+        lines = [
+            f"replica sync over {self.world} rank(s), every {self.interval} step(s): "
+            f"{self.tensors} tensors, {self.nbytes} bytes, {self.collectives_per_step} "
+            "collectives per synced step"
+        ]
         for p in self.phases:
-            lines.append(f"  {p.phase} ({p.when}): {p.tensors} tensors, {p.nbytes} bytes, "
-                         f"{p.collectives} bucket(s)")
+            lines.append(f"  {p.phase} ({p.when}): {p.tensors} tensors, {p.nbytes} bytes, {p.collectives} bucket(s)")
             for b in p.buckets:
                 kinds = sorted({m.kind for m in b.members})
-                lines.append(f"    {b.op:<9} {b.device:<6} {dtype_name(b.dtype):<8} "
-                             f"{len(b.members):>5} tensors {b.nbytes:>12} bytes  {','.join(kinds)}")
+                lines.append(
+                    f"    {b.op:<9} {b.device:<6} {dtype_name(b.dtype):<8} "
+                    f"{len(b.members):>5} tensors {b.nbytes:>12} bytes  {','.join(kinds)}"
+                )
         if self.pending:
             lines.append(f"  note: {self.pending}")
         return "\n".join(lines)

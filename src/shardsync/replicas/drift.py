@@ -23,14 +23,22 @@ import torch.distributed as dist
 from torch import nn
 
 from .. import phases
-from ..errors import ReplicaError
 from ..dist import agree, data_phase, group_rank, group_size, is_distributed, transport_errors
+from ..errors import ReplicaError
 from ..layout import to_torch_dtype
 from .buckets import Item, Member
 from .engine import SyncStats, build_buckets, run_buckets
 from .preflight import GroupLike, resolve_group
-from .replicated import (Entry, MasterParams, ReplicatedParam, check_same, describe, get_tensor, local,
-                         resolve_replicated)
+from .replicated import (
+    Entry,
+    MasterParams,
+    ReplicatedParam,
+    check_same,
+    describe,
+    get_tensor,
+    local,
+    resolve_replicated,
+)
 from .report import DriftReport, DriftRow
 from .select import SelectorLike, resolve_selector
 from .sync import SYNC_BUCKET_BYTES
@@ -67,7 +75,7 @@ def fingerprint(t: torch.Tensor) -> torch.Tensor:
     bits = flat.view(_INTS[flat.dtype.itemsize])
     out = torch.zeros(2, dtype=torch.int64, device=flat.device)
     for start in range(0, bits.numel(), _CHUNK):
-        x = bits[start:start + _CHUNK].to(torch.int64)
+        x = bits[start : start + _CHUNK].to(torch.int64)
         w = torch.arange(start + 1, start + 1 + x.numel(), dtype=torch.int64, device=x.device)
         out[0] += x.sum()
         out[1] += (x * w).sum()
@@ -88,8 +96,9 @@ def _validate(what: Any, on_drift: Any, atol: Any, src: Any, world: int) -> None
         raise ReplicaError("invalid detect_drift arguments:\n  " + "\n  ".join(problems))
 
 
-def _local_view(replicated: Sequence[ReplicatedParam], what: Sequence[str],
-                optimizer: Any) -> list[tuple[Entry, tuple[int, int] | None]]:
+def _local_view(
+    replicated: Sequence[ReplicatedParam], what: Sequence[str], optimizer: Any
+) -> list[tuple[Entry, tuple[int, int] | None]]:
     entries = describe(replicated, what, optimizer)
     by_name = {rp.name: rp for rp in replicated}
     tensors = [get_tensor(by_name[e.name], e.kind, optimizer) if e.present else None for e in entries]
@@ -109,13 +118,13 @@ def _reference(fps: Sequence[Any], present: Sequence[int], src: int) -> set[int]
     counts = Counter(fps[r] for r in present)
     top = max(counts.values())
     tied = [fp for fp, c in counts.items() if c == top]
-    pick = fps[src] if src in present and fps[src] in tied else next(fps[r] for r in present
-                                                                       if fps[r] in tied)
+    pick = fps[src] if src in present and fps[src] in tied else next(fps[r] for r in present if fps[r] in tied)
     return {r for r in present if fps[r] == pick}
 
 
-def _exact_diffs(indices: Sequence[int], agreed: Sequence[Entry], by_name: dict[str, ReplicatedParam],
-                 optimizer: Any, group: Any) -> dict[int, float]:
+def _exact_diffs(
+    indices: Sequence[int], agreed: Sequence[Entry], by_name: dict[str, ReplicatedParam], optimizer: Any, group: Any
+) -> dict[int, float]:
     """Max over elements of (max over ranks - min over ranks), via coalesced all_reduce MAX and MIN."""
     groups: dict[tuple[str, torch.dtype], list[int]] = {}
     for i in indices:
@@ -139,16 +148,23 @@ def _exact_diffs(indices: Sequence[int], agreed: Sequence[Entry], by_name: dict[
     return out
 
 
-def _flat(tensors: Sequence[torch.Tensor | None], numels: Sequence[int], fill: float,
-          dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+def _flat(
+    tensors: Sequence[torch.Tensor | None], numels: Sequence[int], fill: float, dtype: torch.dtype, device: torch.device
+) -> torch.Tensor:
     """One flat buffer of ``tensors``; a missing one is ``fill`` (it must not win the MAX or MIN)."""
-    return torch.cat([t.detach().reshape(-1).to(device, dtype) if t is not None
-                      else torch.full((n,), fill, dtype=dtype, device=device)
-                      for t, n in zip(tensors, numels)])
+    return torch.cat(
+        [
+            t.detach().reshape(-1).to(device, dtype)
+            if t is not None
+            else torch.full((n,), fill, dtype=dtype, device=device)
+            for t, n in zip(tensors, numels)
+        ]
+    )
 
 
-def _analyse(per_rank: Sequence[Sequence[tuple[Entry, Any]]], src: int
-             ) -> tuple[list[Entry], list[tuple[int, tuple[int, ...], tuple[int, ...]]], int]:
+def _analyse(
+    per_rank: Sequence[Sequence[tuple[Entry, Any]]], src: int
+) -> tuple[list[Entry], list[tuple[int, tuple[int, ...], tuple[int, ...]]], int]:
     """Agreed entries, (index, differing ranks, missing ranks) per drifting entry, tensors checked."""
     world = len(per_rank)
     agreed: list[Entry] = []
@@ -169,9 +185,16 @@ def _analyse(per_rank: Sequence[Sequence[tuple[Entry, Any]]], src: int
     return agreed, drifting, checked
 
 
-def _repair(rows: Sequence[DriftRow], what: Sequence[str], agreed: Sequence[Entry],
-            per_rank: Sequence[Sequence[tuple[Entry, Any]]], by_name: dict[str, ReplicatedParam],
-            optimizer: Any, group: Any, src: int) -> None:
+def _repair(
+    rows: Sequence[DriftRow],
+    what: Sequence[str],
+    agreed: Sequence[Entry],
+    per_rank: Sequence[Sequence[tuple[Entry, Any]]],
+    by_name: dict[str, ReplicatedParam],
+    optimizer: Any,
+    group: Any,
+    src: int,
+) -> None:
     """Broadcast every kind in ``what`` of each drifting name from ``src`` (coalesced)."""
     names = {r.name for r in rows}
     items: list[Item] = []
@@ -184,26 +207,46 @@ def _repair(rows: Sequence[DriftRow], what: Sequence[str], agreed: Sequence[Entr
         t = get_tensor(by_name[name], kind, optimizer)
         device = str(t.device) if t is not None else str(local(by_name[name].owner).device)
         items.append(Item("broadcast", device, to_torch_dtype(entry.dtype), Member(name, kind, entry.shape)))
-    run_buckets("drift repair", build_buckets(items, SYNC_BUCKET_BYTES), by_name, optimizer, group=group,
-                src=src, rank=group_rank(group), world=group_size(group), stats=SyncStats())
+    run_buckets(
+        "drift repair",
+        build_buckets(items, SYNC_BUCKET_BYTES),
+        by_name,
+        optimizer,
+        group=group,
+        src=src,
+        rank=group_rank(group),
+        world=group_size(group),
+        stats=SyncStats(),
+    )
 
 
-def _warn_unknown_states(what: Sequence[str], per_rank: Sequence[Sequence[tuple[Entry, Any]]],
-                         optimizer: Any) -> None:
+def _warn_unknown_states(what: Sequence[str], per_rank: Sequence[Sequence[tuple[Entry, Any]]], optimizer: Any) -> None:
     """A state key that no tensor has, once the optimizer has state, is likely a typo."""
     if optimizer is None or not optimizer.state:
         return
     seen = {e.kind for view in per_rank for e, fp in view if fp is not None}
     unknown = [k for k in what if k not in ("param", "master", "grad") and k not in seen]
     if unknown:
-        log.warning("drift check: no selected tensor has optimizer state %s (state keys look like %s)",
-                    unknown, sorted({k for st in optimizer.state.values() for k in st})[:8])
+        log.warning(
+            "drift check: no selected tensor has optimizer state %s (state keys look like %s)",
+            unknown,
+            sorted({k for st in optimizer.state.values() for k in st})[:8],
+        )
 
 
-def detect_drift(model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *, group: GroupLike = None,
-                 selector: SelectorLike = None, what: Sequence[str] = DEFAULT_WHAT,
-                 master_params: MasterParams = "auto", src: int = 0, on_drift: OnDrift | None = None,
-                 atol: float = 0.0, mesh_dim: int | str | None = None) -> DriftReport:
+def detect_drift(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    *,
+    group: GroupLike = None,
+    selector: SelectorLike = None,
+    what: Sequence[str] = DEFAULT_WHAT,
+    master_params: MasterParams = "auto",
+    src: int = 0,
+    on_drift: OnDrift | None = None,
+    atol: float = 0.0,
+    mesh_dim: int | str | None = None,
+) -> DriftReport:
     """Compare the replicated tensors across the group; report each one that differs.
 
     Args:
@@ -238,13 +281,19 @@ def detect_drift(model: nn.Module, optimizer: torch.optim.Optimizer | None = Non
     """
     group = resolve_group(group, mesh_dim)
     world = group_size(group)
+
     def local_replicated() -> list[ReplicatedParam]:
         _validate(what, on_drift, atol, src, world)
         selection = resolve_selector(model, selector, mesh_dim)
         return resolve_replicated(model, selection.names, optimizer, master_params)
 
-    views = agree(phases.DRIFT_FINGERPRINTS, local_replicated, group,
-                  share=lambda found: _local_view(found, tuple(what), optimizer), unanimous=True)
+    views = agree(
+        phases.DRIFT_FINGERPRINTS,
+        local_replicated,
+        group,
+        share=lambda found: _local_view(found, tuple(what), optimizer),
+        unanimous=True,
+    )
     per_rank = views.all
     check_same("drift check", [[e for e, _ in view] for view in per_rank], presence=False)
     agreed, drifting, checked = _analyse(per_rank, src)
@@ -252,8 +301,12 @@ def detect_drift(model: nn.Module, optimizer: torch.optim.Optimizer | None = Non
     by_name = {rp.name: rp for rp in views.mine}
     exact_for = [i for i, differing, _ in drifting if differing]
     diffs = _exact_diffs(exact_for, agreed, by_name, optimizer, group) if exact_for else {}
-    rows = tuple(DriftRow(agreed[i].name, agreed[i].kind, agreed[i].shape, agreed[i].dtype, differing,
-                          diffs.get(i, 0.0), missing) for i, differing, missing in drifting)
+    rows = tuple(
+        DriftRow(
+            agreed[i].name, agreed[i].kind, agreed[i].shape, agreed[i].dtype, differing, diffs.get(i, 0.0), missing
+        )
+        for i, differing, missing in drifting
+    )
     report = DriftReport(rows, checked, world)
     bad = report.exceeding(atol)
     if bad and on_drift == "warn":
@@ -275,8 +328,7 @@ class DriftWatch:
         checks: how many checks ran.
     """
 
-    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, every: int,
-                 kwargs: dict[str, Any]) -> None:
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, every: int, kwargs: dict[str, Any]) -> None:
         self.model, self.optimizer, self.every, self.kwargs = model, optimizer, every, kwargs
         self.last: DriftReport | None = None
         self.checks = 0
@@ -294,8 +346,9 @@ class DriftWatch:
         self._hook.remove()
 
 
-def watch_drift(model: nn.Module, optimizer: torch.optim.Optimizer, *, every: int = 100,
-                on_drift: OnDrift = "warn", **kwargs: Any) -> DriftWatch:
+def watch_drift(
+    model: nn.Module, optimizer: torch.optim.Optimizer, *, every: int = 100, on_drift: OnDrift = "warn", **kwargs: Any
+) -> DriftWatch:
     """Check drift every ``every`` optimizer steps (after the step) with :func:`detect_drift`.
 
     Args:

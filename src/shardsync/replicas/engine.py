@@ -16,8 +16,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..errors import ReplicaError
 from ..dist import data_phase
+from ..errors import ReplicaError
 from ..layout import dtype_name
 from .buckets import Bucket, Item, Member, Op, exchange, make_buckets
 from .replicated import ReplicatedParam, get_tensor, kind_order, local, set_grad
@@ -38,8 +38,9 @@ class SyncStats:
     bytes: int = 0
 
 
-def items_for(replicated: Sequence[ReplicatedParam], wanted: Sequence[tuple[str, Op]], optimizer: Any,
-              *, missing_ok: bool = False) -> list[Item]:
+def items_for(
+    replicated: Sequence[ReplicatedParam], wanted: Sequence[tuple[str, Op]], optimizer: Any, *, missing_ok: bool = False
+) -> list[Item]:
     """Items for each replicated parameter and each (kind, op) in ``wanted``, in rank-stable order.
 
     Args:
@@ -78,8 +79,9 @@ def global_src(group: Any, src: int) -> int:
     return src if group is None else dist.get_global_rank(group, src)
 
 
-def _lookup(buckets: Sequence[Bucket], by_name: Mapping[str, ReplicatedParam],
-            optimizer: Any) -> tuple[list[list[torch.Tensor | None]], list[str]]:
+def _lookup(
+    buckets: Sequence[Bucket], by_name: Mapping[str, ReplicatedParam], optimizer: Any
+) -> tuple[list[list[torch.Tensor | None]], list[str]]:
     tensors: list[list[torch.Tensor | None]] = []
     problems: list[str] = []
     for bucket in buckets:
@@ -97,8 +99,12 @@ def _lookup(buckets: Sequence[Bucket], by_name: Mapping[str, ReplicatedParam],
     return tensors, problems
 
 
-def _write_back(bucket: Bucket, tensors: Sequence[torch.Tensor | None],
-                results: Sequence[torch.Tensor | None], by_name: Mapping[str, ReplicatedParam]) -> None:
+def _write_back(
+    bucket: Bucket,
+    tensors: Sequence[torch.Tensor | None],
+    results: Sequence[torch.Tensor | None],
+    by_name: Mapping[str, ReplicatedParam],
+) -> None:
     for m, t, r in zip(bucket.members, tensors, results):
         if r is None:
             if t is not None:  # absent on the broadcast source: absent everywhere
@@ -109,8 +115,18 @@ def _write_back(bucket: Bucket, tensors: Sequence[torch.Tensor | None],
             t.copy_(r)
 
 
-def run_buckets(phase: str, buckets: Sequence[Bucket], by_name: Mapping[str, ReplicatedParam],
-                optimizer: Any, *, group: Any, src: int, rank: int, world: int, stats: SyncStats) -> None:
+def run_buckets(
+    phase: str,
+    buckets: Sequence[Bucket],
+    by_name: Mapping[str, ReplicatedParam],
+    optimizer: Any,
+    *,
+    group: Any,
+    src: int,
+    rank: int,
+    world: int,
+    stats: SyncStats,
+) -> None:
     """Move every bucket (one collective each) and write the results back.
 
     Args:
@@ -128,9 +144,11 @@ def run_buckets(phase: str, buckets: Sequence[Bucket], by_name: Mapping[str, Rep
     src_global = global_src(group, src)
     with data_phase(phase, group), torch.no_grad():  # params are leaves that require grad
         if problems:
-            raise ReplicaError(f"{phase}: replicated tensors changed since the ranks agreed on them: "
-                               f"{problems}; build a new ReplicaSync after replacing parameters, or "
-                               "call broadcast_now() after loading optimizer state")
+            raise ReplicaError(
+                f"{phase}: replicated tensors changed since the ranks agreed on them: "
+                f"{problems}; build a new ReplicaSync after replacing parameters, or "
+                "call broadcast_now() after loading optimizer state"
+            )
         for bucket, row in zip(buckets, tensors):
             results = exchange(bucket, row, group=group, src=src_global, world=world)
             stats.collectives += 1
@@ -138,5 +156,10 @@ def run_buckets(phase: str, buckets: Sequence[Bucket], by_name: Mapping[str, Rep
             if bucket.op == "broadcast" and rank == src:
                 continue  # the source keeps its own values
             _write_back(bucket, row, results, by_name)
-    log.debug("%s: %d bucket(s), %d bytes (%s)", phase, len(buckets), sum(b.nbytes for b in buckets),
-              ", ".join(sorted({dtype_name(b.dtype) for b in buckets})))
+    log.debug(
+        "%s: %d bucket(s), %d bytes (%s)",
+        phase,
+        len(buckets),
+        sum(b.nbytes for b in buckets),
+        ", ".join(sorted({dtype_name(b.dtype) for b in buckets})),
+    )

@@ -26,8 +26,17 @@ from ..sizes import parse_size
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
 
-__all__ = ["GroupLike", "SyncMode", "GradMode", "DEFAULT_STATES", "resolve_group", "validate_sync_args",
-           "optimizer_signature", "check_signatures", "SIGNATURE_PHASE"]
+__all__ = [
+    "GroupLike",
+    "SyncMode",
+    "GradMode",
+    "DEFAULT_STATES",
+    "resolve_group",
+    "validate_sync_args",
+    "optimizer_signature",
+    "check_signatures",
+    "SIGNATURE_PHASE",
+]
 
 #: The phase of :func:`check_signatures`, as errors name it.
 SIGNATURE_PHASE = phases.SYNC_SIGNATURE
@@ -51,9 +60,11 @@ def _mesh_group(mesh: DeviceMesh, mesh_dim: int | str | None) -> ProcessGroup:
         return mesh.get_group(mesh_dim)
     if isinstance(mesh_dim, int) and not isinstance(mesh_dim, bool) and 0 <= mesh_dim < mesh.ndim:
         return mesh.get_group(mesh_dim)
-    raise ReplicaError(f"group= is a {mesh.ndim}-D device mesh with dims {names or tuple(range(mesh.ndim))}"
-                       f" and mesh_dim={mesh_dim!r} names none of them; pass the TP mesh axis as mesh_dim= "
-                       "(a name or an index), or the 1-D mesh of the TP mesh axis (mesh['tp'])")
+    raise ReplicaError(
+        f"group= is a {mesh.ndim}-D device mesh with dims {names or tuple(range(mesh.ndim))}"
+        f" and mesh_dim={mesh_dim!r} names none of them; pass the TP mesh axis as mesh_dim= "
+        "(a name or an index), or the 1-D mesh of the TP mesh axis (mesh['tp'])"
+    )
 
 
 def resolve_group(group: GroupLike, mesh_dim: int | str | None = None) -> ProcessGroup | None:
@@ -77,16 +88,20 @@ def resolve_group(group: GroupLike, mesh_dim: int | str | None = None) -> Proces
     """
     pg = _mesh_group(group, mesh_dim) if isinstance(group, DeviceMesh) else group
     if pg is not None and not (dist.is_available() and dist.is_initialized()):
-        raise ReplicaError("a group was given but torch.distributed is not initialized; call "
-                           "init_process_group first, or pass group=None for a single process")
+        raise ReplicaError(
+            "a group was given but torch.distributed is not initialized; call "
+            "init_process_group first, or pass group=None for a single process"
+        )
     if pg is not None and dist.get_rank(pg) < 0:
-        raise ReplicaError("this process is not a member of the given group; build ReplicaSync "
-                           "only on the group's ranks")
+        raise ReplicaError(
+            "this process is not a member of the given group; build ReplicaSync only on the group's ranks"
+        )
     return pg
 
 
-def validate_sync_args(params: Any, grads: Any, states_mode: Any, states: Any, src: Any, world: int,
-                       interval: Any, bucket_bytes: Any) -> None:
+def validate_sync_args(
+    params: Any, grads: Any, states_mode: Any, states: Any, src: Any, world: int, interval: Any, bucket_bytes: Any
+) -> None:
     """Check :class:`~shardsync.replicas.ReplicaSync`'s arguments; every problem in one error.
 
     Raises:
@@ -111,8 +126,10 @@ def validate_sync_args(params: Any, grads: Any, states_mode: Any, states: Any, s
     if not isinstance(interval, int) or interval < 1:
         problems.append(f"interval={interval!r}: must be an int >= 1")
     elif grads == "sum" and interval != 1:
-        problems.append(f"grads='sum' with interval={interval}: partial grads must be summed on "
-                        "every step; use interval=1 (or grads='mean' for a periodic safety net)")
+        problems.append(
+            f"grads='sum' with interval={interval}: partial grads must be summed on "
+            "every step; use interval=1 (or grads='mean' for a periodic safety net)"
+        )
     if isinstance(bucket_bytes, str):  # a size such as "4MiB", read as every size argument is
         try:
             parse_size(bucket_bytes, "bucket_bytes")
@@ -140,8 +157,10 @@ def optimizer_signature(optimizer: torch.optim.Optimizer | None) -> tuple[Any, .
     if optimizer is None:
         return ()
     masters = getattr(optimizer, "_master_weights", None)
-    return (tuple(len(g["params"]) for g in optimizer.param_groups),
-            len(masters) if isinstance(masters, Mapping) else None)
+    return (
+        tuple(len(g["params"]) for g in optimizer.param_groups),
+        len(masters) if isinstance(masters, Mapping) else None,
+    )
 
 
 def check_signatures(signature: tuple[Any, ...], group: ProcessGroup | None) -> None:
@@ -169,9 +188,11 @@ def check_signatures(signature: tuple[Any, ...], group: ProcessGroup | None) -> 
         return
     per_rank = agree(SIGNATURE_PHASE, lambda: signature, group).all
     shown = "; ".join(f"rank {r}: {_signature_text(s)}" for r, s in enumerate(per_rank))
-    raise ReplicaError(f"the ranks' optimizers step different parameters ({shown}): a parameter group "
-                       "(or a master) was added on some ranks only; every rank must call "
-                       "add_param_group with the same parameters at the same step")
+    raise ReplicaError(
+        f"the ranks' optimizers step different parameters ({shown}): a parameter group "
+        "(or a master) was added on some ranks only; every rank must call "
+        "add_param_group with the same parameters at the same step"
+    )
 
 
 def _signature_text(signature: tuple[Any, ...]) -> str:

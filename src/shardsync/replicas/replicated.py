@@ -23,9 +23,22 @@ from torch import nn
 from ..errors import LayoutError, ReplicaError
 from ..layout import dtype_name
 
-__all__ = ["ReplicatedParam", "Entry", "MasterParams", "TENSOR_KINDS", "resolve_replicated", "local",
-           "get_tensor", "set_grad", "describe", "owner_entries", "layout_entries", "check_same",
-           "check_requires_grad", "kind_order"]
+__all__ = [
+    "ReplicatedParam",
+    "Entry",
+    "MasterParams",
+    "TENSOR_KINDS",
+    "resolve_replicated",
+    "local",
+    "get_tensor",
+    "set_grad",
+    "describe",
+    "owner_entries",
+    "layout_entries",
+    "check_same",
+    "check_requires_grad",
+    "kind_order",
+]
 
 log = logging.getLogger(__name__)
 
@@ -35,9 +48,9 @@ TENSOR_KINDS = ("param", "master", "grad")
 #: ``master_params=``: ``{param or name: master}``, ``callable(param) -> master | None``, None for
 #: no masters, or ``"auto"``: ``optimizer._master_weights`` when the optimizer has one (Paddle's
 #: convention, keyed by parameter or name), else no masters.
-MasterParams = Union[Mapping[Any, torch.Tensor], Callable[[torch.Tensor], Union[torch.Tensor, None]],
-                     Literal["auto"], None]
-
+MasterParams = Union[
+    Mapping[Any, torch.Tensor], Callable[[torch.Tensor], Union[torch.Tensor, None]], Literal["auto"], None
+]
 
 
 class Entry(NamedTuple):
@@ -90,11 +103,14 @@ def _master_lookup(master_params: MasterParams, optimizer: Any) -> Callable[[str
                 if key is not None and key in table:
                     return table[key]
             return None
+
         return lookup
     if callable(master_params):
         return lambda name, p: master_params(p)
-    raise ReplicaError(f"master_params= takes a mapping {{param or name: master}}, a callable "
-                       f"param -> master | None, 'auto' or None; got {type(master_params).__name__}")
+    raise ReplicaError(
+        f"master_params= takes a mapping {{param or name: master}}, a callable "
+        f"param -> master | None, 'auto' or None; got {type(master_params).__name__}"
+    )
 
 
 def _check_master(name: str, param: torch.Tensor, master: Any) -> str | None:
@@ -103,15 +119,18 @@ def _check_master(name: str, param: torch.Tensor, master: Any) -> str | None:
     if master is param:
         return f"{name!r}: the master is the parameter itself; give a separate fp32 copy or None"
     if tuple(local(master).shape) != tuple(local(param).shape):
-        return (f"{name!r}: master shape {list(local(master).shape)} differs from the parameter's "
-                f"{list(local(param).shape)}")
+        return (
+            f"{name!r}: master shape {list(local(master).shape)} differs from the parameter's "
+            f"{list(local(param).shape)}"
+        )
     if not master.is_floating_point():
         return f"{name!r}: master dtype {master.dtype} is not a floating dtype"
     return None
 
 
-def resolve_replicated(model: nn.Module, names: Sequence[str], optimizer: Any,
-                       master_params: MasterParams) -> list[ReplicatedParam]:
+def resolve_replicated(
+    model: nn.Module, names: Sequence[str], optimizer: Any, master_params: MasterParams
+) -> list[ReplicatedParam]:
     """The selected ``names`` with their masters and owners, sorted by name.
 
     Raises:
@@ -136,11 +155,13 @@ def resolve_replicated(model: nn.Module, names: Sequence[str], optimizer: Any,
         owner = master if master is not None and id(master) in held else param
         replicated.append(ReplicatedParam(name, param, master, owner))
     if meta:
-        raise ReplicaError(f"{len(meta)} selected parameter(s) or their masters are on the meta device, "
-                           f"with no data to sync or compare: {', '.join(meta[:8])}"
-                           f"{' ...' if len(meta) > 8 else ''}; materialise the model first "
-                           "(model.to_empty(device=...), then initialise or load it), or leave them "
-                           "out with the selector")
+        raise ReplicaError(
+            f"{len(meta)} selected parameter(s) or their masters are on the meta device, "
+            f"with no data to sync or compare: {', '.join(meta[:8])}"
+            f"{' ...' if len(meta) > 8 else ''}; materialise the model first "
+            "(model.to_empty(device=...), then initialise or load it), or leave them "
+            "out with the selector"
+        )
     if errors:
         raise ReplicaError("master_params do not fit their parameters:\n  " + "\n  ".join(errors))
     return replicated
@@ -179,13 +200,16 @@ def set_grad(rp: ReplicatedParam, value: torch.Tensor | None) -> None:
     if type(owner).__name__ == "DTensor":
         from torch.distributed.tensor import DTensor  # local: only DTensor users pay the import
 
-        new = DTensor.from_local(new, owner.device_mesh, owner.placements,  # type: ignore[attr-defined]
-                                 run_check=False)
+        new = DTensor.from_local(
+            new,
+            owner.device_mesh,  # type: ignore[attr-defined]
+            owner.placements,  # type: ignore[attr-defined]
+            run_check=False,
+        )
     owner.grad = new
 
 
-def describe(replicated: Sequence[ReplicatedParam], kinds: Sequence[str],
-             optimizer: Any) -> list[Entry]:
+def describe(replicated: Sequence[ReplicatedParam], kinds: Sequence[str], optimizer: Any) -> list[Entry]:
     """This rank's entries for ``kinds`` of every replicated parameter, in rank-stable order."""
     order = kind_order(kinds)
     entries: list[Entry] = []
@@ -197,15 +221,17 @@ def describe(replicated: Sequence[ReplicatedParam], kinds: Sequence[str],
                 ref = local(rp.owner if kind not in ("param", "master") else rp.param)
                 entries.append(Entry(rp.name, kind, tuple(ref.shape), "-", ref.device.type, False))
             else:
-                entries.append(Entry(rp.name, kind, tuple(t.shape), dtype_name(t.dtype), t.device.type,
-                                     True, trainable))
+                entries.append(
+                    Entry(rp.name, kind, tuple(t.shape), dtype_name(t.dtype), t.device.type, True, trainable)
+                )
     return entries
 
 
 def owner_entries(replicated: Sequence[ReplicatedParam]) -> list[Entry]:
     """Which tensor the optimizer steps (and whose grad and states sync), per replicated parameter."""
-    return [Entry(rp.name, "stepped", (), "master" if rp.owner is rp.master else "param", "-", True)
-            for rp in replicated]
+    return [
+        Entry(rp.name, "stepped", (), "master" if rp.owner is rp.master else "param", "-", True) for rp in replicated
+    ]
 
 
 def layout_entries(replicated: Sequence[ReplicatedParam], optimizer: Any) -> list[Entry]:
@@ -259,10 +285,13 @@ def check_same(phase: str, per_rank: Sequence[Sequence[Entry]], *, presence: boo
             by_rank = ", ".join(f"rank {r}: {_fmt(e)}" for r, e in enumerate(seen))
             problems.append(f"{key[0]} ({key[1]}): {by_rank}")
     if problems:
-        raise LayoutError(f"{phase}: the ranks disagree on {len(problems)} replicated tensor(s):\n  "
-                          + _shown(problems) + "\nEvery rank of the group must select the same "
-                          "parameters with the same shapes and dtypes; check the selector, the "
-                          "model and master_params on each rank.")
+        raise LayoutError(
+            f"{phase}: the ranks disagree on {len(problems)} replicated tensor(s):\n  "
+            + _shown(problems)
+            + "\nEvery rank of the group must select the same "
+            "parameters with the same shapes and dtypes; check the selector, the "
+            "model and master_params on each rank."
+        )
 
 
 def check_requires_grad(phase: str, per_rank: Sequence[Sequence[Entry]]) -> None:
@@ -287,11 +316,16 @@ def check_requires_grad(phase: str, per_rank: Sequence[Sequence[Entry]]) -> None
         for e in entries:
             if e.kind == "param":
                 flags.setdefault(e.name, []).append(e.requires_grad)
-    problems = [f"{name}: requires_grad=True on rank(s) {[r for r, f in enumerate(seen) if f]}, "
-                f"False on rank(s) {[r for r, f in enumerate(seen) if not f]}"
-                for name, seen in sorted(flags.items()) if len(set(seen)) > 1]
+    problems = [
+        f"{name}: requires_grad=True on rank(s) {[r for r, f in enumerate(seen) if f]}, "
+        f"False on rank(s) {[r for r, f in enumerate(seen) if not f]}"
+        for name, seen in sorted(flags.items())
+        if len(set(seen)) > 1
+    ]
     if problems:
-        raise ReplicaError(f"{phase}: requires_grad differs across the ranks for {len(problems)} "
-                           f"replicated parameter(s):\n  {_shown(problems)}\nA replica frozen on "
-                           "some ranks only would be updated there by the sync; freeze it on every "
-                           "rank, or leave it out of the selection (exclude=...).")
+        raise ReplicaError(
+            f"{phase}: requires_grad differs across the ranks for {len(problems)} "
+            f"replicated parameter(s):\n  {_shown(problems)}\nA replica frozen on "
+            "some ranks only would be updated there by the sync; freeze it on every "
+            "rank, or leave it out of the selection (exclude=...)."
+        )

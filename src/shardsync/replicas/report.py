@@ -75,26 +75,33 @@ class DriftReport:
         """
         bad = self.exceeding(atol)
         if bad:
-            raise DriftError(f"{len(bad)} replicated tensor(s) differ across the {self.world} ranks "
-                             f"beyond atol={atol}:\n{self.table(bad)}\nRepair with "
-                             "ReplicaSync.broadcast_now() or detect_drift(..., on_drift='repair')",
-                             self)
+            raise DriftError(
+                f"{len(bad)} replicated tensor(s) differ across the {self.world} ranks "
+                f"beyond atol={atol}:\n{self.table(bad)}\nRepair with "
+                "ReplicaSync.broadcast_now() or detect_drift(..., on_drift='repair')",
+                self,
+            )
 
     def table(self, rows: tuple[DriftRow, ...] | None = None) -> str:
         """The rows as an aligned text table."""
         rows = self.rows if rows is None else rows
         head = ("name", "kind", "shape", "dtype", "ranks", "max_abs_diff")
-        body = [(r.name, r.kind, "x".join(map(str, r.shape)) or "scalar", r.dtype,
-                 ",".join(map(str, r.ranks)) + (f" (missing on {','.join(map(str, r.missing))})"
-                                                if r.missing else ""),
-                 repr(r.max_abs_diff)) for r in rows]
+        body = [
+            (
+                r.name,
+                r.kind,
+                "x".join(map(str, r.shape)) or "scalar",
+                r.dtype,
+                ",".join(map(str, r.ranks)) + (f" (missing on {','.join(map(str, r.missing))})" if r.missing else ""),
+                repr(r.max_abs_diff),
+            )
+            for r in rows
+        ]
         widths = [max(len(row[i]) for row in (head, *body)) for i in range(len(head))]
-        return "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip()
-                         for row in (head, *body))
+        return "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in (head, *body))
 
     def __str__(self) -> str:
         state = " (repaired from the source rank)" if self.repaired else ""
         if not self.rows:
             return f"no drift: {self.checked} tensors identical on {self.world} rank(s)"
-        return (f"drift in {len(self.rows)} of {self.checked} tensors across {self.world} ranks"
-                f"{state}:\n{self.table()}")
+        return f"drift in {len(self.rows)} of {self.checked} tensors across {self.world} ranks{state}:\n{self.table()}"

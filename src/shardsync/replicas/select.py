@@ -25,8 +25,15 @@ from torch import nn
 
 from ..errors import ReplicaError
 
-__all__ = ["DEFAULT_INCLUDE", "Choice", "Selection", "select_replicated", "tp_sharding",
-           "resolve_selector", "SelectorLike"]
+__all__ = [
+    "DEFAULT_INCLUDE",
+    "Choice",
+    "Selection",
+    "select_replicated",
+    "tp_sharding",
+    "resolve_selector",
+    "SelectorLike",
+]
 
 log = logging.getLogger(__name__)
 
@@ -34,10 +41,21 @@ log = logging.getLogger(__name__)
 #: PaddlePaddle's ``tensor_parallel_sync_filter_fn`` rules, then common PyTorch names; ``*.bias``
 #: selects the biases that are not sharded on TP (row-parallel and norm biases).
 DEFAULT_INCLUDE: tuple[str, ...] = (
-    "pos_embedding*", "*_layer_norm_scale", "*_layer_norm_bias", "*.b_*",
-    "*norm*.weight", "*norm*.bias", "*Norm*.weight", "*Norm*.bias", "*ln_*.weight", "*ln_*.bias",
-    "*pos_emb*", "*position_embedding*", "*wpe.weight",
-    "*.bias", "bias",
+    "pos_embedding*",
+    "*_layer_norm_scale",
+    "*_layer_norm_bias",
+    "*.b_*",
+    "*norm*.weight",
+    "*norm*.bias",
+    "*Norm*.weight",
+    "*Norm*.bias",
+    "*ln_*.weight",
+    "*ln_*.bias",
+    "*pos_emb*",
+    "*position_embedding*",
+    "*wpe.weight",
+    "*.bias",
+    "bias",
 )
 
 #: What ``ReplicaSync``/``detect_drift`` accept as ``selector=``: a Selection, a predicate
@@ -114,12 +132,16 @@ def _tp_mesh_dim(dt: Any, mesh_dim: int | str | None) -> tuple[int, str]:
             return 0, repr(names[0]) if names else "0"
         if "tp" in names:
             return names.index("tp"), "'tp'"
-        raise ReplicaError(f"a {mesh.ndim}-D device mesh with dims {names or tuple(range(mesh.ndim))} "
-                           "has no mesh axis named 'tp'; pass mesh_dim= (the TP mesh axis's name or index)")
+        raise ReplicaError(
+            f"a {mesh.ndim}-D device mesh with dims {names or tuple(range(mesh.ndim))} "
+            "has no mesh axis named 'tp'; pass mesh_dim= (the TP mesh axis's name or index)"
+        )
     if isinstance(mesh_dim, str):
         if mesh_dim not in names:
-            raise ReplicaError(f"mesh_dim={mesh_dim!r} is not a dim of the device mesh (dims: "
-                               f"{names or 'unnamed'}); pass one of them or an index")
+            raise ReplicaError(
+                f"mesh_dim={mesh_dim!r} is not a dim of the device mesh (dims: "
+                f"{names or 'unnamed'}); pass one of them or an index"
+            )
         return names.index(mesh_dim), repr(mesh_dim)
     if not 0 <= mesh_dim < mesh.ndim:
         raise ReplicaError(f"mesh_dim={mesh_dim} is outside the {mesh.ndim}-D device mesh")
@@ -185,16 +207,24 @@ def _norm_modules(model: nn.Module) -> dict[str, str]:
     return found
 
 
-def _first_rule(name: str, param: torch.Tensor, includes: list[tuple[str, Callable]],
-                norms: dict[str, str], by_placement: bool, attribute: str | None,
-                predicate: Callable | None, mesh_dim: int | str | None,
-                hits: dict[str, int], fallback: str | None) -> str | None:
+def _first_rule(
+    name: str,
+    param: torch.Tensor,
+    includes: list[tuple[str, Callable]],
+    norms: dict[str, str],
+    by_placement: bool,
+    attribute: str | None,
+    predicate: Callable | None,
+    mesh_dim: int | str | None,
+    hits: dict[str, int],
+    fallback: str | None,
+) -> str | None:
     rule = None
     for pat, match in includes:
         if match(name):
             hits[pat] += 1
             if rule is None:
-                rule = (f"default pattern {pat!r}" if pat in DEFAULT_INCLUDE else f"include {pat!r}")
+                rule = f"default pattern {pat!r}" if pat in DEFAULT_INCLUDE else f"include {pat!r}"
     if rule is None and name in norms:
         rule = f"parameter of a {norms[name]} module"
     if rule is None and by_placement and _is_dtensor(param):
@@ -211,16 +241,22 @@ def _first_rule(name: str, param: torch.Tensor, includes: list[tuple[str, Callab
 def _unsharded_rule(unsharded: bool | None, named: Sequence[tuple[str, torch.Tensor]]) -> str | None:
     """The rule that selects every parameter not sharded on TP, or None when it is off."""
     if unsharded is None:  # a DTensor model marks its shards: every other parameter is a replica
-        return "not sharded (the model has DTensor parameters)" if any(
-            _is_dtensor(p) for _, p in named) else None
+        return "not sharded (the model has DTensor parameters)" if any(_is_dtensor(p) for _, p in named) else None
     return "unsharded=True" if unsharded else None
 
 
-def select_replicated(model: nn.Module, *, include: Sequence[str] | str | None = DEFAULT_INCLUDE,
-                      exclude: Sequence[str] | str | None = (), by_module: bool = True,
-                      by_placement: bool = True, attribute: str | None = None,
-                      predicate: Callable[[str, torch.Tensor], bool] | None = None,
-                      unsharded: bool | None = None, mesh_dim: int | str | None = None) -> Selection:
+def select_replicated(
+    model: nn.Module,
+    *,
+    include: Sequence[str] | str | None = DEFAULT_INCLUDE,
+    exclude: Sequence[str] | str | None = (),
+    by_module: bool = True,
+    by_placement: bool = True,
+    attribute: str | None = None,
+    predicate: Callable[[str, torch.Tensor], bool] | None = None,
+    unsharded: bool | None = None,
+    mesh_dim: int | str | None = None,
+) -> Selection:
     """Select the parameters of ``model`` that are replicated across the tensor-parallel group.
 
     Args:
@@ -255,8 +291,10 @@ def select_replicated(model: nn.Module, *, include: Sequence[str] | str | None =
         ('0.bias', '1.bias', '1.weight')
     """
     if not isinstance(model, nn.Module):
-        raise ReplicaError(f"model must be a torch.nn.Module, got {type(model).__name__}; pass the model "
-                           "whose replicated parameters to select")
+        raise ReplicaError(
+            f"model must be a torch.nn.Module, got {type(model).__name__}; pass the model "
+            "whose replicated parameters to select"
+        )
     if predicate is not None and not callable(predicate):
         raise ReplicaError(f"predicate must be callable(name, param) -> bool, got {predicate!r}")
     if unsharded not in (None, True, False):
@@ -275,8 +313,9 @@ def select_replicated(model: nn.Module, *, include: Sequence[str] | str | None =
     fallback = _unsharded_rule(unsharded, named)
     for name, param in named:
         try:
-            rule = _first_rule(name, param, includes, norms, by_placement, attribute, predicate,
-                               mesh_dim, hits, fallback)
+            rule = _first_rule(
+                name, param, includes, norms, by_placement, attribute, predicate, mesh_dim, hits, fallback
+            )
             sharded = tp_sharding(param, mesh_dim) if rule is not None else None
         except ReplicaError as exc:
             errors.append(f"{name!r}: {exc}")
@@ -295,22 +334,22 @@ def select_replicated(model: nn.Module, *, include: Sequence[str] | str | None =
     for pat, _ in includes:
         if pat in DEFAULT_INCLUDE or hits[pat] > sharded_hits[pat]:
             continue
-        why = (f"matches only parameters sharded on TP ({sharded_hits[pat]})" if hits[pat]
-               else "matches no parameter")
-        errors.append(f"include pattern {pat!r} {why}; fix the pattern (names look like "
-                      f"{[n for n, _ in named[:3]]}) or drop it")
+        why = f"matches only parameters sharded on TP ({sharded_hits[pat]})" if hits[pat] else "matches no parameter"
+        errors.append(
+            f"include pattern {pat!r} {why}; fix the pattern (names look like {[n for n, _ in named[:3]]}) or drop it"
+        )
     if errors:
         raise ReplicaError("cannot select replicated parameters:\n  " + "\n  ".join(errors))
     for pat, match in excludes:
         if not any(match(n) for n, _ in named):
             log.warning("exclude pattern %r matches no parameter", pat)
     log.debug("selected %d of %d parameters as TP replicas", len(selected), len(named))
-    return Selection(tuple(sorted(selected, key=lambda c: c.name)),
-                     tuple(sorted(skipped, key=lambda c: c.name)), len(named))
+    return Selection(
+        tuple(sorted(selected, key=lambda c: c.name)), tuple(sorted(skipped, key=lambda c: c.name)), len(named)
+    )
 
 
-def resolve_selector(model: nn.Module, selector: SelectorLike,
-                     mesh_dim: int | str | None = None) -> Selection:
+def resolve_selector(model: nn.Module, selector: SelectorLike, mesh_dim: int | str | None = None) -> Selection:
     """Turn a ``selector=`` argument into a :class:`Selection` of ``model``'s parameters.
 
     Raises:
@@ -322,11 +361,22 @@ def resolve_selector(model: nn.Module, selector: SelectorLike,
         have = {n for n, _ in model.named_parameters()}
         missing = [n for n in selector.names if n not in have]
         if missing:
-            raise ReplicaError(f"the selection names parameters the model does not have: {missing}; "
-                               "build it with select_replicated(model) on this model")
+            raise ReplicaError(
+                f"the selection names parameters the model does not have: {missing}; "
+                "build it with select_replicated(model) on this model"
+            )
         return selector
     if callable(selector):
-        return select_replicated(model, include=(), by_module=False, by_placement=False,
-                                 predicate=selector, unsharded=False, mesh_dim=mesh_dim)
-    raise ReplicaError(f"selector= takes a Selection (from select_replicated), a predicate "
-                       f"(name, param) -> bool, or None; got {type(selector).__name__}")
+        return select_replicated(
+            model,
+            include=(),
+            by_module=False,
+            by_placement=False,
+            predicate=selector,
+            unsharded=False,
+            mesh_dim=mesh_dim,
+        )
+    raise ReplicaError(
+        f"selector= takes a Selection (from select_replicated), a predicate "
+        f"(name, param) -> bool, or None; got {type(selector).__name__}"
+    )

@@ -32,19 +32,35 @@ import torch
 from torch import nn
 
 from .. import phases
-from ..errors import ReplicaError
 from ..dist import agree, group_rank, group_size, is_distributed
+from ..errors import ReplicaError
 from ..sizes import parse_size
 from .buckets import Bucket, Item, Op, PhasePlan, SyncPlan
 from .engine import SyncStats, build_buckets, items_for, run_buckets
-from .preflight import (DEFAULT_STATES, GradMode, GroupLike, SyncMode, check_signatures,
-                        optimizer_signature, resolve_group, validate_sync_args)
-from .replicated import (MasterParams, ReplicatedParam, check_requires_grad, check_same,
-                         describe, kind_order, layout_entries, local, resolve_replicated)
-from .select import SelectorLike, Selection, resolve_selector
+from .preflight import (
+    DEFAULT_STATES,
+    GradMode,
+    GroupLike,
+    SyncMode,
+    check_signatures,
+    optimizer_signature,
+    resolve_group,
+    validate_sync_args,
+)
+from .replicated import (
+    MasterParams,
+    ReplicatedParam,
+    check_requires_grad,
+    check_same,
+    describe,
+    kind_order,
+    layout_entries,
+    local,
+    resolve_replicated,
+)
+from .select import Selection, SelectorLike, resolve_selector
 
-__all__ = ["ReplicaSync", "HookHandle", "SyncMode", "GradMode", "SYNC_BUCKET_BYTES",
-           "DEFAULT_STATES"]
+__all__ = ["ReplicaSync", "HookHandle", "SyncMode", "GradMode", "SYNC_BUCKET_BYTES", "DEFAULT_STATES"]
 
 log = logging.getLogger(__name__)
 
@@ -126,13 +142,23 @@ class ReplicaSync:
         ('0.bias', '1.bias', '1.weight')
     """
 
-    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
-                 group: GroupLike = None, *, selector: SelectorLike = None,
-                 params: SyncMode | None = "broadcast",
-                 src: int = 0, master_params: MasterParams = "auto", grads: GradMode | None = None,
-                 optimizer_states: Sequence[str] = DEFAULT_STATES, states_mode: SyncMode | None = None,
-                 interval: int = 1, bucket_bytes: int | str = SYNC_BUCKET_BYTES,
-                 mesh_dim: int | str | None = None) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer | None = None,
+        group: GroupLike = None,
+        *,
+        selector: SelectorLike = None,
+        params: SyncMode | None = "broadcast",
+        src: int = 0,
+        master_params: MasterParams = "auto",
+        grads: GradMode | None = None,
+        optimizer_states: Sequence[str] = DEFAULT_STATES,
+        states_mode: SyncMode | None = None,
+        interval: int = 1,
+        bucket_bytes: int | str = SYNC_BUCKET_BYTES,
+        mesh_dim: int | str | None = None,
+    ) -> None:
         group = resolve_group(group, mesh_dim)
         self.model, self.optimizer, self.group = model, optimizer, group
         self.rank, self.world = group_rank(group), group_size(group)
@@ -143,14 +169,19 @@ class ReplicaSync:
         self.stats = SyncStats()
         self._master_params = master_params
         self._signature = optimizer_signature(optimizer)
+
         def preflight() -> tuple[Selection, list[ReplicatedParam]]:
-            validate_sync_args(params, grads, states_mode, optimizer_states, src, self.world, interval,
-                               bucket_bytes)
+            validate_sync_args(params, grads, states_mode, optimizer_states, src, self.world, interval, bucket_bytes)
             selection = resolve_selector(model, selector, mesh_dim)
             return selection, resolve_replicated(model, selection.names, optimizer, master_params)
 
-        agreed = agree(phases.SYNC_PREFLIGHT, preflight, group,
-                       share=lambda found: layout_entries(found[1], optimizer), unanimous=True)
+        agreed = agree(
+            phases.SYNC_PREFLIGHT,
+            preflight,
+            group,
+            share=lambda found: layout_entries(found[1], optimizer),
+            unanimous=True,
+        )
         check_same("replica sync preflight", agreed.all)
         check_requires_grad("replica sync preflight", agreed.all)
         self.bucket_bytes = parse_size(bucket_bytes)
@@ -158,16 +189,23 @@ class ReplicaSync:
         self._use(agreed.mine[1])
         self._stepped = self._due = self._grads_done = False
         self._handle: HookHandle | None = None
-        log.info("replica sync: %d parameters over %d rank(s), %d collectives per synced step",
-                 len(self._replicated), self.world, self.plan().collectives_per_step)
+        log.info(
+            "replica sync: %d parameters over %d rank(s), %d collectives per synced step",
+            len(self._replicated),
+            self.world,
+            self.plan().collectives_per_step,
+        )
 
     # --- what moves ---------------------------------------------------------------------------
     def _use(self, replicated: list[ReplicatedParam]) -> None:
         """Sync these parameters (as the ranks agreed on them) from now on."""
         self._replicated = replicated
         self._by_name = {rp.name: rp for rp in replicated}
-        self._grad_buckets = (build_buckets(items_for(replicated, [("grad", self.grads)], self.optimizer),
-                                            self.bucket_bytes) if self.grads is not None else ())
+        self._grad_buckets = (
+            build_buckets(items_for(replicated, [("grad", self.grads)], self.optimizer), self.bucket_bytes)
+            if self.grads is not None
+            else ()
+        )
         # the agreed layout: every later exchange is checked against it, never rebuilt from live tensors
         self._agreed: dict[tuple[str, str], Item] = {}
         self._remember([("param", "broadcast"), ("master", "broadcast")])
@@ -182,18 +220,26 @@ class ReplicaSync:
         check_signatures(signature, self.group)
         if signature == self._signature:
             return
-        def rescan() -> list[ReplicatedParam]:
-            return resolve_replicated(self.model, self.selection.names, self.optimizer,
-                                      self._master_params)
 
-        agreed = agree(phases.SYNC_OPTIMIZER_CHANGED, rescan, self.group,
-                       share=lambda found: layout_entries(found, self.optimizer), unanimous=True)
+        def rescan() -> list[ReplicatedParam]:
+            return resolve_replicated(self.model, self.selection.names, self.optimizer, self._master_params)
+
+        agreed = agree(
+            phases.SYNC_OPTIMIZER_CHANGED,
+            rescan,
+            self.group,
+            share=lambda found: layout_entries(found, self.optimizer),
+            unanimous=True,
+        )
         check_same("replica sync: optimizer changed", agreed.all)
         check_requires_grad("replica sync: optimizer changed", agreed.all)
         self._signature = signature
         self._use(agreed.mine)
-        log.info("replica sync: the optimizer's parameters changed; the optimizer steps %d master(s) "
-                 "of replicated parameters", sum(rp.owner is rp.master for rp in self._replicated))
+        log.info(
+            "replica sync: the optimizer's parameters changed; the optimizer steps %d master(s) "
+            "of replicated parameters",
+            sum(rp.owner is rp.master for rp in self._replicated),
+        )
 
     def _remember(self, wanted: list[tuple[str, Op]]) -> None:
         """Record the layout of these kinds as it is now (after the ranks agreed on it)."""
@@ -222,16 +268,16 @@ class ReplicaSync:
         """Agree once on which optimizer states exist (after the optimizer has stepped)."""
         if self._states_fixed or not self.states or self.optimizer is None:
             return
-        per_rank = agree(phases.SYNC_OPTIMIZER_STATES,
-                         lambda: describe(self._replicated, self.states, self.optimizer), self.group).all
+        per_rank = agree(
+            phases.SYNC_OPTIMIZER_STATES, lambda: describe(self._replicated, self.states, self.optimizer), self.group
+        ).all
         check_same("replica sync: optimizer states", per_rank)
         for key in [k for k in self._agreed if k[1] in self.states]:
             del self._agreed[key]
         if self._stepped or any(e.present for entries in per_rank for e in entries):
             self._remember([(k, "broadcast") for k in self.states])
             self._states_fixed = True  # else the optimizer has not stepped yet: try again next time
-        self._post_buckets = build_buckets(self._post_items(self.params, self.states_op),
-                                           self.bucket_bytes)
+        self._post_buckets = build_buckets(self._post_items(self.params, self.states_op), self.bucket_bytes)
 
     # --- explicit calls -----------------------------------------------------------------------
     def sync_grads(self) -> None:
@@ -250,9 +296,17 @@ class ReplicaSync:
         self._refresh()
         self.stats.grad_syncs += 1
         if is_distributed(self.group):
-            run_buckets("replica sync: grads", self._grad_buckets, self._by_name, self.optimizer,
-                        group=self.group, src=self.src, rank=self.rank, world=self.world,
-                        stats=self.stats)
+            run_buckets(
+                "replica sync: grads",
+                self._grad_buckets,
+                self._by_name,
+                self.optimizer,
+                group=self.group,
+                src=self.src,
+                rank=self.rank,
+                world=self.world,
+                stats=self.stats,
+            )
         self._grads_done = True  # clipping may rescale them in place: never sync them twice
 
     def sync_params(self) -> None:
@@ -269,8 +323,17 @@ class ReplicaSync:
             return
         if self.states_op is not None:
             self._ensure_states()
-        run_buckets("replica sync: params", self._post_buckets, self._by_name, self.optimizer,
-                    group=self.group, src=self.src, rank=self.rank, world=self.world, stats=self.stats)
+        run_buckets(
+            "replica sync: params",
+            self._post_buckets,
+            self._by_name,
+            self.optimizer,
+            group=self.group,
+            src=self.src,
+            rank=self.rank,
+            world=self.world,
+            stats=self.stats,
+        )
         if self.params == "mean":
             with torch.no_grad():
                 for rp in self._replicated:
@@ -288,24 +351,38 @@ class ReplicaSync:
         self._states_fixed = False
         self._ensure_states()
         items = self._post_items("broadcast", "broadcast")
-        run_buckets("replica sync: broadcast", build_buckets(items, self.bucket_bytes), self._by_name,
-                    self.optimizer, group=self.group, src=self.src, rank=self.rank, world=self.world,
-                    stats=self.stats)
+        run_buckets(
+            "replica sync: broadcast",
+            build_buckets(items, self.bucket_bytes),
+            self._by_name,
+            self.optimizer,
+            group=self.group,
+            src=self.src,
+            rank=self.rank,
+            world=self.world,
+            stats=self.stats,
+        )
 
     def plan(self) -> SyncPlan:
         """Tensors, bytes, buckets and collectives of a synced step (local, moves nothing)."""
         post, pending = self._post_buckets, ""
         if not self._states_fixed and self.states and self.states_op is not None:
-            states = items_for(self._replicated, [(k, self.states_op) for k in self.states],
-                               self.optimizer, missing_ok=True)
+            states = items_for(
+                self._replicated, [(k, self.states_op) for k in self.states], self.optimizer, missing_ok=True
+            )
             order = kind_order(("param", "master", *self.states))
-            items = sorted(self._post_items(self.params, None) + states,
-                           key=lambda it: (it.member.name, order[it.member.kind]))
+            items = sorted(
+                self._post_items(self.params, None) + states, key=lambda it: (it.member.name, order[it.member.kind])
+            )
             post = build_buckets(items, self.bucket_bytes)
-            pending = ("optimizer states are counted as present on this rank now; their layout is "
-                       "fixed at the first synced step")
-        phases = (PhasePlan("grads", "before optimizer.step", self._grad_buckets),
-                  PhasePlan("params", "after optimizer.step", post))
+            pending = (
+                "optimizer states are counted as present on this rank now; their layout is "
+                "fixed at the first synced step"
+            )
+        phases = (
+            PhasePlan("grads", "before optimizer.step", self._grad_buckets),
+            PhasePlan("params", "after optimizer.step", post),
+        )
         return SyncPlan(phases, self.world, self.interval, pending)
 
     @property
@@ -330,9 +407,11 @@ class ReplicaSync:
             ref = _ATTACHED.get(obj)
             other = ref() if ref is not None else None
             if other is not None:
-                raise ReplicaError(f"another ReplicaSync ({other!r}) is attached to this {what}; two would "
-                                   "sync it twice (grads='sum' would double the grads): call detach() on "
-                                   "the other one first, or keep one ReplicaSync per model and optimizer")
+                raise ReplicaError(
+                    f"another ReplicaSync ({other!r}) is attached to this {what}; two would "
+                    "sync it twice (grads='sum' would double the grads): call detach() on "
+                    "the other one first, or keep one ReplicaSync per model and optimizer"
+                )
         pre = self.optimizer.register_step_pre_hook(self._pre_step)
         post = self.optimizer.register_step_post_hook(self._post_step)
         self._handle = HookHandle((pre, post), self._detached)
@@ -364,5 +443,7 @@ class ReplicaSync:
             self.sync_params()
 
     def __repr__(self) -> str:
-        return (f"ReplicaSync({len(self._replicated)} params, world={self.world}, params={self.params!r}, "
-                f"grads={self.grads!r}, states={self.states}, interval={self.interval})")
+        return (
+            f"ReplicaSync({len(self._replicated)} params, world={self.world}, params={self.params!r}, "
+            f"grads={self.grads!r}, states={self.states}, interval={self.interval})"
+        )

@@ -22,6 +22,23 @@ from .open import SourceLike, assign_boxes, open_path, open_source, spread
 from .safetensors import SafetensorsSource
 from .safetensors_reader import checkpoint_files, read_layout, read_tensors
 
-__all__ = ["Source", "FileSource", "open_path", "LocalSource", "SafetensorsSource", "DcpSource", "MegatronDistSource", "SourceLike",
-           "open_source", "assign_boxes", "spread", "from_megatron", "Fp8Source", "dequantized",
-           "QuantizedSource", "checkpoint_files", "read_layout", "read_tensors"]
+__all__ = [
+    "Source",
+    "FileSource",
+    "open_path",
+    "LocalSource",
+    "SafetensorsSource",
+    "DcpSource",
+    "MegatronDistSource",
+    "SourceLike",
+    "open_source",
+    "assign_boxes",
+    "spread",
+    "from_megatron",
+    "Fp8Source",
+    "dequantized",
+    "QuantizedSource",
+    "checkpoint_files",
+    "read_layout",
+    "read_tensors",
+]

@@ -57,7 +57,8 @@ def _box_planner() -> type:
 class DcpSource:
     """A DCP checkpoint directory (as written by ``torch.distributed.checkpoint.save``).
 
-    The metadata is unpickled with an allow-list (see the module docstring). Non-tensor entries (bytes, objects) are skipped with a debug log.
+    The metadata is unpickled with an allow-list (see the module docstring). Non-tensor entries
+    (bytes, objects) are skipped with a debug log.
 
     Args:
         path: the checkpoint directory (the one holding ``.metadata``).
@@ -92,8 +93,11 @@ class DcpSource:
         self.path = Path(path)
         meta_file = self.path / METADATA_FILE
         if not meta_file.is_file():
-            kind = f"its {METADATA_FILE} is not a regular file" if meta_file.exists() else \
-                f"it has no {METADATA_FILE} file"
+            kind = (
+                f"its {METADATA_FILE} is not a regular file"
+                if meta_file.exists()
+                else f"it has no {METADATA_FILE} file"
+            )
             raise FormatError(f"{self.path} is not a torch DCP checkpoint: {kind}")
         self.reader = FileSystemReader(self.path)
         metadata = read_metadata(meta_file)  # torch's reader would unpickle it without an allow-list
@@ -109,7 +113,7 @@ class DcpSource:
                 continue
             if not fqn.startswith(prefix):
                 continue
-            key = fqn[len(prefix):]
+            key = fqn[len(prefix) :]
             _check_boxes(meta_file, fqn, md)
             try:
                 self._dtypes[key] = dtype_name(md.properties.dtype)
@@ -121,8 +125,9 @@ class DcpSource:
             shown = problems[:5] + ([f"... and {len(problems) - 5} more"] if len(problems) > 5 else [])
             raise FormatError(f"{self.path}: incomplete or corrupt DCP checkpoint: " + "; ".join(shown))
         if not self.tensors:
-            raise FormatError(f"{self.path}: no tensor{f' under prefix {prefix!r}' if prefix else ''} in "
-                              "this DCP checkpoint")
+            raise FormatError(
+                f"{self.path}: no tensor{f' under prefix {prefix!r}' if prefix else ''} in this DCP checkpoint"
+            )
 
     def entries(self) -> list[LayoutEntry]:
         """One entry per saved chunk (duplicates dropped), sorted by key then offsets."""
@@ -130,8 +135,7 @@ class DcpSource:
         for key, md in self.tensors.items():
             shape = tuple(md.size)
             boxes = {Box(tuple(c.offsets), tuple(c.sizes)) for c in md.chunks}
-            out += [LayoutEntry(key, shape, self._dtypes[key], b)
-                    for b in sorted(boxes, key=lambda b: b.offsets)]
+            out += [LayoutEntry(key, shape, self._dtypes[key], b) for b in sorted(boxes, key=lambda b: b.offsets)]
         return out
 
     def read(self, key: str, box: Box) -> torch.Tensor:
@@ -155,8 +159,10 @@ class DcpSource:
         except (RuntimeError, EOFError, ValueError, KeyError, pickle.UnpicklingError) as exc:
             files = sorted({str(self.reader.storage_data[i.storage_index].relative_path) for i in items})
             first = re.split(r"(?<=\.)\s", (str(exc).strip().splitlines() or [""])[0])[0]
-            raise FormatError(f"{self.path}: cannot read {key!r} from {', '.join(files)} (corrupt or "
-                              f"truncated?): {type(exc).__name__}: {first}") from exc
+            raise FormatError(
+                f"{self.path}: cannot read {key!r} from {', '.join(files)} (corrupt or "
+                f"truncated?): {type(exc).__name__}: {first}"
+            ) from exc
         return out
 
     def device(self) -> torch.device:
@@ -170,23 +176,33 @@ class DcpSource:
 def _check_storage(path: Path, metadata: Any) -> None:
     """Every file the metadata says holds data is a regular file (torch would block on a FIFO)."""
     names = sorted({info.relative_path for info in (metadata.storage_data or {}).values()})
-    bad = [f"{n} ({file_kind(os.stat(path / n))})" for n in names
-           if os.path.exists(path / n) and not (path / n).is_file()]
+    bad = [
+        f"{n} ({file_kind(os.stat(path / n))})" for n in names if os.path.exists(path / n) and not (path / n).is_file()
+    ]
     if bad:
-        raise FormatError(f"{path}: the DCP metadata names data files that are not regular files: "
-                          f"{', '.join(bad)}; only regular files are read")
+        raise FormatError(
+            f"{path}: the DCP metadata names data files that are not regular files: "
+            f"{', '.join(bad)}; only regular files are read"
+        )
 
 
 def _check_boxes(meta_file: Path, fqn: str, md: Any) -> None:
     """The tensor's size and every chunk's box are non-negative and inside the tensor."""
     shape = tuple(int(n) for n in md.size)
     if any(n < 0 for n in shape):
-        raise FormatError(f"{meta_file}: tensor {fqn!r} has size {list(shape)}, with a negative dim; "
-                          "the metadata is corrupt")
+        raise FormatError(
+            f"{meta_file}: tensor {fqn!r} has size {list(shape)}, with a negative dim; the metadata is corrupt"
+        )
     for c in md.chunks:
         offsets, sizes = tuple(int(o) for o in c.offsets), tuple(int(n) for n in c.sizes)
-        if (len(offsets) != len(shape) or len(sizes) != len(shape) or min(offsets + sizes, default=0) < 0
-                or not Box(offsets, sizes).within(shape)):
-            raise FormatError(f"{meta_file}: tensor {fqn!r}: a chunk at offsets {list(offsets)} with "
-                              f"sizes {list(sizes)} is not inside its size {list(shape)}; the metadata "
-                              "is corrupt")
+        if (
+            len(offsets) != len(shape)
+            or len(sizes) != len(shape)
+            or min(offsets + sizes, default=0) < 0
+            or not Box(offsets, sizes).within(shape)
+        ):
+            raise FormatError(
+                f"{meta_file}: tensor {fqn!r}: a chunk at offsets {list(offsets)} with "
+                f"sizes {list(sizes)} is not inside its size {list(shape)}; the metadata "
+                "is corrupt"
+            )

@@ -24,10 +24,8 @@ ALLOWED: dict[str, frozenset[str]] = {
     "torch.distributed.checkpoint.metadata": frozenset({"*"}),
     "torch.distributed.checkpoint.filesystem": frozenset({"_StorageInfo"}),
     # the save plans Megatron's dist_checkpointing keeps in the metadata (plain dataclasses and enums)
-    "torch.distributed.checkpoint.planner": frozenset({"SavePlan", "WriteItem", "WriteItemType",
-                                                       "TensorWriteData"}),
-    "torch.distributed._shard.sharded_tensor.metadata": frozenset({"TensorProperties",
-                                                                    "MEM_FORMAT_ENCODING"}),
+    "torch.distributed.checkpoint.planner": frozenset({"SavePlan", "WriteItem", "WriteItemType", "TensorWriteData"}),
+    "torch.distributed._shard.sharded_tensor.metadata": frozenset({"TensorProperties", "MEM_FORMAT_ENCODING"}),
     "torch.serialization": frozenset({"_get_layout"}),  # a layout by its name ("torch.strided")
     "torch": frozenset({"Size"}),  # and dtypes, checked by type below
     "pathlib": frozenset({"PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath"}),
@@ -52,8 +50,10 @@ class _Unpickler(pickle.Unpickler):
 
             if isinstance(getattr(torch, name, None), torch.dtype):
                 return getattr(torch, name)
-        raise FormatError(f"{self.path}: names {module}.{name}, which DCP metadata is not made of; "
-                          "refusing to load it (a crafted or foreign file: unpickling it could run code)")
+        raise FormatError(
+            f"{self.path}: names {module}.{name}, which DCP metadata is not made of; "
+            "refusing to load it (a crafted or foreign file: unpickling it could run code)"
+        )
 
 
 def read_metadata(path: Path) -> Any:
@@ -77,10 +77,23 @@ def read_metadata(path: Path) -> Any:
             metadata = _Unpickler(fh, path).load()
     except FormatError:
         raise
-    except (OSError, pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError,
-            ImportError, IndexError, KeyError, RecursionError, MemoryError) as exc:
-        raise FormatError(f"{path}: cannot read DCP metadata (not written by "
-                          f"torch.distributed.checkpoint.save?): {type(exc).__name__}: {exc}") from exc
+    except (
+        OSError,
+        pickle.UnpicklingError,
+        EOFError,
+        ValueError,
+        TypeError,
+        AttributeError,
+        ImportError,
+        IndexError,
+        KeyError,
+        RecursionError,
+        MemoryError,
+    ) as exc:
+        raise FormatError(
+            f"{path}: cannot read DCP metadata (not written by "
+            f"torch.distributed.checkpoint.save?): {type(exc).__name__}: {exc}"
+        ) from exc
     if not isinstance(metadata, Metadata):
         raise FormatError(f"{path}: holds a {type(metadata).__name__}, not DCP Metadata")
     if getattr(metadata, "storage_meta", None) is None:  # as torch's FileSystemReader.read_metadata
@@ -119,6 +132,8 @@ def storage_problems(directory: Path, metadata: Any, fqns: Any) -> list[str]:
             if sizes[name] < 0:
                 problems.append(f"{where}: its data file {name} is missing")
             elif info.offset < 0 or info.length < 0 or info.offset + info.length > sizes[name]:
-                problems.append(f"{where}: bytes {info.offset}..{info.offset + info.length} of {name} "
-                                f"run past its end ({sizes[name]} B)")
+                problems.append(
+                    f"{where}: bytes {info.offset}..{info.offset + info.length} of {name} "
+                    f"run past its end ({sizes[name]} B)"
+                )
     return problems

@@ -26,8 +26,16 @@ import torch
 from ..errors import LayoutError
 from ..layout.meta import EXACT_PREFIX
 
-__all__ = ["SAMPLE_SIZE", "ReplicaCheck", "REPLICA_CHECKS", "EXACT_PREFIX", "check_replica_mode",
-           "sample_positions", "fingerprints", "exact_digest"]
+__all__ = [
+    "SAMPLE_SIZE",
+    "ReplicaCheck",
+    "REPLICA_CHECKS",
+    "EXACT_PREFIX",
+    "check_replica_mode",
+    "sample_positions",
+    "fingerprints",
+    "exact_digest",
+]
 
 #: Elements sampled per tensor (all of them for smaller tensors).
 SAMPLE_SIZE = 16
@@ -88,8 +96,10 @@ def check_replica_mode(mode: object) -> None:
         >>> check_replica_mode("exact")
     """
     if mode not in REPLICA_CHECKS:
-        raise LayoutError(f"replica_check={mode!r}: use 'sampled' (16 elements per tensor, the default), "
-                          "'exact' (every byte hashed) or 'off' (replicas taken on trust)")
+        raise LayoutError(
+            f"replica_check={mode!r}: use 'sampled' (16 elements per tensor, the default), "
+            "'exact' (every byte hashed) or 'off' (replicas taken on trust)"
+        )
 
 
 def exact_digest(t: torch.Tensor) -> str:
@@ -107,7 +117,7 @@ def exact_digest(t: torch.Tensor) -> str:
     per_row = max(1, rows[0].numel() * rows.element_size()) if len(rows) else 1
     step = max(1, _CHUNK_BYTES // per_row)
     for start in range(0, len(rows), step):
-        chunk = rows[start:start + step].contiguous()
+        chunk = rows[start : start + step].contiguous()
         if chunk.dtype == torch.bool:
             chunk = chunk.to(torch.uint8)
         h.update(chunk.reshape(-1).view(torch.uint8).cpu().numpy().data)
@@ -147,7 +157,7 @@ def fingerprints(tensors: Sequence[torch.Tensor], mode: ReplicaCheck = "sampled"
         start = 0
         for i in members:
             n = samples[i].numel()  # type: ignore[union-attr]
-            on_cpu[i] = data[start:start + n]
+            on_cpu[i] = data[start : start + n]
             start += n
     out: list[str | None] = []
     for i, t in enumerate(tensors):

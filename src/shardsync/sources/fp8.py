@@ -18,8 +18,18 @@ import torch
 from ..errors import LayoutError
 from ..layout.box import Box
 from ..layout.meta import LayoutEntry
-from ..quant.fp8 import (CODE_DTYPES, DEFAULT_BLOCK, SCALE_SUFFIX, Block, block_size_from_config, check_block,
-                         dequantize, scale_box, scale_key, scale_shape)
+from ..quant.fp8 import (
+    CODE_DTYPES,
+    DEFAULT_BLOCK,
+    SCALE_SUFFIX,
+    Block,
+    block_size_from_config,
+    check_block,
+    dequantize,
+    scale_box,
+    scale_key,
+    scale_shape,
+)
 from .base import Source
 from .dcp import DcpSource
 from .open import SourceLike, SpreadSource, open_source
@@ -48,9 +58,9 @@ class Fp8Source:
             destination gets it as it is and any other is refused when planned).
 
     Raises:
-        LayoutError: (on first use) an FP8 tensor without scales (``unscaled="error"``), scales of the wrong shape or dtype
-            for their weight's blocks, scales without their weight, or a rank whose shard of a weight
-            lacks the scales of the blocks it touches. Each message names the tensor.
+        LayoutError: (on first use) an FP8 tensor without scales (``unscaled="error"``), scales of
+            the wrong shape or dtype for their weight's blocks, scales without their weight, or a rank
+            whose shard of a weight lacks the scales of the blocks it touches. Each message names the tensor.
 
     Example:
         >>> from shardsync.quant import dequantize, quantize
@@ -62,8 +72,9 @@ class Fp8Source:
         True
     """
 
-    def __init__(self, source: SourceLike, *, block: tuple[int, int] | None = None,
-                 unscaled: Unscaled = "error") -> None:
+    def __init__(
+        self, source: SourceLike, *, block: tuple[int, int] | None = None, unscaled: Unscaled = "error"
+    ) -> None:
         self._given = source
         self._block = None if block is None else check_block(block)
         if unscaled not in ("error", "cast", "keep"):
@@ -114,8 +125,11 @@ class Fp8Source:
         self._pairs = pairs
         scales = {scale_key(k) for k in pairs}
         cast = self.unscaled == "cast"
-        return [e._replace(dtype="float32") if e.key in pairs or (cast and e.dtype in CODE_DTYPES) else e
-                for e in raw if e.key not in scales]
+        return [
+            e._replace(dtype="float32") if e.key in pairs or (cast and e.dtype in CODE_DTYPES) else e
+            for e in raw
+            if e.key not in scales
+        ]
 
     def read(self, key: str, box: Box) -> torch.Tensor:
         """The fp32 values of ``box`` of a paired weight (its codes and the scales of the blocks it
@@ -189,17 +203,22 @@ def _pair_problems(key: str, weight: list[LayoutEntry], scales: list[LayoutEntry
     s0 = scales[0]
     want = scale_shape(weight[0].shape, block) if len(weight[0].shape) >= 2 else None
     if want is None:
-        return [f"{key!r}: FP8 weight of shape {list(weight[0].shape)} has block scales, which need 2 or "
-                "more dims"]
+        return [f"{key!r}: FP8 weight of shape {list(weight[0].shape)} has block scales, which need 2 or more dims"]
     if s0.shape != want or s0.dtype in CODE_DTYPES or s0.dtype not in ("float32", "bfloat16", "float16"):
-        return [f"{scale_key(key)!r}: {s0.dtype} scales of shape {list(s0.shape)} do not fit weight {key!r} of "
-                f"shape {list(weight[0].shape)} in blocks of {list(block)}: want float32 of shape {list(want)}; "
-                "fix the scales, or give the block the checkpoint was quantised with (config.json's "
-                "quantization_config.weight_block_size, or Fp8Source(block=...))"]
+        return [
+            f"{scale_key(key)!r}: {s0.dtype} scales of shape {list(s0.shape)} do not fit weight {key!r} of "
+            f"shape {list(weight[0].shape)} in blocks of {list(block)}: want float32 of shape {list(want)}; "
+            "fix the scales, or give the block the checkpoint was quantised with (config.json's "
+            "quantization_config.weight_block_size, or Fp8Source(block=...))"
+        ]
     held = [s.box for s in scales]
-    return [f"{key!r}{w.box}: this rank holds its codes but not the scales of the blocks it touches "
-            f"({scale_key(key)!r}{scale_box(w.box, block)}); give each rank the scale rows and columns of "
-            "its shard's blocks" for w in weight if not any(h.contains(scale_box(w.box, block)) for h in held)]
+    return [
+        f"{key!r}{w.box}: this rank holds its codes but not the scales of the blocks it touches "
+        f"({scale_key(key)!r}{scale_box(w.box, block)}); give each rank the scale rows and columns of "
+        "its shard's blocks"
+        for w in weight
+        if not any(h.contains(scale_box(w.box, block)) for h in held)
+    ]
 
 
 def _stray_problems(by_key: dict[str, list[LayoutEntry]], pairs: set[str], unscaled: Unscaled) -> list[str]:
@@ -207,12 +226,17 @@ def _stray_problems(by_key: dict[str, list[LayoutEntry]], pairs: set[str], unsca
     problems = []
     for key, es in sorted(by_key.items()):
         if es[0].dtype in CODE_DTYPES and key not in pairs and unscaled == "error":
-            problems.append(f"{key!r}: {es[0].dtype} without scales ({scale_key(key)!r}), so its codes are "
-                            "not values; add the scales, or cast the codes as they are with "
-                            "cast_unscaled_fp8=True (CLI: --cast-unscaled-fp8; Fp8Source(unscaled='cast'))")
+            problems.append(
+                f"{key!r}: {es[0].dtype} without scales ({scale_key(key)!r}), so its codes are "
+                "not values; add the scales, or cast the codes as they are with "
+                "cast_unscaled_fp8=True (CLI: --cast-unscaled-fp8; Fp8Source(unscaled='cast'))"
+            )
         if key.endswith(SCALE_SUFFIX) and key.removesuffix(SCALE_SUFFIX) not in pairs:
             weight = key.removesuffix(SCALE_SUFFIX)
-            what = (f"its weight {weight!r} is {by_key[weight][0].dtype}, not FP8" if weight in by_key
-                    else f"there is no weight {weight!r}")
+            what = (
+                f"its weight {weight!r} is {by_key[weight][0].dtype}, not FP8"
+                if weight in by_key
+                else f"there is no weight {weight!r}"
+            )
             problems.append(f"{key!r}: scales, but {what}; drop them or fix the weight's name")
     return problems

@@ -16,8 +16,17 @@ import torch
 from ..errors import LayoutError
 from ..layout.box import Box
 from ..layout.meta import LayoutEntry
-from ..quant.fp8 import (CODE_DTYPES, DEFAULT_BLOCK, SCALE_SUFFIX, Block, check_block, quantize, scale_box,
-                         scale_key, scale_shape)
+from ..quant.fp8 import (
+    CODE_DTYPES,
+    DEFAULT_BLOCK,
+    SCALE_SUFFIX,
+    Block,
+    check_block,
+    quantize,
+    scale_box,
+    scale_key,
+    scale_shape,
+)
 from .base import Source
 from .fp8 import dequantized
 
@@ -65,12 +74,21 @@ class QuantizedSource:
                 continue
             self._shapes[e.key] = e.shape
             if _whole_blocks(e.box, e.shape, self.block) != e.box:
-                problems.append(f"{e.key!r}{e.box}: this rank's shard cuts blocks of {list(self.block)}, so "
-                                "it cannot compute their scales alone; quantise from a checkpoint (every rank "
-                                "reads whole blocks) or shard the source on block boundaries")
+                problems.append(
+                    f"{e.key!r}{e.box}: this rank's shard cuts blocks of {list(self.block)}, so "
+                    "it cannot compute their scales alone; quantise from a checkpoint (every rank "
+                    "reads whole blocks) or shard the source on block boundaries"
+                )
             out.append(e._replace(dtype="float8_e4m3fn"))
-            out.append(LayoutEntry(scale_key(e.key), scale_shape(e.shape, self.block), "float32",
-                                   scale_box(e.box, self.block), e.fingerprint))
+            out.append(
+                LayoutEntry(
+                    scale_key(e.key),
+                    scale_shape(e.shape, self.block),
+                    "float32",
+                    scale_box(e.box, self.block),
+                    e.fingerprint,
+                )
+            )
         if problems:
             raise LayoutError("cannot quantise to block FP8:\n  " + "\n  ".join(problems))
         return sorted(out, key=lambda e: e.key)

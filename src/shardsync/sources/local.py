@@ -41,8 +41,9 @@ class LocalSource:
         across the ranks that hold the same box, see :mod:`shardsync.sources.fingerprint`)."""
         shards = [(key, s) for key in sorted(self.shards) for s in self.shards[key]]
         prints = fingerprints([s.local for _, s in shards], self.replica_check)
-        return [LayoutEntry(key, s.global_shape, dtype_name(s.dtype), s.box, fp)
-                for (key, s), fp in zip(shards, prints)]
+        return [
+            LayoutEntry(key, s.global_shape, dtype_name(s.dtype), s.box, fp) for (key, s), fp in zip(shards, prints)
+        ]
 
     def find(self, key: str, box: Box) -> LocalShard | None:
         """A local shard of ``key`` containing ``box``, or None."""
@@ -59,9 +60,11 @@ class LocalSource:
         """
         shard = self.find(key, box)
         if shard is None:
-            raise LayoutError(f"{key!r}: this rank holds no shard containing {box}; the layout this "
-                              "rank reported does not match its state (was the state changed after "
-                              "the stream started?)")
+            raise LayoutError(
+                f"{key!r}: this rank holds no shard containing {box}; the layout this "
+                "rank reported does not match its state (was the state changed after "
+                "the stream started?)"
+            )
         if box == shard.box:
             return shard.local
         return shard.local[box.relative_to(shard.box).slices()]

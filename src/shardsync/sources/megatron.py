@@ -43,8 +43,9 @@ from .megatron_te import te_grouped_experts
 __all__ = ["from_megatron", "tp_shards", "partition_of", "megatron_module_error"]
 
 
-def tp_shards(local: torch.Tensor, dim: int, rank: int, world: int, stride: int = 1, *,
-              key: str = "<tensor>") -> list[LocalShard]:
+def tp_shards(
+    local: torch.Tensor, dim: int, rank: int, world: int, stride: int = 1, *, key: str = "<tensor>"
+) -> list[LocalShard]:
     """This rank's shard of a tensor Megatron splits along ``dim`` over ``world`` ranks.
 
     The global tensor is ``local`` * ``world`` long along ``dim`` (Megatron's shards are equal). With
@@ -72,12 +73,16 @@ def tp_shards(local: torch.Tensor, dim: int, rank: int, world: int, stride: int 
         [Box(offsets=(2, 0), sizes=(2, 2)), Box(offsets=(6, 0), sizes=(2, 2))]
     """
     if not -local.dim() <= dim < local.dim():
-        raise LayoutError(f"{key!r}: partition dim {dim} is outside a tensor of shape "
-                          f"{list(local.shape)}; fix the partition_dim (or split_axis) attribute")
+        raise LayoutError(
+            f"{key!r}: partition dim {dim} is outside a tensor of shape "
+            f"{list(local.shape)}; fix the partition_dim (or split_axis) attribute"
+        )
     dim %= local.dim()
     if not isinstance(stride, int) or stride < 1 or local.shape[dim] % stride:
-        raise LayoutError(f"{key!r}: partition_stride {stride!r} must be a positive integer that divides "
-                          f"the local size {local.shape[dim]} along dim {dim}")
+        raise LayoutError(
+            f"{key!r}: partition_stride {stride!r} must be a positive integer that divides "
+            f"the local size {local.shape[dim]} along dim {dim}"
+        )
     block = local.shape[dim] // stride
     shape = list(local.shape)
     shape[dim] *= world
@@ -104,15 +109,19 @@ def partition_of(key: str, tensor: torch.Tensor) -> tuple[int, int] | None:
     """
     # `is True`: torch.Tensor has an is_distributed() method, which is truthy
     if getattr(tensor, "tensor_model_parallel", False) is True:
-        dim, stride, names = getattr(tensor, "partition_dim", None), getattr(tensor, "partition_stride", 1), \
-            "partition_dim"
+        dim, stride, names = (
+            getattr(tensor, "partition_dim", None),
+            getattr(tensor, "partition_stride", 1),
+            "partition_dim",
+        )
     elif getattr(tensor, "is_distributed", False) is True:
         dim, stride, names = getattr(tensor, "split_axis", None), 1, "split_axis"
     else:
         return None
     if not isinstance(dim, int) or isinstance(dim, bool):
-        raise LayoutError(f"{key!r} is marked tensor-parallel but its {names} is {dim!r}; set it to the "
-                          "dim the tensor is split along")
+        raise LayoutError(
+            f"{key!r} is marked tensor-parallel but its {names} is {dim!r}; set it to the dim the tensor is split along"
+        )
     return dim, stride
 
 
@@ -125,8 +134,10 @@ def _tp_group(group: Any) -> tuple[int, int]:
             group = state.get_tensor_model_parallel_group()
     rank, size = group_rank(group), group_size(group)
     if rank < 0:
-        raise LayoutError("from_megatron: this rank is not in the tensor-parallel group it was given; "
-                          "pass the group this rank belongs to")
+        raise LayoutError(
+            "from_megatron: this rank is not in the tensor-parallel group it was given; "
+            "pass the group this rank belongs to"
+        )
     return rank, size
 
 
@@ -163,16 +174,24 @@ def _expert_groups(model: torch.nn.Module) -> dict[int, tuple[int, int]]:
     for module in model.modules():
         experts = getattr(module, "experts", None)
         group = getattr(experts, "tp_group", None)
-        if not isinstance(getattr(module, "local_expert_indices", None), list) or group is None or \
-                not isinstance(experts, torch.nn.Module):
+        if (
+            not isinstance(getattr(module, "local_expert_indices", None), list)
+            or group is None
+            or not isinstance(experts, torch.nn.Module)
+        ):
             continue
         rank, size = group_rank(group), group_size(group)
         groups |= {id(t): (rank, size) for t in experts.parameters()}
     return groups
 
 
-def _grouped_views(experts: torch.nn.Module, first: int, total: int, rank: int, world: int,
-                   ) -> dict[int, list[LocalShard]]:
+def _grouped_views(
+    experts: torch.nn.Module,
+    first: int,
+    total: int,
+    rank: int,
+    world: int,
+) -> dict[int, list[LocalShard]]:
     """A ``GroupedMLP``'s ``weight1`` / ``weight2`` as shards of ``[experts, 2 ffn, hidden]`` and
     ``[experts, hidden, ffn]`` (the per-expert HF weights stacked), by parameter id.
 
@@ -182,16 +201,16 @@ def _grouped_views(experts: torch.nn.Module, first: int, total: int, rank: int, 
     """
     w1, w2 = experts.get_parameter("weight1"), experts.get_parameter("weight2")
     local, hidden = int(getattr(experts, "num_local_experts")), int(w1.shape[0])
-    fc1 = w1.detach().view(local, hidden, -1).transpose(1, 2)   # [local, 2 ffn / tp, hidden]
-    fc2 = w2.detach().view(local, -1, hidden).transpose(1, 2)   # [local, hidden, ffn / tp]
+    fc1 = w1.detach().view(local, hidden, -1).transpose(1, 2)  # [local, 2 ffn / tp, hidden]
+    fc2 = w2.detach().view(local, -1, hidden).transpose(1, 2)  # [local, hidden, ffn / tp]
     gated = 2 if getattr(getattr(experts, "config", None), "gated_linear_unit", False) else 1
     views: dict[int, list[LocalShard]] = {id(w1): [], id(w2): []}
     for shard in tp_shards(fc1, 1, rank, world, gated, key="weight1"):
-        views[id(w1)].append(LocalShard(shard.local, (total, *shard.global_shape[1:]),
-                                           (first, *shard.global_offset[1:])))
+        views[id(w1)].append(
+            LocalShard(shard.local, (total, *shard.global_shape[1:]), (first, *shard.global_offset[1:]))
+        )
     (down,) = tp_shards(fc2, 2, rank, world, key="weight2")
-    views[id(w2)].append(LocalShard(down.local, (total, *down.global_shape[1:]),
-                                       (first, *down.global_offset[1:])))
+    views[id(w2)].append(LocalShard(down.local, (total, *down.global_shape[1:]), (first, *down.global_offset[1:])))
     return views
 
 
@@ -201,8 +220,12 @@ def _grouped_experts(model: torch.nn.Module, rank: int, world: int) -> dict[int,
     views: dict[int, list[LocalShard]] = {}
     for module in model.modules():
         ids, experts = getattr(module, "local_expert_indices", None), getattr(module, "experts", None)
-        if not isinstance(ids, list) or not ids or not isinstance(experts, torch.nn.Module) or \
-                not isinstance(getattr(experts, "weight1", None), torch.Tensor):
+        if (
+            not isinstance(ids, list)
+            or not ids
+            or not isinstance(experts, torch.nn.Module)
+            or not isinstance(getattr(experts, "weight1", None), torch.Tensor)
+        ):
             continue
         group = getattr(experts, "tp_group", None)
         tp_rank, tp_world = (group_rank(group), group_size(group)) if group is not None else (rank, world)
@@ -218,8 +241,10 @@ def _tied_copies(model: torch.nn.Module) -> set[str]:
     logits, and the first stage holds the real one (HF's tied ``lm_head`` is not a tensor of its own)."""
     keys = set()
     for name, module in model.named_modules():
-        if getattr(module, "share_embeddings_and_output_weights", False) is True and \
-                getattr(module, "pre_process", True) is False:
+        if (
+            getattr(module, "share_embeddings_and_output_weights", False) is True
+            and getattr(module, "pre_process", True) is False
+        ):
             keys.add(f"{name}.output_layer.weight" if name else "output_layer.weight")
     return keys
 
@@ -227,7 +252,7 @@ def _tied_copies(model: torch.nn.Module) -> set[str]:
 def _renamed(key: str, renames: dict[str, str]) -> str:
     for old, new in renames.items():
         if key.startswith(old):
-            return new + key[len(old):]
+            return new + key[len(old) :]
     return key
 
 
@@ -238,8 +263,7 @@ def _glu_fc1(model: torch.nn.Module) -> set[int]:
     ids = set()
     for module in model.modules():
         fc1 = getattr(module, "linear_fc1", None)
-        if isinstance(fc1, torch.nn.Module) and getattr(getattr(module, "config", None),
-                                                        "gated_linear_unit", False):
+        if isinstance(fc1, torch.nn.Module) and getattr(getattr(module, "config", None), "gated_linear_unit", False):
             ids |= {id(t) for t in fc1.parameters(recurse=False)}
     return ids
 
@@ -271,8 +295,10 @@ def _chunk_state(chunk: torch.nn.Module, rank: int, world: int) -> dict[str, Sta
     return state
 
 
-def from_megatron(model: torch.nn.Module | Sequence[torch.nn.Module], group: Any = None,
-                  ) -> dict[str, StateValue]:
+def from_megatron(
+    model: torch.nn.Module | Sequence[torch.nn.Module],
+    group: Any = None,
+) -> dict[str, StateValue]:
     """A state for :func:`shardsync.full_params` from a Megatron-style model, as it is on this rank.
 
     Parameters and persistent buffers marked tensor-parallel (Megatron's ``tensor_model_parallel``,
@@ -312,8 +338,10 @@ def from_megatron(model: torch.nn.Module | Sequence[torch.nn.Module], group: Any
         part = _chunk_state(chunk, rank, world)
         twice = sorted(set(part) & set(state))
         if twice:
-            raise LayoutError(f"model chunks hold the same keys {twice[:5]}; pass chunks that hold "
-                              "different layers (with their Megatron layer_number)")
+            raise LayoutError(
+                f"model chunks hold the same keys {twice[:5]}; pass chunks that hold "
+                "different layers (with their Megatron layer_number)"
+            )
         state |= part
     return state
 
@@ -336,11 +364,12 @@ def megatron_module_error(module: torch.nn.Module, what: str) -> LayoutError | N
         >>> str(megatron_module_error(lin, "the destination"))[:60]
         'the destination is a Megatron module (tensor-parallel marks '
     """
-    marked = next((n for n, p in module.named_parameters()
-                   if getattr(p, "tensor_model_parallel", False) is True), None)
+    marked = next((n for n, p in module.named_parameters() if getattr(p, "tensor_model_parallel", False) is True), None)
     if marked is None:
         return None
-    return LayoutError(f"{what} is a Megatron module (tensor-parallel marks on its parameters, e.g. "
-                       f"{marked!r}): its state dict holds this rank's shards with local shapes, layer "
-                       "and expert numbers; pass shardsync.from_megatron(model) instead, which places "
-                       "every shard in its global tensor")
+    return LayoutError(
+        f"{what} is a Megatron module (tensor-parallel marks on its parameters, e.g. "
+        f"{marked!r}): its state dict holds this rank's shards with local shapes, layer "
+        "and expert numbers; pass shardsync.from_megatron(model) instead, which places "
+        "every shard in its global tensor"
+    )

@@ -39,7 +39,9 @@ _PLAIN: dict[tuple[str, str], Any] = {
     ("collections", "OrderedDict"): collections.OrderedDict,
     ("pathlib", "PosixPath"): pathlib.PurePosixPath,  # the path as data, nothing touched on disk
     ("pathlib", "PurePosixPath"): pathlib.PurePosixPath,
-    ("builtins", "set"): set, ("builtins", "frozenset"): frozenset, ("builtins", "complex"): complex,
+    ("builtins", "set"): set,
+    ("builtins", "frozenset"): frozenset,
+    ("builtins", "complex"): complex,
     ("torch._utils", "_rebuild_tensor_v2"): torch._utils._rebuild_tensor_v2,  # what weights_only allows
     ("torch", "Size"): torch.Size,
 }
@@ -108,10 +110,22 @@ def load_common(path: str | Path) -> Any:
         # weights_only=False only because torch refuses a pickle_module otherwise: _Unpickler builds
         # nothing beyond _PLAIN and dtypes, whatever the file names
         return torch.load(path, map_location="cpu", pickle_module=_RESTRICTED, weights_only=False)
-    except (OSError, RuntimeError, pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError,
-            IndexError, KeyError, RecursionError) as exc:
-        raise FormatError(f"{path}: cannot read it as a torch.save file: {type(exc).__name__}: "
-                          f"{str(exc).splitlines()[0] if str(exc) else ''}") from exc
+    except (
+        OSError,
+        RuntimeError,
+        pickle.UnpicklingError,
+        EOFError,
+        ValueError,
+        TypeError,
+        AttributeError,
+        IndexError,
+        KeyError,
+        RecursionError,
+    ) as exc:
+        raise FormatError(
+            f"{path}: cannot read it as a torch.save file: {type(exc).__name__}: "
+            f"{str(exc).splitlines()[0] if str(exc) else ''}"
+        ) from exc
 
 
 def _as_dict(value: Any) -> dict[str, Any] | None:

@@ -56,8 +56,10 @@ _LAYERS = "decoder.layers."
 _STACKED_EXPERTS = re.compile(r"^(?P<head>.*?\bexperts\.)experts\.(?P<tail>\D.*)$")
 _ONE_EXPERT = re.compile(r"^(?P<head>.*?\bexperts\.)experts\.(?P<id>\d+)\.(?P<tail>.*)$")
 #: Transformer Engine norm names -> the local layer spec's (``norms="local"``).
-_LOCAL_NORMS = {"self_attention.linear_qkv.layer_norm_": "input_layernorm.",
-                "mlp.linear_fc1.layer_norm_": "pre_mlp_layernorm."}
+_LOCAL_NORMS = {
+    "self_attention.linear_qkv.layer_norm_": "input_layernorm.",
+    "mlp.linear_fc1.layer_norm_": "pre_mlp_layernorm.",
+}
 
 
 def is_megatron_dist(path: Path) -> bool:
@@ -76,15 +78,20 @@ def _check_backend(path: Path) -> None:
     try:
         backend = json.loads(meta.read_text()).get("sharded_backend")
     except (OSError, ValueError, AttributeError) as exc:
-        raise FormatError(f"{meta}: not the metadata.json of a Megatron dist_checkpointing checkpoint "
-                          f"({type(exc).__name__}: {exc})") from exc
+        raise FormatError(
+            f"{meta}: not the metadata.json of a Megatron dist_checkpointing checkpoint ({type(exc).__name__}: {exc})"
+        ) from exc
     if backend != "torch_dist":
-        raise FormatError(f"{path}: a Megatron dist_checkpointing checkpoint with sharded_backend "
-                          f"{backend!r}; only 'torch_dist' (the default since megatron-core 0.7) is read: "
-                          "convert it with Megatron first (dist_checkpointing.load, then save)")
+        raise FormatError(
+            f"{path}: a Megatron dist_checkpointing checkpoint with sharded_backend "
+            f"{backend!r}; only 'torch_dist' (the default since megatron-core 0.7) is read: "
+            "convert it with Megatron first (dist_checkpointing.load, then save)"
+        )
     if not (path / METADATA_FILE).is_file():
-        raise FormatError(f"{path}: metadata.json says torch_dist but there is no {METADATA_FILE}; the "
-                          "checkpoint is incomplete (was the save interrupted?)")
+        raise FormatError(
+            f"{path}: metadata.json says torch_dist but there is no {METADATA_FILE}; the "
+            "checkpoint is incomplete (was the save interrupted?)"
+        )
 
 
 def _split(key: str) -> tuple[str, int]:
@@ -92,7 +99,7 @@ def _split(key: str) -> tuple[str, int]:
     key = key.replace("{", "{{").replace("}", "}}")  # the result is a format string
     if not key.startswith(_LAYERS):
         return key, 0
-    rest, stacked = key[len(_LAYERS):], 0
+    rest, stacked = key[len(_LAYERS) :], 0
     if not rest[:1].isdigit():
         rest, stacked = "{}." + rest, 1
     if m := _STACKED_EXPERTS.match(rest):
@@ -132,12 +139,16 @@ class MegatronDistSource:
 
     def __init__(self, path: str | os.PathLike, *, norms: Literal["te", "local"] = "te") -> None:
         if norms not in ("te", "local"):
-            raise LayoutError(f"norms={norms!r}: use 'te' (the checkpoint's Transformer Engine names) or "
-                              "'local' (the local layer spec's)")
+            raise LayoutError(
+                f"norms={norms!r}: use 'te' (the checkpoint's Transformer Engine names) or "
+                "'local' (the local layer spec's)"
+            )
         self.path = Path(path)
         if not is_megatron_dist(self.path):
-            raise FormatError(f"{self.path} is not a Megatron dist_checkpointing checkpoint: it needs "
-                              f"{MEGATRON_METADATA_FILE} and {COMMON_FILE}")
+            raise FormatError(
+                f"{self.path} is not a Megatron dist_checkpointing checkpoint: it needs "
+                f"{MEGATRON_METADATA_FILE} and {COMMON_FILE}"
+            )
         _check_backend(self.path)
         self.dcp = DcpSource(self.path)
         #: live key -> (checkpoint key, stacked indices)
@@ -155,8 +166,10 @@ class MegatronDistSource:
             for te, local in _LOCAL_NORMS.items():
                 pattern = pattern.replace(te, local)
         if len(e.shape) <= stacked:
-            raise FormatError(f"{self.path}: {e.key!r} is {list(e.shape)}, but its name says {stacked} "
-                              "stacked dims (layers, experts) before the tensor's own")
+            raise FormatError(
+                f"{self.path}: {e.key!r} is {list(e.shape)}, but its name says {stacked} "
+                "stacked dims (layers, experts) before the tensor's own"
+            )
         ranges = [range(o, o + s) for o, s in zip(e.box.offsets[:stacked], e.box.sizes[:stacked])]
         box = Box(e.box.offsets[stacked:], e.box.sizes[stacked:])
         for index in itertools.product(*ranges):
@@ -196,9 +209,11 @@ class MegatronDistSource:
         try:
             common = torch.load(path, map_location="cpu", weights_only=True)
         except Exception as exc:  # weights_only refuses what it cannot load safely: say so, run nothing
-            raise FormatError(f"{path}: cannot be loaded safely (weights_only=True): {exc}".split("\n")[0]
-                              + "; load it with torch.load(weights_only=False) only if you trust "
-                              "it") from exc
+            raise FormatError(
+                f"{path}: cannot be loaded safely (weights_only=True): {exc}".split("\n")[0]
+                + "; load it with torch.load(weights_only=False) only if you trust "
+                "it"
+            ) from exc
         if not isinstance(common, dict):
             raise FormatError(f"{path}: holds a {type(common).__name__}, not the dict Megatron saves")
         return common

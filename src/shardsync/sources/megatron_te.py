@@ -40,14 +40,20 @@ def _grouped_linears(experts: torch.nn.Module) -> tuple[torch.nn.Module, torch.n
     an integer ``num_gemms`` and parameters ``weight0``, ...), else None."""
     pair = getattr(experts, "linear_fc1", None), getattr(experts, "linear_fc2", None)
     for fc in pair:
-        if not isinstance(fc, torch.nn.Module) or not isinstance(getattr(fc, "num_gemms", None), int) \
-                or not isinstance(getattr(fc, "weight0", None), torch.Tensor):
+        if (
+            not isinstance(fc, torch.nn.Module)
+            or not isinstance(getattr(fc, "num_gemms", None), int)
+            or not isinstance(getattr(fc, "weight0", None), torch.Tensor)
+        ):
             return None
     return pair  # type: ignore[return-value]
 
 
-def _one_layer(prefix: str, experts: torch.nn.Module, ids: list[int],
-               ) -> tuple[dict[str, str], dict[int, Partition]]:
+def _one_layer(
+    prefix: str,
+    experts: torch.nn.Module,
+    ids: list[int],
+) -> tuple[dict[str, str], dict[int, Partition]]:
     linears = _grouped_linears(experts)
     if linears is None:
         return {}, {}
@@ -55,13 +61,17 @@ def _one_layer(prefix: str, experts: torch.nn.Module, ids: list[int],
     fc1_part: Partition = (0, 2 if gated else 1)
     renames: dict[str, str] = {}
     parts: dict[int, Partition] = {}
-    for fc_name, fc, weight_part, bias_part in (("linear_fc1", linears[0], fc1_part, fc1_part),
-                                                ("linear_fc2", linears[1], (1, 1), None)):
+    for fc_name, fc, weight_part, bias_part in (
+        ("linear_fc1", linears[0], fc1_part, fc1_part),
+        ("linear_fc2", linears[1], (1, 1), None),
+    ):
         count = int(getattr(fc, "num_gemms"))
         if count != len(ids):
-            raise LayoutError(f"{prefix}{fc_name} holds {count} grouped weights but its MoE layer "
-                              f"{len(ids)} local experts (local_expert_indices {ids}); pass the model as "
-                              "Megatron built it")
+            raise LayoutError(
+                f"{prefix}{fc_name} holds {count} grouped weights but its MoE layer "
+                f"{len(ids)} local experts (local_expert_indices {ids}); pass the model as "
+                "Megatron built it"
+            )
         for i, global_id in enumerate(ids):
             for kind, part in (("weight", weight_part), ("bias", bias_part)):
                 tensor = getattr(fc, f"{kind}{i}", None)

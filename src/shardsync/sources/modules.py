@@ -24,8 +24,7 @@ def _identity(t: torch.Tensor) -> tuple[int, int, tuple[int, ...], tuple[int, ..
     local = t.to_local() if type(t).__name__ == "DTensor" else t  # type: ignore[attr-defined]
     if local.numel() == 0:
         return None
-    return (local.untyped_storage().data_ptr(), int(local.storage_offset()), tuple(t.shape),
-            tuple(local.stride()))
+    return (local.untyped_storage().data_ptr(), int(local.storage_offset()), tuple(t.shape), tuple(local.stride()))
 
 
 def module_state(module: torch.nn.Module) -> dict[str, Any]:
@@ -67,5 +66,7 @@ def state_of(value: object, what: str) -> Mapping[str, StateValue]:
         return module_state(value)
     if isinstance(value, Mapping):
         return value
-    raise LayoutError(f"{what} is a {type(value).__name__}; pass a state dict (tensors, LocalShard, "
-                      "DTensor), an nn.Module, a Source, or None for nothing on this rank")
+    raise LayoutError(
+        f"{what} is a {type(value).__name__}; pass a state dict (tensors, LocalShard, "
+        "DTensor), an nn.Module, a Source, or None for nothing on this rank"
+    )

@@ -25,8 +25,8 @@ from .base import FileSource, Source
 from .dcp import METADATA_FILE, DcpSource
 from .fingerprint import ReplicaCheck
 from .local import LocalSource
-from .modules import state_of
 from .megatron_dist import MegatronDistSource, is_megatron_dist
+from .modules import state_of
 from .safetensors import SafetensorsSource
 
 __all__ = ["SourceLike", "open_source", "open_path", "assign_boxes", "spread", "SpreadSource"]
@@ -35,15 +35,18 @@ __all__ = ["SourceLike", "open_source", "open_path", "assign_boxes", "spread", "
 #: None (nothing on this rank).
 SourceLike = Union[Mapping[str, StateValue], torch.nn.Module, Source, str, os.PathLike, None]
 
-_WHAT = ("a .safetensors file, a *.safetensors.index.json, a directory of safetensors files, a "
-         "torch DCP checkpoint directory (one holding .metadata), or a Megatron dist_checkpointing "
-         "directory (metadata.json, common.pt)")
+_WHAT = (
+    "a .safetensors file, a *.safetensors.index.json, a directory of safetensors files, a "
+    "torch DCP checkpoint directory (one holding .metadata), or a Megatron dist_checkpointing "
+    "directory (metadata.json, common.pt)"
+)
 
 
 def open_source(x: SourceLike, replica_check: ReplicaCheck = "sampled") -> Source:
     """The Source for ``x``: a state dict becomes a :class:`LocalSource` (fingerprinting its shards
     per ``replica_check``), and so do a module (its tensors, read in place; see
-    :func:`~shardsync.sources.modules.module_state`) and None (nothing on this rank); a Source is kept, a path is opened by its format (a Megatron
+    :func:`~shardsync.sources.modules.module_state`) and None (nothing on this rank); a Source is
+    kept, a path is opened by its format (a Megatron
     ``dist_checkpointing`` directory has ``metadata.json`` and ``common.pt``, read per layer by
     :class:`~shardsync.sources.MegatronDistSource`; a DCP directory has ``.metadata``; else
     safetensors).
@@ -62,8 +65,10 @@ def open_source(x: SourceLike, replica_check: ReplicaCheck = "sampled") -> Sourc
         return LocalSource(state_of(x, "the source"), replica_check)
     if isinstance(x, Source):
         return x
-    raise LayoutError(f"cannot read weights from a {type(x).__name__}; pass a state dict, a Source "
-                      f"(e.g. SafetensorsSource, DcpSource), an nn.Module, or a path to {_WHAT}")
+    raise LayoutError(
+        f"cannot read weights from a {type(x).__name__}; pass a state dict, a Source "
+        f"(e.g. SafetensorsSource, DcpSource), an nn.Module, or a path to {_WHAT}"
+    )
 
 
 def open_path(path: str | os.PathLike) -> FileSource:
@@ -87,14 +92,14 @@ def open_path(path: str | os.PathLike) -> FileSource:
             return DcpSource(p)
         if any(p.glob("*.safetensors")) or any(p.glob("*.safetensors.index.json")):
             return SafetensorsSource(p)
-        raise FormatError(f"{p} is not a checkpoint: it holds no *.safetensors file and no "
-                          f"{METADATA_FILE}; pass {_WHAT}")
+        raise FormatError(
+            f"{p} is not a checkpoint: it holds no *.safetensors file and no {METADATA_FILE}; pass {_WHAT}"
+        )
     if p.is_file():
         if p.name.endswith(".safetensors") or p.name.endswith(".safetensors.index.json"):
             return SafetensorsSource(p)
         if p.name == METADATA_FILE:
-            raise FormatError(f"{p} is the metadata file of a DCP checkpoint; pass its directory "
-                              f"{p.parent}")
+            raise FormatError(f"{p} is the metadata file of a DCP checkpoint; pass its directory {p.parent}")
         raise FormatError(f"{p} is not a checkpoint file; pass {_WHAT}")
     if os.path.lexists(p):
         try:
@@ -116,8 +121,7 @@ def assign_boxes(entries: list[LayoutEntry], world: int) -> list[int]:
     """
     load = [0] * world
     owner = [0] * len(entries)
-    order = sorted(range(len(entries)), key=lambda i: (-_nbytes(entries[i]), entries[i].key,
-                                                       entries[i].box.offsets))
+    order = sorted(range(len(entries)), key=lambda i: (-_nbytes(entries[i]), entries[i].key, entries[i].box.offsets))
     for i in order:
         r = min(range(world), key=lambda k: (load[k], k))
         owner[i] = r

@@ -61,8 +61,7 @@ class SafetensorsSource:
 
     def entries(self) -> list[LayoutEntry]:
         """One entry per tensor (its whole box), sorted by key."""
-        return [LayoutEntry(key, info.shape, info.dtype, Box.full(info.shape))
-                for key, info in self.tensors.items()]
+        return [LayoutEntry(key, info.shape, info.dtype, Box.full(info.shape)) for key, info in self.tensors.items()]
 
     def read(self, key: str, box: Box) -> torch.Tensor:
         """The data of ``box`` of ``key``, read from its file (a fresh CPU tensor).

@@ -73,12 +73,16 @@ def _stamped_header(path: Path) -> tuple[dict[str, tuple[tuple[int, ...], str]],
         raise FormatError(f"{path}: cannot read: {exc}") from exc
     size = stamp.size
     if size < 8:
-        raise FormatError(f"{path}: {size} bytes is too short for a safetensors file (it starts with an "
-                          "8-byte header length); the file is truncated or not safetensors")
+        raise FormatError(
+            f"{path}: {size} bytes is too short for a safetensors file (it starts with an "
+            "8-byte header length); the file is truncated or not safetensors"
+        )
     (n,) = struct.unpack("<Q", raw)
     if n > size - 8 or n > MAX_HEADER_BYTES:
-        raise FormatError(f"{path}: header length {n} B runs past the end of the file ({size} B) or "
-                          f"beyond {MAX_HEADER_BYTES} B; the file is truncated or not safetensors")
+        raise FormatError(
+            f"{path}: header length {n} B runs past the end of the file ({size} B) or "
+            f"beyond {MAX_HEADER_BYTES} B; the file is truncated or not safetensors"
+        )
     out: dict[str, tuple[tuple[int, ...], str]] = {}
     try:
         with safe_open(str(path), framework="pt") as fh:
@@ -96,8 +100,10 @@ def _dtype(path: Path, key: str, code: str) -> str:
         raise FormatError(f"{path}: tensor {key!r} has dtype {code}, unknown to shardsync")
     name = SAFETENSORS_DTYPES[code]
     if name is None:
-        raise FormatError(f"{path}: tensor {key!r} has sub-byte dtype {code}, which has no torch dtype "
-                          "with one element per value, so boxes of it cannot be cut; convert it first")
+        raise FormatError(
+            f"{path}: tensor {key!r} has sub-byte dtype {code}, which has no torch dtype "
+            "with one element per value, so boxes of it cannot be cut; convert it first"
+        )
     return name
 
 
@@ -146,8 +152,9 @@ def scan_checkpoint(path: str | os.PathLike) -> dict[str, TensorInfo]:
         header, stamp = _stamped_header(f)
         for key, (shape, dtype) in header.items():
             if key in found:
-                raise FormatError(f"tensor {key!r} is in both {found[key].file} and {f}; a checkpoint "
-                                  "holds each tensor once")
+                raise FormatError(
+                    f"tensor {key!r} is in both {found[key].file} and {f}; a checkpoint holds each tensor once"
+                )
             found[key] = TensorInfo(f, shape, dtype, stamp)
     if index is not None:
         _check_index(index[0], index[1], found)
@@ -171,8 +178,7 @@ def _files(p: Path) -> tuple[list[Path], tuple[Path, dict[str, Path]] | None]:
         return [p / "model.safetensors"], None
     indexes = sorted(p.glob("*.safetensors.index.json"))
     if len(indexes) > 1:
-        raise FormatError(f"{p} holds several indexes ({', '.join(i.name for i in indexes)}); pass the "
-                          "one to read")
+        raise FormatError(f"{p} holds several indexes ({', '.join(i.name for i in indexes)}); pass the one to read")
     if indexes:
         return _files(indexes[0])
     files = sorted(p.glob("*.safetensors"))
@@ -180,8 +186,10 @@ def _files(p: Path) -> tuple[list[Path], tuple[Path, dict[str, Path]] | None]:
         raise FormatError(f"{p} holds no *.safetensors file")
     odd = [_not_regular(f) for f in files if not f.is_file()]
     if odd:
-        raise FormatError(f"{p} holds *.safetensors names that are not regular files: {'; '.join(odd)} "
-                          "(remove them, or pass the checkpoint's files by an index)")
+        raise FormatError(
+            f"{p} holds *.safetensors names that are not regular files: {'; '.join(odd)} "
+            "(remove them, or pass the checkpoint's files by an index)"
+        )
     return files, None
 
 
@@ -201,23 +209,25 @@ def _weight_map(index: Path) -> dict[str, Path]:
         doc = json.loads(text)
         weight_map = doc["weight_map"]
         if not isinstance(weight_map, dict) or not all(
-                isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()):
+            isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()
+        ):
             raise ValueError("'weight_map' must map tensor names to file names")
     except (OSError, ValueError, KeyError, TypeError, RecursionError) as exc:
-        raise FormatError(f"{index}: not a safetensors index (a JSON object with a 'weight_map' of "
-                          f"tensor name -> file name): {exc}") from exc
+        raise FormatError(
+            f"{index}: not a safetensors index (a JSON object with a 'weight_map' of tensor name -> file name): {exc}"
+        ) from exc
     outside = sorted({v for v in weight_map.values() if _escapes(v)})
     if outside:
-        raise FormatError(f"{index} names files outside its directory: {', '.join(outside)}; an index "
-                          "may name only files next to it")
+        raise FormatError(
+            f"{index} names files outside its directory: {', '.join(outside)}; an index may name only files next to it"
+        )
     out = {k: index.parent / v for k, v in weight_map.items()}
     absent = sorted({f for f in out.values() if not f.is_file()})
     missing = [f.name for f in absent if not os.path.lexists(f)]
     if missing:
         raise FormatError(f"{index} names missing files: {', '.join(missing)}")
     if absent:
-        raise FormatError(f"{index} names files that cannot be read: "
-                          f"{'; '.join(_not_regular(f) for f in absent)}")
+        raise FormatError(f"{index} names files that cannot be read: {'; '.join(_not_regular(f) for f in absent)}")
     return out
 
 
@@ -242,8 +252,7 @@ def _check_sets(files: list[Path]) -> None:
         if missing:
             problems.append(f"{f.parent}: {', '.join(missing)} missing from a set of {n}")
     if problems:
-        raise FormatError("incomplete checkpoint (still being written, or copied in part):\n  "
-                          + "\n  ".join(problems))
+        raise FormatError("incomplete checkpoint (still being written, or copied in part):\n  " + "\n  ".join(problems))
 
 
 def _check_index(index: Path, weight_map: dict[str, Path], found: dict[str, TensorInfo]) -> None:
@@ -252,9 +261,13 @@ def _check_index(index: Path, weight_map: dict[str, Path], found: dict[str, Tens
         if key not in found or found[key].file != file:
             where = f"it is in {found[key].file.name}" if key in found else "no file it names holds it"
             problems.append(f"{key!r} is mapped to {file.name} but {where}")
-    problems += [f"{key!r} is in {info.file.name} but the index does not name it"
-                 for key, info in found.items() if key not in weight_map]
+    problems += [
+        f"{key!r} is in {info.file.name} but the index does not name it"
+        for key, info in found.items()
+        if key not in weight_map
+    ]
     if problems:
         shown = problems[:10] + ([f"... and {len(problems) - 10} more"] if len(problems) > 10 else [])
-        raise FormatError(f"{index} disagrees with the files it names (a stale or hand-edited index?):"
-                          "\n  " + "\n  ".join(shown))
+        raise FormatError(
+            f"{index} disagrees with the files it names (a stale or hand-edited index?):\n  " + "\n  ".join(shown)
+        )

@@ -36,12 +36,13 @@ class SelectedSource:
         self.shared = bool(getattr(inner, "shared", False))  # spread() narrows it like its inner source
 
     def _keeps(self, key: str) -> bool:
-        return key.startswith(self.prefix) and (not self.patterns or any(
-            fnmatch.fnmatchcase(key, p) for p in self.patterns))
+        return key.startswith(self.prefix) and (
+            not self.patterns or any(fnmatch.fnmatchcase(key, p) for p in self.patterns)
+        )
 
     def entries(self) -> list[LayoutEntry]:
         """The inner source's entries that are kept, renamed."""
-        return [e._replace(key=e.key[len(self.prefix):]) for e in self.inner.entries() if self._keeps(e.key)]
+        return [e._replace(key=e.key[len(self.prefix) :]) for e in self.inner.entries() if self._keeps(e.key)]
 
     def read(self, key: str, box: Box) -> torch.Tensor:
         """The inner source's data of ``box`` of ``prefix + key``."""
@@ -70,9 +71,18 @@ def select_keys(source: Source, prefix: str = "", patterns: Sequence[str] = ()) 
     selected = SelectedSource(source, prefix, patterns)
     if not selected.entries():
         keys = sorted({e.key for e in source.entries()})
-        what = " and ".join(filter(None, [f"start with {prefix!r}" if prefix else "",
-                                          f"match {' or '.join(map(repr, patterns))}" if patterns else ""]))
-        raise FormatError(f"no key of the checkpoint {what}; its keys look like {keys[:4]}: give a prefix "
-                          "(--prefix model. for a DCP app state {'model': ..., 'optim': ...}) or patterns "
-                          "that its keys have")
+        what = " and ".join(
+            filter(
+                None,
+                [
+                    f"start with {prefix!r}" if prefix else "",
+                    f"match {' or '.join(map(repr, patterns))}" if patterns else "",
+                ],
+            )
+        )
+        raise FormatError(
+            f"no key of the checkpoint {what}; its keys look like {keys[:4]}: give a prefix "
+            "(--prefix model. for a DCP app state {'model': ..., 'optim': ...}) or patterns "
+            "that its keys have"
+        )
     return selected
