@@ -47,6 +47,7 @@ __all__ = [
     "agree",
     "data_phase",
     "abandon",
+    "abort_group",
     "transport_errors",
     "TransportFailure",
 ]
@@ -220,7 +221,10 @@ def data_phase(phase: str, group: ProcessGroup | None = None) -> Iterator[None]:
     Mark the torch.distributed calls inside with :func:`transport_errors`: a failure there is a
     transport failure (a peer died, timed out or left), anything else a local one. A local exception is
     published for the peers and raised as a :class:`DistributedError` naming this rank (and any peer
-    that already reported a failure); a transport failure names the culprit the roll call finds. A
+    that already reported a failure); a transport failure names the culprit the roll call finds. After a
+    local failure this rank's collectives are out of step with its peers' (they wait in one it will
+    never join), so the group is aborted (:func:`abort_group`): the peers fail at once and name this
+    rank, instead of after the group's timeout, and the group is not used again. A
     generator suspended inside the phase that is closed early (its caller stopped iterating)
     publishes that, so the peers left waiting can name it.
 
@@ -244,10 +248,26 @@ def data_phase(phase: str, group: ProcessGroup | None = None) -> Iterator[None]:
         if is_transport_failure(exc):
             failures = roll.blame(exc)
         else:
-            roll.record_failure(describe(exc))
+            roll.record_failure(describe(exc))  # first: the peers woken by the abort read it
             failures = {**roll.culprits(), roll.ranks.rank: describe(exc)}
+            abort_group(group)
         log.error("phase %r failed on %s: %s", phase, roll.ranks.label(roll.ranks.rank), exc)
         raise _error(roll, failures) from exc
+
+
+def abort_group(group: ProcessGroup | None) -> None:
+    """Abort ``group`` (None: the default group) on this rank: its connections close, so a peer blocked
+    in one of its collectives fails at once ("Connection closed by peer" under gloo). The group cannot
+    be used again on this rank; make a new one (``destroy_process_group()``, ``init_process_group()``).
+    A no-op when not distributed, or on a torch whose process groups cannot abort.
+    """
+    if not is_distributed(group):
+        return
+    pg = group if group is not None else dist.distributed_c10d._get_default_group()
+    abort = getattr(pg, "abort", None)  # ProcessGroup.abort: torch >= 2.6
+    if abort is not None:
+        with contextlib.suppress(Exception):  # an abort that fails leaves the peers to the timeout
+            abort()
 
 
 def abandon(phase: str, group: ProcessGroup | None, exc: BaseException) -> None:
