@@ -22,7 +22,7 @@ from shardsync.layout import ShardedTensor, shard_dim
 from shardsync.layout.dtypes import dtype_name
 
 M64 = (1 << 64) - 1
-GOLDEN = 0x9E3779B97F4A7C15  # 2^64 / golden ratio, odd: the index multiplier of keys that do not fit i << w | b
+SEED_A, SEED_B = 0x243F6A8885A308D3, 0x13198A2E03707344  # the seeds of the row and column weights
 
 
 def _mix(z: int) -> int:
@@ -34,22 +34,22 @@ def _mix(z: int) -> int:
     return z ^ (z >> 31)
 
 
-def ref_sum(t: torch.Tensor, numel: int | None = None, base: int = 0) -> int:
-    """Sum of the element hashes of ``t`` (row-major), read from its raw little-endian bytes; the
-    target holds ``numel`` elements and ``t`` starts at flat index ``base`` of it."""
+def weight(q: int, c: int) -> int:
+    """The weight of the element at row ``q``, column (word) ``c``: ``A(q) * B(c)`` mod 2^64."""
+    return (_mix(q ^ SEED_A) | 1) * (_mix(c ^ SEED_B) | 1) & M64
+
+
+def ref_sum(t: torch.Tensor, shape: tuple[int, ...] | None = None, base: int = 0) -> int:
+    """Sum of ``weight(q, c) * bits`` over ``t`` (row-major), read from its raw little-endian bytes; the
+    target has ``shape`` (default ``t``'s) and ``t`` starts at its flat element index ``base``."""
+    shape = tuple(t.shape) if shape is None else shape
     t = t.contiguous().reshape(-1)
     size = t.element_size()
-    width, words = 8 * min(size, 8), max(1, size // 8)
+    step, words = min(size, 8), max(1, size // 8)
     raw = t.view(torch.uint8).numpy().tobytes() if t.numel() else b""
-    step = width // 8
     values = [int.from_bytes(raw[i:i + step], "little") for i in range(0, len(raw), step)]
-    total_words = (t.numel() if numel is None else numel) * words
-    shifted = width < 64 and total_words <= 1 << (64 - width)
-    total = 0
-    for i, b in enumerate(values):
-        index = base * words + i
-        total += _mix(((index << width) | b) if shifted else (index * GOLDEN + b) & M64)
-    return total & M64
+    width = (shape[-1] if shape else 1) * words
+    return sum(weight(*divmod(base * words + k, width)) * b for k, b in enumerate(values)) & M64
 
 
 def _bumped(t: torch.Tensor, index: tuple[int, ...]) -> torch.Tensor:
@@ -70,12 +70,19 @@ def test_box_sum_matches_the_reference(tensor: torch.Tensor) -> None:
     assert box_sum(tensor, tuple(tensor.shape), (0,) * tensor.dim()) == ref_sum(tensor)
 
 
-def test_a_target_too_large_for_the_shifted_key_uses_the_golden_one() -> None:
-    # 2^33 float32 elements do not fit idx << 32; a box of such a target is hashed with idx * GOLDEN + bits
-    assert box_hash.GOLDEN == GOLDEN
-    values = arange_tensor((6,), step=0.3)
-    assert box_sum(values, (1 << 33,), (1 << 32,)) == ref_sum(values, numel=1 << 33, base=1 << 32)
-    assert box_sum(values, (6,), (0,)) == ref_sum(values)
+def test_rows_and_columns_of_a_large_or_wide_target() -> None:
+    # a row index past 2^32 (a box deep in a huge target), and a 1-d target wider than the cached
+    # column weights (its slice is computed per run)
+    values = arange_tensor((2, 3), step=0.3)
+    assert box_sum(values, (1 << 33, 3), (1 << 32, 0)) == ref_sum(values, (1 << 33, 3), 3 << 32)
+    row = arange_tensor((7,), step=0.3)
+    old = box_hash.CACHED_WIDTH
+    box_hash.CACHED_WIDTH = 4
+    try:
+        assert box_sum(row, (12,), (5,)) == ref_sum(row, (12,), 5)
+    finally:
+        box_hash.CACHED_WIDTH = old
+    assert box_sum(row, (12,), (5,)) == ref_sum(row, (12,), 5)
 
 
 @settings(max_examples=40, deadline=None)
@@ -101,8 +108,8 @@ def test_disjoint_boxes_add_up_to_the_whole(cut0: int, cut1: int, chunk: int) ->
     ids=lambda t: dtype_name(t.dtype))
 def test_the_device_path_gives_the_host_sums(monkeypatch: pytest.MonkeyPatch, tensor: torch.Tensor) -> None:
     # the torch code that hashes boxes on an accelerator, run on the CPU: runs of 5 elements, a
-    # column cut (strided) at an offset, a cast, and a target too large for the shifted key
-    shape = tuple(tensor.shape)
+    # column cut (strided) at an offset, a cast, and rows deep in a huge target
+    shape, before = tuple(tensor.shape), tensor.clone()
     want = [box_sum(tensor[:, 2:], shape, (0, 2)), box_sum(tensor, (1 << 33, *shape[1:]), (1 << 31, 0))]
     if tensor.is_floating_point():
         want.append(box_sum(tensor[1:], shape, (1, 0), casts=("float16",)))
@@ -111,7 +118,7 @@ def test_the_device_path_gives_the_host_sums(monkeypatch: pytest.MonkeyPatch, te
     got = [box_sum(tensor[:, 2:], shape, (0, 2)), box_sum(tensor, (1 << 33, *shape[1:]), (1 << 31, 0))]
     if tensor.is_floating_point():
         got.append(box_sum(tensor[1:], shape, (1, 0), casts=("float16",)))
-    assert got == want
+    assert got == want and torch.equal(tensor, before)  # the bits of 8-byte values are views: never written
 
 
 def test_a_permuted_box_hashes_its_target_values() -> None:
@@ -183,11 +190,13 @@ def test_swapping_two_elements_changes_the_digest() -> None:
 
 
 def test_all_zero_tensors_have_digests_that_depend_on_shape_and_dtype() -> None:
+    # the sum of an all-zero tensor is 0 (every term is a weight times 0): the digest is finish's hash
     zeros = [torch.zeros(2, 3), torch.zeros(3, 2), torch.zeros(6), torch.zeros(2, 3, dtype=torch.bfloat16),
              torch.zeros(2, 3, dtype=torch.int32), torch.zeros(7)]
     found = [tensor_digest(z) for z in zeros]
     assert len(set(found)) == len(zeros)
-    assert "0" * 16 not in found and all(box_sum(z, tuple(z.shape), (0,) * z.dim()) != 0 for z in zeros)
+    assert all(box_sum(z, tuple(z.shape), (0,) * z.dim()) == 0 for z in zeros)
+    assert found == [finish(0, tuple(z.shape), z.dtype) for z in zeros] and "0" * 16 not in found
 
 
 def test_bit_patterns_not_values_are_hashed() -> None:
