@@ -39,6 +39,14 @@ def weight(q: int, c: int) -> int:
     return (_mix(q ^ SEED_A) | 1) * (_mix(c ^ SEED_B) | 1) & M64
 
 
+def columns(shape: tuple[int, ...]) -> int:
+    """The target's columns: its last dim, times the dims before it while fewer than 64 (and at most 2^16)."""
+    cols, dims = (shape[-1] if shape else 1), list(shape[:-1])
+    while dims and cols < 64 and cols * dims[-1] <= 1 << 16:
+        cols *= dims.pop()
+    return cols
+
+
 def ref_sum(t: torch.Tensor, shape: tuple[int, ...] | None = None, base: int = 0) -> int:
     """Sum of ``weight(q, c) * bits`` over ``t`` (row-major), read from its raw little-endian bytes; the
     target has ``shape`` (default ``t``'s) and ``t`` starts at its flat element index ``base``."""
@@ -48,7 +56,7 @@ def ref_sum(t: torch.Tensor, shape: tuple[int, ...] | None = None, base: int = 0
     step, words = min(size, 8), max(1, size // 8)
     raw = t.view(torch.uint8).numpy().tobytes() if t.numel() else b""
     values = [int.from_bytes(raw[i:i + step], "little") for i in range(0, len(raw), step)]
-    width = (shape[-1] if shape else 1) * words
+    width = columns(shape) * words
     return sum(weight(*divmod(base * words + k, width)) * b for k, b in enumerate(values)) & M64
 
 
@@ -65,7 +73,8 @@ def _bumped(t: torch.Tensor, index: tuple[int, ...]) -> torch.Tensor:
     arange_tensor((3, 7, 2), step=-1.5).double(), (torch.arange(17) - 8).to(torch.int8),
     torch.arange(13) % 3 == 0, arange_tensor((11,), step=0.5).to(torch.float8_e4m3fn),
     torch.complex(arange_tensor((5, 3)).double(), arange_tensor((5, 3), start=7).double()),
-    torch.tensor(3.25), torch.zeros(0, 4)], ids=lambda t: f"{dtype_name(t.dtype)}{list(t.shape)}")
+    torch.tensor(3.25), torch.zeros(0, 4), arange_tensor((5, 4, 3, 3), step=0.5), arange_tensor((19, 1)),
+    arange_tensor((3, 40, 7), step=0.3).to(torch.bfloat16), arange_tensor((2, 300, 300), step=0.01)], ids=lambda t: f"{dtype_name(t.dtype)}{list(t.shape)}")
 def test_box_sum_matches_the_reference(tensor: torch.Tensor) -> None:
     assert box_sum(tensor, tuple(tensor.shape), (0,) * tensor.dim()) == ref_sum(tensor)
 
@@ -100,8 +109,25 @@ def test_disjoint_boxes_add_up_to_the_whole(cut0: int, cut1: int, chunk: int) ->
     assert sum(parts) & M64 == whole
 
 
+@settings(max_examples=30, deadline=None)
+@given(st.integers(1, 6), st.integers(1, 4), st.integers(1, 2), st.integers(1, 40))
+def test_boxes_of_a_folded_target_add_up_to_the_whole(cut0: int, cut1: int, cut2: int, chunk: int) -> None:
+    # a [7, 5, 3] target: its columns are the 15 of the last two dims; boxes cut any dim, runs are small
+    full = arange_tensor((7, 5, 3), step=0.41)
+    old = box_hash.CHUNK_ELEMENTS
+    box_hash.CHUNK_ELEMENTS = chunk
+    try:
+        parts = [box_sum(full[a0:a1, b0:b1, c0:c1], (7, 5, 3), (a0, b0, c0))
+                 for a0, a1 in ((0, cut0), (cut0, 7)) for b0, b1 in ((0, cut1), (cut1, 5))
+                 for c0, c1 in ((0, cut2), (cut2, 3))]
+    finally:
+        box_hash.CHUNK_ELEMENTS = old
+    assert sum(parts) & M64 == ref_sum(full)
+
+
 @pytest.mark.parametrize("tensor", [
     arange_tensor((17, 13), step=0.77), arange_tensor((9, 11), step=0.1).to(torch.bfloat16),
+    arange_tensor((6, 5, 3), step=0.3),
     arange_tensor((5, 7), step=-1.5).double(), (torch.arange(33) - 8).to(torch.int16).reshape(3, 11),
     torch.arange(24).reshape(4, 6) % 3 == 0, arange_tensor((6, 4), step=0.5).to(torch.float8_e4m3fn),
     torch.complex(arange_tensor((3, 5)).double(), arange_tensor((3, 5), start=7).double())],
@@ -109,15 +135,15 @@ def test_disjoint_boxes_add_up_to_the_whole(cut0: int, cut1: int, chunk: int) ->
 def test_the_device_path_gives_the_host_sums(monkeypatch: pytest.MonkeyPatch, tensor: torch.Tensor) -> None:
     # the torch code that hashes boxes on an accelerator, run on the CPU: runs of 5 elements, a
     # column cut (strided) at an offset, a cast, and rows deep in a huge target
-    shape, before = tuple(tensor.shape), tensor.clone()
-    want = [box_sum(tensor[:, 2:], shape, (0, 2)), box_sum(tensor, (1 << 33, *shape[1:]), (1 << 31, 0))]
+    shape, before, deep = tuple(tensor.shape), tensor.clone(), (1 << 31,) + (0,) * (tensor.dim() - 1)
+    want = [box_sum(tensor[:, 2:], shape, (0, 2, 0)[:tensor.dim()]), box_sum(tensor, (1 << 33, *shape[1:]), deep)]
     if tensor.is_floating_point():
-        want.append(box_sum(tensor[1:], shape, (1, 0), casts=("float16",)))
+        want.append(box_sum(tensor[1:], shape, (1, 0, 0)[:tensor.dim()], casts=("float16",)))
     monkeypatch.setattr(box_hash, "HOST_DEVICES", ())
     monkeypatch.setattr(box_hash, "DEVICE_CHUNK_ELEMENTS", 5)
-    got = [box_sum(tensor[:, 2:], shape, (0, 2)), box_sum(tensor, (1 << 33, *shape[1:]), (1 << 31, 0))]
+    got = [box_sum(tensor[:, 2:], shape, (0, 2, 0)[:tensor.dim()]), box_sum(tensor, (1 << 33, *shape[1:]), deep)]
     if tensor.is_floating_point():
-        got.append(box_sum(tensor[1:], shape, (1, 0), casts=("float16",)))
+        got.append(box_sum(tensor[1:], shape, (1, 0, 0)[:tensor.dim()], casts=("float16",)))
     assert got == want and torch.equal(tensor, before)  # the bits of 8-byte values are views: never written
 
 

@@ -33,7 +33,8 @@ from ..layout.dtypes import dtype_name, to_torch_dtype
 from .box_hash_device import DEVICE_CHUNK_ELEMENTS, run_values, runs_sum
 
 __all__ = ["box_sum", "finish", "tensor_digest", "mix", "weights", "CHUNK_ELEMENTS", "HOST_DEVICES", "MASK",
-           "SEED_A", "SEED_B", "Run"]
+           "SEED_A", "SEED_B", "Run", "folded", "column_weights",
+           "CACHED_WIDTH", "NARROW", "FOLD_LIMIT"]
 
 #: Elements hashed at once on the host: a run of bits and its widened products stay in cache.
 CHUNK_ELEMENTS = 1 << 18
@@ -46,6 +47,9 @@ MASK = (1 << 64) - 1
 SEED_A, SEED_B = 0x243F6A8885A308D3, 0x13198A2E03707344
 #: Widths (in words) whose column weights are cached whole; wider targets compute the slice of a run.
 CACHED_WIDTH = 1 << 18
+#: Trailing dims are folded into the column index while it has fewer columns than this (so that a
+#: narrow target, a conv kernel's [.., 3, 3], costs few row weights), up to ``FOLD_LIMIT`` columns.
+NARROW, FOLD_LIMIT = 64, 1 << 16
 _C1, _C2 = np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)
 _S30, _S27, _S31 = np.uint64(30), np.uint64(27), np.uint64(31)
 _ONE = np.uint64(1)
@@ -105,22 +109,38 @@ def column_weights(width: int, c0: int, c1: int) -> np.ndarray:
     return weights(np.arange(c0, c1, dtype=np.uint64), SEED_B)
 
 
-def _row_strides(shape: Sequence[int]) -> list[int]:
-    """Row-major strides of the row index ``q`` over the target dims but the last (0 for the last)."""
-    out, step = [0], 1
-    for size in reversed(shape[:-1]):
+def folded(shape: Sequence[int]) -> int:
+    """How many trailing dims of a target of ``shape`` make its column index: the last, and the ones
+    before it while the columns are fewer than :data:`NARROW` and would stay at most
+    :data:`FOLD_LIMIT` (the shape alone decides: the same for every box of the target).
+
+    Example:
+        >>> folded((4096, 11008)), folded((64, 32, 3, 3)), folded((100000, 1)), folded(())
+        (1, 3, 1, 0)
+    """
+    m = min(1, len(shape))
+    while m < len(shape) and math.prod(shape[-m:]) < NARROW and math.prod(shape[-m - 1:]) <= FOLD_LIMIT:
+        m += 1
+    return m
+
+
+def _row_strides(shape: Sequence[int], m: int) -> list[int]:
+    """Row-major strides of the row index ``q`` over the target dims but the last ``m`` (0 for those)."""
+    out, step = [0] * m, 1
+    for size in reversed(shape[:-m]):
         out.append(step)
         step *= size
     return out[::-1]
 
 
-def _runs(sizes: Sequence[int], chunk: int) -> tuple[int, int, list[Run]]:
-    """``(split dim, rows per run, runs)`` of a box of ``sizes`` (at least 2 dims), runs of at most
-    about ``chunk`` elements."""
-    cols = sizes[-1]
-    width = max(1, min(cols, chunk))
-    split = next(j for j in range(len(sizes) - 1) if math.prod(sizes[j + 1:-1]) * width <= chunk)
-    rows = min(sizes[split], max(1, chunk // (math.prod(sizes[split + 1:-1]) * width)))
+def _runs(sizes: Sequence[int], m: int, chunk: int) -> tuple[int, int, list[Run]]:
+    """``(split dim, rows per run, runs)`` of a box of ``sizes`` (row dims, then ``m`` column dims),
+    runs of at most about ``chunk`` elements (the columns are cut only when ``m`` is 1)."""
+    n, cols = len(sizes) - m, sizes[-1]
+    width = max(1, min(cols, chunk)) if m == 1 else cols
+    row = math.prod(sizes[n:-1]) * width
+    split = next((j for j in range(n) if math.prod(sizes[j + 1:n]) * row <= chunk), n - 1)
+    rows = min(sizes[split], max(1, chunk // (math.prod(sizes[split + 1:n]) * row)))
     runs = [(lead, start, min(start + rows, sizes[split]), c0, min(c0 + width, cols))
             for lead in itertools.product(*(range(s) for s in sizes[:split]))
             for start in range(0, sizes[split], rows) for c0 in range(0, cols, width)]
@@ -172,31 +192,40 @@ def box_sum(values: torch.Tensor, shape: Sequence[int], offsets: Sequence[int],
     dtype = to_torch_dtype(casts[-1]) if casts else values.dtype
     words = 2 if dtype.itemsize == 16 else 1
     view = values if perm is None else values.permute(tuple(perm))  # target order
-    if view.dim() < 2:  # one row: q = 0
-        view, shape, offsets = view.reshape(1, -1), (1, math.prod(shape)), (0, offsets[-1] if offsets else 0)
-    strides, width, first = _row_strides(shape), shape[-1] * words, offsets[-1]
+    if view.dim() == 0:
+        view, shape, offsets = view.reshape(1), (1,), (0,)
+    m = folded(shape)
+    if view.dim() == m:  # no row dims: one row, q = 0
+        view, shape, offsets = view.unsqueeze(0), (1, *shape), (0, *offsets)
+    strides, width = _row_strides(shape, m), math.prod(shape[-m:]) * words
     base = sum(o * s for o, s in zip(offsets, strides))
     host = view.device.type in HOST_DEVICES
-    split, rows, runs = _runs(view.shape, (CHUNK_ELEMENTS if host else DEVICE_CHUNK_ELEMENTS) // words)
-    q = _pattern((rows, *view.shape[split + 1:-1]), strides[split:-1])
+    split, rows, runs = _runs(view.shape, m, (CHUNK_ELEMENTS if host else DEVICE_CHUNK_ELEMENTS) // words)
+    q = _pattern((rows, *view.shape[split + 1:-m]), strides[split:-m])
+    inner = tuple(slice(o, o + n) for o, n in zip(offsets[-m:-1], view.shape[-m:-1]))
 
-    def columns(c0: int, c1: int) -> np.ndarray:  # B of the run's columns c0:c1 (elements of the box)
-        return column_weights(width, (first + c0) * words, (first + c1) * words)
+    def columns(c0: int, c1: int) -> np.ndarray:  # B of the run's columns c0:c1 of the box (elements)
+        at = slice((offsets[-1] + c0) * words, (offsets[-1] + c1) * words)
+        if m == 1:
+            return column_weights(width, at.start, at.stop)
+        return column_weights(width, 0, width).reshape(*shape[-m:-1], -1)[inner + (at,)]
 
     if not host:  # hashed where it lies, with torch
-        return runs_sum(view, casts, base, strides, q, runs, columns) & MASK
-    return _host_sum(view, casts, base, strides, q, runs, columns) & MASK
+        return runs_sum(view, casts, (base, strides, m), q, runs, columns) & MASK
+    return _host_sum(view, casts, (base, strides, m), q, runs, columns) & MASK
 
 
-def _host_sum(view: torch.Tensor, casts: Sequence[str], base: int, strides: Sequence[int], q: np.ndarray,
+def _host_sum(view: torch.Tensor, casts: Sequence[str], frame: tuple[int, Sequence[int], int], q: np.ndarray,
               runs: Sequence[Run], columns: Callable[[int, int], np.ndarray]) -> int:
     """The sum (not reduced mod 2^64) of the terms of ``runs`` of a box in target order (as
     :func:`~shardsync.exec.box_hash_device.runs_sum`)."""
+    base, strides, m = frame
+    dims = "abcdefghijklmnopqrstuvwxyz"[:m]
     rows, tmp = np.empty_like(q), np.empty_like(q)
     total = 0
     for lead, start, stop, c0, c1 in runs:
         run = run_values(view, (lead, start, stop, c0, c1), casts)
-        sums = np.einsum("...c,c->...", _bits(run), columns(c0, c1), dtype=np.uint64, casting="unsafe")
+        sums = np.einsum(f"...{dims},{dims}->...", _bits(run), columns(c0, c1), dtype=np.uint64, casting="unsafe")
         at = (base + sum(i * s for i, s in zip((*lead, start), strides))) & MASK
         a = np.add(q[:stop - start], np.uint64(at), out=rows[:stop - start])
         np.multiply(sums, weights(a, SEED_A, tmp[:stop - start]), out=sums)

@@ -78,16 +78,16 @@ def _on(words: np.ndarray, device: torch.device) -> torch.Tensor:
     return torch.tensor(words.view(np.int64), device=device)
 
 
-def runs_sum(view: torch.Tensor, casts: Sequence[str], base: int, strides: Sequence[int], q: np.ndarray,
+def runs_sum(view: torch.Tensor, casts: Sequence[str], frame: tuple[int, Sequence[int], int], q: np.ndarray,
              runs: Sequence[tuple[tuple[int, ...], int, int, int, int]],
              columns: Callable[[int, int], np.ndarray]) -> int:
     """The sum (not reduced mod 2^64) of the terms of ``runs`` of a box, on its device.
 
     Args:
-        view: the box's values in target order (at least 2 dims).
+        view: the box's values in target order (row dims, then ``m`` column dims).
         casts: dtype names applied in order.
-        base: the row index of the box's first row.
-        strides: per dim, the row index's step (0 for the last dim).
+        frame: ``(base, strides, m)``: the row index of the box's first row, per dim the row index's
+            step (0 for the column dims), and how many trailing dims make the column index.
         q: the row indices of a whole run, relative to its first row (uint64).
         runs: ``(leading indices, start, stop, c0, c1)`` (:data:`shardsync.exec.box_hash.Run`).
         columns: the column weights ``B`` (uint64) of the run's columns ``c0:c1``.
@@ -96,15 +96,16 @@ def runs_sum(view: torch.Tensor, casts: Sequence[str], base: int, strides: Seque
         >>> from shardsync.exec.box_hash import box_sum, column_weights
         >>> v = torch.arange(6.).reshape(1, 6)
         >>> B = lambda c0, c1: column_weights(6, c0, c1)
-        >>> got = runs_sum(v, (), 0, [0, 0], np.zeros(1, np.uint64), [((), 0, 1, 0, 6)], B)
+        >>> got = runs_sum(v, (), (0, [0, 0], 1), np.zeros(1, np.uint64), [((), 0, 1, 0, 6)], B)
         >>> got % 2**64 == box_sum(v, (1, 6), (0, 0))
         True
     """
+    base, strides, m = frame
     rows = _on(q, view.device)
     total = 0
     for lead, start, stop, c0, c1 in runs:
         run = run_values(view, (lead, start, stop, c0, c1), casts)
-        sums = (_bits(run) * _on(columns(c0, c1), view.device)).sum(-1)  # not in place: may be a view
+        sums = (_bits(run) * _on(columns(c0, c1), view.device)).sum(tuple(range(-m, 0)))  # not in place: a view
         at = _signed((base + sum(i * s for i, s in zip((*lead, start), strides))) % (1 << 64))
         a = mix_(rows[:stop - start].add(at).bitwise_xor_(_SEED_A)).bitwise_or_(1)
         total += int(sums.mul_(a).sum())
