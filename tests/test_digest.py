@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from dest_helpers import MAPPING, hf_state, megatron_shards
@@ -56,6 +57,8 @@ def ref_sum(t: torch.Tensor, shape: tuple[int, ...] | None = None, base: int = 0
     step, words = min(size, 8), max(1, size // 8)
     raw = t.view(torch.uint8).numpy().tobytes() if t.numel() else b""
     values = [int.from_bytes(raw[i:i + step], "little") for i in range(0, len(raw), step)]
+    if step == 8:  # 8-byte words are xor-shifted: a sign flip changes a low bit too
+        values = [b ^ (b >> 32) for b in values]
     width = columns(shape) * words
     return sum(weight(*divmod(base * words + k, width)) * b for k, b in enumerate(values)) & M64
 
@@ -213,6 +216,36 @@ def test_swapping_two_elements_changes_the_digest() -> None:
     column = w.clone()
     column[:, [0, 2]] = w[:, [2, 0]]
     assert len({tensor_digest(w), tensor_digest(swapped), tensor_digest(column), tensor_digest(w.T.contiguous())}) == 4
+
+
+def _flip_signs(t: torch.Tensor, index: tuple[list[int], list[int]] | None = None) -> torch.Tensor:
+    """``t`` with the sign bit of every element (or of those at ``index``) flipped."""
+    out = t.clone()
+    bits = out.view({1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
+    sign = -(1 << (8 * t.element_size() - 1))  # the top bit, as a signed integer
+    if index is None:
+        bits ^= sign
+    else:
+        bits[index] ^= sign
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64, torch.float8_e4m3fn])
+def test_sign_flips_change_the_digest(dtype: torch.dtype) -> None:
+    # changes by multiples of the sign bit: a negated tensor, two negated elements. For 8-byte words
+    # (changes of 2^63, an even number of them) the xor-shift of the bits is what makes them visible
+    w = arange_tensor((9, 70), start=1, step=0.37).to(dtype)
+    variants = [w, _flip_signs(w), _flip_signs(w, ([3, 7], [5, 66]))]
+    assert len({tensor_digest(v) for v in variants}) == 3
+
+
+def test_the_weights_are_odd_and_distinct() -> None:
+    # every element has its own odd weight A(q) * B(c): one changed element always moves the sum, and
+    # two elements swapped move it by (w_i - w_j) * (b_j - b_i)
+    rows = box_hash.weights(np.arange(64, dtype=np.uint64), box_hash.SEED_A)
+    w = np.multiply.outer(rows, box_hash.column_weights(64, 0, 64))
+    assert (w & np.uint64(1)).all() and len(set(w.ravel().tolist())) == 64 * 64
+    assert [int(x) for x in w[5, 9:11]] == [weight(5, 9), weight(5, 10)]
 
 
 def test_all_zero_tensors_have_digests_that_depend_on_shape_and_dtype() -> None:

@@ -2,10 +2,11 @@
 
 An element of a target at row ``q`` and column ``c`` (``c`` its index in the target's last dim, ``q``
 the row-major flat index over the other dims, 0 for a 1-d or 0-d target) with bit pattern ``b``
-(zero-extended to 64 bits) contributes ``A(q) * B(c) * b``, where ``A(q) = mix(q ^ SEED_A) | 1``,
+(zero-extended to 64 bits; an 8-byte word as ``b ^ (b >> 32)``) contributes ``A(q) * B(c) * b``, where ``A(q) = mix(q ^ SEED_A) | 1``,
 ``B(c) = mix(c ^ SEED_B) | 1`` and ``mix`` is the splitmix64 finaliser; all arithmetic is modulo 2^64.
 A 16-byte element (complex128) is two 8-byte words at columns ``2c`` and ``2c + 1`` (the last dim
-doubled). The weights are odd, so changing any one element always changes the sum; the sum over
+doubled). Narrow targets fold trailing dims into the column index (:func:`folded`: the shape
+alone decides). The weights are odd, so changing any one element always changes the sum; the sum over
 disjoint boxes is the sum over the whole target, so any rank can hash the boxes it holds, in any order
 and any cut, and the ranks add their sums (:mod:`shardsync.exec.digests`). :func:`finish` adds a hash
 of the shape and dtype (an all-zero tensor still has a digest that depends on both). See
@@ -51,7 +52,7 @@ CACHED_WIDTH = 1 << 18
 #: narrow target, a conv kernel's [.., 3, 3], costs few row weights), up to ``FOLD_LIMIT`` columns.
 NARROW, FOLD_LIMIT = 64, 1 << 16
 _C1, _C2 = np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)
-_S30, _S27, _S31 = np.uint64(30), np.uint64(27), np.uint64(31)
+_S30, _S27, _S31, _S32 = np.uint64(30), np.uint64(27), np.uint64(31), np.uint64(32)
 _ONE = np.uint64(1)
 _INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 _UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
@@ -158,13 +159,15 @@ def _pattern(sizes: Sequence[int], strides: Sequence[int]) -> np.ndarray:
 def _bits(values: torch.Tensor) -> np.ndarray:
     """The bit patterns of ``values`` as unsigned integers of their width, a view where the strides
     allow (numpy reads strided data in place), shaped like ``values`` (complex128: the last dim
-    doubled, the two float64 words of each element); the products widen them."""
+    doubled, the two float64 words of each element); the products widen them. An 8-byte word ``b``
+    is ``b ^ (b >> 32)``, a bijection that moves a change of its top bits (a sign) into the low half."""
     if values.dtype == torch.complex128:
         values = torch.view_as_real(values).flatten(-2)
     elif values.dtype == torch.bool:
         values = values.view(torch.uint8)
     size = values.element_size()
-    return values.cpu().view(_INT[size]).numpy().view(_UINT[size])
+    bits = values.cpu().view(_INT[size]).numpy().view(_UINT[size])
+    return np.bitwise_xor(bits, np.right_shift(bits, _S32)) if size == 8 else bits
 
 
 def box_sum(values: torch.Tensor, shape: Sequence[int], offsets: Sequence[int],

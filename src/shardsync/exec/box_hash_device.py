@@ -3,7 +3,7 @@
 The same sums, bit for bit, computed where the tensor lies, so that a digest or ``verify=True`` of
 weights on a GPU copies nothing to the host but the (small) weight vectors: int64 arithmetic wraps as
 uint64 does (two's complement), a logical right shift is an arithmetic one masked, and bit patterns
-narrower than 8 bytes are zero-extended. Runs are large (:data:`DEVICE_CHUNK_ELEMENTS`): few kernels
+narrower than 8 bytes are zero-extended, and 8-byte ones xor-shifted as on the host. Runs are large (:data:`DEVICE_CHUNK_ELEMENTS`): few kernels
 are launched.
 """
 
@@ -46,13 +46,17 @@ def mix_(z: torch.Tensor) -> torch.Tensor:
 
 
 def _bits(values: torch.Tensor) -> torch.Tensor:
-    """The bit patterns of ``values``, zero-extended to int64 (complex128: the last dim doubled)."""
+    """The bit patterns of ``values``, zero-extended to int64 (complex128: the last dim doubled);
+    8-byte words ``b`` as ``b ^ (b >> 32)`` (a new tensor: ``values`` is never written)."""
     if values.dtype == torch.complex128:
         values = torch.view_as_real(values).flatten(-2)
     elif values.dtype == torch.bool:
         values = values.view(torch.uint8)
     size = values.element_size()
-    wide = values.view(_INT[size]).to(torch.int64)
+    wide = values.view(_INT[size])
+    if size == 8:
+        return wide.bitwise_right_shift(32).bitwise_and_(0xFFFFFFFF).bitwise_xor_(wide)
+    wide = wide.to(torch.int64)
     return wide.bitwise_and_(_LOW[size]) if size in _LOW else wide
 
 
@@ -105,7 +109,7 @@ def runs_sum(view: torch.Tensor, casts: Sequence[str], frame: tuple[int, Sequenc
     total = 0
     for lead, start, stop, c0, c1 in runs:
         run = run_values(view, (lead, start, stop, c0, c1), casts)
-        sums = (_bits(run) * _on(columns(c0, c1), view.device)).sum(tuple(range(-m, 0)))  # not in place: a view
+        sums = (_bits(run) * _on(columns(c0, c1), view.device)).sum(tuple(range(-m, 0)))
         at = _signed((base + sum(i * s for i, s in zip((*lead, start), strides))) % (1 << 64))
         a = mix_(rows[:stop - start].add(at).bitwise_xor_(_SEED_A)).bitwise_or_(1)
         total += int(sums.mul_(a).sum())
