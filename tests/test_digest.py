@@ -35,9 +35,10 @@ def _mix(z: int) -> int:
     return z ^ (z >> 31)
 
 
-def weight(q: int, c: int) -> int:
-    """The weight of the element at row ``q``, column (word) ``c``: ``A(q) * B(c)`` mod 2^64."""
-    return (_mix(q ^ SEED_A) | 1) * (_mix(c ^ SEED_B) | 1) & M64
+def weight(q: int, c: int, group: int = 1) -> int:
+    """The weight of the element at row ``q``, column (word) ``c`` of a target whose elements are packed
+    ``group`` to a 32-bit word: ``A(q) * B(c // group) * 2^((32 // group) * (c % group))`` mod 2^64."""
+    return (_mix(q ^ SEED_A) | 1) * (_mix(c // group ^ SEED_B) | 1) << (32 // group) * (c % group) & M64
 
 
 def columns(shape: tuple[int, ...]) -> int:
@@ -60,7 +61,8 @@ def ref_sum(t: torch.Tensor, shape: tuple[int, ...] | None = None, base: int = 0
     if step == 8:  # 8-byte words are xor-shifted: a sign flip changes a low bit too
         values = [b ^ (b >> 32) for b in values]
     width = columns(shape) * words
-    return sum(weight(*divmod(base * words + k, width)) * b for k, b in enumerate(values)) & M64
+    group = 4 // size if size < 4 else 1
+    return sum(weight(*divmod(base * words + k, width), group) * b for k, b in enumerate(values)) & M64
 
 
 def _bumped(t: torch.Tensor, index: tuple[int, ...]) -> torch.Tensor:
@@ -98,10 +100,12 @@ def test_rows_and_columns_of_a_large_or_wide_target() -> None:
 
 
 @settings(max_examples=40, deadline=None)
-@given(st.integers(1, 16), st.integers(1, 12), st.integers(1, 9))
-def test_disjoint_boxes_add_up_to_the_whole(cut0: int, cut1: int, chunk: int) -> None:
-    full = arange_tensor((17, 13), step=0.77)
-    whole = box_sum(full, (17, 13), (0, 0))
+@given(st.integers(1, 16), st.integers(1, 12), st.integers(1, 9),
+       st.sampled_from([torch.float32, torch.bfloat16, torch.float8_e4m3fn]))
+def test_disjoint_boxes_add_up_to_the_whole(cut0: int, cut1: int, chunk: int, dtype: torch.dtype) -> None:
+    # 2- and 1-byte elements are summed as 32-bit words where whole words fit: every cut of a word
+    full = arange_tensor((17, 13), step=0.77).to(dtype)
+    whole = ref_sum(full)
     old = box_hash.CHUNK_ELEMENTS
     box_hash.CHUNK_ELEMENTS = chunk  # runs of a few elements: every cut of the chunking is exercised
     try:

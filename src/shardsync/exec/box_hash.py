@@ -25,6 +25,7 @@ import functools
 import hashlib
 import itertools
 import math
+import sys
 from collections.abc import Callable, Iterator, Sequence
 
 import numpy as np
@@ -95,19 +96,37 @@ def weights(index: np.ndarray, seed: int, tmp: np.ndarray | None = None) -> np.n
     return np.bitwise_or(mix(index, tmp), _ONE, out=index)
 
 
+def _expanded(c0: int, c1: int, group: int) -> np.ndarray:
+    """The weights of columns ``c0..c1`` whose elements are packed ``group`` to a 32-bit word:
+    ``B(c // group) << (32 // group) * (c % group)`` (``B(c)`` when ``group`` is 1)."""
+    c = np.arange(c0, c1, dtype=np.uint64)
+    if group == 1:
+        return weights(c, SEED_B)
+    g = np.uint64(group)
+    out = weights(c // g, SEED_B)
+    return np.left_shift(out, (c % g) * np.uint64(32 // group), out=out)
+
+
 @functools.lru_cache(maxsize=16)
-def _column_weights(width: int) -> np.ndarray:
-    """``B(0..width)``, read-only (cached: one per target width)."""
-    out = weights(np.arange(width, dtype=np.uint64), SEED_B)
+def _column_weights(width: int, group: int) -> np.ndarray:
+    """The weights of all columns of a target ``width`` words wide, read-only (cached per width)."""
+    out = _expanded(0, width, group)
     out.setflags(write=False)
     return out
 
 
-def column_weights(width: int, c0: int, c1: int) -> np.ndarray:
-    """``B(c0..c1)`` of a target ``width`` words wide (a slice of the cached whole where it is small)."""
+def column_weights(width: int, c0: int, c1: int, group: int = 1) -> np.ndarray:
+    """The weights of columns ``c0..c1`` of a target ``width`` words wide, its elements packed ``group``
+    to a 32-bit word (a slice of the cached whole where the target is not too wide).
+
+    Example:
+        >>> w = column_weights(6, 0, 6, group=2)
+        >>> bool((w[1::2] == w[::2] << np.uint64(16)).all()), bool((w[::2] == column_weights(3, 0, 3)).all())
+        (True, True)
+    """
     if width <= CACHED_WIDTH:
-        return _column_weights(width)[c0:c1]
-    return weights(np.arange(c0, c1, dtype=np.uint64), SEED_B)
+        return _column_weights(width, group)[c0:c1]
+    return _expanded(c0, c1, group)
 
 
 def folded(shape: Sequence[int]) -> int:
@@ -207,33 +226,64 @@ def box_sum(values: torch.Tensor, shape: Sequence[int], offsets: Sequence[int],
     q = _pattern((rows, *view.shape[split + 1:-m]), strides[split:-m])
     inner = tuple(slice(o, o + n) for o, n in zip(offsets[-m:-1], view.shape[-m:-1]))
 
-    def columns(c0: int, c1: int) -> np.ndarray:  # B of the run's columns c0:c1 of the box (elements)
+    group = 4 // dtype.itemsize if dtype.itemsize < 4 else 1
+
+    def columns(c0: int, c1: int) -> np.ndarray:  # the weights of the run's columns c0:c1 of the box
         at = slice((offsets[-1] + c0) * words, (offsets[-1] + c1) * words)
         if m == 1:
-            return column_weights(width, at.start, at.stop)
-        return column_weights(width, 0, width).reshape(*shape[-m:-1], -1)[inner + (at,)]
+            return column_weights(width, at.start, at.stop, group)
+        return column_weights(width, 0, width, group).reshape(*shape[-m:-1], -1)[inner + (at,)]
 
     if not host:  # hashed where it lies, with torch
         return runs_sum(view, casts, (base, strides, m), q, runs, columns) & MASK
-    return _host_sum(view, casts, (base, strides, m), q, runs, columns) & MASK
+    packing = (offsets[-1], group if m == 1 and sys.byteorder == "little" else 1, -(-width // group))
+    return _host_sum(view, casts, (base, strides, m), q, runs, columns, packing) & MASK
 
 
 def _host_sum(view: torch.Tensor, casts: Sequence[str], frame: tuple[int, Sequence[int], int], q: np.ndarray,
-              runs: Sequence[Run], columns: Callable[[int, int], np.ndarray]) -> int:
+              runs: Sequence[Run], columns: Callable[[int, int], np.ndarray], packing: tuple[int, int, int]) -> int:
     """The sum (not reduced mod 2^64) of the terms of ``runs`` of a box in target order (as
-    :func:`~shardsync.exec.box_hash_device.runs_sum`)."""
+    :func:`~shardsync.exec.box_hash_device.runs_sum`); ``packing``: see :func:`_row_sums`."""
     base, strides, m = frame
     dims = "abcdefghijklmnopqrstuvwxyz"[:m]
     rows, tmp = np.empty_like(q), np.empty_like(q)
     total = 0
     for lead, start, stop, c0, c1 in runs:
-        run = run_values(view, (lead, start, stop, c0, c1), casts)
-        sums = np.einsum(f"...{dims},{dims}->...", _bits(run), columns(c0, c1), dtype=np.uint64, casting="unsafe")
+        sums = _row_sums(_bits(run_values(view, (lead, start, stop, c0, c1), casts)), dims, c0, c1, columns,
+                         packing)
         at = (base + sum(i * s for i, s in zip((*lead, start), strides))) & MASK
         a = np.add(q[:stop - start], np.uint64(at), out=rows[:stop - start])
         np.multiply(sums, weights(a, SEED_A, tmp[:stop - start]), out=sums)
         total += int(np.add.reduce(sums, axis=None))
     return total
+
+
+def _row_sums(bits: np.ndarray, dims: str, c0: int, c1: int, columns: Callable[[int, int], np.ndarray],
+              packing: tuple[int, int, int]) -> np.ndarray:
+    """``sum_c weight(c) * b[..., c]`` of the bits of a run (columns ``c0:c1`` of its box), per row.
+
+    ``packing``: the box's first column in the target, elements per 32-bit word (1: no packing), and
+    the target's width in words. Where the elements of a row lie side by side, the columns that fill
+    whole words are summed as 32-bit words with the word weights ``B(p)`` (half or a quarter of the
+    multiply-adds; the same sum), the few at the edges element by element.
+    """
+    def plain(a: int, b: int) -> np.ndarray:  # columns c0 + a : c0 + b, element by element
+        part = bits if (a, b) == (0, c1 - c0) else bits[..., a:b]  # (complex128: two words per column)
+        return np.einsum(f"...{dims},{dims}->...", part, columns(c0 + a, c0 + b), dtype=np.uint64,
+                         casting="unsafe")
+
+    first, group, width = packing
+    a0 = -(first + c0) % group
+    a1 = a0 + max(0, c1 - c0 - a0) // group * group
+    if group == 1 or bits.strides[-1] != bits.itemsize or a1 <= a0:
+        return plain(0, c1 - c0)
+    p0 = (first + c0 + a0) // group
+    sums = np.einsum("...c,c->...", bits[..., a0:a1].view(np.uint32),
+                     column_weights(width, p0, p0 + (a1 - a0) // group), dtype=np.uint64, casting="unsafe")
+    for a, b in ((0, a0), (a1, c1 - c0)):
+        if b > a:
+            sums += plain(a, b)
+    return sums
 
 
 def finish(total: int, shape: Sequence[int], dtype: str | torch.dtype) -> str:
