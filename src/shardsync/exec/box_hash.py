@@ -2,21 +2,26 @@
 
 An element of a target at row ``q`` and column ``c`` (``c`` its index in the target's last dim, ``q``
 the row-major flat index over the other dims, 0 for a 1-d or 0-d target) with bit pattern ``b``
-(zero-extended to 64 bits; an 8-byte word as ``b ^ (b >> 32)``) contributes ``A(q) * B(c) * b``, where ``A(q) = mix(q ^ SEED_A) | 1``,
-``B(c) = mix(c ^ SEED_B) | 1`` and ``mix`` is the splitmix64 finaliser; all arithmetic is modulo 2^64.
-A 16-byte element (complex128) is two 8-byte words at columns ``2c`` and ``2c + 1`` (the last dim
-doubled). Narrow targets fold trailing dims into the column index (:func:`folded`: the shape
-alone decides). The weights are odd, so changing any one element always changes the sum; the sum over
-disjoint boxes is the sum over the whole target, so any rank can hash the boxes it holds, in any order
-and any cut, and the ranks add their sums (:mod:`shardsync.exec.digests`). :func:`finish` adds a hash
-of the shape and dtype (an all-zero tensor still has a digest that depends on both). See
-docs/digests.md for the guarantees.
+(zero-extended to 64 bits; an 8-byte word as ``b ^ (b >> 32)``) contributes ``A(q) * B(c) * b``,
+where ``A(q) = mix(q ^ SEED_A) | 1``, ``B(c) = mix(c ^ SEED_B) | 1`` and ``mix`` is the splitmix64
+finaliser; all arithmetic is modulo 2^64. Elements of 1 and 2 bytes count as their place in a 32-bit
+word of ``g = 4 / size`` of them: their ``B(c)`` is ``B(c // g) << (32 / g) * (c % g)`` (so whole
+words of a row are summed as words). A 16-byte element (complex128) is two 8-byte words at columns
+``2c`` and ``2c + 1`` (the last dim doubled). Narrow targets fold trailing dims into the column index
+(:func:`folded`: the shape alone decides).
 
-A box is hashed in runs of about :data:`CHUNK_ELEMENTS` elements that stay in cache, as
-``sum_q A(q) * (sum_c B(c) * b[q, c])``: per element one widening multiply-add (``np.einsum``, read
-in place from strided boxes), then one product per row. ``B`` of a target's width is computed once
-and cached; ``A`` per run (as many values as the run has rows). A box on an accelerator is hashed
-there, with torch, to the same sum (:mod:`shardsync.exec.box_hash_device`).
+The weights are odd (times a power of two below 2^32 for small elements), so changing any one element
+always changes the sum; the sum over disjoint boxes is the sum over the whole target, so any rank can
+hash the boxes it holds, in any order and any cut, and the ranks add their sums
+(:mod:`shardsync.exec.digests`). :func:`finish` adds a hash of the shape and dtype (an all-zero tensor
+still has a digest that depends on both). See docs/digests.md for the guarantees.
+
+A box is hashed in runs of about :data:`CHUNK_ELEMENTS` elements, as
+``sum_q A(q) * (sum_c B(c) * b[q, c])``: per element (per 32-bit word of small elements) one widening
+multiply-add (``np.einsum``, read in place from strided boxes), then one product per row. ``B`` of a
+target's width is computed once and cached; ``A`` per run (as many values as the run has rows). A box
+on an accelerator is hashed there, with torch, to the same sum
+(:mod:`shardsync.exec.box_hash_device`).
 """
 
 from __future__ import annotations
