@@ -39,11 +39,10 @@ import torch
 from ..layout.dtypes import dtype_name, to_torch_dtype
 from .box_hash_device import DEVICE_CHUNK_ELEMENTS, run_values, runs_sum
 
-__all__ = ["box_sum", "finish", "tensor_digest", "mix", "weights", "CHUNK_ELEMENTS", "HOST_DEVICES", "MASK",
-           "SEED_A", "SEED_B", "Run", "folded", "column_weights",
-           "CACHED_WIDTH", "NARROW", "FOLD_LIMIT"]
+__all__ = ["box_sum", "finish", "tensor_digest", "mix", "weights", "column_weights", "folded", "Run",
+           "CHUNK_ELEMENTS", "HOST_DEVICES", "MASK", "SEED_A", "SEED_B", "CACHED_WIDTH", "NARROW", "FOLD_LIMIT"]
 
-#: Elements hashed at once on the host: a run of bits and its widened products stay in cache.
+#: Elements hashed at once on the host (a run: its casts' temporaries and its row weights stay small).
 CHUNK_ELEMENTS = 1 << 18
 #: Device types whose boxes are hashed with numpy on the host; others (accelerators) are hashed where
 #: they lie, with torch (:mod:`shardsync.exec.box_hash_device`: the same sums).
@@ -230,8 +229,7 @@ def box_sum(values: torch.Tensor, shape: Sequence[int], offsets: Sequence[int],
     split, rows, runs = _runs(view.shape, m, (CHUNK_ELEMENTS if host else DEVICE_CHUNK_ELEMENTS) // words)
     q = _pattern((rows, *view.shape[split + 1:-m]), strides[split:-m])
     inner = tuple(slice(o, o + n) for o, n in zip(offsets[-m:-1], view.shape[-m:-1]))
-
-    group = 4 // dtype.itemsize if dtype.itemsize < 4 else 1
+    group = 4 // dtype.itemsize if dtype.itemsize < 4 else 1  # elements per 32-bit word
 
     def columns(c0: int, c1: int) -> np.ndarray:  # the weights of the run's columns c0:c1 of the box
         at = slice((offsets[-1] + c0) * words, (offsets[-1] + c1) * words)
