@@ -31,7 +31,7 @@ import hashlib
 import itertools
 import math
 import sys
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
