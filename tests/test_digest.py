@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from dest_helpers import MAPPING, hf_state, megatron_shards
@@ -22,7 +23,7 @@ from shardsync.layout import LocalShard, shard_dim
 from shardsync.layout.dtypes import dtype_name
 
 M64 = (1 << 64) - 1
-GOLDEN = 0x9E3779B97F4A7C15  # 2^64 / golden ratio, odd: the index multiplier of keys that do not fit i << w | b
+SEED_A, SEED_B = 0x243F6A8885A308D3, 0x13198A2E03707344  # the seeds of the row and column weights
 
 
 def _mix(z: int) -> int:
@@ -34,22 +35,34 @@ def _mix(z: int) -> int:
     return z ^ (z >> 31)
 
 
-def ref_sum(t: torch.Tensor, numel: int | None = None, base: int = 0) -> int:
-    """Sum of the element hashes of ``t`` (row-major), read from its raw little-endian bytes; the
-    target holds ``numel`` elements and ``t`` starts at flat index ``base`` of it."""
+def weight(q: int, c: int, group: int = 1) -> int:
+    """The weight of the element at row ``q``, column (word) ``c`` of a target whose elements are packed
+    ``group`` to a 32-bit word: ``A(q) * B(c // group) * 2^((32 // group) * (c % group))`` mod 2^64."""
+    return (_mix(q ^ SEED_A) | 1) * (_mix(c // group ^ SEED_B) | 1) << (32 // group) * (c % group) & M64
+
+
+def columns(shape: tuple[int, ...]) -> int:
+    """The target's columns: its last dim, times the dims before it while fewer than 64 (and at most 2^16)."""
+    cols, dims = (shape[-1] if shape else 1), list(shape[:-1])
+    while dims and cols < 64 and cols * dims[-1] <= 1 << 16:
+        cols *= dims.pop()
+    return cols
+
+
+def ref_sum(t: torch.Tensor, shape: tuple[int, ...] | None = None, base: int = 0) -> int:
+    """Sum of ``weight(q, c) * bits`` over ``t`` (row-major), read from its raw little-endian bytes; the
+    target has ``shape`` (default ``t``'s) and ``t`` starts at its flat element index ``base``."""
+    shape = tuple(t.shape) if shape is None else shape
     t = t.contiguous().reshape(-1)
     size = t.element_size()
-    width, words = 8 * min(size, 8), max(1, size // 8)
+    step, words = min(size, 8), max(1, size // 8)
     raw = t.view(torch.uint8).numpy().tobytes() if t.numel() else b""
-    step = width // 8
     values = [int.from_bytes(raw[i:i + step], "little") for i in range(0, len(raw), step)]
-    total_words = (t.numel() if numel is None else numel) * words
-    shifted = width < 64 and total_words <= 1 << (64 - width)
-    total = 0
-    for i, b in enumerate(values):
-        index = base * words + i
-        total += _mix(((index << width) | b) if shifted else (index * GOLDEN + b) & M64)
-    return total & M64
+    if step == 8:  # 8-byte words are xor-shifted: a sign flip changes a low bit too
+        values = [b ^ (b >> 32) for b in values]
+    width = columns(shape) * words
+    group = 4 // size if size < 4 else 1
+    return sum(weight(*divmod(base * words + k, width), group) * b for k, b in enumerate(values)) & M64
 
 
 def _bumped(t: torch.Tensor, index: tuple[int, ...]) -> torch.Tensor:
@@ -65,24 +78,34 @@ def _bumped(t: torch.Tensor, index: tuple[int, ...]) -> torch.Tensor:
     arange_tensor((3, 7, 2), step=-1.5).double(), (torch.arange(17) - 8).to(torch.int8),
     torch.arange(13) % 3 == 0, arange_tensor((11,), step=0.5).to(torch.float8_e4m3fn),
     torch.complex(arange_tensor((5, 3)).double(), arange_tensor((5, 3), start=7).double()),
-    torch.tensor(3.25), torch.zeros(0, 4)], ids=lambda t: f"{dtype_name(t.dtype)}{list(t.shape)}")
+    torch.tensor(3.25), torch.zeros(0, 4), arange_tensor((5, 4, 3, 3), step=0.5), arange_tensor((19, 1)),
+    arange_tensor((3, 40, 7), step=0.3).to(torch.bfloat16), arange_tensor((2, 300, 300), step=0.01)], ids=lambda t: f"{dtype_name(t.dtype)}{list(t.shape)}")
 def test_box_sum_matches_the_reference(tensor: torch.Tensor) -> None:
     assert box_sum(tensor, tuple(tensor.shape), (0,) * tensor.dim()) == ref_sum(tensor)
 
 
-def test_a_target_too_large_for_the_shifted_key_uses_the_golden_one() -> None:
-    # 2^33 float32 elements do not fit idx << 32; a box of such a target is hashed with idx * GOLDEN + bits
-    assert box_hash.GOLDEN == GOLDEN
-    values = arange_tensor((6,), step=0.3)
-    assert box_sum(values, (1 << 33,), (1 << 32,)) == ref_sum(values, numel=1 << 33, base=1 << 32)
-    assert box_sum(values, (6,), (0,)) == ref_sum(values)
+def test_rows_and_columns_of_a_large_or_wide_target() -> None:
+    # a row index past 2^32 (a box deep in a huge target), and a 1-d target wider than the cached
+    # column weights (its slice is computed per run)
+    values = arange_tensor((2, 3), step=0.3)
+    assert box_sum(values, (1 << 33, 3), (1 << 32, 0)) == ref_sum(values, (1 << 33, 3), 3 << 32)
+    row = arange_tensor((7,), step=0.3)
+    old = box_hash.CACHED_WIDTH
+    box_hash.CACHED_WIDTH = 4
+    try:
+        assert box_sum(row, (12,), (5,)) == ref_sum(row, (12,), 5)
+    finally:
+        box_hash.CACHED_WIDTH = old
+    assert box_sum(row, (12,), (5,)) == ref_sum(row, (12,), 5)
 
 
 @settings(max_examples=40, deadline=None)
-@given(st.integers(1, 16), st.integers(1, 12), st.integers(1, 9))
-def test_disjoint_boxes_add_up_to_the_whole(cut0: int, cut1: int, chunk: int) -> None:
-    full = arange_tensor((17, 13), step=0.77)
-    whole = box_sum(full, (17, 13), (0, 0))
+@given(st.integers(1, 16), st.integers(1, 12), st.integers(1, 9),
+       st.sampled_from([torch.float32, torch.bfloat16, torch.float8_e4m3fn]))
+def test_disjoint_boxes_add_up_to_the_whole(cut0: int, cut1: int, chunk: int, dtype: torch.dtype) -> None:
+    # 2- and 1-byte elements are summed as 32-bit words where whole words fit: every cut of a word
+    full = arange_tensor((17, 13), step=0.77).to(dtype)
+    whole = ref_sum(full)
     old = box_hash.CHUNK_ELEMENTS
     box_hash.CHUNK_ELEMENTS = chunk  # runs of a few elements: every cut of the chunking is exercised
     try:
@@ -93,25 +116,42 @@ def test_disjoint_boxes_add_up_to_the_whole(cut0: int, cut1: int, chunk: int) ->
     assert sum(parts) & M64 == whole
 
 
+@settings(max_examples=30, deadline=None)
+@given(st.integers(1, 6), st.integers(1, 4), st.integers(1, 2), st.integers(1, 40))
+def test_boxes_of_a_folded_target_add_up_to_the_whole(cut0: int, cut1: int, cut2: int, chunk: int) -> None:
+    # a [7, 5, 3] target: its columns are the 15 of the last two dims; boxes cut any dim, runs are small
+    full = arange_tensor((7, 5, 3), step=0.41)
+    old = box_hash.CHUNK_ELEMENTS
+    box_hash.CHUNK_ELEMENTS = chunk
+    try:
+        parts = [box_sum(full[a0:a1, b0:b1, c0:c1], (7, 5, 3), (a0, b0, c0))
+                 for a0, a1 in ((0, cut0), (cut0, 7)) for b0, b1 in ((0, cut1), (cut1, 5))
+                 for c0, c1 in ((0, cut2), (cut2, 3))]
+    finally:
+        box_hash.CHUNK_ELEMENTS = old
+    assert sum(parts) & M64 == ref_sum(full)
+
+
 @pytest.mark.parametrize("tensor", [
     arange_tensor((17, 13), step=0.77), arange_tensor((9, 11), step=0.1).to(torch.bfloat16),
+    arange_tensor((6, 5, 3), step=0.3),
     arange_tensor((5, 7), step=-1.5).double(), (torch.arange(33) - 8).to(torch.int16).reshape(3, 11),
     torch.arange(24).reshape(4, 6) % 3 == 0, arange_tensor((6, 4), step=0.5).to(torch.float8_e4m3fn),
     torch.complex(arange_tensor((3, 5)).double(), arange_tensor((3, 5), start=7).double())],
     ids=lambda t: dtype_name(t.dtype))
 def test_the_device_path_gives_the_host_sums(monkeypatch: pytest.MonkeyPatch, tensor: torch.Tensor) -> None:
     # the torch code that hashes boxes on an accelerator, run on the CPU: runs of 5 elements, a
-    # column cut (strided) at an offset, a cast, and a target too large for the shifted key
-    shape = tuple(tensor.shape)
-    want = [box_sum(tensor[:, 2:], shape, (0, 2)), box_sum(tensor, (1 << 33, *shape[1:]), (1 << 31, 0))]
+    # column cut (strided) at an offset, a cast, and rows deep in a huge target
+    shape, before, deep = tuple(tensor.shape), tensor.clone(), (1 << 31,) + (0,) * (tensor.dim() - 1)
+    want = [box_sum(tensor[:, 2:], shape, (0, 2, 0)[:tensor.dim()]), box_sum(tensor, (1 << 33, *shape[1:]), deep)]
     if tensor.is_floating_point():
-        want.append(box_sum(tensor[1:], shape, (1, 0), casts=("float16",)))
+        want.append(box_sum(tensor[1:], shape, (1, 0, 0)[:tensor.dim()], casts=("float16",)))
     monkeypatch.setattr(box_hash, "HOST_DEVICES", ())
     monkeypatch.setattr(box_hash, "DEVICE_CHUNK_ELEMENTS", 5)
-    got = [box_sum(tensor[:, 2:], shape, (0, 2)), box_sum(tensor, (1 << 33, *shape[1:]), (1 << 31, 0))]
+    got = [box_sum(tensor[:, 2:], shape, (0, 2, 0)[:tensor.dim()]), box_sum(tensor, (1 << 33, *shape[1:]), deep)]
     if tensor.is_floating_point():
-        got.append(box_sum(tensor[1:], shape, (1, 0), casts=("float16",)))
-    assert got == want
+        got.append(box_sum(tensor[1:], shape, (1, 0, 0)[:tensor.dim()], casts=("float16",)))
+    assert got == want and torch.equal(tensor, before)  # the bits of 8-byte values are views: never written
 
 
 def test_a_permuted_box_hashes_its_target_values() -> None:
@@ -182,12 +222,44 @@ def test_swapping_two_elements_changes_the_digest() -> None:
     assert len({tensor_digest(w), tensor_digest(swapped), tensor_digest(column), tensor_digest(w.T.contiguous())}) == 4
 
 
+def _flip_signs(t: torch.Tensor, index: tuple[list[int], list[int]] | None = None) -> torch.Tensor:
+    """``t`` with the sign bit of every element (or of those at ``index``) flipped."""
+    out = t.clone()
+    bits = out.view({1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
+    sign = -(1 << (8 * t.element_size() - 1))  # the top bit, as a signed integer
+    if index is None:
+        bits ^= sign
+    else:
+        bits[index] ^= sign
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64, torch.float8_e4m3fn])
+def test_sign_flips_change_the_digest(dtype: torch.dtype) -> None:
+    # changes by multiples of the sign bit: a negated tensor, two negated elements. For 8-byte words
+    # (changes of 2^63, an even number of them) the xor-shift of the bits is what makes them visible
+    w = arange_tensor((9, 70), start=1, step=0.37).to(dtype)
+    variants = [w, _flip_signs(w), _flip_signs(w, ([3, 7], [5, 66]))]
+    assert len({tensor_digest(v) for v in variants}) == 3
+
+
+def test_the_weights_are_odd_and_distinct() -> None:
+    # every element has its own odd weight A(q) * B(c): one changed element always moves the sum, and
+    # two elements swapped move it by (w_i - w_j) * (b_j - b_i)
+    rows = box_hash.weights(np.arange(64, dtype=np.uint64), box_hash.SEED_A)
+    w = np.multiply.outer(rows, box_hash.column_weights(64, 0, 64))
+    assert (w & np.uint64(1)).all() and len(set(w.ravel().tolist())) == 64 * 64
+    assert [int(x) for x in w[5, 9:11]] == [weight(5, 9), weight(5, 10)]
+
+
 def test_all_zero_tensors_have_digests_that_depend_on_shape_and_dtype() -> None:
+    # the sum of an all-zero tensor is 0 (every term is a weight times 0): the digest is finish's hash
     zeros = [torch.zeros(2, 3), torch.zeros(3, 2), torch.zeros(6), torch.zeros(2, 3, dtype=torch.bfloat16),
              torch.zeros(2, 3, dtype=torch.int32), torch.zeros(7)]
     found = [tensor_digest(z) for z in zeros]
     assert len(set(found)) == len(zeros)
-    assert "0" * 16 not in found and all(box_sum(z, tuple(z.shape), (0,) * z.dim()) != 0 for z in zeros)
+    assert all(box_sum(z, tuple(z.shape), (0,) * z.dim()) == 0 for z in zeros)
+    assert found == [finish(0, tuple(z.shape), z.dtype) for z in zeros] and "0" * 16 not in found
 
 
 def test_bit_patterns_not_values_are_hashed() -> None:
