@@ -67,13 +67,14 @@ def build_state(mb: int) -> dict[str, torch.Tensor]:
     return state
 
 
-def interleaved(variants: dict[str, Callable[[], object]], rounds: int,
-                timer: Callable[[Callable[[], object]], float]) -> dict[str, float]:
+def interleaved(
+    variants: dict[str, Callable[[], object]], rounds: int, timer: Callable[[Callable[[], object]], float]
+) -> dict[str, float]:
     """Median seconds of each variant over ``rounds`` rounds, the order rotating each round."""
     names = list(variants)
     times: dict[str, list[float]] = {n: [] for n in names}
     for r in range(rounds):
-        for name in names[r % len(names):] + names[:r % len(names)]:
+        for name in names[r % len(names) :] + names[: r % len(names)]:
             times[name].append(timer(variants[name]))
     return {n: statistics.median(ts) for n, ts in times.items()}
 
@@ -97,8 +98,7 @@ def column_shards(state: dict[str, torch.Tensor]) -> dict[str, list[LocalShard]]
     out = {}
     for k, t in state.items():
         half = t.shape[1] // 2
-        out[k] = [LocalShard(t[:, :half], tuple(t.shape), (0, 0)),
-                  LocalShard(t[:, half:], tuple(t.shape), (0, half))]
+        out[k] = [LocalShard(t[:, :half], tuple(t.shape), (0, 0)), LocalShard(t[:, half:], tuple(t.shape), (0, half))]
     return out
 
 
@@ -113,13 +113,25 @@ def digest_part(a: argparse.Namespace) -> dict[str, Any]:
         cols = column_shards(state)
         want = shardsync.digest(state)
         assert shardsync.digest(path) == want == shardsync.digest(cols)
-        seconds = interleaved({"read": lambda: read_files(path, buffer),
-                               "digest files": lambda: shardsync.digest(path),
-                               "digest live": lambda: shardsync.digest(state),
-                               "digest column shards": lambda: shardsync.digest(cols)}, a.rounds, wall)
-    return {"bytes": nbytes, "tensors": len(state), "threads": torch.get_num_threads(), "rounds": a.rounds,
-            "seconds": seconds, "GB/s": {k: nbytes / v / 1e9 for k, v in seconds.items()},
-            "x read": {k: v / seconds["read"] for k, v in seconds.items() if k != "read"}}
+        seconds = interleaved(
+            {
+                "read": lambda: read_files(path, buffer),
+                "digest files": lambda: shardsync.digest(path),
+                "digest live": lambda: shardsync.digest(state),
+                "digest column shards": lambda: shardsync.digest(cols),
+            },
+            a.rounds,
+            wall,
+        )
+    return {
+        "bytes": nbytes,
+        "tensors": len(state),
+        "threads": torch.get_num_threads(),
+        "rounds": a.rounds,
+        "seconds": seconds,
+        "GB/s": {k: nbytes / v / 1e9 for k, v in seconds.items()},
+        "x read": {k: v / seconds["read"] for k, v in seconds.items() if k != "read"},
+    }
 
 
 def _shards(layers: int, rank: int, world: int, flip: bool) -> dict[str, LocalShard]:
@@ -130,8 +142,11 @@ def _shards(layers: int, rank: int, world: int, flip: bool) -> dict[str, LocalSh
         t = torch.from_numpy(full)
         size = t.shape[dim] // world
         local = t.narrow(dim, rank * size, size).clone()
-        out[key] = LocalShard(local if not flip else torch.zeros_like(local), tuple(t.shape),
-                                 tuple(rank * size if d == dim else 0 for d in range(t.dim())))
+        out[key] = LocalShard(
+            local if not flip else torch.zeros_like(local),
+            tuple(t.shape),
+            tuple(rank * size if d == dim else 0 for d in range(t.dim())),
+        )
     return out
 
 
@@ -144,15 +159,21 @@ def _slowest(fn: Callable[[], object]) -> float:
 
 def verify_worker(rank: int, world: int, a: argparse.Namespace, store: str, out: str) -> None:
     torch.set_num_threads(1)  # two ranks on a shared machine: one thread each
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=600))
+    dist.init_process_group(
+        "gloo", init_method=f"file://{store}", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=600)
+    )
     src, dst = _shards(a.layers, rank, world, False), _shards(a.layers, rank, world, True)
     first = wall(lambda: shardsync.reshard(src, dst, verify=True))  # plans once (and checks once)
     full = workload.full_weights(a.layers)
     exact = all(torch.equal(v.local, torch.from_numpy(full[k])[v.box.slices()]) for k, v in dst.items())
-    seconds = interleaved({"reshard": lambda: shardsync.reshard(src, dst),
-                           "reshard verify": lambda: shardsync.reshard(src, dst, verify=True)},
-                          2 * a.steps, _slowest)
+    seconds = interleaved(
+        {
+            "reshard": lambda: shardsync.reshard(src, dst),
+            "reshard verify": lambda: shardsync.reshard(src, dst, verify=True),
+        },
+        2 * a.steps,
+        _slowest,
+    )
     if rank == 0:
         Path(out).write_text(json.dumps({"first_seconds": first, "seconds": seconds, "exact": exact}))
     dist.destroy_process_group()
@@ -165,20 +186,29 @@ def verify_part(a: argparse.Namespace) -> dict[str, Any]:
         doc = json.loads(Path(out).read_text())
     nbytes = sum(w.nbytes for w in workload.full_weights(a.layers).values())
     s = doc["seconds"]
-    return {"world": 2, "layers": a.layers, "bytes": nbytes, "steps": a.steps, **doc,
-            "verify / no verify": s["reshard verify"] / s["reshard"]}
+    return {
+        "world": 2,
+        "layers": a.layers,
+        "bytes": nbytes,
+        "steps": a.steps,
+        **doc,
+        "verify / no verify": s["reshard verify"] / s["reshard"],
+    }
 
 
 def markdown(doc: dict[str, Any]) -> str:
     d, v = doc["digest"], doc["verify"]
-    rows = "\n".join(f"| {k} | {s:.3f} | {d['GB/s'][k]:.2f} | {d['x read'].get(k, 1.0):.2f} |"
-                     for k, s in d["seconds"].items())
-    return (f"# Digest cost ({doc['date']}, {doc['machine']}, {doc['cpus']} CPUs, {doc['load']})\n\n"
-            f"{d['bytes'] / 1e6:.0f} MB of fp32/bf16 in {d['tensors']} tensors, {d['threads']} threads, "
-            f"median of {d['rounds']} interleaved rounds.\n\n| variant | seconds | GB/s | x read |\n"
-            f"|---|---|---|---|\n{rows}\n\n`reshard` loop, 2 gloo ranks, {v['bytes'] / 1e6:.0f} MB, median of "
-            f"{v['steps']} interleaved steps each: {v['seconds']['reshard']:.3f} s without verify, "
-            f"{v['seconds']['reshard verify']:.3f} s with: **{v['verify / no verify']:.2f}x**.\n")
+    rows = "\n".join(
+        f"| {k} | {s:.3f} | {d['GB/s'][k]:.2f} | {d['x read'].get(k, 1.0):.2f} |" for k, s in d["seconds"].items()
+    )
+    return (
+        f"# Digest cost ({doc['date']}, {doc['machine']}, {doc['cpus']} CPUs, {doc['load']})\n\n"
+        f"{d['bytes'] / 1e6:.0f} MB of fp32/bf16 in {d['tensors']} tensors, {d['threads']} threads, "
+        f"median of {d['rounds']} interleaved rounds.\n\n| variant | seconds | GB/s | x read |\n"
+        f"|---|---|---|---|\n{rows}\n\n`reshard` loop, 2 gloo ranks, {v['bytes'] / 1e6:.0f} MB, median of "
+        f"{v['steps']} interleaved steps each: {v['seconds']['reshard']:.3f} s without verify, "
+        f"{v['seconds']['reshard verify']:.3f} s with: **{v['verify / no verify']:.2f}x**.\n"
+    )
 
 
 def main() -> None:
@@ -191,10 +221,15 @@ def main() -> None:
     p.add_argument("--out", type=Path, default=RESULTS / "digest.json", help="the JSON (and .md beside it)")
     a = p.parse_args()
     load = os.getloadavg()
-    doc = {"date": datetime.datetime.now().isoformat(timespec="seconds"), "torch": torch.__version__,
-           "machine": platform.processor() or platform.machine(), "cpus": len(os.sched_getaffinity(0)),
-           "load": f"load average {load[0]:.1f} at the start" + (f"; {a.note}" if a.note else ""),
-           "digest": digest_part(a), "verify": verify_part(a)}
+    doc = {
+        "date": datetime.datetime.now().isoformat(timespec="seconds"),
+        "torch": torch.__version__,
+        "machine": platform.processor() or platform.machine(),
+        "cpus": len(os.sched_getaffinity(0)),
+        "load": f"load average {load[0]:.1f} at the start" + (f"; {a.note}" if a.note else ""),
+        "digest": digest_part(a),
+        "verify": verify_part(a),
+    }
     print(json.dumps(doc, indent=1))
     if a.mb >= 256:
         a.out.parent.mkdir(parents=True, exist_ok=True)

@@ -9,12 +9,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from dest_helpers import MAPPING, hf_state, megatron_shards
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from reference import arange_tensor
 
 import shardsync
+from dest_helpers import MAPPING, hf_state, megatron_shards
+from reference import arange_tensor
 from shardsync import VerifyReport, digest, verify
 from shardsync.errors import LayoutError, MappingError
 from shardsync.exec import box_hash
@@ -57,7 +57,7 @@ def ref_sum(t: torch.Tensor, shape: tuple[int, ...] | None = None, base: int = 0
     size = t.element_size()
     step, words = min(size, 8), max(1, size // 8)
     raw = t.view(torch.uint8).numpy().tobytes() if t.numel() else b""
-    values = [int.from_bytes(raw[i:i + step], "little") for i in range(0, len(raw), step)]
+    values = [int.from_bytes(raw[i : i + step], "little") for i in range(0, len(raw), step)]
     if step == 8:  # 8-byte words are xor-shifted: a sign flip changes a low bit too
         values = [b ^ (b >> 32) for b in values]
     width = columns(shape) * words
@@ -73,13 +73,25 @@ def _bumped(t: torch.Tensor, index: tuple[int, ...]) -> torch.Tensor:
     return out
 
 
-@pytest.mark.parametrize("tensor", [
-    arange_tensor((17, 5), step=0.37), arange_tensor((127,), step=0.1).to(torch.bfloat16),
-    arange_tensor((3, 7, 2), step=-1.5).double(), (torch.arange(17) - 8).to(torch.int8),
-    torch.arange(13) % 3 == 0, arange_tensor((11,), step=0.5).to(torch.float8_e4m3fn),
-    torch.complex(arange_tensor((5, 3)).double(), arange_tensor((5, 3), start=7).double()),
-    torch.tensor(3.25), torch.zeros(0, 4), arange_tensor((5, 4, 3, 3), step=0.5), arange_tensor((19, 1)),
-    arange_tensor((3, 40, 7), step=0.3).to(torch.bfloat16), arange_tensor((2, 300, 300), step=0.01)], ids=lambda t: f"{dtype_name(t.dtype)}{list(t.shape)}")
+@pytest.mark.parametrize(
+    "tensor",
+    [
+        arange_tensor((17, 5), step=0.37),
+        arange_tensor((127,), step=0.1).to(torch.bfloat16),
+        arange_tensor((3, 7, 2), step=-1.5).double(),
+        (torch.arange(17) - 8).to(torch.int8),
+        torch.arange(13) % 3 == 0,
+        arange_tensor((11,), step=0.5).to(torch.float8_e4m3fn),
+        torch.complex(arange_tensor((5, 3)).double(), arange_tensor((5, 3), start=7).double()),
+        torch.tensor(3.25),
+        torch.zeros(0, 4),
+        arange_tensor((5, 4, 3, 3), step=0.5),
+        arange_tensor((19, 1)),
+        arange_tensor((3, 40, 7), step=0.3).to(torch.bfloat16),
+        arange_tensor((2, 300, 300), step=0.01),
+    ],
+    ids=lambda t: f"{dtype_name(t.dtype)}{list(t.shape)}",
+)
 def test_box_sum_matches_the_reference(tensor: torch.Tensor) -> None:
     assert box_sum(tensor, tuple(tensor.shape), (0,) * tensor.dim()) == ref_sum(tensor)
 
@@ -100,8 +112,12 @@ def test_rows_and_columns_of_a_large_or_wide_target() -> None:
 
 
 @settings(max_examples=40, deadline=None)
-@given(st.integers(1, 16), st.integers(1, 12), st.integers(1, 9),
-       st.sampled_from([torch.float32, torch.bfloat16, torch.float8_e4m3fn]))
+@given(
+    st.integers(1, 16),
+    st.integers(1, 12),
+    st.integers(1, 9),
+    st.sampled_from([torch.float32, torch.bfloat16, torch.float8_e4m3fn]),
+)
 def test_disjoint_boxes_add_up_to_the_whole(cut0: int, cut1: int, chunk: int, dtype: torch.dtype) -> None:
     # 2- and 1-byte elements are summed as 32-bit words where whole words fit: every cut of a word
     full = arange_tensor((17, 13), step=0.77).to(dtype)
@@ -109,8 +125,11 @@ def test_disjoint_boxes_add_up_to_the_whole(cut0: int, cut1: int, chunk: int, dt
     old = box_hash.CHUNK_ELEMENTS
     box_hash.CHUNK_ELEMENTS = chunk  # runs of a few elements: every cut of the chunking is exercised
     try:
-        parts = [box_sum(full[r0:r1, c0:c1], (17, 13), (r0, c0))
-                 for r0, r1 in ((0, cut0), (cut0, 17)) for c0, c1 in ((0, cut1), (cut1, 13))]
+        parts = [
+            box_sum(full[r0:r1, c0:c1], (17, 13), (r0, c0))
+            for r0, r1 in ((0, cut0), (cut0, 17))
+            for c0, c1 in ((0, cut1), (cut1, 13))
+        ]
     finally:
         box_hash.CHUNK_ELEMENTS = old
     assert sum(parts) & M64 == whole
@@ -124,33 +143,43 @@ def test_boxes_of_a_folded_target_add_up_to_the_whole(cut0: int, cut1: int, cut2
     old = box_hash.CHUNK_ELEMENTS
     box_hash.CHUNK_ELEMENTS = chunk
     try:
-        parts = [box_sum(full[a0:a1, b0:b1, c0:c1], (7, 5, 3), (a0, b0, c0))
-                 for a0, a1 in ((0, cut0), (cut0, 7)) for b0, b1 in ((0, cut1), (cut1, 5))
-                 for c0, c1 in ((0, cut2), (cut2, 3))]
+        parts = [
+            box_sum(full[a0:a1, b0:b1, c0:c1], (7, 5, 3), (a0, b0, c0))
+            for a0, a1 in ((0, cut0), (cut0, 7))
+            for b0, b1 in ((0, cut1), (cut1, 5))
+            for c0, c1 in ((0, cut2), (cut2, 3))
+        ]
     finally:
         box_hash.CHUNK_ELEMENTS = old
     assert sum(parts) & M64 == ref_sum(full)
 
 
-@pytest.mark.parametrize("tensor", [
-    arange_tensor((17, 13), step=0.77), arange_tensor((9, 11), step=0.1).to(torch.bfloat16),
-    arange_tensor((6, 5, 3), step=0.3),
-    arange_tensor((5, 7), step=-1.5).double(), (torch.arange(33) - 8).to(torch.int16).reshape(3, 11),
-    torch.arange(24).reshape(4, 6) % 3 == 0, arange_tensor((6, 4), step=0.5).to(torch.float8_e4m3fn),
-    torch.complex(arange_tensor((3, 5)).double(), arange_tensor((3, 5), start=7).double())],
-    ids=lambda t: dtype_name(t.dtype))
+@pytest.mark.parametrize(
+    "tensor",
+    [
+        arange_tensor((17, 13), step=0.77),
+        arange_tensor((9, 11), step=0.1).to(torch.bfloat16),
+        arange_tensor((6, 5, 3), step=0.3),
+        arange_tensor((5, 7), step=-1.5).double(),
+        (torch.arange(33) - 8).to(torch.int16).reshape(3, 11),
+        torch.arange(24).reshape(4, 6) % 3 == 0,
+        arange_tensor((6, 4), step=0.5).to(torch.float8_e4m3fn),
+        torch.complex(arange_tensor((3, 5)).double(), arange_tensor((3, 5), start=7).double()),
+    ],
+    ids=lambda t: dtype_name(t.dtype),
+)
 def test_the_device_path_gives_the_host_sums(monkeypatch: pytest.MonkeyPatch, tensor: torch.Tensor) -> None:
     # the torch code that hashes boxes on an accelerator, run on the CPU: runs of 5 elements, a
     # column cut (strided) at an offset, a cast, and rows deep in a huge target
     shape, before, deep = tuple(tensor.shape), tensor.clone(), (1 << 31,) + (0,) * (tensor.dim() - 1)
-    want = [box_sum(tensor[:, 2:], shape, (0, 2, 0)[:tensor.dim()]), box_sum(tensor, (1 << 33, *shape[1:]), deep)]
+    want = [box_sum(tensor[:, 2:], shape, (0, 2, 0)[: tensor.dim()]), box_sum(tensor, (1 << 33, *shape[1:]), deep)]
     if tensor.is_floating_point():
-        want.append(box_sum(tensor[1:], shape, (1, 0, 0)[:tensor.dim()], casts=("float16",)))
+        want.append(box_sum(tensor[1:], shape, (1, 0, 0)[: tensor.dim()], casts=("float16",)))
     monkeypatch.setattr(box_hash, "HOST_DEVICES", ())
     monkeypatch.setattr(box_hash, "DEVICE_CHUNK_ELEMENTS", 5)
-    got = [box_sum(tensor[:, 2:], shape, (0, 2, 0)[:tensor.dim()]), box_sum(tensor, (1 << 33, *shape[1:]), deep)]
+    got = [box_sum(tensor[:, 2:], shape, (0, 2, 0)[: tensor.dim()]), box_sum(tensor, (1 << 33, *shape[1:]), deep)]
     if tensor.is_floating_point():
-        got.append(box_sum(tensor[1:], shape, (1, 0, 0)[:tensor.dim()], casts=("float16",)))
+        got.append(box_sum(tensor[1:], shape, (1, 0, 0)[: tensor.dim()], casts=("float16",)))
     assert got == want and torch.equal(tensor, before)  # the bits of 8-byte values are views: never written
 
 
@@ -161,8 +190,9 @@ def test_a_permuted_box_hashes_its_target_values() -> None:
     part = src[1:3, 2:6, :]  # lands at [0:5, 1:3, 2:6] of the target
     inner = target[:, 1:3, 2:6]
     mine = box_sum(part, tuple(target.shape), (0, 1, 2), perm=(2, 0, 1))
-    rest = (box_sum(target, tuple(target.shape), (0, 0, 0)) - box_sum(inner.contiguous(), tuple(target.shape),
-                                                                        (0, 1, 2))) & M64
+    rest = (
+        box_sum(target, tuple(target.shape), (0, 0, 0)) - box_sum(inner.contiguous(), tuple(target.shape), (0, 1, 2))
+    ) & M64
     assert (mine + rest) & M64 == ref_sum(target)
 
 
@@ -178,8 +208,13 @@ def test_digest_is_the_same_for_every_layout() -> None:
         "whole": {"w": full},
         "rows 5 + 12": {"w": [LocalShard(full[:5], (17, 6), (0, 0)), LocalShard(full[5:], (17, 6), (5, 0))]},
         "columns": {"w": [shard_dim(full, 1, r, 3) for r in range(3)]},
-        "grid": {"w": [LocalShard(full[r0:r1, c0:c1], (17, 6), (r0, c0))
-                       for r0, r1 in ((0, 9), (9, 17)) for c0, c1 in ((0, 1), (1, 6))]},
+        "grid": {
+            "w": [
+                LocalShard(full[r0:r1, c0:c1], (17, 6), (r0, c0))
+                for r0, r1 in ((0, 9), (9, 17))
+                for c0, c1 in ((0, 1), (1, 6))
+            ]
+        },
     }
     assert {name: digest(state) for name, state in layouts.items()} == {name: want for name in layouts}
 
@@ -188,8 +223,10 @@ def test_digest_under_a_mapping_is_the_digest_of_the_dense_targets() -> None:
     # Megatron TP=2 shards (fused QKV, blocked gate/up, transposes) -> HF names; reference: the HF state
     hf = hf_state()
     per_rank = [megatron_shards(hf, r, 2) for r in range(2)]
-    state = {k: [per_rank[0][k], per_rank[1][k]] if isinstance(per_rank[0][k], LocalShard) else per_rank[0][k]
-             for k in per_rank[0]}
+    state = {
+        k: [per_rank[0][k], per_rank[1][k]] if isinstance(per_rank[0][k], LocalShard) else per_rank[0][k]
+        for k in per_rank[0]
+    }
     assert digest(state, MAPPING) == {k: tensor_digest(v) for k, v in sorted(hf.items())}
 
 
@@ -206,8 +243,11 @@ def test_concat_split_transpose_and_cast_digest_the_targets() -> None:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("index", [(0, 0), (8, 2), (16, 4)])
 def test_one_ulp_in_one_element_changes_exactly_that_digest(dtype: torch.dtype, index: tuple[int, int]) -> None:
-    state = {"a": arange_tensor((17, 5), step=0.37).to(dtype), "b": arange_tensor((7,), start=3).to(dtype),
-             "c": arange_tensor((3, 3), start=-4).to(dtype)}
+    state = {
+        "a": arange_tensor((17, 5), step=0.37).to(dtype),
+        "b": arange_tensor((7,), start=3).to(dtype),
+        "c": arange_tensor((3, 3), start=-4).to(dtype),
+    }
     before = digest(state)
     after = digest({**state, "a": _bumped(state["a"], index)})
     assert [n for n in before if before[n] != after[n]] == ["a"]
@@ -254,8 +294,14 @@ def test_the_weights_are_odd_and_distinct() -> None:
 
 def test_all_zero_tensors_have_digests_that_depend_on_shape_and_dtype() -> None:
     # the sum of an all-zero tensor is 0 (every term is a weight times 0): the digest is finish's hash
-    zeros = [torch.zeros(2, 3), torch.zeros(3, 2), torch.zeros(6), torch.zeros(2, 3, dtype=torch.bfloat16),
-             torch.zeros(2, 3, dtype=torch.int32), torch.zeros(7)]
+    zeros = [
+        torch.zeros(2, 3),
+        torch.zeros(3, 2),
+        torch.zeros(6),
+        torch.zeros(2, 3, dtype=torch.bfloat16),
+        torch.zeros(2, 3, dtype=torch.int32),
+        torch.zeros(7),
+    ]
     found = [tensor_digest(z) for z in zeros]
     assert len(set(found)) == len(zeros)
     assert all(box_sum(z, tuple(z.shape), (0,) * z.dim()) == 0 for z in zeros)
@@ -270,8 +316,11 @@ def test_bit_patterns_not_values_are_hashed() -> None:
 
 
 def test_files_of_any_split_and_dcp_have_the_live_digests(tmp_path: Path) -> None:
-    state = {"a": arange_tensor((17, 5), step=0.37), "b": arange_tensor((127,), start=9).to(torch.bfloat16),
-             "c": torch.arange(11, dtype=torch.int64) * 7}
+    state = {
+        "a": arange_tensor((17, 5), step=0.37),
+        "b": arange_tensor((127,), start=9).to(torch.bfloat16),
+        "c": torch.arange(11, dtype=torch.int64) * 7,
+    }
     shardsync.save_safetensors(state.items(), tmp_path / "one")
     shardsync.save_safetensors(state.items(), tmp_path / "many", max_shard_bytes=300)
     shardsync.save(state, tmp_path / "dcp")
@@ -282,14 +331,22 @@ def test_files_of_any_split_and_dcp_have_the_live_digests(tmp_path: Path) -> Non
 
 def test_verify_reports_equal_different_and_missing() -> None:
     w = arange_tensor((17, 3), step=0.25)
-    report = verify({"w": w, "b": torch.ones(3), "gone": torch.zeros(2)},
-                    {"w_t": w.T.contiguous(), "b": torch.ones(4), "new": torch.zeros(2)}, ["w^T -> w_t"])
+    report = verify(
+        {"w": w, "b": torch.ones(3), "gone": torch.zeros(2)},
+        {"w_t": w.T.contiguous(), "b": torch.ones(4), "new": torch.zeros(2)},
+        ["w^T -> w_t"],
+    )
     assert (report.equal, report.different, report.only_a, report.only_b) == (("w_t",), ("b",), ("gone",), ("new",))
     assert not report.ok and [report.status(n) for n in ("w_t", "b", "gone", "new")] == [
-        "equal", "different", "missing in b", "missing in a"]
+        "equal",
+        "different",
+        "missing in b",
+        "missing in a",
+    ]
     assert verify({"w": w}, {"w_t": w.T.contiguous()}, ["w^T -> w_t"]).ok
     assert VerifyReport({"x": "1"}, {"x": "1"}).to_json() == (
-        '{\n "ok": true,\n "tensors": {\n  "x": {\n   "status": "equal",\n   "a": "1",\n   "b": "1"\n  }\n }\n}')
+        '{\n "ok": true,\n "tensors": {\n  "x": {\n   "status": "equal",\n   "a": "1",\n   "b": "1"\n  }\n }\n}'
+    )
 
 
 def test_bad_arguments_are_named() -> None:

@@ -13,9 +13,9 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+
 from dest_helpers import MAPPING, hf_shards, hf_state, megatron_shards
 from multiproc import run_ranks
-
 from shardsync import digest, full_params, load, reshard, save, save_hf, verify
 from shardsync.errors import DistributedError, LayoutError, PlanError, VerifyError
 from shardsync.exec import executor
@@ -53,8 +53,20 @@ def _corrupt_on_this_rank(key_part: str) -> None:
 
 def _collectives(fn: Any) -> tuple[Any, dict[str, int]]:
     """``fn()`` and the torch.distributed calls it made, by name."""
-    names = ("all_gather_object", "broadcast_object_list", "broadcast", "all_reduce", "all_gather",
-             "all_gather_into_tensor", "reduce_scatter", "send", "recv", "isend", "irecv", "batch_isend_irecv")
+    names = (
+        "all_gather_object",
+        "broadcast_object_list",
+        "broadcast",
+        "all_reduce",
+        "all_gather",
+        "all_gather_into_tensor",
+        "reduce_scatter",
+        "send",
+        "recv",
+        "isend",
+        "irecv",
+        "batch_isend_irecv",
+    )
     counts: dict[str, int] = {}
     real = {n: getattr(dist, n) for n in names}
 
@@ -62,6 +74,7 @@ def _collectives(fn: Any) -> tuple[Any, dict[str, int]]:
         def call(*args: Any, **kwargs: Any) -> Any:
             counts[name] = counts.get(name, 0) + 1
             return real[name](*args, **kwargs)
+
         return call
 
     for n in names:
@@ -101,21 +114,28 @@ def _four(rank: int, world: int, tmp: str) -> dict[str, bool]:
     load(dst, Path(tmp) / "hf", verify=True)
     save(dst, Path(tmp) / "dcp4")
     replicas = megatron_shards(hf_state(), rank % 2, 2)  # TP=2 x DP=2: ranks r and r + 2 hold replicas
-    return {"live": digest(dst) == want, "dcp": digest(Path(tmp) / "dcp4") == want,
-            "replicas": digest(replicas, MAPPING) == want}
+    return {
+        "live": digest(dst) == want,
+        "dcp": digest(Path(tmp) / "dcp4") == want,
+        "replicas": digest(replicas, MAPPING) == want,
+    }
 
 
 def _again(rank: int, world: int, tmp: str) -> dict[str, bool]:
     want = _want()
-    return {"dcp4 on 2": digest(Path(tmp) / "dcp4") == want, "hf on 2": digest(Path(tmp) / "hf") == want,
-            "verify": verify(Path(tmp) / "dcp4", Path(tmp) / "hf").ok}
+    return {
+        "dcp4 on 2": digest(Path(tmp) / "dcp4") == want,
+        "hf on 2": digest(Path(tmp) / "hf") == want,
+        "verify": verify(Path(tmp) / "dcp4", Path(tmp) / "hf").ok,
+    }
 
 
 def test_digests_agree_across_layouts_formats_and_rank_counts(tmp_path: Path) -> None:
     two = run_ranks(_two, 2, str(tmp_path), timeout=300)
     for r in two:
         assert {k: r[k] for k in ("live", "hf", "verify", "stream", "load")} == dict.fromkeys(
-            ("live", "hf", "verify", "stream", "load"), True)
+            ("live", "hf", "verify", "stream", "load"), True
+        )
         assert r["collectives"] == {"all_gather_object": 2}  # the layout, then one integer per tensor
         assert r["mappings"].startswith("PlanError: ranks passed different mappings to digest")
         assert r["module"].startswith("DistributedError: phase 'digest: gather layout' failed on rank(s) [1]")
@@ -123,11 +143,14 @@ def test_digests_agree_across_layouts_formats_and_rank_counts(tmp_path: Path) ->
         o_proj = ["model.layers.0.self_attn.o_proj.weight", "model.layers.1.self_attn.o_proj.weight"]
         assert r["corrupt"].startswith(f"VerifyError: verify: 2 tensor(s) written differ from the source: {o_proj}")
         assert "on rank 0" not in r["corrupt"] and "on rank 1" in r["corrupt"]
-        assert r["stream corrupt"].startswith("VerifyError: verify: 2 target(s) received differ from the "
-                                              f"senders' digest (rank 1: {o_proj})")
+        assert r["stream corrupt"].startswith(
+            f"VerifyError: verify: 2 target(s) received differ from the senders' digest (rank 1: {o_proj})"
+        )
     assert two[0]["corrupt"] == two[1]["corrupt"] and two[0]["stream corrupt"] == two[1]["stream corrupt"]
     assert run_ranks(_four, 4, str(tmp_path), timeout=300) == [{"live": True, "dcp": True, "replicas": True}] * 4
-    assert run_ranks(_again, 2, str(tmp_path), timeout=300) == [dict.fromkeys(("dcp4 on 2", "hf on 2", "verify"),
-                                                                              True)] * 2
+    assert (
+        run_ranks(_again, 2, str(tmp_path), timeout=300)
+        == [dict.fromkeys(("dcp4 on 2", "hf on 2", "verify"), True)] * 2
+    )
     want = _want()
     assert digest(tmp_path / "dcp4") == want and digest(tmp_path / "hf") == want  # one process

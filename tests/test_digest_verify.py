@@ -13,9 +13,9 @@ from typing import Any
 
 import pytest
 import torch
-from reference import arange_tensor
 
 import shardsync
+from reference import arange_tensor
 from shardsync.cli import main
 from shardsync.errors import VerifyError
 from shardsync.exec import executor
@@ -45,9 +45,10 @@ def _state() -> dict[str, torch.Tensor]:
 
 
 def _dest() -> dict[str, Any]:
-    return {"a_t": [LocalShard(torch.zeros(2, 17), (5, 17), (0, 0)),
-                    LocalShard(torch.zeros(3, 17), (5, 17), (2, 0))],
-            "b_t": torch.zeros(3, 7)}
+    return {
+        "a_t": [LocalShard(torch.zeros(2, 17), (5, 17), (0, 0)), LocalShard(torch.zeros(3, 17), (5, 17), (2, 0))],
+        "b_t": torch.zeros(3, 7),
+    }
 
 
 MAP = ["a^T -> a_t", "b^T -> b_t"]
@@ -65,16 +66,22 @@ def test_load_and_reshard_verify_pass_when_the_transfer_is_right() -> None:
 def test_load_verify_names_the_tensor_a_bad_transfer_wrote(corrupt: set[str]) -> None:
     corrupt.add("b")
     shardsync.load(_dest(), _state(), MAP)  # without verify the damage goes unnoticed
-    with pytest.raises(VerifyError, match=r"1 tensor\(s\) written differ .*\['b_t'\]: 'b_t' box \[0:3, 0:7\] "
-                                          r"on rank 0") as info:
+    with pytest.raises(
+        VerifyError,
+        match=r"1 tensor\(s\) written differ .*\['b_t'\]: 'b_t' box \[0:3, 0:7\] "
+        r"on rank 0",
+    ) as info:
         shardsync.load(_dest(), _state(), MAP, verify=True)
     assert info.value.tensors == ("b_t",)
 
 
 def test_reshard_verify_names_every_bad_box(corrupt: set[str]) -> None:
     corrupt.add("a")
-    with pytest.raises(VerifyError, match=r"\['a_t'\]: 'a_t' box \[0:2, 0:17\] on rank 0; 'a_t' box "
-                                          r"\[2:5, 0:17\] on rank 0"):
+    with pytest.raises(
+        VerifyError,
+        match=r"\['a_t'\]: 'a_t' box \[0:2, 0:17\] on rank 0; 'a_t' box "
+        r"\[2:5, 0:17\] on rank 0",
+    ):
         shardsync.reshard(_state(), _dest(), MAP, verify=True)
 
 
@@ -112,6 +119,7 @@ def test_stream_verify_raises_after_the_last_target(corrupt: set[str]) -> None:
 
 # -- the command ----------------------------------------------------------------------------------------
 
+
 @pytest.fixture
 def ckpts(tmp_path: Path) -> Path:
     state = _state()
@@ -130,8 +138,7 @@ def test_cli_verify_exit_codes(ckpts: Path, capsys: pytest.CaptureFixture[str]) 
     assert main(["verify", a, dcp, *transpose]) == 0
     assert capsys.readouterr().out == "equal: 2 tensors, every digest matches\n"
     assert main(["verify", a, ulp, *transpose]) == 1
-    assert capsys.readouterr().out == ("different (1): a\ndiffer: 1 different, 1 equal, 0 only in A, "
-                                       "0 only in B\n")
+    assert capsys.readouterr().out == ("different (1): a\ndiffer: 1 different, 1 equal, 0 only in A, 0 only in B\n")
     assert main(["verify", a, str(ckpts / "only_a")]) == 1
     assert capsys.readouterr().out == "only in A (1): b\ndiffer: 0 different, 1 equal, 1 only in A, 0 only in B\n"
     assert main(["verify", a, str(ckpts / "missing")]) == 2

@@ -16,7 +16,7 @@ import json
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
@@ -66,26 +66,34 @@ class _Job(NamedTuple):
 
 
 @functools.lru_cache(maxsize=8)
-def _job(gathered: tuple[tuple[LayoutEntry, ...], ...], mapping: ParsedMapping | None,
-         block: Block = DEFAULT_BLOCK) -> _Job:
+def _job(
+    gathered: tuple[tuple[LayoutEntry, ...], ...], mapping: ParsedMapping | None, block: Block = DEFAULT_BLOCK
+) -> _Job:
     # Cached: a loop that digests the same layout every step resolves and cuts once.
     layout = GlobalLayout.merge(gathered)
     targets = resolve(mapping, layout, fp8_block=block)
     check_inputs(targets, layout)
     reads, copies = build_reads(targets, [()] * len(targets), layout, layout.world_size)
-    parts = tuple(Part(ti, c.read, c.piece, t.shape, t.dtype) for ti, t in enumerate(targets)
-                  for c in copies[ti])
-    return _Job(tuple(t.name for t in targets), tuple(t.shape for t in targets),
-                tuple(t.dtype for t in targets), parts, tuple(reads), owners(reads, layout.world_size))
+    parts = tuple(Part(ti, c.read, c.piece, t.shape, t.dtype) for ti, t in enumerate(targets) for c in copies[ti])
+    return _Job(
+        tuple(t.name for t in targets),
+        tuple(t.shape for t in targets),
+        tuple(t.dtype for t in targets),
+        parts,
+        tuple(reads),
+        owners(reads, layout.world_size),
+    )
 
 
-def _agreed_job(gathered: list[tuple[tuple[LayoutEntry, ...], str | None]],
-                mapping: ParsedMapping | None, block: Block = DEFAULT_BLOCK) -> _Job:
+def _agreed_job(
+    gathered: list[tuple[tuple[LayoutEntry, ...], str | None]],
+    mapping: ParsedMapping | None,
+    block: Block = DEFAULT_BLOCK,
+) -> _Job:
     """The job of the gathered layout, after checking that every rank passed the same mapping and
     that replicas agree."""
     if len({key for _, key in gathered}) > 1:
-        raise PlanError("ranks passed different mappings to digest; pass the same mapping on every rank "
-                        "of the group")
+        raise PlanError("ranks passed different mappings to digest; pass the same mapping on every rank of the group")
     per_rank = [entries for entries, _ in gathered]
     check_replicas(per_rank)
     return _job(tuple(without_values(e) for e in per_rank), mapping, block)
@@ -95,12 +103,15 @@ def _check_state(state: object) -> None:
     if isinstance(state, torch.nn.Module):
         raise LayoutError(f"got a module ({type(state).__name__}), not its state; pass model.state_dict()")
     if not isinstance(state, (Mapping, Source, str, os.PathLike)):
-        raise LayoutError(f"state must be a mapping of names to tensors, a Source or a checkpoint path, "
-                          f"got {type(state).__name__}; pass model.state_dict() or a path")
+        raise LayoutError(
+            f"state must be a mapping of names to tensors, a Source or a checkpoint path, "
+            f"got {type(state).__name__}; pass model.state_dict() or a path"
+        )
 
 
-def digest(state: SourceLike, mapping: MappingLike | None = None, *,
-           group: ProcessGroup | None = None) -> dict[str, str]:
+def digest(
+    state: SourceLike, mapping: MappingLike | None = None, *, group: ProcessGroup | None = None
+) -> dict[str, str]:
     """The digest of every target of ``state`` under ``mapping``; call on every rank of the group.
 
     A target's digest depends only on its shape, dtype and values in target coordinates: the same
@@ -203,13 +214,18 @@ class VerifyReport:
     def to_json(self) -> str:
         """The report as JSON: ``ok`` and, per tensor, its status and both digests."""
         names = sorted({*self.a, *self.b})
-        return json.dumps({"ok": self.ok, "tensors": {
-            n: {"status": self.status(n), "a": self.a.get(n), "b": self.b.get(n)} for n in names}},
-            indent=1)
+        return json.dumps(
+            {
+                "ok": self.ok,
+                "tensors": {n: {"status": self.status(n), "a": self.a.get(n), "b": self.b.get(n)} for n in names},
+            },
+            indent=1,
+        )
 
 
-def verify(a: SourceLike, b: SourceLike, mapping: MappingLike | None = None, *,
-           group: ProcessGroup | None = None) -> VerifyReport:
+def verify(
+    a: SourceLike, b: SourceLike, mapping: MappingLike | None = None, *, group: ProcessGroup | None = None
+) -> VerifyReport:
     """Compare two sources of any layouts by digest, ``a`` under ``mapping``; call on every rank.
 
     Args:

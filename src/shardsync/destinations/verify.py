@@ -38,8 +38,9 @@ _LISTED = 20
 _INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
-def _sums(plan: Plan, boxes: Sequence[tuple[str, Box]], source: Source, dest: Shards,
-          rank: int) -> tuple[list[int], dict[int, int]]:
+def _sums(
+    plan: Plan, boxes: Sequence[tuple[str, Box]], source: Source, dest: Shards, rank: int
+) -> tuple[list[int], dict[int, int]]:
     """This rank's share of the source sums per plan target, and the sums of the boxes it holds.
 
     A copy that this rank both hashes on the source side and alone holds the destination box of is
@@ -49,10 +50,16 @@ def _sums(plan: Plan, boxes: Sequence[tuple[str, Box]], source: Source, dest: Sh
     by_target: dict[int, list[int]] = {}
     for i, part in enumerate(parts):
         by_target.setdefault(part.target, []).append(i)
-    equal = {i for i, part in enumerate(parts) if owner[part.read] == rank
-             and plan.targets[part.target].consumers == (rank,) and _landed(part, plan, boxes, source, dest)}
-    sent = local_sums([p for i, p in enumerate(parts) if i not in equal], plan.reads, owner, source, rank,
-                      len(plan.targets))
+    equal = {
+        i
+        for i, part in enumerate(parts)
+        if owner[part.read] == rank
+        and plan.targets[part.target].consumers == (rank,)
+        and _landed(part, plan, boxes, source, dest)
+    }
+    sent = local_sums(
+        [p for i, p in enumerate(parts) if i not in equal], plan.reads, owner, source, rank, len(plan.targets)
+    )
     written = {}
     for t, target in enumerate(plan.targets):
         if rank not in target.consumers:
@@ -84,8 +91,9 @@ def _as_bits(t: torch.Tensor) -> torch.Tensor:
     return t.view(_INT[t.element_size()]) if t.dtype != torch.bool else t.view(torch.uint8)
 
 
-def check_written(plan: Plan, boxes: Sequence[tuple[str, Box]], source: Source, dest: Shards,
-                  rank: int, group: Any) -> None:
+def check_written(
+    plan: Plan, boxes: Sequence[tuple[str, Box]], source: Source, dest: Shards, rank: int, group: Any
+) -> None:
     """Compare every destination box the plan wrote with the source's values for it; on every rank.
 
     Args:
@@ -106,14 +114,21 @@ def check_written(plan: Plan, boxes: Sequence[tuple[str, Box]], source: Source, 
     """
     agreed = agree(VERIFY_PHASE, lambda: _sums(plan, boxes, source, dest, rank), group, unanimous=True)
     sent = [sum(column) & MASK for column in zip(*(s for s, _ in agreed.all))]
-    bad = [(boxes[t], r) for r, (_, written) in enumerate(agreed.all)
-           for t, value in sorted(written.items()) if value != sent[t]]
+    bad = [
+        (boxes[t], r)
+        for r, (_, written) in enumerate(agreed.all)
+        for t, value in sorted(written.items())
+        if value != sent[t]
+    ]
     if not bad:
         return
     names = sorted({key for (key, _), _ in bad})
     listed = "; ".join(f"{key!r} box {box} on rank {r}" for (key, box), r in bad[:_LISTED])
     more = f" (and {len(bad) - _LISTED} more)" if len(bad) > _LISTED else ""
-    raise VerifyError(f"verify: {len(names)} tensor(s) written differ from the source: {names}: {listed}"
-                      f"{more}. The destination memory was changed during the transfer (another thread "
-                      "or stream writing to it) or the transfer is broken; rerun, and report it if it "
-                      "persists", names)
+    raise VerifyError(
+        f"verify: {len(names)} tensor(s) written differ from the source: {names}: {listed}"
+        f"{more}. The destination memory was changed during the transfer (another thread "
+        "or stream writing to it) or the transfer is broken; rerun, and report it if it "
+        "persists",
+        names,
+    )

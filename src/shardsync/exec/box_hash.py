@@ -39,8 +39,24 @@ import torch
 from ..layout.dtypes import dtype_name, to_torch_dtype
 from .box_hash_device import DEVICE_CHUNK_ELEMENTS, run_values, runs_sum
 
-__all__ = ["box_sum", "finish", "tensor_digest", "mix", "weights", "column_weights", "folded", "Run",
-           "CHUNK_ELEMENTS", "HOST_DEVICES", "MASK", "SEED_A", "SEED_B", "CACHED_WIDTH", "NARROW", "FOLD_LIMIT"]
+__all__ = [
+    "box_sum",
+    "finish",
+    "tensor_digest",
+    "mix",
+    "weights",
+    "column_weights",
+    "folded",
+    "Run",
+    "CHUNK_ELEMENTS",
+    "HOST_DEVICES",
+    "MASK",
+    "SEED_A",
+    "SEED_B",
+    "CACHED_WIDTH",
+    "NARROW",
+    "FOLD_LIMIT",
+]
 
 #: Elements hashed at once on the host (a run: its casts' temporaries and its row weights stay small).
 CHUNK_ELEMENTS = 1 << 18
@@ -143,7 +159,7 @@ def folded(shape: Sequence[int]) -> int:
         (1, 3, 1, 0)
     """
     m = min(1, len(shape))
-    while m < len(shape) and math.prod(shape[-m:]) < NARROW and math.prod(shape[-m - 1:]) <= FOLD_LIMIT:
+    while m < len(shape) and math.prod(shape[-m:]) < NARROW and math.prod(shape[-m - 1 :]) <= FOLD_LIMIT:
         m += 1
     return m
 
@@ -163,11 +179,14 @@ def _runs(sizes: Sequence[int], m: int, chunk: int) -> tuple[int, int, list[Run]
     n, cols = len(sizes) - m, sizes[-1]
     width = max(1, min(cols, chunk)) if m == 1 else cols
     row = math.prod(sizes[n:-1]) * width
-    split = next((j for j in range(n) if math.prod(sizes[j + 1:n]) * row <= chunk), n - 1)
-    rows = min(sizes[split], max(1, chunk // (math.prod(sizes[split + 1:n]) * row)))
-    runs = [(lead, start, min(start + rows, sizes[split]), c0, min(c0 + width, cols))
-            for lead in itertools.product(*(range(s) for s in sizes[:split]))
-            for start in range(0, sizes[split], rows) for c0 in range(0, cols, width)]
+    split = next((j for j in range(n) if math.prod(sizes[j + 1 : n]) * row <= chunk), n - 1)
+    rows = min(sizes[split], max(1, chunk // (math.prod(sizes[split + 1 : n]) * row)))
+    runs = [
+        (lead, start, min(start + rows, sizes[split]), c0, min(c0 + width, cols))
+        for lead in itertools.product(*(range(s) for s in sizes[:split]))
+        for start in range(0, sizes[split], rows)
+        for c0 in range(0, cols, width)
+    ]
     return split, rows, runs
 
 
@@ -193,8 +212,13 @@ def _bits(values: torch.Tensor) -> np.ndarray:
     return np.bitwise_xor(bits, np.right_shift(bits, _S32)) if size == 8 else bits
 
 
-def box_sum(values: torch.Tensor, shape: Sequence[int], offsets: Sequence[int],
-            perm: Sequence[int] | None = None, casts: Sequence[str] = ()) -> int:
+def box_sum(
+    values: torch.Tensor,
+    shape: Sequence[int],
+    offsets: Sequence[int],
+    perm: Sequence[int] | None = None,
+    casts: Sequence[str] = (),
+) -> int:
     """The sum (mod 2^64) of the element terms of a box of a target, from the values of its source.
 
     Args:
@@ -227,7 +251,7 @@ def box_sum(values: torch.Tensor, shape: Sequence[int], offsets: Sequence[int],
     base = sum(o * s for o, s in zip(offsets, strides))
     host = view.device.type in HOST_DEVICES
     split, rows, runs = _runs(view.shape, m, (CHUNK_ELEMENTS if host else DEVICE_CHUNK_ELEMENTS) // words)
-    q = _pattern((rows, *view.shape[split + 1:-m]), strides[split:-m])
+    q = _pattern((rows, *view.shape[split + 1 : -m]), strides[split:-m])
     inner = tuple(slice(o, o + n) for o, n in zip(offsets[-m:-1], view.shape[-m:-1]))
     group = 4 // dtype.itemsize if dtype.itemsize < 4 else 1  # elements per 32-bit word
 
@@ -243,8 +267,15 @@ def box_sum(values: torch.Tensor, shape: Sequence[int], offsets: Sequence[int],
     return _host_sum(view, casts, (base, strides, m), q, runs, columns, packing) & MASK
 
 
-def _host_sum(view: torch.Tensor, casts: Sequence[str], frame: tuple[int, Sequence[int], int], q: np.ndarray,
-              runs: Sequence[Run], columns: Callable[[int, int], np.ndarray], packing: tuple[int, int, int]) -> int:
+def _host_sum(
+    view: torch.Tensor,
+    casts: Sequence[str],
+    frame: tuple[int, Sequence[int], int],
+    q: np.ndarray,
+    runs: Sequence[Run],
+    columns: Callable[[int, int], np.ndarray],
+    packing: tuple[int, int, int],
+) -> int:
     """The sum (not reduced mod 2^64) of the terms of ``runs`` of a box in target order (as
     :func:`~shardsync.exec.box_hash_device.runs_sum`); ``packing``: see :func:`_row_sums`."""
     base, strides, m = frame
@@ -252,17 +283,22 @@ def _host_sum(view: torch.Tensor, casts: Sequence[str], frame: tuple[int, Sequen
     rows, tmp = np.empty_like(q), np.empty_like(q)
     total = 0
     for lead, start, stop, c0, c1 in runs:
-        sums = _row_sums(_bits(run_values(view, (lead, start, stop, c0, c1), casts)), dims, c0, c1, columns,
-                         packing)
+        sums = _row_sums(_bits(run_values(view, (lead, start, stop, c0, c1), casts)), dims, c0, c1, columns, packing)
         at = (base + sum(i * s for i, s in zip((*lead, start), strides))) & MASK
-        a = np.add(q[:stop - start], np.uint64(at), out=rows[:stop - start])
-        np.multiply(sums, weights(a, SEED_A, tmp[:stop - start]), out=sums)
+        a = np.add(q[: stop - start], np.uint64(at), out=rows[: stop - start])
+        np.multiply(sums, weights(a, SEED_A, tmp[: stop - start]), out=sums)
         total += int(np.add.reduce(sums, axis=None))
     return total
 
 
-def _row_sums(bits: np.ndarray, dims: str, c0: int, c1: int, columns: Callable[[int, int], np.ndarray],
-              packing: tuple[int, int, int]) -> np.ndarray:
+def _row_sums(
+    bits: np.ndarray,
+    dims: str,
+    c0: int,
+    c1: int,
+    columns: Callable[[int, int], np.ndarray],
+    packing: tuple[int, int, int],
+) -> np.ndarray:
     """``sum_c weight(c) * b[..., c]`` of the bits of a run (columns ``c0:c1`` of its box), per row.
 
     ``packing``: the box's first column in the target, elements per 32-bit word (1: no packing), and
@@ -270,10 +306,10 @@ def _row_sums(bits: np.ndarray, dims: str, c0: int, c1: int, columns: Callable[[
     whole words are summed as 32-bit words with the word weights ``B(p)`` (half or a quarter of the
     multiply-adds; the same sum), the few at the edges element by element.
     """
+
     def plain(a: int, b: int) -> np.ndarray:  # columns c0 + a : c0 + b, element by element
         part = bits if (a, b) == (0, c1 - c0) else bits[..., a:b]  # (complex128: two words per column)
-        return np.einsum(f"...{dims},{dims}->...", part, columns(c0 + a, c0 + b), dtype=np.uint64,
-                         casting="unsafe")
+        return np.einsum(f"...{dims},{dims}->...", part, columns(c0 + a, c0 + b), dtype=np.uint64, casting="unsafe")
 
     first, group, width = packing
     a0 = -(first + c0) % group
@@ -281,8 +317,13 @@ def _row_sums(bits: np.ndarray, dims: str, c0: int, c1: int, columns: Callable[[
     if group == 1 or bits.strides[-1] != bits.itemsize or a1 <= a0:
         return plain(0, c1 - c0)
     p0 = (first + c0 + a0) // group
-    sums = np.einsum("...c,c->...", bits[..., a0:a1].view(np.uint32),
-                     column_weights(width, p0, p0 + (a1 - a0) // group), dtype=np.uint64, casting="unsafe")
+    sums = np.einsum(
+        "...c,c->...",
+        bits[..., a0:a1].view(np.uint32),
+        column_weights(width, p0, p0 + (a1 - a0) // group),
+        dtype=np.uint64,
+        casting="unsafe",
+    )
     for a, b in ((0, a0), (a1, c1 - c0)):
         if b > a:
             sums += plain(a, b)

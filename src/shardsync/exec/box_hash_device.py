@@ -3,8 +3,8 @@
 The same sums, bit for bit, computed where the tensor lies, so that a digest or ``verify=True`` of
 weights on a GPU copies nothing to the host but the (small) weight vectors: int64 arithmetic wraps as
 uint64 does (two's complement), a logical right shift is an arithmetic one masked, and bit patterns
-narrower than 8 bytes are zero-extended, and 8-byte ones xor-shifted as on the host. Runs are large (:data:`DEVICE_CHUNK_ELEMENTS`): few kernels
-are launched.
+narrower than 8 bytes are zero-extended, and 8-byte ones xor-shifted as on the host. Runs are
+large (:data:`DEVICE_CHUNK_ELEMENTS`): few kernels are launched.
 """
 
 from __future__ import annotations
@@ -60,8 +60,9 @@ def _bits(values: torch.Tensor) -> torch.Tensor:
     return wide.bitwise_and_(_LOW[size]) if size in _LOW else wide
 
 
-def run_values(view: torch.Tensor, run: tuple[tuple[int, ...], int, int, int, int],
-               casts: Sequence[str]) -> torch.Tensor:
+def run_values(
+    view: torch.Tensor, run: tuple[tuple[int, ...], int, int, int, int], casts: Sequence[str]
+) -> torch.Tensor:
     """The values of ``run`` (``(leading indices, start, stop, c0, c1)``) of a box in target order,
     cast by ``casts`` in order.
 
@@ -82,9 +83,14 @@ def _on(words: np.ndarray, device: torch.device) -> torch.Tensor:
     return torch.tensor(words.view(np.int64), device=device)
 
 
-def runs_sum(view: torch.Tensor, casts: Sequence[str], frame: tuple[int, Sequence[int], int], q: np.ndarray,
-             runs: Sequence[tuple[tuple[int, ...], int, int, int, int]],
-             columns: Callable[[int, int], np.ndarray]) -> int:
+def runs_sum(
+    view: torch.Tensor,
+    casts: Sequence[str],
+    frame: tuple[int, Sequence[int], int],
+    q: np.ndarray,
+    runs: Sequence[tuple[tuple[int, ...], int, int, int, int]],
+    columns: Callable[[int, int], np.ndarray],
+) -> int:
     """The sum (not reduced mod 2^64) of the terms of ``runs`` of a box, on its device.
 
     Args:
@@ -111,6 +117,6 @@ def runs_sum(view: torch.Tensor, casts: Sequence[str], frame: tuple[int, Sequenc
         run = run_values(view, (lead, start, stop, c0, c1), casts)
         sums = (_bits(run) * _on(columns(c0, c1), view.device)).sum(tuple(range(-m, 0)))
         at = _signed((base + sum(i * s for i, s in zip((*lead, start), strides))) % (1 << 64))
-        a = mix_(rows[:stop - start].add(at).bitwise_xor_(_SEED_A)).bitwise_or_(1)
+        a = mix_(rows[: stop - start].add(at).bitwise_xor_(_SEED_A)).bitwise_or_(1)
         total += int(sums.mul_(a).sum())
     return total

@@ -21,16 +21,25 @@ import torch
 from .. import phases
 from ..dist import agree
 from ..errors import VerifyError
-from ..planning.model import Plan, Read
 from ..mapping.pieces import Piece
+from ..planning.model import Plan, Read
 from ..sources import Source
 from .box_hash import MASK, box_sum, finish, tensor_digest
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
 
-__all__ = ["Part", "owners", "plan_parts", "local_sums", "combine", "plan_digests", "checked",
-           "DIGEST_PHASE", "RECEIVE_PHASE"]
+__all__ = [
+    "Part",
+    "owners",
+    "plan_parts",
+    "local_sums",
+    "combine",
+    "plan_digests",
+    "checked",
+    "DIGEST_PHASE",
+    "RECEIVE_PHASE",
+]
 
 #: The agreed phase that adds every rank's sums, and the one that compares what consumers received.
 DIGEST_PHASE, RECEIVE_PHASE = phases.DIGEST, phases.RECEIVED
@@ -83,12 +92,12 @@ def plan_parts(plan: Plan) -> tuple[Part, ...]:
         >>> [p.piece.target_box for p in plan_parts(shardsync.plan({"w": torch.zeros(3)}))]
         [Box(offsets=(0,), sizes=(3,))]
     """
-    return tuple(Part(ti, c.read, c.piece, t.shape, t.dtype)
-                 for ti, t in enumerate(plan.targets) for c in t.copies)
+    return tuple(Part(ti, c.read, c.piece, t.shape, t.dtype) for ti, t in enumerate(plan.targets) for c in t.copies)
 
 
-def local_sums(parts: Sequence[Part], reads: Sequence[Read], owner: Sequence[int], source: Source,
-               rank: int, count: int) -> list[int]:
+def local_sums(
+    parts: Sequence[Part], reads: Sequence[Read], owner: Sequence[int], source: Source, rank: int, count: int
+) -> list[int]:
     """This rank's sums (mod 2^64), one per target index in ``range(count)``, over the parts whose
     read it owns; each read is read once.
 
@@ -144,8 +153,9 @@ def plan_digests(plan: Plan, source: Source, rank: int, group: ProcessGroup | No
     return {t.name: finish(s, t.shape, t.dtype) for t, s in zip(plan.targets, sums)}
 
 
-def checked(targets: Iterator[tuple[str, torch.Tensor]], digests: Mapping[str, str], rank: int,
-            group: ProcessGroup | None) -> Iterator[tuple[str, torch.Tensor]]:
+def checked(
+    targets: Iterator[tuple[str, torch.Tensor]], digests: Mapping[str, str], rank: int, group: ProcessGroup | None
+) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield ``targets``, hashing each before it is yielded; after the last, one agreed phase raises
     :class:`VerifyError` on every rank if any rank received a target whose digest is not the sender
     side's (``digests``).
@@ -165,6 +175,9 @@ def checked(targets: Iterator[tuple[str, torch.Tensor]], digests: Mapping[str, s
     if found:
         names = sorted({n for names in found.values() for n in names})
         where = "; ".join(f"rank {r}: {names}" for r, names in found.items())
-        raise VerifyError(f"verify: {len(names)} target(s) received differ from the senders' digest "
-                          f"({where}); the data was changed in transit or by another writer; rerun, and report it if "
-                          "it persists", names)
+        raise VerifyError(
+            f"verify: {len(names)} target(s) received differ from the senders' digest "
+            f"({where}); the data was changed in transit or by another writer; rerun, and report it if "
+            "it persists",
+            names,
+        )
