@@ -161,8 +161,8 @@ def block_size_from_config(directory: str | Path | None) -> Block:
         return DEFAULT_BLOCK
     try:
         config = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return DEFAULT_BLOCK  # not ours to judge: the weights are read without it
+    except (OSError, ValueError, RecursionError):  # too deeply nested, too
+        return DEFAULT_BLOCK  # not ours to judge: the weights are read without it (and the file checked)
     q = config.get("quantization_config") if isinstance(config, dict) else None
     size = q.get("weight_block_size") if isinstance(q, dict) else None
     return DEFAULT_BLOCK if size is None else check_block(size, f"{path}: weight_block_size")

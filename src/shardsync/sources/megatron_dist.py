@@ -77,7 +77,7 @@ def _check_backend(path: Path) -> None:
     meta = path / MEGATRON_METADATA_FILE
     try:
         backend = json.loads(meta.read_text()).get("sharded_backend")
-    except (OSError, ValueError, AttributeError) as exc:
+    except (OSError, ValueError, AttributeError, RecursionError) as exc:
         raise FormatError(
             f"{meta}: not the metadata.json of a Megatron dist_checkpointing checkpoint ({type(exc).__name__}: {exc})"
         ) from exc
