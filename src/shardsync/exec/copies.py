@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import os
 import threading
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -34,13 +34,15 @@ import torch
 __all__ = ["copy_into", "copy_threads", "CHUNK_BYTES", "PARALLEL_BYTES", "TORCH_GRAIN", "MAX_THREADS"]
 
 #: Bytes of one chunk of a threaded copy.
-CHUNK_BYTES = 1 << 19
+CHUNK_BYTES = 1 << 20
 #: Copies smaller than this run in the calling thread (a pool hand-off costs more than it saves).
-PARALLEL_BYTES = 1 << 20
+PARALLEL_BYTES = 4 << 20
 #: Elements at which torch's copy kernels start to use their own threads (``at::internal::GRAIN_SIZE``).
 TORCH_GRAIN = 32768
 #: Most threads the pool runs (memory bandwidth is saturated before).
 MAX_THREADS = 8
+#: Side of the tiles of a cast or permuted copy (elements): a tile stays in cache.
+_TILE = 128
 
 _INTS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 _pool: ThreadPoolExecutor | None = None
@@ -90,19 +92,26 @@ def _raw(dst: torch.Tensor, src: torch.Tensor) -> bool:
 
 
 def _torch_small(dst: torch.Tensor, src: torch.Tensor) -> None:
-    """``dst.copy_(src)`` as copies of at most :data:`TORCH_GRAIN` elements, each on this thread alone
-    (a row over the grain is cut along its own dims)."""
+    """``dst.copy_(src)`` as copies of at most :data:`TORCH_GRAIN` elements, each on this thread alone:
+    tiles of about ``sqrt(TORCH_GRAIN)`` x ``sqrt(TORCH_GRAIN)`` over the last two dims (a transposed
+    source is read a tile at a time, which stays in cache), whole rows where they are short."""
     if dst.numel() <= TORCH_GRAIN or dst.dim() == 0:
         dst.copy_(src)
         return
-    row = max(1, dst[0].numel())
-    if row > TORCH_GRAIN:
+    if dst.dim() > 2:  # the dims before the last two, one by one
         for i in range(dst.shape[0]):
             _torch_small(dst[i], src[i])
         return
-    step = TORCH_GRAIN // row
-    for i in range(0, dst.shape[0], step):
-        dst[i : i + step].copy_(src[i : i + step])
+    if dst.dim() == 1:
+        for i in range(0, dst.shape[0], TORCH_GRAIN):
+            dst[i : i + TORCH_GRAIN].copy_(src[i : i + TORCH_GRAIN])
+        return
+    rows, cols = dst.shape
+    width = cols if cols * _TILE <= TORCH_GRAIN else _TILE
+    height = max(1, TORCH_GRAIN // width)
+    for i in range(0, rows, height):
+        for j in range(0, cols, width):
+            dst[i : i + height, j : j + width].copy_(src[i : i + height, j : j + width])
 
 
 def _jobs(dst: torch.Tensor, src: torch.Tensor, raw: bool) -> list[tuple[Any, Any, Any]]:
@@ -113,6 +122,28 @@ def _jobs(dst: torch.Tensor, src: torch.Tensor, raw: bool) -> list[tuple[Any, An
         d, s = _as_ints(dst), _as_ints(src)
         return [(np.copyto, d[i : i + rows], s[i : i + rows]) for i in range(0, dst.shape[0], rows)]
     return [(_torch_small, dst[i : i + rows], src[i : i + rows]) for i in range(0, dst.shape[0], rows)]
+
+
+def _run(jobs: list[tuple[Any, Any, Any]]) -> None:
+    """Run ``jobs`` on this thread and the pool's: each thread takes the next job until none is left,
+    so a thread that is descheduled holds up one chunk, not a share fixed in advance."""
+    queue, lock = iter(jobs), threading.Lock()
+
+    def work() -> None:
+        while True:
+            with lock:
+                job = next(queue, None)
+            if job is None:
+                return
+            fn, a, b = job
+            fn(a, b)
+
+    helpers = [_get_pool().submit(work) for _ in range(min(copy_threads(), len(jobs)) - 1)]
+    try:
+        work()
+    finally:  # the targets' memory is written until every helper is done
+        for f in helpers:
+            f.result()
 
 
 @torch.no_grad()
@@ -141,7 +172,4 @@ def copy_into(dst: torch.Tensor, src: torch.Tensor) -> None:
         for fn, a, b in jobs:
             fn(a, b)
         return
-    pool = _get_pool()
-    futures: list[Future[object]] = [pool.submit(fn, a, b) for fn, a, b in jobs]
-    for f in futures:
-        f.result()
+    _run(jobs)
