@@ -356,3 +356,11 @@ def test_bad_arguments_are_named() -> None:
         digest(3)  # type: ignore[arg-type]
     with pytest.raises(MappingError, match="nope"):
         digest({"w": torch.zeros(2)}, ["nope -> x"])
+
+
+def test_fp8_codes_cast_under_a_mapping_are_refused_not_hashed() -> None:
+    # the codes of a block-FP8 weight are not its values: digesting them cast to bf16 would prove nothing
+    codes = torch.arange(6, dtype=torch.float32).reshape(2, 3).to(torch.float8_e4m3fn)
+    with pytest.raises(LayoutError, match="FP8 codes cast to another dtype without their scales: 'w'"):
+        digest({"w": codes}, ['w -> w, dtype="bfloat16"'])
+    assert set(digest({"w": codes})) == {"w"}  # as they are, they are hashed

@@ -32,7 +32,7 @@ from .mapping import MappingLike, resolve
 from .planning.model import Read
 from .planning.reads import build_reads
 from .planning.validate import check_inputs
-from .quant.fp8 import DEFAULT_BLOCK, Block
+from .quant.fp8 import DEFAULT_BLOCK, Block, check_fp8_casts
 from .sources import Source, SourceLike, open_source, spread
 from .sources.fp8 import fp8_block
 
@@ -72,6 +72,7 @@ def _job(
     # Cached: a loop that digests the same layout every step resolves and cuts once.
     layout = GlobalLayout.merge(gathered)
     targets = resolve(mapping, layout, fp8_block=block)
+    check_fp8_casts(targets, {k: layout[k].dtype for k in layout.keys()})  # codes are not values
     check_inputs(targets, layout)
     reads, copies = build_reads(targets, [()] * len(targets), layout, layout.world_size)
     parts = tuple(Part(ti, c.read, c.piece, t.shape, t.dtype) for ti, t in enumerate(targets) for c in copies[ti])
