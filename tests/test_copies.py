@@ -137,3 +137,11 @@ def test_a_forked_child_makes_its_own_pool() -> None:
     child.start()
     child.join(60)
     assert child.exitcode == 0 and queue.get(timeout=5) is True
+
+
+def test_lazy_conjugate_and_negative_views_copy_their_values(small_chunks: None) -> None:
+    x = torch.complex(torch.arange(391.0), torch.arange(391.0) + 0.5).reshape(23, 17)
+    for view, want in ((x.conj(), x.conj().resolve_conj()), (torch._neg_view(x), -x)):
+        got = torch.empty_like(x)
+        copy_into(got, view)
+        assert torch.equal(got, want)

@@ -83,11 +83,13 @@ def _as_ints(t: torch.Tensor) -> np.ndarray:
 
 
 def _raw(dst: torch.Tensor, src: torch.Tensor) -> bool:
-    """Whether the copy is a move of bytes that numpy can do on row runs."""
+    """Whether the copy is a move of bytes that numpy can do on row runs (not for a lazily conjugated
+    or negated view: its bytes are not its values)."""
     return (
         dst.dtype == src.dtype
         and dst.element_size() in _INTS
         and all(t.dim() == 0 or t.stride(-1) == 1 or t.shape[-1] == 1 for t in (dst, src))
+        and not any(t.is_conj() or t.is_neg() for t in (dst, src))
     )
 
 
