@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import os
 import threading
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from typing import Any
 
 import numpy as np
@@ -88,6 +88,7 @@ def _raw(dst: torch.Tensor, src: torch.Tensor) -> bool:
         dst.dtype == src.dtype
         and dst.element_size() in _INTS
         and all(t.dim() == 0 or t.stride(-1) == 1 or t.shape[-1] == 1 for t in (dst, src))
+        and not any(t.is_conj() or t.is_neg() for t in (dst, src))  # lazy bits: bytes are not values
     )
 
 
@@ -128,22 +129,25 @@ def _run(jobs: list[tuple[Any, Any, Any]]) -> None:
     """Run ``jobs`` on this thread and the pool's: each thread takes the next job until none is left,
     so a thread that is descheduled holds up one chunk, not a share fixed in advance."""
     queue, lock = iter(jobs), threading.Lock()
+    inference = torch.is_inference_mode_enabled()  # thread-local: targets made under it need it to be written
 
     def work() -> None:
-        while True:
-            with lock:
-                job = next(queue, None)
-            if job is None:
-                return
-            fn, a, b = job
-            fn(a, b)
+        with torch.inference_mode(inference):
+            while True:
+                with lock:
+                    job = next(queue, None)
+                if job is None:
+                    return
+                fn, a, b = job
+                fn(a, b)
 
     helpers = [_get_pool().submit(work) for _ in range(min(copy_threads(), len(jobs)) - 1)]
     try:
         work()
-    finally:  # the targets' memory is written until every helper is done
-        for f in helpers:
-            f.result()
+    finally:  # the targets' memory is written until every helper is done, failed or not
+        wait(helpers)
+    for f in helpers:
+        f.result()
 
 
 @torch.no_grad()
