@@ -196,3 +196,12 @@ def test_a_failing_helper_is_waited_for_with_the_others(monkeypatch: pytest.Monk
     with pytest.raises(RuntimeError, match="helper 0 failed"):
         copies._run([(job, None, None)] * 3)
     assert done == ["helper 1"]  # no thread writes a target after copy_into has returned
+
+
+@pytest.mark.parametrize("shape", [(41, 3, 5), (5, 7, 11), (3, 4, 2, 9), (2, 1, 40)])
+def test_casts_of_permuted_boxes_of_three_or_more_dims(small_chunks: None, shape: tuple[int, ...]) -> None:
+    # short rows are copied in blocks of rows, long ones row by row (TORCH_GRAIN is 37 here)
+    src = _values((*shape[:-2], shape[-1], shape[-2]), torch.int64).transpose(-1, -2)
+    out = torch.full(shape, -1.0, dtype=torch.bfloat16)
+    copy_into(out, src)
+    assert torch.equal(out, src.to(torch.bfloat16))

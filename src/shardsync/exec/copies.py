@@ -99,9 +99,15 @@ def _torch_small(dst: torch.Tensor, src: torch.Tensor) -> None:
     if dst.numel() <= TORCH_GRAIN or dst.dim() == 0:
         dst.copy_(src)
         return
-    if dst.dim() > 2:  # the dims before the last two, one by one
-        for i in range(dst.shape[0]):
-            _torch_small(dst[i], src[i])
+    if dst.dim() > 2:  # the dims before the last two: a row at a time, or short rows in blocks
+        row = dst[0].numel()
+        if row > TORCH_GRAIN // 2:
+            for i in range(dst.shape[0]):
+                _torch_small(dst[i], src[i])
+            return
+        step = TORCH_GRAIN // max(1, row)  # a copy_ per row of (2, 4) would cost far more than its bytes
+        for i in range(0, dst.shape[0], step):
+            dst[i : i + step].copy_(src[i : i + step])
         return
     if dst.dim() == 1:
         for i in range(0, dst.shape[0], TORCH_GRAIN):
