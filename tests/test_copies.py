@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import threading
+import time
 
 import pytest
 import torch
@@ -139,9 +141,67 @@ def test_a_forked_child_makes_its_own_pool() -> None:
     assert child.exitcode == 0 and queue.get(timeout=5) is True
 
 
-def test_lazy_conjugate_and_negative_views_copy_their_values(small_chunks: None) -> None:
-    x = torch.complex(torch.arange(391.0), torch.arange(391.0) + 0.5).reshape(23, 17)
-    for view, want in ((x.conj(), x.conj().resolve_conj()), (torch._neg_view(x), -x)):
-        got = torch.empty_like(x)
-        copy_into(got, view)
-        assert torch.equal(got, want)
+@pytest.mark.parametrize("lazy", ["conj src", "conj dst", "neg src"])
+def test_lazy_conj_and_neg_views_are_copied_by_value(small_chunks: None, lazy: str) -> None:
+    # same dtype and row runs, but the bytes of a conj/neg view are not its values: torch.copy_ semantics
+    re = torch.arange(23 * 17, dtype=torch.float32).reshape(23, 17)
+    z = torch.complex(re, re + 0.5)
+    if lazy == "neg src":
+        src, want, out = torch._neg_view(re), -re, torch.zeros(23, 17)
+        copy_into(out, src)
+    elif lazy == "conj src":
+        src, want, out = z.conj(), torch.complex(re, -re - 0.5), torch.zeros(23, 17, dtype=torch.complex64)
+        copy_into(out, src)
+    else:
+        out = torch.zeros(23, 17, dtype=torch.complex64)
+        copy_into(out.conj(), z)
+        want = torch.complex(re, -re - 0.5)
+    assert torch.equal(out, want)
+
+
+def test_targets_made_under_inference_mode_are_written_by_the_pool(small_chunks: None) -> None:
+    with torch.inference_mode():
+        out = torch.zeros(41, 29, dtype=torch.bfloat16)  # an inference tensor: only written in inference mode
+        src = torch.arange(29 * 41, dtype=torch.float32).reshape(29, 41).t()
+        copy_into(out, src)  # a cast and a permutation: torch's copy_ on the pool's threads
+    assert torch.equal(out, src.to(torch.bfloat16))
+
+
+def test_a_failing_helper_is_waited_for_with_the_others(monkeypatch: pytest.MonkeyPatch) -> None:
+    # every thread takes one job (a barrier); helper 0 fails at once, helper 1 is still writing then
+    monkeypatch.setattr(copies, "copy_threads", lambda: 3)
+    pool, local, done = copies._get_pool(), threading.local(), []
+    barrier = threading.Barrier(3, timeout=10)
+
+    class Tagged:
+        def __init__(self) -> None:
+            self.n = 0
+
+        def submit(self, fn):  # type: ignore[no-untyped-def]
+            k, self.n = self.n, self.n + 1
+            return pool.submit(lambda: (setattr(local, "k", k), fn())[1])
+
+    tagged = Tagged()
+    monkeypatch.setattr(copies, "_get_pool", lambda: tagged)
+
+    def job(a: object, b: object) -> None:
+        barrier.wait()
+        k = getattr(local, "k", None)
+        if k == 0:
+            raise RuntimeError("helper 0 failed")
+        if k == 1:
+            time.sleep(0.3)
+            done.append("helper 1")
+
+    with pytest.raises(RuntimeError, match="helper 0 failed"):
+        copies._run([(job, None, None)] * 3)
+    assert done == ["helper 1"]  # no thread writes a target after copy_into has returned
+
+
+@pytest.mark.parametrize("shape", [(41, 3, 5), (5, 7, 11), (3, 4, 2, 9), (2, 1, 40)])
+def test_casts_of_permuted_boxes_of_three_or_more_dims(small_chunks: None, shape: tuple[int, ...]) -> None:
+    # short rows are copied in blocks of rows, long ones row by row (TORCH_GRAIN is 37 here)
+    src = _values((*shape[:-2], shape[-1], shape[-2]), torch.int64).transpose(-1, -2)
+    out = torch.full(shape, -1.0, dtype=torch.bfloat16)
+    copy_into(out, src)
+    assert torch.equal(out, src.to(torch.bfloat16))

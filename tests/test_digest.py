@@ -196,6 +196,13 @@ def test_a_permuted_box_hashes_its_target_values() -> None:
     assert (mine + rest) & M64 == ref_sum(target)
 
 
+def test_lazy_conj_and_neg_views_hash_their_values() -> None:
+    re = arange_tensor((5, 7), step=0.5)
+    z = torch.complex(re, re + 1)
+    assert tensor_digest(z.conj()) == tensor_digest(torch.complex(re, -re - 1))
+    assert tensor_digest(torch._neg_view(re)) == tensor_digest(-re)
+
+
 def test_finish_adds_a_hash_of_shape_and_dtype() -> None:
     head = hashlib.blake2b(b"float32[2, 3]", digest_size=8).digest()
     assert finish(5, (2, 3), torch.float32) == f"{(5 + int.from_bytes(head, 'little')) & M64:016x}"

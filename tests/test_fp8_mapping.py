@@ -181,6 +181,22 @@ def test_load_an_fp8_checkpoint_through_a_rename_into_fp8_shards(tmp_path: Path)
     assert same(dest["v"], held["w"]) and same(dest["v_scale_inv"], held["w_scale_inv"])
 
 
+def test_load_through_a_split_uses_the_checkpoints_block(tmp_path: Path) -> None:
+    # as full_params does: blocks of 64 rows (config.json), so the scale rows are 0-1 | 2-3
+    held = checkpoint(tmp_path, {"w": (256, 17)})
+    program = ["w -> top, bot, axis=0", "norm.weight -> n"]
+    dest = {
+        "top": torch.zeros(128, 17, dtype=E4M3),
+        "top_scale_inv": torch.zeros(2, 1),
+        "bot": torch.zeros(128, 17, dtype=E4M3),
+        "bot_scale_inv": torch.zeros(2, 1),
+        "n": torch.zeros(17),
+    }
+    load(dest, tmp_path, program)
+    assert same(dest["top"], held["w"][:128]) and same(dest["bot"], held["w"][128:])
+    assert same(dest["top_scale_inv"], held["w_scale_inv"][:2]) and same(dest["bot_scale_inv"], held["w_scale_inv"][2:])
+
+
 # -- quantising through a mapping that renames -----------------------------------------------------------
 
 

@@ -31,9 +31,10 @@ from ..pipeline import Call, Planned, Prepared, first_phase, run
 from ..planning import DEFAULT_BUCKET_BYTES, Plan, PlanOptions, build_plan
 from ..planning.destinations import box_targets
 from ..planning.mesh import Topology
-from ..quant.fp8 import check_fp8_casts, check_fp8_fills
+from ..quant.fp8 import DEFAULT_BLOCK, check_fp8_casts, check_fp8_fills
 from ..sources import Source, SourceLike
 from ..sources.fingerprint import ReplicaCheck
+from ..sources.fp8 import fp8_block
 from ..sources.fp8_quantized import for_destination
 from .check import Mismatch, Report, check_targets, describe, load_error, provenance
 from .state import DestinationLike, Shards
@@ -109,7 +110,9 @@ class InPlace:
 
     def __init__(self, dst: DestinationLike, *, strict: bool, phase: str, verify: bool = False) -> None:
         self.dst, self.phase, self.verify = dst, phase, verify
-        self.settings: Hashable = ("strict", bool(strict))
+        # with the block of the source's block-FP8 weights, which a mapping may cut (set by adapt)
+        self.strict = bool(strict)
+        self.settings: Hashable = (self.strict, DEFAULT_BLOCK)
         self._shards: Shards | None = None
         self._source: Source | None = None
 
@@ -120,6 +123,7 @@ class InPlace:
         return self._shards
 
     def adapt(self, source: Source) -> Source:
+        self.settings = (self.strict, fp8_block(source))
         self._source = for_destination(source, self.shards.entries())
         return self._source
 
@@ -136,7 +140,8 @@ class InPlace:
         settings: Hashable,
     ) -> Planned:
         """Resolve with the destination layout, check the fit, cut to destination boxes and plan."""
-        targets = resolve(mapping, layout, dest=dest)
+        assert isinstance(settings, tuple)
+        targets = resolve(mapping, layout, dest=dest, fp8_block=settings[1])
         why = provenance(mapping if mapping is not None else Mapping.parse([]), layout.keys(), dest.keys())
         fit, report = check_targets(targets, dest, why)
         boxes = box_targets(fit, dest, layout)
@@ -153,7 +158,7 @@ class InPlace:
 
     def start(self, prepared: Prepared) -> None:
         notes = prepared.planned.notes
-        if self.settings == ("strict", True) and not notes.report.ok:
+        if self.strict and not notes.report.ok:
             raise load_error(notes.report, notes.problems)  # the same lists on every rank
 
     def take(self, name: str, tensor: torch.Tensor) -> None:

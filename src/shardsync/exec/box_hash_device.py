@@ -72,7 +72,7 @@ def run_values(
     """
     lead, start, stop, c0, c1 = run
     where: tuple[int | slice | EllipsisType, ...] = (*lead, slice(start, stop), Ellipsis, slice(c0, c1))
-    out = view[where]
+    out = view[where].resolve_conj().resolve_neg()  # lazy conj/neg bits: their bytes are not values
     for c in casts:
         out = out.to(to_torch_dtype(c))
     return out

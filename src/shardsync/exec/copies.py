@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import os
 import threading
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from typing import Any
 
 import numpy as np
@@ -100,9 +100,15 @@ def _torch_small(dst: torch.Tensor, src: torch.Tensor) -> None:
     if dst.numel() <= TORCH_GRAIN or dst.dim() == 0:
         dst.copy_(src)
         return
-    if dst.dim() > 2:  # the dims before the last two, one by one
-        for i in range(dst.shape[0]):
-            _torch_small(dst[i], src[i])
+    if dst.dim() > 2:  # the dims before the last two: a row at a time, or short rows in blocks
+        row = dst[0].numel()
+        if row > TORCH_GRAIN // 2:
+            for i in range(dst.shape[0]):
+                _torch_small(dst[i], src[i])
+            return
+        step = TORCH_GRAIN // max(1, row)  # a copy_ per row of (2, 4) would cost far more than its bytes
+        for i in range(0, dst.shape[0], step):
+            dst[i : i + step].copy_(src[i : i + step])
         return
     if dst.dim() == 1:
         for i in range(0, dst.shape[0], TORCH_GRAIN):
@@ -130,22 +136,25 @@ def _run(jobs: list[tuple[Any, Any, Any]]) -> None:
     """Run ``jobs`` on this thread and the pool's: each thread takes the next job until none is left,
     so a thread that is descheduled holds up one chunk, not a share fixed in advance."""
     queue, lock = iter(jobs), threading.Lock()
+    inference = torch.is_inference_mode_enabled()  # thread-local: targets made under it need it to be written
 
     def work() -> None:
-        while True:
-            with lock:
-                job = next(queue, None)
-            if job is None:
-                return
-            fn, a, b = job
-            fn(a, b)
+        with torch.inference_mode(inference):
+            while True:
+                with lock:
+                    job = next(queue, None)
+                if job is None:
+                    return
+                fn, a, b = job
+                fn(a, b)
 
     helpers = [_get_pool().submit(work) for _ in range(min(copy_threads(), len(jobs)) - 1)]
     try:
         work()
-    finally:  # the targets' memory is written until every helper is done
-        for f in helpers:
-            f.result()
+    finally:  # the targets' memory is written until every helper is done, failed or not
+        wait(helpers)
+    for f in helpers:
+        f.result()
 
 
 @torch.no_grad()
