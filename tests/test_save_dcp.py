@@ -164,3 +164,26 @@ def test_killed_save_leaves_old_or_new(tmp_path: Path, kill_before: str, crasher
     shardsync.save(new, tmp_path, overwrite=True)  # cleans up what the killed save left
     assert torch.equal(load_full(tmp_path, old)["w"], new["w"])
     assert len(list(tmp_path.glob("*.distcp"))) == 1
+
+
+def _take_fails_on_rank_1(rank: int, world: int, out: str) -> tuple:
+    from shardsync.io import save_dcp as module
+
+    if rank == 1:
+
+        def failing(name: str, tensor: torch.Tensor, *args: object) -> list:
+            raise MemoryError(f"no memory to hold {name!r}")
+
+        module.written = failing  # type: ignore[assignment]
+    try:
+        shardsync.save_dcp(full_state(), out)
+    except shardsync.DistributedError as exc:
+        return exc.phase, sorted(exc.failures), "no memory to hold" in str(exc)
+    return ("no error",)
+
+
+def test_a_target_one_rank_cannot_hold_fails_every_rank_before_writing(tmp_path: Path) -> None:
+    # the failing rank keeps serving the stream, and the next agreed phase raises its error on both
+    out = run_ranks(_take_fails_on_rank_1, 2, str(tmp_path / "dcp"), timeout=240, group_timeout=600)
+    assert out == [("save_dcp: hold targets", [1], True)] * 2
+    assert not (tmp_path / "dcp" / ".metadata").exists()

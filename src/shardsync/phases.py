@@ -38,6 +38,7 @@ __all__ = [
     "DCP_VALIDATE",
     "DCP_REMOVE_OLD",
     "SAVE_DCP_CHECK",
+    "SAVE_DCP_TAKE",
     "SYNC_PREFLIGHT",
     "SYNC_OPTIMIZER_CHANGED",
     "SYNC_OPTIMIZER_STATES",
@@ -72,6 +73,7 @@ PHASES: Final = MappingProxyType(
         "SAVE_HF_WRITE": "save_hf: write files",
         "SAVE_HF_COMMIT": "save_hf: commit",
         "SAVE_DCP_CHECK": "save_dcp: check options",
+        "SAVE_DCP_TAKE": "save_dcp: hold targets",
         "DCP_CHECK": "save: check",
         "DCP_VALIDATE": "save: validate layout",
         "DCP_REMOVE_OLD": "save: remove the old generation",
@@ -103,6 +105,7 @@ SAVE_HF_MOVE: Final = PHASES["SAVE_HF_MOVE"]
 SAVE_HF_WRITE: Final = PHASES["SAVE_HF_WRITE"]
 SAVE_HF_COMMIT: Final = PHASES["SAVE_HF_COMMIT"]
 SAVE_DCP_CHECK: Final = PHASES["SAVE_DCP_CHECK"]
+SAVE_DCP_TAKE: Final = PHASES["SAVE_DCP_TAKE"]
 DCP_CHECK: Final = PHASES["DCP_CHECK"]
 DCP_VALIDATE: Final = PHASES["DCP_VALIDATE"]
 DCP_REMOVE_OLD: Final = PHASES["DCP_REMOVE_OLD"]

@@ -90,6 +90,7 @@ class DcpFiles(ToConsumers):
         self.path, self.rank, self.dtype, self.fp8, self.overwrite = path, rank, dtype, fp8, overwrite
         self.cast_unscaled_fp8 = cast_unscaled_fp8
         self.state: dict[str, torch.Tensor] = {}
+        self.error: Exception | None = None  # the first target this rank failed to take
         self.bar = progress_bar(progress, rank, "save_dcp")
 
     def adapt(self, source: Source) -> Source:
@@ -108,13 +109,20 @@ class DcpFiles(ToConsumers):
             self.bar.total = sum(math.prod(t.shape) * itemsize(output_dtype(t.dtype, self.dtype)) for t in mine)
 
     def take(self, name: str, tensor: torch.Tensor) -> None:
-        pieces = written(name, tensor, self.fp8, self.dtype)
+        if self.error is not None:
+            return
+        try:
+            pieces = written(name, tensor, self.fp8, self.dtype)
+        except Exception as exc:  # reported in the next agreed phase: this rank keeps serving the stream
+            self.error = exc
+            return
         self.state.update(pieces)
         if self.bar is not None:
             self.bar.update(sum(t.numel() * t.element_size() for _, t in pieces))
 
     def finish(self, prepared: Prepared, stats: Stats) -> Metadata:
         self._close_bar()  # the stream is done
+        agree(phases.SAVE_DCP_TAKE, lambda: _raise(self.error), prepared.call.group)  # on every rank
         from .dcp_writer import save  # local: torch.distributed.checkpoint is slow to import
 
         return save(self.state, self.path, group=prepared.call.group, overwrite=self.overwrite)
@@ -203,3 +211,8 @@ def save_dcp(
         cast_unscaled_fp8=cast_unscaled_fp8,
     )
     return run(Call(source, mapping, sink, opts, group), sink)
+
+
+def _raise(error: BaseException | None) -> None:
+    if error is not None:
+        raise error
