@@ -205,3 +205,15 @@ def test_casts_of_permuted_boxes_of_three_or_more_dims(small_chunks: None, shape
     out = torch.full(shape, -1.0, dtype=torch.bfloat16)
     copy_into(out, src)
     assert torch.equal(out, src.to(torch.bfloat16))
+
+
+def test_overlapping_copies_are_torch_copies(small_chunks: None) -> None:
+    buf = torch.arange(1000.0)
+    copy_into(buf[1:], buf[:-1].clone())  # separate memory: cut in chunks
+    assert torch.equal(buf[1:], torch.arange(999.0))
+    shared = torch.arange(1000.0)
+    with pytest.raises(RuntimeError, match="overlap|internal overlap|memory location"):
+        copy_into(shared[1:], shared[:-1])  # one storage: copy_ decides (it refuses an overlap)
+    sparse = torch.zeros(40, 40).to_sparse()
+    copy_into(sparse, torch.eye(40).to_sparse())  # sparse: torch's copy_ as well
+    assert torch.equal(sparse.to_dense(), torch.eye(40))

@@ -82,6 +82,15 @@ def _as_ints(t: torch.Tensor) -> np.ndarray:
     return t.view(_INTS[t.element_size()]).numpy()
 
 
+def _plain(dst: torch.Tensor, src: torch.Tensor) -> bool:
+    """Whether both are dense CPU tensors in separate memory (the cases shardsync cuts in chunks);
+    sparse tensors, other devices, and a copy within one storage are left to ``copy_``."""
+    return (
+        all(t.device.type == "cpu" and t.layout == torch.strided for t in (dst, src))
+        and dst.untyped_storage().data_ptr() != src.untyped_storage().data_ptr()
+    )
+
+
 def _raw(dst: torch.Tensor, src: torch.Tensor) -> bool:
     """Whether the copy is a move of bytes that numpy can do on row runs (not for a lazily conjugated
     or negated view: its bytes are not its values)."""
@@ -171,8 +180,8 @@ def copy_into(dst: torch.Tensor, src: torch.Tensor) -> None:
     """
     if dst.shape != src.shape:
         raise ValueError(f"copy_into: shapes differ, {tuple(dst.shape)} and {tuple(src.shape)}")
-    if dst.numel() <= TORCH_GRAIN or dst.device.type != "cpu" or src.device.type != "cpu":
-        dst.copy_(src)  # torch copies this on the calling thread alone
+    if dst.numel() <= TORCH_GRAIN or not _plain(dst, src):
+        dst.copy_(src)  # torch copies this on the calling thread alone, or knows what it is
         return
     dst, src = dst.detach(), src.detach()  # the pool's threads do not share this one's no_grad
     if dst.is_contiguous() and src.is_contiguous():  # one run of elements: chunks of any length
