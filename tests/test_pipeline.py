@@ -221,9 +221,10 @@ def test_every_verb_checks_its_options_when_called(tmp_path: Path) -> None:
 def test_save_hf_s_old_argument_names_warn_and_write_the_same_files(tmp_path: Path) -> None:
     state = {"a": arange_tensor((9,)), "b": arange_tensor((4, 3)), "c": arange_tensor((5,))}
     shardsync.save_hf(state, tmp_path / "new", max_file_size=40)
-    with pytest.warns(DeprecationWarning, match=r"out_dir=.*deprecated"):
+    with pytest.warns(DeprecationWarning, match=r"out_dir=.*deprecated") as warned:
         with pytest.warns(DeprecationWarning, match=r"max_shard_size=.*deprecated"):
             shardsync.save_hf(state, out_dir=tmp_path / "old", max_shard_size=40)
+    assert {w.filename for w in warned} == {__file__}  # the warnings point at the caller's line
     new = sorted((tmp_path / "new").iterdir())
     assert [p.name for p in new] == sorted(p.name for p in (tmp_path / "old").iterdir()) and len(new) > 2
     assert all(p.read_bytes() == (tmp_path / "old" / p.name).read_bytes() for p in new)
@@ -283,3 +284,18 @@ def test_a_checkpoint_opened_from_a_path_is_closed_by_the_verb(tmp_path: Path, m
     source = SafetensorsSource(tmp_path / "ck")  # a source the caller opened is the caller's to close
     _ = [t for _, t in shardsync.full_params(source)]
     assert len(closed) == 4
+
+
+def test_the_fp8_block_comes_from_the_sources_and_must_agree() -> None:
+    from shardsync.layout import local_layout
+    from shardsync.stream import ToConsumers
+
+    codes = torch.zeros(4, 6).to(torch.float8_e4m3fn)
+    mine = tuple(local_layout({"w": codes, "w_scale_inv": torch.ones(2, 2)}))
+    ranks = [pipeline._RankLayout(mine, (), None, (2, 3)), pipeline._RankLayout(mine, (), None, (2, 3))]
+    planned = pipeline._planned(ToConsumers.plan, tuple(ranks), None, PlanOptions(), "whole targets", False)
+    # the scales follow the block: a [4, 6] weight in blocks of [2, 3] has [2, 2] scales, one target
+    assert [t.name for t in planned.plan.targets] == ["w", "w_scale_inv"]
+    ranks[1] = pipeline._RankLayout(mine, (), None, (128, 128))
+    with pytest.raises(PlanError, match=r"different blocks \[\(2, 3\), \(128, 128\)\]"):
+        pipeline._planned(ToConsumers.plan, tuple(ranks), None, PlanOptions(), "whole targets", False)

@@ -28,11 +28,12 @@ from .exec.digests import Part, combine, local_sums, owners
 from .layout import GlobalLayout
 from .layout.meta import LayoutEntry, check_replicas, without_values
 from .mapping import Mapping as ParsedMapping
-from .mapping import MappingLike, resolve
+from .mapping import MappingLike
+from .pipeline import resolve_checked
 from .planning.model import Read
 from .planning.reads import build_reads
 from .planning.validate import check_inputs
-from .quant.fp8 import DEFAULT_BLOCK, Block, check_fp8_casts
+from .quant.fp8 import DEFAULT_BLOCK, Block
 from .sources import Source, SourceLike, open_source, spread
 from .sources.fp8 import fp8_block
 
@@ -71,8 +72,7 @@ def _job(
 ) -> _Job:
     # Cached: a loop that digests the same layout every step resolves and cuts once.
     layout = GlobalLayout.merge(gathered)
-    targets = resolve(mapping, layout, fp8_block=block)
-    check_fp8_casts(targets, {k: layout[k].dtype for k in layout.keys()})  # codes are not values
+    targets = resolve_checked(mapping, layout, block)
     check_inputs(targets, layout)
     reads, copies = build_reads(targets, [()] * len(targets), layout, layout.world_size)
     parts = tuple(Part(ti, c.read, c.piece, t.shape, t.dtype) for ti, t in enumerate(targets) for c in copies[ti])
@@ -157,13 +157,14 @@ def digest(
 
     opened = agree(DIGEST_GATHER_PHASE, open_, group, share=_Opened.shared, unanimous=True)
     rank = ranks.rank if ranks is not None else 0
+    block = fp8_block(opened.mine.source)
 
     def mine() -> list[int]:  # inside the phase: a bad mapping or layout fails on every rank together
-        job = _agreed_job(opened.all, opened.mine.mapping, fp8_block(opened.mine.source))
+        job = _agreed_job(opened.all, opened.mine.mapping, block)
         return local_sums(job.parts, job.reads, job.owners, opened.mine.source, rank, len(job.names))
 
     sums = combine(mine, group)
-    job = _agreed_job(opened.all, opened.mine.mapping, fp8_block(opened.mine.source))  # cached: ``mine``'s
+    job = _agreed_job(opened.all, opened.mine.mapping, block)  # cached: ``mine``'s
     return {n: finish(s, shape, dtype) for n, s, shape, dtype in zip(job.names, sums, job.shapes, job.dtypes)}
 
 

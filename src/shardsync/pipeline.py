@@ -45,11 +45,13 @@ from .layout import GlobalLayout
 from .layout.box import Box
 from .layout.meta import LayoutEntry, check_replicas, without_values
 from .mapping import Mapping as ParsedMapping
-from .mapping import MappingLike
+from .mapping import MappingLike, TargetSpec, resolve
 from .options import Options
 from .planning import Plan, PlanOptions
 from .planning.mesh import Topology, build_topology
+from .quant.fp8 import DEFAULT_BLOCK, Block, check_fp8_casts
 from .sources import FileSource, Source, SourceLike, open_path, open_source, spread
+from .sources.fp8 import fp8_block
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -65,6 +67,7 @@ __all__ = [
     "run",
     "first_phase",
     "release_plans",
+    "resolve_checked",
 ]
 
 R = TypeVar("R", covariant=True)
@@ -88,7 +91,8 @@ class Destination(Protocol):
     2. ``entries()`` once, while the layout is gathered: this rank's destination shards (empty when
        the targets are new tensors).
     3. ``plan(...)`` (a static function of its arguments: the orchestrator caches it by them) on
-       every rank, only when some rank's layout changed since the group's last call.
+       every rank, only when some rank's layout changed since the group's last call; ``block`` is
+       the block of the sources' block-FP8 weights (:func:`resolve_checked` takes it).
     4. ``into(planned)`` once before data moves: the memory target ``t`` is written into, or None for
        fresh memory (yielded to the consumer).
 
@@ -125,6 +129,7 @@ class Destination(Protocol):
         options: PlanOptions,
         topology: Topology | None,
         settings: Hashable,
+        block: Block,
     ) -> Planned:
         """Resolve ``mapping`` over ``layout`` for ``dest`` and plan it (pure: the same on every rank)."""
         ...
@@ -209,10 +214,11 @@ class _RankLayout(NamedTuple):
     entries: tuple[LayoutEntry, ...]
     dest: tuple[LayoutEntry, ...]
     mesh: MeshPlace | None
+    block: Block = DEFAULT_BLOCK  # of the source's block-FP8 weights (config.json's, or 128 x 128)
     host: HostChoice | None = None
 
     def key(self) -> _RankLayout:
-        return _RankLayout(without_values(self.entries), without_values(self.dest), self.mesh)
+        return _RankLayout(without_values(self.entries), without_values(self.dest), self.mesh, self.block)
 
 
 class _Opened(NamedTuple):
@@ -262,7 +268,9 @@ def release_plans() -> None:
 
 def _open(call: Call, ranks: GroupRanks | None) -> _Opened:
     files = open_path(call.source) if isinstance(call.source, (str, os.PathLike)) else None
-    source = call.destination.adapt(files or open_source(call.source, call.options.replica_check))
+    opened = files or open_source(call.source, call.options.replica_check)
+    block = fp8_block(opened)  # before adapt: a source read as values hides its blocks
+    source = call.destination.adapt(opened)
     if ranks is not None and call.destination.spreads:
         source = spread(source, ranks.rank, ranks.world)
     backend = call.options.plan.backend
@@ -272,7 +280,7 @@ def _open(call: Call, ranks: GroupRanks | None) -> _Opened:
     place = None
     if call.groups is not None:  # a single process is a 1 x 1 mesh
         place = local_mesh_info(call.groups, ranks) if ranks is not None else MeshPlace((0,), (0,))
-    layout = _RankLayout(tuple(source.entries()), tuple(call.destination.entries()), place, host)
+    layout = _RankLayout(tuple(source.entries()), tuple(call.destination.entries()), place, block, host)
     return _Opened(source, layout, files)
 
 
@@ -312,7 +320,35 @@ def _planned(
     layout = GlobalLayout.merge([r.entries for r in gathered])
     dest = GlobalLayout.merge([r.dest for r in gathered])
     topology = build_topology(*zip(*[r.mesh for r in gathered])) if meshed else None
-    return plan(mapping, layout, dest, options, topology, settings)
+    blocks = {r.block for r in gathered if r.entries}
+    if len(blocks) > 1:
+        raise PlanError(
+            f"the ranks' sources have block-FP8 weights in different blocks {sorted(blocks)}; "
+            "give every rank the same checkpoint (config.json's weight_block_size)"
+        )
+    return plan(mapping, layout, dest, options, topology, settings, blocks.pop() if blocks else DEFAULT_BLOCK)
+
+
+def resolve_checked(
+    mapping: ParsedMapping | None, layout: GlobalLayout, block: Block, dest: GlobalLayout | None = None
+) -> list[TargetSpec]:
+    """The targets of ``mapping`` over ``layout`` (for ``dest``, when given), block-FP8 weights cut in
+    blocks of ``block``: what every destination plans from.
+
+    Raises:
+        MappingError: the mapping is wrong.
+        LayoutError: a target casts FP8 codes to another dtype without their scales.
+
+    Example:
+        >>> import torch
+        >>> from shardsync.layout import local_layout
+        >>> layout = GlobalLayout.merge([local_layout({"w": torch.ones(2)})])
+        >>> [t.name for t in resolve_checked(None, layout, DEFAULT_BLOCK)]
+        ['w']
+    """
+    targets = resolve(mapping, layout, dest=dest, fp8_block=block)
+    check_fp8_casts(targets, {k: layout[k].dtype for k in layout.keys()})  # codes are not values
+    return targets
 
 
 def _agree_on_plan(gathered: list[_RankLayout], call: Call) -> Planned:

@@ -27,9 +27,9 @@ from .exec.shm import TransportChoice
 from .layout import GlobalLayout
 from .layout.meta import LayoutEntry
 from .mapping import Mapping as ParsedMapping
-from .mapping import MappingLike, resolve
+from .mapping import MappingLike
 from .options import Options
-from .pipeline import Call, Planned, Prepared, execute_into, first_phase, prepare
+from .pipeline import Call, Planned, Prepared, execute_into, first_phase, prepare, resolve_checked
 from .planning import (
     DEFAULT_BUCKET_BYTES,
     DEFAULT_MESH_THRESHOLD_BYTES,
@@ -40,10 +40,9 @@ from .planning import (
     build_plan,
 )
 from .planning.mesh import Topology
-from .quant.fp8 import DEFAULT_BLOCK, check_fp8_casts
+from .quant.fp8 import DEFAULT_BLOCK, Block
 from .sources import Source, SourceLike
 from .sources.fingerprint import ReplicaCheck
-from .sources.fp8 import fp8_block
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -80,19 +79,10 @@ class ToConsumers:
     phase = phases.STREAM
     spreads = True
 
-    kind = "whole targets"
-
-    def __init__(self) -> None:
-        # with the block of the source's block-FP8 weights, which a mapping may cut (set by adapt)
-        self.settings: Hashable = (self.kind, DEFAULT_BLOCK)
+    settings: Hashable = "whole targets"
 
     def adapt(self, source: Source) -> Source:
-        self.note_block(source)
         return source
-
-    def note_block(self, source: Source) -> None:
-        """Plan with the block of ``source``'s block-FP8 weights (``config.json``'s, or 128 x 128)."""
-        self.settings = (self.kind, fp8_block(source))
 
     def entries(self) -> Sequence[LayoutEntry]:
         return ()
@@ -105,11 +95,10 @@ class ToConsumers:
         options: PlanOptions,
         topology: Topology | None,
         settings: Hashable,
+        block: Block,
     ) -> Planned:
         """Resolve the mapping into targets and plan them for their consumers."""
-        assert isinstance(settings, tuple)
-        targets = resolve(mapping, layout, fp8_block=settings[1])
-        check_fp8_casts(targets, {k: layout[k].dtype for k in layout.keys()})
+        targets = resolve_checked(mapping, layout, block)
         plan = build_plan(targets, layout, options, topology)
         return Planned(plan, plan.fingerprint())
 

@@ -11,7 +11,6 @@ command removes what they had written but not committed: one line, exit status 1
 from __future__ import annotations
 
 import contextlib
-import gc
 import logging
 import os
 import signal
@@ -26,7 +25,7 @@ from .common import command_logging
 from .convert import ConvertConfig, Converted, prepare, write
 from .messages import INTERRUPTED, one_line
 
-__all__ = ["launch", "launched_world", "run_launched", "leave_group", "WorkerFailed"]
+__all__ = ["launch", "launched_world", "run_launched", "WorkerFailed"]
 
 #: Seconds between the launcher's checks on its workers.
 MONITOR_SECONDS = 0.1
@@ -75,26 +74,7 @@ def _worker(cfg: ConvertConfig, warn: bool = False, die_on_interrupt: bool = Fal
         line, status = one_line("convert", exc)
         return _Outcome(None, line, status)
     finally:
-        leave_group()
-
-
-def leave_group() -> None:
-    """Destroy the process group and let gloo's worker threads end now, while the interpreter is whole.
-
-    A group that is destroyed but still referenced (by shardsync's caches, a reference cycle, or a
-    module that captured it, see ``shardsync/__init__.py``) keeps its worker threads; one that lets go of its
-    last collective while the interpreter finalises cannot take the GIL and aborts the process
-    ("terminate called without an active exception", SIGABRT) after the work is done. With the
-    caches released and the cycles collected, the group's last reference goes here and its threads
-    are joined.
-    """
-    import torch.distributed as dist
-
-    from ..caches import release
-
-    release()
-    dist.destroy_process_group()
-    gc.collect()
+        dist.destroy_process_group()
 
 
 @contextlib.contextmanager

@@ -25,16 +25,15 @@ from ..exec import Stats
 from ..exec.shm import TransportChoice
 from ..layout.box import Box
 from ..layout.meta import GlobalLayout, LayoutEntry
-from ..mapping import Mapping, MappingLike, resolve
+from ..mapping import Mapping, MappingLike
 from ..options import Options
-from ..pipeline import Call, Planned, Prepared, first_phase, run
+from ..pipeline import Call, Planned, Prepared, first_phase, resolve_checked, run
 from ..planning import DEFAULT_BUCKET_BYTES, Plan, PlanOptions, build_plan
 from ..planning.destinations import box_targets
 from ..planning.mesh import Topology
-from ..quant.fp8 import DEFAULT_BLOCK, check_fp8_casts, check_fp8_fills
+from ..quant.fp8 import Block, check_fp8_casts, check_fp8_fills
 from ..sources import Source, SourceLike
 from ..sources.fingerprint import ReplicaCheck
-from ..sources.fp8 import fp8_block
 from ..sources.fp8_quantized import for_destination
 from .check import Mismatch, Report, check_targets, describe, load_error, provenance
 from .state import DestinationLike, Shards
@@ -110,9 +109,8 @@ class InPlace:
 
     def __init__(self, dst: DestinationLike, *, strict: bool, phase: str, verify: bool = False) -> None:
         self.dst, self.phase, self.verify = dst, phase, verify
-        # with the block of the source's block-FP8 weights, which a mapping may cut (set by adapt)
         self.strict = bool(strict)
-        self.settings: Hashable = (self.strict, DEFAULT_BLOCK)
+        self.settings: Hashable = ("strict", bool(strict))
         self._shards: Shards | None = None
         self._source: Source | None = None
 
@@ -123,7 +121,6 @@ class InPlace:
         return self._shards
 
     def adapt(self, source: Source) -> Source:
-        self.settings = (self.strict, fp8_block(source))
         self._source = for_destination(source, self.shards.entries())
         return self._source
 
@@ -138,15 +135,15 @@ class InPlace:
         options: PlanOptions,
         topology: Topology | None,
         settings: Hashable,
+        block: Block,
     ) -> Planned:
         """Resolve with the destination layout, check the fit, cut to destination boxes and plan."""
-        assert isinstance(settings, tuple)
-        targets = resolve(mapping, layout, dest=dest, fp8_block=settings[1])
+        targets = resolve_checked(mapping, layout, block, dest)
         why = provenance(mapping if mapping is not None else Mapping.parse([]), layout.keys(), dest.keys())
         fit, report = check_targets(targets, dest, why)
         boxes = box_targets(fit, dest, layout)
         dtypes = {k: layout[k].dtype for k in layout.keys()}
-        check_fp8_casts([b.spec for b in boxes], dtypes)
+        check_fp8_casts([b.spec for b in boxes], dtypes)  # the destination's dtype adds casts
         check_fp8_fills([(b.name, b.spec) for b in boxes], dtypes, dest.keys())
         plan = build_plan([b.spec for b in boxes], layout, replace(options, destinations=tuple(b.ranks for b in boxes)))
         notes = _Notes(report, describe(report, targets, why), tuple((b.name, b.box) for b in boxes))

@@ -51,6 +51,7 @@ from ..sources.safetensors_files import read_header
 
 __all__ = [
     "CheckpointNames",
+    "check_dcp_directory",
     "DirectoryState",
     "scan",
     "prepare_directory",
@@ -198,6 +199,26 @@ def complete_sets(present: Sequence[str], names: CheckpointNames) -> tuple[str, 
         for i in range(1, n + 1)
     ]
     return tuple(out)
+
+
+def check_dcp_directory(path: Path, overwrite: bool) -> None:
+    """Refuse ``path`` for a DCP checkpoint: a file, or a checkpoint already (unless ``overwrite``).
+
+    Raises:
+        FormatError: naming the path and the fix.
+
+    Example:
+        >>> import tempfile
+        >>> with tempfile.TemporaryDirectory() as d:
+        ...     check_dcp_directory(Path(d), overwrite=False)
+    """
+    if path.exists() and not path.is_dir():
+        raise FormatError(f"{path} is a file, not a directory; choose a directory for the checkpoint")
+    if (path / ".metadata").exists() and not overwrite:
+        raise FormatError(
+            f"{path} already holds a DCP checkpoint (.metadata); pass overwrite=True to "
+            "replace it, or choose another directory"
+        )
 
 
 def output_dir(path: str | os.PathLike[str], what: str = "the output directory") -> Path:

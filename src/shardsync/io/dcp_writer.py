@@ -39,7 +39,7 @@ from ..planning.validate import layout_problems, shard_boxes, tiling_problems
 from ..sources import LocalSource
 from ..sources.dcp_metadata import read_metadata
 from ..sources.megatron import megatron_module_error
-from .commit import fsync_path, new_tag, output_dir, remove_files
+from .commit import check_dcp_directory, fsync_path, new_tag, output_dir, remove_files
 
 __all__ = ["save", "BoxSavePlanner", "remove_partial"]
 
@@ -127,13 +127,7 @@ class _TaggedWriter(dcp.FileSystemWriter):
 
 
 def _check(path: Path, overwrite: bool, source: LocalSource) -> list[Any]:
-    if path.exists() and not path.is_dir():
-        raise FormatError(f"{path} is a file, not a directory; choose a directory for the checkpoint")
-    if (path / ".metadata").exists() and not overwrite:
-        raise FormatError(
-            f"{path} already holds a DCP checkpoint (.metadata); pass overwrite=True to "
-            "replace it, or choose another directory"
-        )
+    check_dcp_directory(path, overwrite)
     return source.entries()
 
 

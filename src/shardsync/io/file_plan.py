@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -23,7 +24,7 @@ from ..planning import TargetPlan, split_ranges
 from ..quant.fp8 import Fp8Quantize, scale_key, scale_shape
 from .safetensors_writer import starts_new_shard
 
-__all__ = ["FilePlan", "plan_files", "file_owners", "output_dtype", "written_tensors"]
+__all__ = ["FilePlan", "plan_files", "file_owners", "output_cast", "output_dtype", "written_tensors"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,6 +60,22 @@ class FilePlan:
     def weight_map(self) -> dict[str, int]:
         """Target name -> file index."""
         return {name: i for i, names in enumerate(self.files) for name in names}
+
+
+def output_cast(dtype: Any) -> torch.dtype | None:
+    """The dtype a writer casts floating targets to (None: each its own), checked.
+
+    Raises:
+        PlanError: ``dtype`` is not a floating dtype.
+
+    Example:
+        >>> output_cast("bf16"), output_cast(None)
+        (torch.bfloat16, None)
+    """
+    cast = None if dtype is None else to_torch_dtype(dtype)
+    if cast is not None and not cast.is_floating_point:
+        raise PlanError(f"dtype={dtype!r} is not a floating dtype; give e.g. torch.bfloat16 or 'bf16'")
+    return cast
 
 
 def output_dtype(dtype: str, cast: torch.dtype | None) -> str:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Iterable, Sequence
+from collections.abc import Hashable, Iterable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -23,9 +23,9 @@ import torch
 
 from .. import phases
 from ..dist import abandon, agree, group_rank, group_size
-from ..errors import FormatError, PlanError, ShardsyncError
+from ..errors import ShardsyncError
 from ..exec import Stats
-from ..layout.dtypes import itemsize, to_torch_dtype
+from ..layout.dtypes import itemsize
 from ..layout.meta import LayoutEntry
 from ..mapping import MappingLike
 from ..options import Options
@@ -34,8 +34,8 @@ from ..quant.fp8 import DEFAULT_BLOCK, Fp8Quantize, written
 from ..sources import Source, SourceLike
 from ..sources.fp8 import dequantized
 from ..stream import ToConsumers
-from .commit import output_dir
-from .file_plan import output_dtype
+from .commit import check_dcp_directory, output_dir
+from .file_plan import output_cast, output_dtype
 from .save_hf import progress_bar
 
 if TYPE_CHECKING:
@@ -46,17 +46,8 @@ __all__ = ["save_dcp", "DcpFiles"]
 
 def _check(path: str | os.PathLike, overwrite: bool, dtype: Any) -> tuple[Path, torch.dtype | None]:
     where = output_dir(path, "path")
-    if where.exists() and not where.is_dir():
-        raise FormatError(f"{where} is a file, not a directory; choose a directory for the checkpoint")
-    if (where / ".metadata").exists() and not overwrite:
-        raise FormatError(
-            f"{where} already holds a DCP checkpoint (.metadata); pass overwrite=True to "
-            "replace it, or choose another directory"
-        )
-    cast = None if dtype is None else to_torch_dtype(dtype)
-    if cast is not None and not cast.is_floating_point:
-        raise PlanError(f"dtype={dtype!r} is not a floating dtype; give e.g. torch.bfloat16 or 'bf16'")
-    return where, cast
+    check_dcp_directory(where, overwrite)
+    return where, output_cast(dtype)
 
 
 class DcpFiles(ToConsumers):
@@ -73,7 +64,7 @@ class DcpFiles(ToConsumers):
         ['w']
     """
 
-    kind = "dcp files"
+    settings: Hashable = "dcp files"
 
     def __init__(
         self,
@@ -86,7 +77,6 @@ class DcpFiles(ToConsumers):
         progress: bool = False,
         cast_unscaled_fp8: bool = False,
     ) -> None:
-        super().__init__()
         self.path, self.rank, self.dtype, self.fp8, self.overwrite = path, rank, dtype, fp8, overwrite
         self.cast_unscaled_fp8 = cast_unscaled_fp8
         self.state: dict[str, torch.Tensor] = {}
@@ -94,7 +84,6 @@ class DcpFiles(ToConsumers):
         self.bar = progress_bar(progress, rank, "save_dcp")
 
     def adapt(self, source: Source) -> Source:
-        self.note_block(source)
         if self.dtype is None:
             return source
         # a dtype asks for values: block-FP8 weights are dequantised

@@ -32,16 +32,16 @@ from ..dist import abandon, agree, group_rank, group_size
 from ..errors import PlanError, ShardsyncError
 from ..exec import Stats
 from ..layout import GlobalLayout
-from ..layout.dtypes import dtype_name, itemsize, to_torch_dtype
+from ..layout.dtypes import dtype_name, itemsize
 from ..layout.meta import LayoutEntry
-from ..mapping import Mapping, MappingLike, resolve
+from ..mapping import Mapping, MappingLike
 from ..options import Options
-from ..pipeline import Call, Planned, Prepared, run
+from ..pipeline import Call, Planned, Prepared, resolve_checked, run
 from ..planning import PlanOptions, TargetPlan, build_plan
 from ..planning.mesh import Topology
-from ..quant.fp8 import DEFAULT_BLOCK, Block, Fp8Quantize, check_fp8_casts, quantization_config, written
+from ..quant.fp8 import DEFAULT_BLOCK, Block, Fp8Quantize, quantization_config, written
 from ..sources import Source, SourceLike
-from ..sources.fp8 import dequantized, fp8_block
+from ..sources.fp8 import dequantized
 from .commit import (
     CheckpointNames,
     DirectoryState,
@@ -52,7 +52,7 @@ from .commit import (
     remove_files,
     remove_uncommitted,
 )
-from .file_plan import FilePlan, file_owners, output_dtype, plan_files
+from .file_plan import FilePlan, file_owners, output_cast, output_dtype, plan_files
 from .hf_files import copy_files, extra_files
 from .safetensors_writer import WriteResult, parse_size, work_dir, write_shard
 
@@ -95,9 +95,7 @@ def _check(
     directory = output_dir(out, "path")
     names = CheckpointNames("model")
     limit = parse_size(max_file_size)
-    cast = None if dtype is None else to_torch_dtype(dtype)
-    if cast is not None and not cast.is_floating_point:
-        raise PlanError(f"dtype={dtype!r} is not a floating dtype; give e.g. torch.bfloat16 or 'bf16'")
+    cast = output_cast(dtype)
     files = extra_files(extras, config_from, names)
     old = prepare_directory(directory, names, overwrite)  # leftovers are removed at the commit
     return _Job(
@@ -230,7 +228,6 @@ class _Packing(NamedTuple):
     cast: torch.dtype | None
     fp8: Fp8Quantize | None
     world: int
-    block: Block = DEFAULT_BLOCK  # of the source's block-FP8 weights (a mapping may cut them)
 
 
 class Files:
@@ -259,8 +256,6 @@ class Files:
         self.part = _PartWriter(job, rank, progress_bar(progress, rank, "save_hf"))
 
     def adapt(self, source: Source) -> Source:
-        assert isinstance(self.settings, _Packing)
-        self.settings = self.settings._replace(block=fp8_block(source))
         if self.job.dtype is None:
             return source
         # a dtype asks for values: block-FP8 weights are dequantised
@@ -277,12 +272,12 @@ class Files:
         options: PlanOptions,
         topology: Topology | None,
         settings: Hashable,
+        block: Block,
     ) -> Planned:
         """Resolve, pack into files, and plan each target to its file's writer."""
         assert isinstance(settings, _Packing)
-        limit, cast, fp8, world, block = settings
-        targets = sorted(resolve(mapping, layout, fp8_block=block), key=lambda t: t.name)
-        check_fp8_casts(targets, {k: layout[k].dtype for k in layout.keys()})
+        limit, cast, fp8, world = settings
+        targets = sorted(resolve_checked(mapping, layout, block), key=lambda t: t.name)
         owners = file_owners(targets, limit, cast, fp8, world)
         plan = build_plan(targets, layout, replace(options, destinations=owners), topology)
         return Planned(plan, plan.fingerprint())
@@ -426,27 +421,21 @@ def save_hf(
 
 def _renamed(path: Any, out_dir: Any, size: Any, max_shard_size: Any) -> tuple[Any, Any]:
     """``path`` and ``max_file_size``, taking the deprecated ``out_dir=`` and ``max_shard_size=``."""
-    if out_dir is not None:
-        warnings.warn(
-            "save_hf(out_dir=...) is deprecated; pass path=... (or the directory as the second argument)",
-            DeprecationWarning,
-            stacklevel=3,
-        )
-        if path is not None:
-            raise PlanError("save_hf: pass path= only (out_dir= is its deprecated name)")
-        path = out_dir
+    path = _alias(path, out_dir, "path", "out_dir", "or the directory as the second argument")
     if path is None:
         raise PlanError("save_hf: pass the checkpoint directory, save_hf(source, path)")
-    if max_shard_size is not None:
-        warnings.warn(
-            "save_hf(max_shard_size=...) is deprecated; pass max_file_size=... (the same sizes)",
-            DeprecationWarning,
-            stacklevel=3,
-        )
-        if size is not None:
-            raise PlanError("save_hf: pass max_file_size= only (max_shard_size= is its deprecated name)")
-        size = max_shard_size
+    size = _alias(size, max_shard_size, "max_file_size", "max_shard_size", "the same sizes")
     return path, "5GB" if size is None else size
+
+
+def _alias(value: Any, old: Any, name: str, old_name: str, note: str) -> Any:
+    """``value``, or ``old`` given under its deprecated name (a DeprecationWarning); not both."""
+    if old is None:
+        return value
+    warnings.warn(f"save_hf({old_name}=...) is deprecated; pass {name}=... ({note})", DeprecationWarning, stacklevel=4)
+    if value is not None:
+        raise PlanError(f"save_hf: pass {name}= only ({old_name}= is its deprecated name)")
+    return old
 
 
 def _raise(error: BaseException | None) -> None:

@@ -296,17 +296,7 @@ class ReplicaSync:
         self._refresh()
         self.stats.grad_syncs += 1
         if is_distributed(self.group):
-            run_buckets(
-                "replica sync: grads",
-                self._grad_buckets,
-                self._by_name,
-                self.optimizer,
-                group=self.group,
-                src=self.src,
-                rank=self.rank,
-                world=self.world,
-                stats=self.stats,
-            )
+            self._exchange("replica sync: grads", self._grad_buckets)
         self._grads_done = True  # clipping may rescale them in place: never sync them twice
 
     def sync_params(self) -> None:
@@ -323,17 +313,7 @@ class ReplicaSync:
             return
         if self.states_op is not None:
             self._ensure_states()
-        run_buckets(
-            "replica sync: params",
-            self._post_buckets,
-            self._by_name,
-            self.optimizer,
-            group=self.group,
-            src=self.src,
-            rank=self.rank,
-            world=self.world,
-            stats=self.stats,
-        )
+        self._exchange("replica sync: params", self._post_buckets)
         if self.params == "mean":
             with torch.no_grad():
                 for rp in self._replicated:
@@ -351,9 +331,13 @@ class ReplicaSync:
         self._states_fixed = False
         self._ensure_states()
         items = self._post_items("broadcast", "broadcast")
+        self._exchange("replica sync: broadcast", build_buckets(items, self.bucket_bytes))
+
+    def _exchange(self, what: str, buckets: Sequence[Bucket]) -> None:
+        """Run ``buckets``' collectives on this group (``what`` names them in errors)."""
         run_buckets(
-            "replica sync: broadcast",
-            build_buckets(items, self.bucket_bytes),
+            what,
+            buckets,
             self._by_name,
             self.optimizer,
             group=self.group,
