@@ -13,21 +13,22 @@ another process falls on every variant alike) of:
 Each is the median of its rounds; the ratios are against ``read`` of the same run. The goal is
 ``digest files / read`` within 2.
 
-Part 2, two spawned gloo ranks (one thread each): the layers of bench/workload.py (``--layers``,
-default 4: 168 MB of fp32), each rank holding its tensor-parallel shards, resharded every step into
-the other split (column-parallel weights into row shards and back: half the bytes cross ranks), the
-same layouts every step, as an RL loop does. ``--steps`` interleaved pairs of ``reshard(...,
-verify=False)`` and ``verify=True`` (the order alternates), each timed as the slowest rank's; medians
-and their ratio.
+Part 2, two spawned gloo ranks (torch's default threads each, as a user starts them): the layers of
+bench/workload.py (``--layers``, default 4: 168 MB of fp32), each rank holding its tensor-parallel
+shards, resharded every step into the other split (column-parallel weights into row shards and back:
+half the bytes cross ranks), the same layouts every step, as an RL loop does. ``--steps``
+interleaved pairs of ``reshard(..., verify=False)`` and ``verify=True`` (the order alternates), each
+timed as the slowest rank's; medians and their ratio.
 
 Run: ``.venv/bin/python bench/bench_digest.py`` (writes bench/results/digest.json and digest.md, or
-``--out``);
+``--out``); ``--busy`` measures next to another busy process (bench/busy.py);
 ``--mb 8 --layers 1 --rounds 1 --steps 1`` for a quick check that it runs (writes nothing).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import os
@@ -49,6 +50,7 @@ from shardsync.layout import LocalShard
 
 sys.path.insert(0, str(Path(__file__).parent))
 import workload  # noqa: E402  (bench/workload.py, beside this file)
+from busy import busy_process  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"
 MIB = 1 << 20
@@ -158,7 +160,6 @@ def _slowest(fn: Callable[[], object]) -> float:
 
 
 def verify_worker(rank: int, world: int, a: argparse.Namespace, store: str, out: str) -> None:
-    torch.set_num_threads(1)  # two ranks on a shared machine: one thread each
     dist.init_process_group(
         "gloo", init_method=f"file://{store}", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=600)
     )
@@ -218,18 +219,21 @@ def main() -> None:
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--steps", type=int, default=7)
     p.add_argument("--note", default="", help="the conditions (e.g. 'taskset -c 1, other jobs running')")
+    p.add_argument("--busy", action="store_true", help="measure next to another busy process (bench/busy.py)")
     p.add_argument("--out", type=Path, default=RESULTS / "digest.json", help="the JSON (and .md beside it)")
     a = p.parse_args()
     load = os.getloadavg()
-    doc = {
-        "date": datetime.datetime.now().isoformat(timespec="seconds"),
-        "torch": torch.__version__,
-        "machine": platform.processor() or platform.machine(),
-        "cpus": len(os.sched_getaffinity(0)),
-        "load": f"load average {load[0]:.1f} at the start" + (f"; {a.note}" if a.note else ""),
-        "digest": digest_part(a),
-        "verify": verify_part(a),
-    }
+    note = "; ".join(x for x in (a.note, "one other busy process (bench/busy.py)" if a.busy else "") if x)
+    with busy_process() if a.busy else contextlib.nullcontext():
+        doc = {
+            "date": datetime.datetime.now().isoformat(timespec="seconds"),
+            "torch": torch.__version__,
+            "machine": platform.processor() or platform.machine(),
+            "cpus": len(os.sched_getaffinity(0)),
+            "load": f"load average {load[0]:.1f} at the start" + (f"; {note}" if note else ""),
+            "digest": digest_part(a),
+            "verify": verify_part(a),
+        }
     print(json.dumps(doc, indent=1))
     if a.mb >= 256:
         a.out.parent.mkdir(parents=True, exist_ok=True)

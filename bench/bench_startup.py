@@ -8,16 +8,15 @@ Jobs, each a fresh process with default thread settings (nothing pinned), timed 
   starting the workers (torch's launcher, two spawned interpreters importing torch) costs.
 
 Rounds are interleaved (one of each job per round) and medians reported with the range, so a busy
-moment hits every job alike. Run: ``.venv/bin/python bench/bench_startup.py [--rounds N]``, once on
-a quiet machine and once with another busy process (``--busy``: one spinning process started by the
-benchmark itself). Writes bench/results/startup.{json,md}.
+moment hits every job alike, on a quiet machine and then with another busy process (bench/busy.py:
+torch matmuls with default threads). Run: ``.venv/bin/python bench/bench_startup.py [--rounds N]``.
+Writes bench/results/startup.{json,md}.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing as mp
 import os
 import platform
 import statistics
@@ -28,12 +27,8 @@ import time
 from pathlib import Path
 
 RESULTS = Path(__file__).parent / "results"
-
-
-def _spin(stop: mp.synchronize.Event) -> None:  # the other busy process
-    x = 0
-    while not stop.is_set():
-        x += 1
+sys.path.insert(0, str(Path(__file__).parent))
+from busy import busy_process  # noqa: E402
 
 
 def _jobs(tmp: Path) -> dict[str, list[str]]:
@@ -112,24 +107,16 @@ def main() -> None:
         "rounds": args.rounds,
         "runs": {},
     }
-    for busy in (False, True):
-        stop = mp.Event()
-        spinner = mp.Process(target=_spin, args=(stop,)) if busy else None
-        if spinner is not None:
-            spinner.start()
-        try:
-            out["runs"]["busy" if busy else "quiet"] = report(measure(args.rounds), busy)
-        finally:
-            if spinner is not None:
-                stop.set()
-                spinner.join()
+    out["runs"]["quiet"] = report(measure(args.rounds), False)
+    with busy_process():
+        out["runs"]["busy"] = report(measure(args.rounds), True)
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "startup.json").write_text(json.dumps(out, indent=2))
     lines = [
         f"# Start-up ({out['machine']}; threads: {out['threads']}; medians of {args.rounds} interleaved "
         "rounds, range in brackets)",
         "",
-        "| job | quiet | busy (one other spinning process) |",
+        "| job | quiet | busy (one other process running torch matmuls) |",
         "|---|---|---|",
     ]
     for q, b in zip(out["runs"]["quiet"], out["runs"]["busy"]):

@@ -21,7 +21,6 @@ from __future__ import annotations
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -33,10 +32,10 @@ from shardsync.exec import assemble, copies, executor, shm
 
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_export import MAPPING, build_state  # noqa: E402
+from busy import busy_process  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"
 ROUNDS = 7
-BUSY = "import torch\na = torch.randn(512, 512)\nwhile True:\n    a = (a @ a).clamp_(-1, 1)\n"
 
 
 def _export(state: dict[str, torch.Tensor]) -> None:
@@ -98,13 +97,8 @@ def main() -> None:
         "state GB": round(sum(v.nbytes for v in state.values()) / 1e9, 3),
     }
     results["quiet"] = _summary(_rounds(state))
-    busy = subprocess.Popen([sys.executable, "-c", BUSY])
-    try:
-        time.sleep(2.0)  # the busy process is up and computing
+    with busy_process():
         results["one busy process"] = _summary(_rounds(state))
-    finally:
-        busy.kill()
-        busy.wait()
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "threads.json").write_text(json.dumps(results, indent=2) + "\n")
     md = [
