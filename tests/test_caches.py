@@ -65,6 +65,14 @@ def _fast_path_and_caches(rank: int, world: int, store: str) -> dict:
         len(registry._shm_plans),
         pipeline._planned.cache_info().currsize,
     )
+    _ = [t for _, t in full_params(src, strategy="broadcast")]
+    if rank == 0:
+        shardsync.release()  # on one rank only: the next call is out of step, named on both
+    try:
+        _ = [t for _, t in full_params(src, strategy="broadcast")]
+        out["released on one rank"] = "no error"
+    except shardsync.DistributedError as exc:
+        out["released on one rank"] = str(exc)
     return out
 
 
@@ -78,6 +86,12 @@ def test_fast_path_checks_replicas_and_caches_follow_the_group() -> None:
             "replicas differ:\n  'norm': ranks [0] vs ranks [1] hold box [0:5] with different values"
         ), (rank, o["drift"])
         assert o["released"] == (0, 0, 0, 0, 0), rank
+        assert o["released on one rank"] == (
+            f"phase '{'check layout' if rank == 1 else 'gather layout'}' failed on rank(s) [{1 - rank}]:\n"
+            f"  rank {1 - rank}: was in phase '{'gather layout' if rank == 1 else 'check layout'}' at the same "
+            "collective: the ranks are out of step (was shardsync.release() called on some ranks only? "
+            "call it on every rank of the group, or on none)"
+        ), (rank, o["released on one rank"])
 
 
 def test_release_in_a_single_process() -> None:

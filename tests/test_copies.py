@@ -217,3 +217,24 @@ def test_overlapping_copies_are_torch_copies(small_chunks: None) -> None:
     sparse = torch.zeros(40, 40).to_sparse()
     copy_into(sparse, torch.eye(40).to_sparse())  # sparse: torch's copy_ as well
     assert torch.equal(sparse.to_dense(), torch.eye(40))
+
+
+def test_a_copy_does_not_wait_for_a_helper_whose_core_is_busy() -> None:
+    # every pool thread is held elsewhere (as when the machine's other cores are busy): the caller
+    # copies every chunk itself and returns; the helpers it asked for are cancelled, never run late
+    pool, release = copies._get_pool(), threading.Event()
+    held = [pool.submit(release.wait, 30) for _ in range(copies.copy_threads())]
+    src = torch.arange(1_500_007, dtype=torch.float32)
+    dst = torch.empty_like(src)
+    copier = threading.Thread(target=copy_into, args=(dst, src))
+    try:
+        copier.start()
+        copier.join(10)
+        finished = not copier.is_alive()
+    finally:
+        release.set()
+        copier.join()
+        for f in held:
+            f.result()
+    assert finished, "copy_into waited for a pool thread that had not started"
+    assert torch.equal(dst, src)

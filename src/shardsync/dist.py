@@ -192,9 +192,9 @@ def agree(
     mine, local_exc = None, None
     try:
         mine = fn()
-        payload: tuple[bool, Any] = (True, mine if share is None else share(mine))
+        payload: tuple[bool, Any, str] = (True, mine if share is None else share(mine), phase)
     except Exception as exc:  # gathered below, raised on every rank
-        payload, local_exc = (False, describe(exc)), exc
+        payload, local_exc = (False, describe(exc), phase), exc
         roll.record_failure(payload[1])  # found by peers if the gather itself fails
     gathered: list[Any] = [None] * roll.ranks.world
     try:
@@ -205,13 +205,23 @@ def agree(
         if local_exc is not None:
             failures[roll.ranks.rank] = payload[1]
         raise _error(roll, failures) from exc
-    failures = {r: msg for r, (ok, msg) in enumerate(gathered) if not ok}
+    elsewhere = {r: other for r, (_, _, other) in enumerate(gathered) if other != phase}
+    if elsewhere:  # out of step: e.g. shardsync.release() called on some ranks only
+        raise _error(roll, {r: _out_of_step(other) for r, other in elsewhere.items()})
+    failures = {r: msg for r, (ok, msg, _) in enumerate(gathered) if not ok}
     if failures:
         same = len(failures) == len(gathered) and len(set(failures.values())) == 1
         if unanimous and same and isinstance(local_exc, ShardsyncError):
             raise local_exc
         raise _error(roll, failures) from local_exc
-    return Agreed(mine, [value for _, value in gathered])
+    return Agreed(mine, [value for _, value, _ in gathered])
+
+
+def _out_of_step(other: str) -> str:
+    return (
+        f"was in phase {other!r} at the same collective: the ranks are out of step (was "
+        "shardsync.release() called on some ranks only? call it on every rank of the group, or on none)"
+    )
 
 
 @contextlib.contextmanager

@@ -160,9 +160,12 @@ def _run(jobs: list[tuple[Any, Any, Any]]) -> None:
     helpers = [_get_pool().submit(work) for _ in range(min(copy_threads(), len(jobs)) - 1)]
     try:
         work()
-    finally:  # the targets' memory is written until every helper is done, failed or not
-        wait(helpers)
-    for f in helpers:
+    finally:
+        # a helper that has not started yet (its core is busy) is not waited for: it is cancelled, and
+        # this thread has done its share; the targets' memory is written until every started one is done
+        started = [f for f in helpers if not f.cancel()]
+        wait(started)
+    for f in started:
         f.result()
 
 
