@@ -13,7 +13,6 @@ import argparse
 import enum
 import json
 import os
-import pickle
 import shlex
 import sys
 import types
@@ -121,11 +120,14 @@ def test_format_errors(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     with pytest.raises(FormatError, match="no .metadata; the checkpoint is incomplete"):
         open_source(torn)
     evil = write_torch_dist(tmp_path / "evil", {QKV: torch.zeros(2, 3)})
-    (evil / "common.pt").write_bytes(pickle.dumps({"args": _Boom()}))
+    torch.save({"args": _Boom()}, evil / "common.pt")
     monkeypatch.chdir(tmp_path)
-    with pytest.raises(FormatError, match="cannot be loaded safely .weights_only=True."):
-        MegatronDistSource(evil).common()
+    boom = MegatronDistSource(evil).common()["args"]  # os.system is named, never imported nor called
+    assert isinstance(boom, Opaque) and (boom.qualname, boom.args) == (f"{os.name}.system", ("touch pwned",))
     assert not (tmp_path / "pwned").exists()
+    torch.save([1, 2], evil / "common.pt")
+    with pytest.raises(FormatError, match=r"common.pt: holds a list, not the dict Megatron saves"):
+        MegatronDistSource(evil).common()
 
 
 # -- the settings common.pt keeps, read without running code from it --------------------------------
@@ -169,6 +171,14 @@ def test_saved_args_give_the_config_and_nothing_else_is_built(
     }
     backend = config["attention_backend"]
     assert isinstance(backend, Opaque) and (backend.qualname, backend.args) == ("megatron_like_enums.AttnBackend", (5,))
+    common = MegatronDistSource(ckpt).common()  # the same reader: Megatron's enum is a stand-in too
+    assert common["iteration"] == 7 and common["args"].num_attention_heads == 8
+    assert isinstance(common["args"].attention_backend, Opaque) and isinstance(common["boom"], Opaque)
+    assert not (tmp_path / "pwned").exists()
+    monkeypatch.setenv("TORCH_FORCE_WEIGHTS_ONLY_LOAD", "1")
+    with pytest.raises(FormatError, match="TORCH_FORCE_WEIGHTS_ONLY_LOAD is set.*unset the variable"):
+        MegatronDistSource(ckpt).config()
+    monkeypatch.delenv("TORCH_FORCE_WEIGHTS_ONLY_LOAD")
     mapping = shardsync.Mapping.parse("megatron-llama-te", config=config)
     assert mapping.statements[0].render().endswith("keep=100")
     torch.save(

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import os
 import pathlib
 import pickle
 import types
@@ -97,7 +98,8 @@ def load_common(path: str | Path) -> Any:
     """A ``common.pt`` (any ``torch.save`` file), built as the module docstring says.
 
     Raises:
-        FormatError: the file is not a torch.save file.
+        FormatError: the file is not a torch.save file, or ``TORCH_FORCE_WEIGHTS_ONLY_LOAD`` is set (torch
+            then takes no reader but its own).
 
     Example:
         >>> import tempfile, argparse
@@ -106,6 +108,13 @@ def load_common(path: str | Path) -> Any:
         ...     load_common(f"{d}/common.pt")["args"].num_layers
         2
     """
+    if os.environ.get("TORCH_FORCE_WEIGHTS_ONLY_LOAD", "0").lower() in ("1", "y", "yes", "true"):
+        raise FormatError(
+            f"{path}: TORCH_FORCE_WEIGHTS_ONLY_LOAD is set, and torch then refuses the restricted reader "
+            "shardsync reads Megatron's saved args with (it builds no object the file names, but torch "
+            "takes only its own weights_only reader); unset the variable for this command, or give the "
+            "mapping's parameters with --set / a config.json"
+        )
     try:
         # weights_only=False only because torch refuses a pickle_module otherwise: _Unpickler builds
         # nothing beyond _PLAIN and dtypes, whatever the file names

@@ -41,7 +41,7 @@ from ..errors import FormatError, LayoutError
 from ..layout.box import Box
 from ..layout.meta import LayoutEntry
 from .dcp import METADATA_FILE, DcpSource
-from .megatron_config import checkpoint_config
+from .megatron_config import checkpoint_config, load_common
 
 __all__ = ["MegatronDistSource", "is_megatron_dist", "MEGATRON_METADATA_FILE", "COMMON_FILE"]
 
@@ -198,22 +198,17 @@ class MegatronDistSource:
         return torch.device("cpu")
 
     def common(self) -> dict[str, Any]:
-        """The checkpoint's ``common.pt`` (state that is not sharded), loaded with ``weights_only=True``.
+        """The checkpoint's ``common.pt`` (state that is not sharded), read without running its code
+        (:func:`~shardsync.sources.megatron_config.load_common`): containers, namespaces, tensors
+        and dtypes are rebuilt; an object of any other class the file names (Megatron's enums and
+        dataclasses, or anything a crafted file asks for) is an inert
+        :class:`~shardsync.sources.megatron_config.Opaque` with its name and arguments.
 
         Raises:
-            FormatError: the file holds objects beyond tensors, numbers and containers (e.g. an
-                ``argparse.Namespace`` from Megatron's training loop); nothing in it was run. Load it
-                yourself with ``torch.load(..., weights_only=False)`` only if you trust it.
+            FormatError: ``common.pt`` is not a torch.save file of a dict.
         """
         path = self.path / COMMON_FILE
-        try:
-            common = torch.load(path, map_location="cpu", weights_only=True)
-        except Exception as exc:  # weights_only refuses what it cannot load safely: say so, run nothing
-            raise FormatError(
-                f"{path}: cannot be loaded safely (weights_only=True): {exc}".split("\n")[0]
-                + "; load it with torch.load(weights_only=False) only if you trust "
-                "it"
-            ) from exc
+        common = load_common(path)
         if not isinstance(common, dict):
             raise FormatError(f"{path}: holds a {type(common).__name__}, not the dict Megatron saves")
         return common
