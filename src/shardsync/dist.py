@@ -233,8 +233,9 @@ def data_phase(phase: str, group: ProcessGroup | None = None) -> Iterator[None]:
     published for the peers and raised as a :class:`DistributedError` naming this rank (and any peer
     that already reported a failure); a transport failure names the culprit the roll call finds. After a
     local failure this rank's collectives are out of step with its peers' (they wait in one it will
-    never join), so the group is aborted (:func:`abort_group`): the peers fail at once and name this
-    rank, instead of after the group's timeout, and the group is not used again. A
+    never join), so the group is aborted (:func:`abort_group`) and not used again: this rank's pending
+    collectives are released, so its program can exit, and the peers fail and name this rank when
+    its process exits (or, if it keeps running, after the group's timeout). A
     generator suspended inside the phase that is closed early (its caller stopped iterating)
     publishes that, so the peers left waiting can name it.
 
@@ -266,8 +267,9 @@ def data_phase(phase: str, group: ProcessGroup | None = None) -> Iterator[None]:
 
 
 def abort_group(group: ProcessGroup | None) -> None:
-    """Abort ``group`` (None: the default group) on this rank: its connections close, so a peer blocked
-    in one of its collectives fails at once ("Connection closed by peer" under gloo). The group cannot
+    """Abort ``group`` (None: the default group) on this rank: its pending collectives are released.
+    Under gloo this does not close its connections: a peer blocked in one of its collectives fails
+    ("Connection closed by peer") when this process exits, or after the group's timeout. The group cannot
     be used again on this rank; make a new one (``destroy_process_group()``, ``init_process_group()``).
     A no-op when not distributed, or on a torch whose process groups cannot abort.
     """
