@@ -232,9 +232,7 @@ def _ceilings(ref: dict, world: int) -> dict[str, float]:
     }
 
 
-def _timed_passes(
-    variants: dict[str, Callable[[], Iterator]], rank: int, ref: dict, repeats: int
-) -> dict[str, float]:
+def _timed_passes(variants: dict[str, Callable[[], Iterator]], rank: int, ref: dict, repeats: int) -> dict[str, float]:
     """Best of ``repeats`` passes of each variant, round-robin; the first pass checks every target."""
     res = {name: float("inf") for name in variants}
     for rep in range(repeats + 1):

@@ -44,8 +44,7 @@ def conditions(busy: bool) -> str:
     load = " ".join(f"{x:.2f}" for x in os.getloadavg())
     return (
         f"torch threads {torch.get_num_threads()} (OMP_NUM_THREADS {os.environ.get('OMP_NUM_THREADS', 'unset')}), "
-        f"{len(os.sched_getaffinity(0))} cores, load average before {load}, "
-        + (BUSY_TEXT if busy else "quiet")
+        f"{len(os.sched_getaffinity(0))} cores, load average before {load}, " + (BUSY_TEXT if busy else "quiet")
     )
 
 
