@@ -71,11 +71,6 @@ PEERS_PY = HERE / ".peers-venv" / "bin" / "python"
 MIB = 1 << 20
 
 
-def threads() -> str:
-    """This process's thread settings, as the report states them."""
-    return f"torch threads {torch.get_num_threads()}, OMP_NUM_THREADS {os.environ.get('OMP_NUM_THREADS', 'unset')}"
-
-
 # -- one process ------------------------------------------------------------------------------------
 
 
@@ -259,7 +254,7 @@ def _pair(rank: int, world: int, out: str, repeats: int, tmp: str, layers: int, 
     if only is not None:
         res = {f"{k} (torchrun)": v for k, v in res.items()}
     if rank == 0:
-        Path(out).write_text(json.dumps({"seconds": res, "threads": threads()}))
+        Path(out).write_text(json.dumps({"seconds": res, "threads": busy.threads()}))
     dist.destroy_process_group()
 
 
@@ -321,7 +316,10 @@ def job_paddle(mode: str, repeats: int, layers: int) -> dict[str, Any]:
         ranks = [json.loads(Path(f"{out}.{r}").read_text()) for r in range(1 if mode == "single" else 2)]
     best = min(max(per) for per in zip(*(r["seconds"][1:] for r in ranks)))  # slowest rank, best pass
     omp = ranks[0]["omp_num_threads"]
-    said = f"OMP_NUM_THREADS {omp['before import'] or 'unset'} before `import paddle`, {omp['after import']} after"
+    said = (
+        f"OMP_NUM_THREADS {omp['before import'] or 'unset'} before `import paddle`, "
+        f"{omp['after import'] or 'unset'} after"
+    )
     return {"seconds": {PADDLE_LABELS[mode]: best}, "threads": said}
 
 
@@ -357,7 +355,7 @@ def _job(name: str, repeats: int, layers: int) -> dict[str, Any]:
         return job_pair(repeats, layers)
     if name == "torchrun":
         return job_torchrun(repeats, layers)
-    return {"seconds": job_single(name.split("-")[1], repeats, layers), "threads": threads()}
+    return {"seconds": job_single(name.split("-")[1], repeats, layers), "threads": busy.threads()}
 
 
 def notes(said: dict[str, set[str]]) -> list[str]:

@@ -17,7 +17,7 @@ import sys
 import time
 from collections.abc import Iterator
 
-__all__ = ["busy_process", "BUSY", "conditions", "run", "add_flag", "stem"]
+__all__ = ["busy_process", "BUSY", "threads", "conditions", "run", "add_flag", "stem"]
 
 #: What the busy process runs.
 BUSY = "import torch\na = torch.randn(512, 512)\nwhile True:\n    a = (a @ a).clamp_(-1, 1)\n"
@@ -36,15 +36,19 @@ def busy_process(settle: float = 2.0) -> Iterator[None]:
         proc.wait()
 
 
-def conditions(busy: bool) -> str:
-    """The conditions of a run, for a result's header: this process's torch threads and
-    ``OMP_NUM_THREADS``, the cores it may run on, the load average now, quiet or busy."""
+def threads() -> str:
+    """This process's thread settings: torch's intra-op threads and ``OMP_NUM_THREADS``."""
     import torch
 
+    return f"torch threads {torch.get_num_threads()} (OMP_NUM_THREADS {os.environ.get('OMP_NUM_THREADS', 'unset')})"
+
+
+def conditions(busy: bool) -> str:
+    """The conditions of a run, for a result's header: this process's :func:`threads`, the cores it
+    may run on, the load average now, quiet or busy."""
     load = " ".join(f"{x:.2f}" for x in os.getloadavg())
-    return (
-        f"torch threads {torch.get_num_threads()} (OMP_NUM_THREADS {os.environ.get('OMP_NUM_THREADS', 'unset')}), "
-        f"{len(os.sched_getaffinity(0))} cores, load average before {load}, " + (BUSY_TEXT if busy else "quiet")
+    return f"{threads()}, {len(os.sched_getaffinity(0))} cores, load average before {load}, " + (
+        BUSY_TEXT if busy else "quiet"
     )
 
 

@@ -77,11 +77,11 @@ def test_report_lines() -> None:
         "conditions": "c",
         "load_after": "l",
         "repeats": 1,
-        "threads": {"shardsync, 1 process": "torch threads 2, OMP_NUM_THREADS unset"},
+        "threads": {"shardsync, 1 process": "torch threads 2 (OMP_NUM_THREADS unset)"},
         "notes": [],
     }
     text = P.report(ROUNDS, doc)
-    assert "- shardsync, 1 process: torch threads 2, OMP_NUM_THREADS unset\n" in text
+    assert "- shardsync, 1 process: torch threads 2 (OMP_NUM_THREADS unset)\n" in text
     # seconds: median and range over the rounds; x: median of the per-round ratios to shardsync
     assert "| 1 | Paddle full_param | 1.000 | 0.250-1.000 | 2.00 | shardsync (reuse='dropped', default) |\n" in text
     assert "torchrun" not in text.split("## Targets")[0]  # rows without a torchrun job are left out
