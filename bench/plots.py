@@ -81,7 +81,7 @@ def plot_peers(doc: dict[str, Any], out: Path) -> Path:
     ax.set_yticks(range(len(rows)), names, fontsize=7)
     ax.invert_yaxis()
     ax.set_xlabel("seconds (median over rounds); green: shardsync, blue: peers, gray: ceilings")
-    ax.set_title(f"shardsync vs peers, {doc['workload']} ({doc['date'][:10]})", fontsize=9)
+    ax.set_title(f"shardsync vs peers ({doc['date'][:10]})\n{doc['workload']}", fontsize=9)
     fig.tight_layout()
     fig.savefig(out / "peers.png", dpi=110)
     plt.close(fig)
