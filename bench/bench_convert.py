@@ -34,8 +34,7 @@ interpreter start and every import included). Rounds interleave the routes; medi
 Goal (issue 17): >= 2x the speed of the fastest torch route, within 1.5x of ``save_file`` + fsync.
 Run: ``make bench`` or ``.venv/bin/python bench/bench_convert.py`` (``--runs``, ``--rounds``;
 ``BENCH_LAYERS=1 ... --runs 1 --rounds 1 --out /tmp/x`` for a quick check); ``--busy`` measures next
-to another busy process
-(bench/busy.py). Writes bench/results/convert.{json,md} (``convert_busy.*`` with ``--busy``).
+to another busy process (bench/busy.py). Writes bench/results/convert.{json,md} (``convert_busy.*`` with ``--busy``).
 """
 
 from __future__ import annotations
