@@ -25,17 +25,31 @@ test: $(STAMP)
 demo: $(STAMP)
 	$(PY) examples/demo.py
 
+# Every benchmark with torch's default threads (nothing sets OMP_NUM_THREADS): on the machine as it is,
+# then with --busy next to one other busy process (bench/busy.py; results in bench/results/*_busy.*).
+# bench_threads measures both itself. bench_replicas exits 1 when its targets are missed ("-": the rest
+# still run).
 bench: $(STAMP)
 	$(PY) -m pip install -q "$(TORCH)" -e ".[bench]"
 	$(PY) bench/bench_export.py
+	$(PY) bench/bench_export.py --busy
 	$(PY) bench/bench_threads.py
 	$(PY) bench/bench_stream.py
-	$(PY) bench/bench_replicas.py
+	$(PY) bench/bench_stream.py --busy
+	-$(PY) bench/bench_replicas.py
+	-$(PY) bench/bench_replicas.py --busy
+	$(PY) bench/bench_reshard.py
+	$(PY) bench/bench_reshard.py --busy
 	$(PY) bench/bench_plan.py
+	$(PY) bench/bench_plan.py --busy
 	$(PY) bench/bench_sources.py
+	$(PY) bench/bench_sources.py --busy
 	$(PY) bench/bench_convert.py
+	$(PY) bench/bench_convert.py --busy
 	$(PY) bench/bench_digest.py
+	$(PY) bench/bench_digest.py --busy
 	$(PY) bench/bench_scaling.py
+	$(PY) bench/bench_scaling.py --busy
 	$(PY) bench/plots.py
 
 # The peers run in their own venv (Paddle is never a dependency of shardsync).
@@ -47,6 +61,7 @@ $(PEERS)/.installed-stamp:
 bench-peers: $(STAMP) $(PEERS)/.installed-stamp
 	$(PY) -m pip install -q "$(TORCH)" -e ".[bench]"
 	$(PY) bench/bench_peers.py
+	$(PY) bench/bench_peers.py --busy
 	$(PY) bench/plots.py
 
 # NCCL paths on the GPUs of this machine; prints "no CUDA: skipped" and exits 0 without CUDA.

@@ -5,8 +5,16 @@ The checkpoint: a Megatron-style Llama (6 layers, hidden 1024, FFN 2816, vocabul
 (column-parallel QKV/FC1/embeddings cut along dim 0, row-parallel projections along dim 1, norms
 replicated): two ``.distcp`` files, as a TP=2 training job leaves them.
 
-Routes, each in a fresh child process that times the conversion alone (after its imports) and reports
-its peak resident memory (``VmHWM``; for two ranks, the larger):
+Routes, each in a fresh child process that times the conversion alone and reports its peak resident
+memory (``VmHWM``; for two ranks, the larger). Every route is timed under the same import state:
+every module any route uses (:data:`IMPORTS`: shardsync's writer and DCP reader, torch DCP, its HF
+writer and fsspec storage, DTensor and the torch._dynamo it loads, safetensors) is imported in every
+process before the route starts, so that no window pays an import another route paid before its
+timer (shardsync loads torch DCP on first use). The modules still imported during a route's call
+(its set-up or its window) are recorded and listed in the results: none, while the list is
+complete. Outside the window: the interpreter's start, the imports and a route's set-up (the torch
+routes allocate their empty destination tensors, the ``save_file`` baselines load the tensors).
+torch's default threads in every process (nothing here sets them):
 
 * ``shardsync``: ``save_hf(dcp_dir, out)`` in one process (what ``shardsync convert`` runs), on 2
   gloo ranks (``convert --nproc 2``, less the launcher) writing one file and writing 100 MB files,
@@ -21,14 +29,19 @@ its peak resident memory (``VmHWM``; for two ranks, the larger):
 * baseline ``save_file``: ``safetensors.torch.save_file`` of the same tensors, already in memory
   (the write alone), with and without an fsync (shardsync fsyncs every file it commits).
 
-Also the end-to-end wall time of the command (``python -m shardsync convert``, interpreter start
-included). Rounds interleave the routes; medians are reported. Goal: >= 3x faster than the fastest
-torch route, and within 2x of ``save_file``. Run: ``make bench`` or ``.venv/bin/python
-bench/bench_convert.py``. Writes bench/results/convert.{json,md}.
+Also, on a line of its own, the end-to-end wall time of the command (``python -m shardsync convert``,
+interpreter start and every import included). Rounds interleave the routes; medians are reported.
+Goal (issue 17): >= 2x the speed of the fastest torch route, within 1.5x of ``save_file`` + fsync.
+Run: ``make bench`` or ``.venv/bin/python bench/bench_convert.py`` (``--runs``, ``--rounds``;
+``BENCH_LAYERS=1 ... --runs 1 --rounds 1 --out /tmp/x`` for a quick check); ``--busy`` measures next
+to another busy process (bench/busy.py). Writes bench/results/convert.{json,md} (``convert_busy.*`` with ``--busy``).
 """
 
 from __future__ import annotations
 
+import argparse
+import contextlib
+import importlib
 import json
 import multiprocessing as mp
 import os
@@ -44,10 +57,12 @@ from typing import Any
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).parent))
+import busy  # noqa: E402
+
 LAYERS = int(os.environ.get("BENCH_LAYERS", "6"))  # fewer for a quick try
 HIDDEN, FFN, VOCAB, HEADS, GROUPS = 1024, 2816, 8192, 16, 4
 HEAD = HIDDEN // HEADS
-ROUNDS = 3
 RESULTS = Path(__file__).parent / "results"
 MAPPING = "\n".join(
     [
@@ -93,11 +108,13 @@ def full_state() -> dict[str, tuple[torch.Tensor, int | None]]:
 def _rank_entry(rank: int, store: str, fn: Callable[..., Any], args: tuple, out: str) -> None:
     import torch.distributed as dist
 
+    preimport()
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
-    torch.set_num_threads(1)
+    before = set(sys.modules)
     result = fn(rank, *args)
     dist.barrier()
-    Path(out, f"{rank}.json").write_text(json.dumps({"result": result, "peak": _rss("VmHWM")}))
+    new = sorted(set(sys.modules) - before)
+    Path(out, f"{rank}.json").write_text(json.dumps({"result": result, "peak": _rss("VmHWM"), "new_modules": new}))
     dist.destroy_process_group()
 
 
@@ -112,6 +129,33 @@ def on_two_ranks(fn: Callable[..., Any], *args: Any) -> list[dict[str, Any]]:
             if p.exitcode != 0:
                 raise RuntimeError(f"a rank failed (exit code {p.exitcode})")
         return [json.loads(Path(tmp, f"{r}.json").read_text()) for r in range(2)]
+
+
+#: Every module a route uses, imported in every process before any timed window (the same import state
+#: for every route: shardsync imports torch DCP lazily, on first use, so without this its window would
+#: pay imports the torch routes pay before theirs).
+IMPORTS = (
+    "numpy.ctypeslib",
+    "safetensors.torch",
+    "shardsync",
+    "shardsync.io",
+    "shardsync.io.commit",
+    "shardsync.sources.dcp",
+    "torch._dynamo",  # DTensor's first collective imports it
+    "torch.distributed.checkpoint",
+    "torch.distributed.checkpoint._fsspec_filesystem",  # dcp.load / dcp.save with a checkpoint_id
+    "torch.distributed.checkpoint.default_planner",
+    "torch.distributed.checkpoint.format_utils",
+    "torch.distributed.checkpoint.planner_helpers",
+    "torch.distributed.device_mesh",
+    "torch.distributed.tensor",
+    "torch.utils.serialization",
+)
+
+
+def preimport() -> None:
+    for name in IMPORTS:
+        importlib.import_module(name)
 
 
 def _rss(field: str) -> int:
@@ -170,14 +214,14 @@ def _shardsync_rank(rank: int, ckpt: str, out: str, max_shard_size: str) -> floa
 def route_shardsync_2ranks(ckpt: str, out: str) -> float:
     """One output file (HF's 5GB limit): rank 0 writes it, rank 1 reads and sends its share."""
     ranks = on_two_ranks(_shardsync_rank, ckpt, out, "5GB")
-    _report_peak(max(r["peak"] for r in ranks))
+    _from_ranks(ranks)
     return float(ranks[0]["result"])
 
 
 def route_shardsync_2ranks_100mb(ckpt: str, out: str) -> float:
     """100 MB files: both ranks write theirs in parallel."""
     ranks = on_two_ranks(_shardsync_rank, ckpt, out, "100MB")
-    _report_peak(max(r["peak"] for r in ranks))
+    _from_ranks(ranks)
     return float(ranks[0]["result"])
 
 
@@ -235,7 +279,7 @@ def _torch_hf_rank(rank: int, ckpt: str, out: str) -> float:
 
 def route_torch_hf_writer_2ranks(ckpt: str, out: str) -> float:
     ranks = on_two_ranks(_torch_hf_rank, ckpt, out)
-    _report_peak(max(r["peak"] for r in ranks))
+    _from_ranks(ranks)
     return float(ranks[0]["result"])
 
 
@@ -284,24 +328,40 @@ ROUTES: dict[str, Callable[[str, str], float]] = {
 TORCH_ROUTES = ("torch_dcp_to_torch_save", "torch_hf_writer_1proc", "torch_hf_writer_2ranks")
 _BEFORE = 0
 _PEAK: int | None = None
+_RANK_MODULES: list[str] | None = None
 
 
-def _report_peak(peak: int) -> None:
-    global _PEAK
-    _PEAK = peak
+def _from_ranks(ranks: list[dict[str, Any]]) -> None:
+    """A two-rank route: its peak and the modules imported during it are its ranks'."""
+    global _PEAK, _RANK_MODULES
+    _PEAK = max(r["peak"] for r in ranks)
+    _RANK_MODULES = sorted({m for r in ranks for m in r["new_modules"]})
 
 
 def child(route: str, ckpt: str, out: str) -> None:
-    """Run one route and print ``{"seconds", "peak_bytes", "growth_bytes"}`` as the last line."""
+    """Run one route and print ``{"seconds", "peak_bytes", "growth_bytes", "new_modules", "threads"}``
+    as the last line (``new_modules``: those imported during the route's call)."""
     import warnings
 
     warnings.filterwarnings("ignore")
-    torch.set_num_threads(1)
+    preimport()
     global _BEFORE
     _BEFORE = _rss("VmRSS")
+    before = set(sys.modules)
     seconds = ROUTES[route](ckpt, out)
+    new = _RANK_MODULES if _RANK_MODULES is not None else sorted(set(sys.modules) - before)
     peak = _PEAK if _PEAK is not None else _rss("VmHWM")
-    print(json.dumps({"seconds": seconds, "peak_bytes": peak, "growth_bytes": peak - _BEFORE}))
+    print(
+        json.dumps(
+            {
+                "seconds": seconds,
+                "peak_bytes": peak,
+                "growth_bytes": peak - _BEFORE,
+                "new_modules": new,
+                "threads": torch.get_num_threads(),
+            }
+        )
+    )
 
 
 # -- the parent ----------------------------------------------------------------------------------------
@@ -338,7 +398,12 @@ def _check(tmp: Path, ckpt: Path) -> None:
     assert compare(DiffConfig(ckpt, outs["shardsync"], progress=False)).equal
 
 
-def measure() -> dict[str, Any]:
+def _per_round(times: dict[str, list[float]], num: str, den: str) -> float:
+    """The median of the per-round ratios ``num / den``."""
+    return round(statistics.median(a / b for a, b in zip(times[num], times[den])), 2)
+
+
+def measure(rounds: int) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(dir=os.environ.get("BENCH_TMP")) as d:
         tmp = Path(d)
         ckpt = tmp / "dcp_tp2"
@@ -348,48 +413,69 @@ def measure() -> dict[str, Any]:
         times: dict[str, list[float]] = {r: [] for r in ROUTES}
         peaks: dict[str, list[int]] = {r: [] for r in ROUTES}
         growth: dict[str, list[int]] = {r: [] for r in ROUTES}
+        imported: dict[str, set[str]] = {r: set() for r in ROUTES}
+        threads: set[int] = set()
         cli: dict[str, list[float]] = {"cli_nproc1": [], "cli_nproc2": []}
-        for _ in range(ROUNDS):
+        for _ in range(rounds):
             for route in ROUTES:
                 got = _run(route, ckpt, tmp / "out")
                 times[route].append(got["seconds"])
                 peaks[route].append(int(got["peak_bytes"]))
                 growth[route].append(int(got["growth_bytes"]))
+                imported[route].update(got["new_modules"])
+                threads.add(got["threads"])
             cli["cli_nproc1"].append(_cli(ckpt, tmp / "out"))
             cli["cli_nproc2"].append(_cli(ckpt, tmp / "out", "--nproc", "2"))
     med = {r: statistics.median(v) for r, v in times.items()}
     fastest_torch = min(TORCH_ROUTES, key=med.__getitem__)
     return {
         "checkpoint_bytes": nbytes,
-        "rounds": ROUNDS,
-        "threads_per_process": 1,
+        "rounds": rounds,
+        "torch_threads_per_process": sorted(threads),
         "seconds": {r: round(v, 3) for r, v in med.items()},
+        "range_seconds": {r: [round(min(v), 3), round(max(v), 3)] for r, v in times.items()},
         "gbps": {r: round(nbytes / v / 1e9, 3) for r, v in med.items()},
         "peak_rss_mb": {r: round(max(v) / 1e6) for r, v in peaks.items()},
         "rss_growth_mb": {r: round(max(v) / 1e6) for r, v in growth.items()},
+        "imported_during_route": {r: sorted(v) for r, v in imported.items() if v},
         "cli_wall_seconds": {k: round(statistics.median(v), 2) for k, v in cli.items()},
         "fastest_torch_route": fastest_torch,
-        "speedup_vs_fastest_torch": round(med[fastest_torch] / med["shardsync"], 2),
-        "speedup_2ranks_vs_fastest_torch": round(med[fastest_torch] / med["shardsync_2ranks"], 2),
-        "ratio_vs_save_file": round(med["shardsync"] / med["save_file"], 2),
-        "ratio_vs_save_file_fsync": round(med["shardsync"] / med["save_file_fsync"], 2),
+        "speedup_vs_fastest_torch": _per_round(times, fastest_torch, "shardsync"),
+        "speedup_2ranks_vs_fastest_torch": _per_round(times, fastest_torch, "shardsync_2ranks"),
+        "ratio_vs_save_file": _per_round(times, "shardsync", "save_file"),
+        "ratio_vs_save_file_fsync": _per_round(times, "shardsync", "save_file_fsync"),
     }
 
 
+WINDOW = (
+    "Timed window: the conversion alone (read the DCP checkpoint, write and commit the safetensors; "
+    "2 ranks: between barriers, rank 0's time), every route with the same modules imported before it "
+    "(bench_convert.IMPORTS); outside it: interpreter start, imports, a route's set-up (empty "
+    "destination tensors for the torch routes; for save_file, loading the tensors)."
+)
+
+
 def markdown(runs: list[dict[str, Any]]) -> str:
-    cols = [f"run {i + 1}: s (GB/s) | peak RSS MB (growth)" for i in range(len(runs))]
+    cols = [f"run {i + 1}: s (range) (GB/s) | peak RSS MB (growth)" for i in range(len(runs))]
     head = ["| route | " + " | ".join(cols) + " |", "|---|" + "---|---|" * len(runs)]
     rows = []
     for route in ROUTES:
-        cells = [
-            f"{r['seconds'][route]} ({r['gbps'][route]}) | {r['peak_rss_mb'][route]} ({r['rss_growth_mb'][route]})"
-            for r in runs
-        ]
+        cells = []
+        for r in runs:
+            lo, hi = r["range_seconds"][route]
+            cells.append(
+                f"{r['seconds'][route]} ({lo}-{hi}) ({r['gbps'][route]}) | "
+                f"{r['peak_rss_mb'][route]} ({r['rss_growth_mb'][route]})"
+            )
         rows.append(f"| {route} | " + " | ".join(cells) + " |")
     lines = [
         f"TP=2 DCP checkpoint of {runs[0]['checkpoint_bytes'] / 1e9:.3f} GB (2 .distcp files) to HF "
-        f"safetensors on disk; medians of {runs[0]['rounds']} interleaved rounds, 1 thread per process; "
-        "peak RSS of the child process (2 ranks: the larger), growth = peak - RSS after imports.",
+        f"safetensors on disk; medians of {runs[0]['rounds']} interleaved rounds, torch's default threads "
+        f"in every process ({', '.join(map(str, runs[0]['torch_threads_per_process']))}); ratios are "
+        "medians of per-round ratios; peak RSS of the child process (2 ranks: the larger), growth = peak "
+        "- RSS after imports.",
+        "",
+        WINDOW,
         "",
         *head,
         *rows,
@@ -397,28 +483,41 @@ def markdown(runs: list[dict[str, Any]]) -> str:
     ]
     for i, r in enumerate(runs):
         lines.append(
-            f"- run {i + 1} ({r['uptime']}): shardsync at {r['speedup_vs_fastest_torch']}x the "
+            f"- run {i + 1} ({r['conditions']}): shardsync at {r['speedup_vs_fastest_torch']}x the "
             f"speed of the fastest torch route ({r['fastest_torch_route']}), 2 ranks "
             f"{r['speedup_2ranks_vs_fastest_torch']}x; {r['ratio_vs_save_file']}x the time of "
-            f"save_file ({r['ratio_vs_save_file_fsync']}x with its fsync); the command end to end: "
-            f"{r['cli_wall_seconds']['cli_nproc1']} s, --nproc 2: "
+            f"save_file ({r['ratio_vs_save_file_fsync']}x with its fsync)"
+        )
+        for route, mods in r["imported_during_route"].items():
+            lines.append(f"  - imported during {route} (its set-up or window): {', '.join(mods)}")
+    for i, r in enumerate(runs):
+        lines.append(
+            f"- the command end to end (`python -m shardsync convert`, interpreter start and imports "
+            f"included), run {i + 1}: {r['cli_wall_seconds']['cli_nproc1']} s, --nproc 2: "
             f"{r['cli_wall_seconds']['cli_nproc2']} s"
         )
-    lines.append("- goal: >= 3x the speed of the fastest torch route, <= 2x the time of save_file")
+    lines.append("- goal (issue 17): >= 2x the speed of the fastest torch route, <= 1.5x the time of save_file + fsync")
     return "\n".join(lines) + "\n"
 
 
 def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--runs", type=int, default=int(os.environ.get("BENCH_RUNS", "2")))
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--out", type=Path, default=RESULTS)
+    busy.add_flag(ap)
+    a = ap.parse_args()
     runs = []
-    for _ in range(int(os.environ.get("BENCH_RUNS", "2"))):
-        uptime = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
-        result = measure()
-        result["uptime"] = uptime[uptime.find("load") :]
-        runs.append(result)
-        print(json.dumps(result))
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "convert.json").write_text(json.dumps(runs, indent=2) + "\n")
-    (RESULTS / "convert.md").write_text(markdown(runs))
+    with busy.busy_process() if a.busy else contextlib.nullcontext():
+        for _ in range(a.runs):
+            conditions = busy.conditions(a.busy)
+            result = measure(a.rounds) | {"conditions": conditions}
+            runs.append(result)
+            print(json.dumps(result))
+    name = busy.stem("convert", a.busy)
+    a.out.mkdir(parents=True, exist_ok=True)
+    (a.out / f"{name}.json").write_text(json.dumps(runs, indent=2) + "\n")
+    (a.out / f"{name}.md").write_text(markdown(runs))
     print(markdown(runs))
 
 

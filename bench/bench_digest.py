@@ -21,14 +21,14 @@ interleaved pairs of ``reshard(..., verify=False)`` and ``verify=True`` (the ord
 timed as the slowest rank's; medians and their ratio.
 
 Run: ``.venv/bin/python bench/bench_digest.py`` (writes bench/results/digest.json and digest.md, or
-``--out``); ``--busy`` measures next to another busy process (bench/busy.py);
+``--out``); ``--busy`` measures next to another busy process (bench/busy.py) and writes
+``digest_busy.{json,md}``;
 ``--mb 8 --layers 1 --rounds 1 --steps 1`` for a quick check that it runs (writes nothing).
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import datetime
 import json
 import os
@@ -49,8 +49,8 @@ import shardsync
 from shardsync.layout import LocalShard
 
 sys.path.insert(0, str(Path(__file__).parent))
+import busy  # noqa: E402
 import workload  # noqa: E402  (bench/workload.py, beside this file)
-from busy import busy_process  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"
 MIB = 1 << 20
@@ -203,7 +203,8 @@ def markdown(doc: dict[str, Any]) -> str:
         f"| {k} | {s:.3f} | {d['GB/s'][k]:.2f} | {d['x read'].get(k, 1.0):.2f} |" for k, s in d["seconds"].items()
     )
     return (
-        f"# Digest cost ({doc['date']}, {doc['machine']}, {doc['cpus']} CPUs, {doc['load']})\n\n"
+        f"# Digest cost ({doc['date']}, {doc['machine']}, {doc['cpus']} CPUs)\n\nConditions: "
+        f"{doc['conditions']}.\n\n"
         f"{d['bytes'] / 1e6:.0f} MB of fp32/bf16 in {d['tensors']} tensors, {d['threads']} threads, "
         f"median of {d['rounds']} interleaved rounds.\n\n| variant | seconds | GB/s | x read |\n"
         f"|---|---|---|---|\n{rows}\n\n`reshard` loop, 2 gloo ranks, {v['bytes'] / 1e6:.0f} MB, median of "
@@ -219,26 +220,27 @@ def main() -> None:
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--steps", type=int, default=7)
     p.add_argument("--note", default="", help="the conditions (e.g. 'taskset -c 1, other jobs running')")
-    p.add_argument("--busy", action="store_true", help="measure next to another busy process (bench/busy.py)")
-    p.add_argument("--out", type=Path, default=RESULTS / "digest.json", help="the JSON (and .md beside it)")
+    busy.add_flag(p)
+    p.add_argument(
+        "--out", type=Path, help="the JSON, .md beside it (default bench/results/digest.json, digest_busy.json)"
+    )
     a = p.parse_args()
-    load = os.getloadavg()
-    note = "; ".join(x for x in (a.note, "one other busy process (bench/busy.py)" if a.busy else "") if x)
-    with busy_process() if a.busy else contextlib.nullcontext():
+    out = a.out or RESULTS / f"{busy.stem('digest', a.busy)}.json"
+    with busy.run(a.busy) as conditions:
         doc = {
             "date": datetime.datetime.now().isoformat(timespec="seconds"),
             "torch": torch.__version__,
             "machine": platform.processor() or platform.machine(),
             "cpus": len(os.sched_getaffinity(0)),
-            "load": f"load average {load[0]:.1f} at the start" + (f"; {note}" if note else ""),
+            "conditions": "; ".join(x for x in (conditions, a.note) if x),
             "digest": digest_part(a),
             "verify": verify_part(a),
         }
     print(json.dumps(doc, indent=1))
     if a.mb >= 256:
-        a.out.parent.mkdir(parents=True, exist_ok=True)
-        a.out.write_text(json.dumps(doc, indent=1) + "\n")
-        a.out.with_suffix(".md").write_text(markdown(doc))
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(doc, indent=1) + "\n")
+        out.with_suffix(".md").write_text(markdown(doc))
 
 
 if __name__ == "__main__":

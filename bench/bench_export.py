@@ -14,12 +14,15 @@ Each variant allocates its outputs, so fresh-page faults are part of every timin
 freed blocks to the OS, and an exact same-size reallocation (what the memcpy baseline does) is cheaper
 than outputs of new shapes; the run is therefore made twice: with the default allocator ("cold"), and
 with glibc told to keep freed memory (``GLIBC_TUNABLES``: "warm", like a caching allocator), which
-compares copy speed alone. Run: ``make bench`` or ``.venv/bin/python bench/bench_export.py``. Writes
-bench/results/export.{json,md}.
+compares copy speed alone. torch's default threads in every child (OMP_NUM_THREADS as the caller
+has it: unset under ``make bench``). Run: ``make bench`` or ``.venv/bin/python bench/bench_export.py``;
+``--busy`` measures next to another busy process (bench/busy.py); ``--rounds 1 --out /tmp/x`` for a
+quick check. Writes bench/results/export.{json,md} (``export_busy.*`` with ``--busy``).
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import statistics
@@ -31,6 +34,9 @@ from pathlib import Path
 import torch
 
 import shardsync
+
+sys.path.insert(0, str(Path(__file__).parent))
+import busy  # noqa: E402
 
 LAYERS, HIDDEN, FFN, HEADS, GROUPS = 8, 1024, 2048, 16, 4
 HEAD = HIDDEN // HEADS
@@ -101,8 +107,7 @@ def rounds(fns: dict, state: dict[str, torch.Tensor], n: int = 7) -> dict[str, l
     return times
 
 
-def measure() -> None:
-    torch.set_num_threads(1)  # fair and stable on a shared 2-core machine
+def measure(n_rounds: int) -> None:
     state = build_state()
     nbytes = sum(v.numel() * v.element_size() for v in state.values())
     # correctness first: the mapped export equals the hand-written one, bit for bit
@@ -122,7 +127,9 @@ def measure() -> None:
         assert all(torch.equal(ours[p + a], ref[f"{b}{i}"]) for a, b in pairs)
     del ours, ref
     times = rounds(
-        {"memcpy": memcpy, "hand": hand_written, "ours": shardsync_export, "ours_nt": shardsync_no_transpose}, state
+        {"memcpy": memcpy, "hand": hand_written, "ours": shardsync_export, "ours_nt": shardsync_no_transpose},
+        state,
+        n_rounds,
     )
     t_mem, t_hand, t_ours = (statistics.median(times[k]) for k in ("memcpy", "hand", "ours"))
     vs_mem = statistics.median(m / o for m, o in zip(times["memcpy"], times["ours"]))
@@ -135,8 +142,8 @@ def measure() -> None:
     gbs = lambda t: nbytes / t / 1e9  # noqa: E731
     res = {
         "state_bytes": nbytes,
-        "threads": 1,
-        "rounds": 7,
+        "threads": torch.get_num_threads(),
+        "rounds": n_rounds,
         "memcpy_ceiling_gbps": round(gbs(t_mem), 3),
         "hand_written_gbps": round(gbs(t_hand), 3),
         "shardsync_gbps": round(gbs(t_ours), 3),
@@ -154,29 +161,37 @@ WARM = "glibc.malloc.mmap_threshold=33554432:glibc.malloc.trim_threshold=1717986
 
 
 def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--out", type=Path, default=RESULTS)
+    busy.add_flag(ap)
+    a = ap.parse_args()
     results = {}
-    for mode, tunables in (("cold", None), ("warm", WARM)):
-        env = dict(os.environ, SHARDSYNC_BENCH_CHILD="1")
-        if tunables:
-            env["GLIBC_TUNABLES"] = tunables
-        run = subprocess.run([sys.executable, __file__], env=env, check=True, capture_output=True, text=True)
-        results[mode] = json.loads(run.stdout.strip().splitlines()[-1])
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "export.json").write_text(json.dumps(results, indent=2) + "\n")
+    with busy.run(a.busy) as conditions:
+        for mode, tunables in (("cold", None), ("warm", WARM)):
+            env = dict(os.environ, SHARDSYNC_BENCH_CHILD=str(a.rounds))
+            if tunables:
+                env["GLIBC_TUNABLES"] = tunables
+            run = subprocess.run([sys.executable, __file__], env=env, check=True, capture_output=True, text=True)
+            results[mode] = json.loads(run.stdout.strip().splitlines()[-1])
+    name = busy.stem("export", a.busy)
+    a.out.mkdir(parents=True, exist_ok=True)
+    (a.out / f"{name}.json").write_text(json.dumps({"conditions": conditions, **results}, indent=2) + "\n")
     md = [
-        f"state {results['cold']['state_bytes'] / 1e9:.3f} GB fp32, 1 thread, 7 interleaved rounds; "
-        "GB/s from median times, ratios are medians of per-round ratios (target: >= 0.7x the ceiling).",
+        f"state {results['cold']['state_bytes'] / 1e9:.3f} GB fp32, 1 process; {conditions}; "
+        f"{a.rounds} interleaved rounds; GB/s from median times, ratios are medians of per-round ratios "
+        "(target: >= 0.7x the ceiling).",
         "",
         "| measure | cold allocator | warm allocator |",
         "|---|---|---|",
     ]
     md += [f"| {k} | {results['cold'][k]} | {results['warm'][k]} |" for k in results["cold"]]
-    (RESULTS / "export.md").write_text("\n".join(md) + "\n")
+    (a.out / f"{name}.md").write_text("\n".join(md) + "\n")
     print("\n".join(md))
 
 
 if __name__ == "__main__":
     if os.environ.get("SHARDSYNC_BENCH_CHILD"):
-        measure()
+        measure(int(os.environ["SHARDSYNC_BENCH_CHILD"]))
     else:
         main()

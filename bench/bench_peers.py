@@ -1,8 +1,15 @@
-"""shardsync against its peers on one workload (issue 11), each peer in its own environment.
+"""shardsync against its peers on one workload (issues 11 and 17), each peer in its own environment.
 
-The workload (``bench/workload.py``): 8 layers, hidden 1024, fp32, 0.336 GB of ``[in, out]`` Linear
-weights, TP=2 (qkv and gate_up sharded along dim 1, o and down along dim 0); mapping = qkv split along
-axis 1, gate_up split along axis 1, ``o^T``. Every consumer receives every target.
+The workload (``bench/workload.py``): 8 layers (``--layers``), hidden 1024, fp32, 0.336 GB of ``[in, out]``
+Linear weights, TP=2 (qkv and gate_up sharded along dim 1, o and down along dim 0); mapping = qkv split
+along axis 1, gate_up split along axis 1, ``o^T``. Every consumer receives every target.
+
+Every side runs with the thread settings a user gets: nothing here sets ``torch.set_num_threads`` or
+``OMP_NUM_THREADS``; the caller's environment passes through as it is (under ``make bench-peers``:
+unset). Two launchers set it themselves, which the report states with what each job's processes saw:
+torchrun sets ``OMP_NUM_THREADS=1`` in its workers when it is unset (``torch/distributed/run.py``), and
+Paddle sets ``OMP_NUM_THREADS=1`` in its process's environment on import when it is unset
+(``paddle/base/__init__.py``), which the workers of ``paddle.distributed.launch`` inherit.
 
 Jobs, each a fresh process, run in interleaved rounds (the order rotates every round) so that load
 from other processes on the machine hits all of them alike; a job checks every target against the
@@ -12,18 +19,24 @@ numpy reference once, then times ``--repeats`` passes and keeps the best:
   told to keep freed memory by :func:`shardsync.exec.memory.tune_allocator`), Paddle 3.3.1's
   ``full_param`` (``--mode single``), and the memcpy ceiling: every target's bytes copied once into
   memory already touched (and, for reference, into fresh memory);
-* two gloo processes: shardsync through shared memory (``transport="auto"``; also with the shards
-  moved to shared memory once with ``share_memory_()``, so that they are published in place) and
-  through gloo (``transport="backend"``), Paddle's single-group and 2-D mesh paths (``paddle.distributed.launch
-  --nproc_per_node 2``), torch DCP's consolidation routes (``_gather_state_dict``: DTensor
-  ``full_tensor`` per weight, as ``get_state_dict(full_state_dict=True)`` does; ``dcp.save`` to a tmpfs
-  directory then ``dcp_to_torch_save`` and ``torch.load`` on rank 0 - only rank 0 gets targets), a
-  naive ``all_gather``; and the ceilings: bytes each rank must receive over gloo's broadcast bandwidth
-  (64 MiB, same run), and the memcpy of every target's bytes on both ranks at once.
+* two gloo processes spawned by ``torch.multiprocessing``: shardsync through shared memory
+  (``transport="auto"``; also with the shards moved to shared memory once with ``share_memory_()``, so
+  that they are published in place) and through gloo (``transport="backend"``), torch DCP's
+  consolidation routes (``_gather_state_dict``: DTensor ``full_tensor`` per weight, as
+  ``get_state_dict(full_state_dict=True)`` does; ``dcp.save`` to a tmpfs directory then
+  ``dcp_to_torch_save`` and ``torch.load`` on rank 0 - only rank 0 gets targets), a naive
+  ``all_gather``; and the ceilings: bytes each rank must receive over gloo's broadcast bandwidth (64
+  MiB, same run), and the memcpy of every target's bytes on both ranks at once;
+* two processes started by torchrun (``python -m torch.distributed.run --standalone --nproc_per_node
+  2``): shardsync through shared memory and the same two ceilings, in those processes;
+* Paddle's single-group and 2-D mesh paths (``paddle.distributed.launch --nproc_per_node 2``).
 
 Paddle lives in ``bench/.peers-venv`` (``make bench-peers`` creates it: ``pip install
-paddlepaddle==3.3.1``), never in shardsync's environment. Writes ``bench/results/peers.json`` and
-``peers.md`` (one table, ratios = medians of per-round ratios).
+paddlepaddle==3.3.1``), never in shardsync's environment; ``--no-paddle`` leaves it out. ``--busy``
+measures next to another busy process (bench/busy.py). Writes ``bench/results/peers.json`` and
+``peers.md`` (``peers_busy.*`` with ``--busy``): one table, the thread settings of every side and the
+targets of issue 17 (``bench/peers_report.py``). Quick check: ``--layers 1 --rounds 1 --repeats 1
+--no-paddle --out /tmp/peers``.
 """
 
 from __future__ import annotations
@@ -33,7 +46,6 @@ import datetime
 import json
 import os
 import platform
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -47,6 +59,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).parent))
+import busy  # noqa: E402
+import peers_report  # noqa: E402
 import workload as W  # noqa: E402
 
 __all__ = ["main"]
@@ -79,12 +93,11 @@ def _best(fn: Callable[[bool], None], repeats: int) -> float:
     return best
 
 
-def job_single(variant: str, repeats: int) -> dict[str, float]:
+def job_single(variant: str, repeats: int, layers: int) -> dict[str, float]:
     from shardsync.exec.memory import tune_allocator
     from shardsync.stream import full_params
 
-    torch.set_num_threads(1)
-    weights = W.full_weights()
+    weights = W.full_weights(layers)
     ref = W.reference(weights)
     state = {k: torch.from_numpy(v) for k, v in weights.items()}
     if variant == "tuned":
@@ -160,13 +173,13 @@ def _dcp_files(dstate: dict, rank: int, tmp: str) -> Iterator[tuple[str, torch.T
     return _map_full(torch.load(os.path.join(tmp, "full.pt")))
 
 
-def _variants(rank: int, world: int, tmp: str) -> dict[str, Callable[[], Iterator]]:
+def _variants(rank: int, world: int, tmp: str, layers: int) -> dict[str, Callable[[], Iterator]]:
     from torch.distributed._state_dict_utils import _gather_state_dict
 
     from shardsync import LocalShard
     from shardsync.stream import full_params
 
-    weights = W.full_weights()
+    weights = W.full_weights(layers)
     local_np = {k: W.local_shard(w, k, rank, world) for k, w in weights.items()}
     state = {k: LocalShard(torch.from_numpy(loc), weights[k].shape, off) for k, (loc, off) in local_np.items()}
     local = {k: torch.from_numpy(loc) for k, (loc, _) in local_np.items()}
@@ -214,15 +227,10 @@ def _ceilings(ref: dict, world: int) -> dict[str, float]:
     }
 
 
-def _worker(rank: int, world: int, store: str, out: str, repeats: int, tmp: str) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo", init_method=f"file://{store}", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=600)
-    )
-    ref = W.reference(W.full_weights())
-    variants = _variants(rank, world, tmp)
-    res: dict[str, float] = {name: float("inf") for name in variants}
-    for rep in range(repeats + 1):  # round-robin; the first pass checks every target
+def _timed_passes(variants: dict[str, Callable[[], Iterator]], rank: int, ref: dict, repeats: int) -> dict[str, float]:
+    """Best of ``repeats`` passes of each variant, round-robin; the first pass checks every target."""
+    res = {name: float("inf") for name in variants}
+    for rep in range(repeats + 1):
         for name, make in variants.items():
             dist.barrier()
             t0 = time.perf_counter()
@@ -232,171 +240,198 @@ def _worker(rank: int, world: int, store: str, out: str, repeats: int, tmp: str)
                 raise AssertionError(f"{name}: {n} targets on rank {rank}")
             if rep > 0:
                 res[name] = min(res[name], time.perf_counter() - t0)
-    res |= _ceilings(ref, world)
+    return res
+
+
+def _pair(rank: int, world: int, out: str, repeats: int, tmp: str, layers: int, only: str | None) -> None:
+    """The two-process job on an initialised group: every variant (or ``only`` that one, its rows
+    suffixed ``" (torchrun)"``), then the ceilings; rank 0 writes ``{"seconds", "threads"}``."""
+    ref = W.reference(W.full_weights(layers))
+    variants = _variants(rank, world, tmp, layers)
+    if only is not None:
+        variants = {only: variants[only]}
+    res = _timed_passes(variants, rank, ref, repeats) | _ceilings(ref, world)
+    if only is not None:
+        res = {f"{k} (torchrun)": v for k, v in res.items()}
     if rank == 0:
-        Path(out).write_text(json.dumps(res))
+        Path(out).write_text(json.dumps({"seconds": res, "threads": busy.threads()}))
     dist.destroy_process_group()
 
 
-def job_pair(repeats: int) -> dict[str, float]:
+def _worker(rank: int, world: int, store: str, out: str, repeats: int, tmp: str, layers: int) -> None:
+    dist.init_process_group(
+        "gloo", init_method=f"file://{store}", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=600)
+    )
+    _pair(rank, world, out, repeats, tmp, layers, None)
+
+
+def job_pair(repeats: int, layers: int) -> dict[str, Any]:
+    """Two ranks spawned by ``torch.multiprocessing``, this process's environment as it is."""
     shm = "/dev/shm" if os.path.isdir("/dev/shm") else None  # DCP's files on tmpfs: no disk in the timing
     with tempfile.TemporaryDirectory() as tmp, tempfile.TemporaryDirectory(dir=shm, prefix="bench-dcp-") as files:
         out = os.path.join(tmp, "res.json")
-        mp.spawn(_worker, args=(2, os.path.join(tmp, "store"), out, repeats, files), nprocs=2)
+        mp.spawn(_worker, args=(2, os.path.join(tmp, "store"), out, repeats, files, layers), nprocs=2)
         return json.loads(Path(out).read_text())
+
+
+def job_torchrun(repeats: int, layers: int) -> dict[str, Any]:
+    """shardsync's shared-memory stream on two ranks started by torchrun (a user's usual launcher)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "res.json")
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", __file__]
+        cmd += ["--job", "torchrun-worker", "--repeats", str(repeats), "--layers", str(layers), "--result", out]
+        run = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+        if run.returncode != 0:
+            raise RuntimeError(f"torchrun job failed:\n{run.stderr[-4000:]}")
+        return json.loads(Path(out).read_text())
+
+
+def torchrun_worker(out: str, repeats: int, layers: int) -> None:
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=600))
+    _pair(dist.get_rank(), dist.get_world_size(), out, repeats, tempfile.gettempdir(), layers, "shardsync shm")
 
 
 # -- Paddle (its own venv) --------------------------------------------------------------------------
 
+PADDLE_LABELS = {
+    "single": "Paddle full_param",
+    "group": "Paddle full_param, single group",
+    "mesh": "Paddle full_param, 2-D mesh (h_group, v_group)",
+}
 
-def job_paddle(mode: str, repeats: int) -> dict[str, float]:
+
+def job_paddle(mode: str, repeats: int, layers: int) -> dict[str, Any]:
     script = HERE / "peers" / "paddle_full_param.py"
-    env = os.environ | {"OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    env = os.environ | {"PYTHONWARNINGS": "ignore"}
     env.pop("PYTHONPATH", None)
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "res")
-        args = [str(script), "--mode", mode, "--repeats", str(repeats + 1), "--out", out]
+        args = [str(script), "--mode", mode, "--repeats", str(repeats + 1), "--layers", str(layers), "--out", out]
         if mode != "single":
-            args = [
-                "-m",
-                "paddle.distributed.launch",
-                "--nproc_per_node",
-                "2",
-                "--log_dir",
-                os.path.join(tmp, "log"),
-                *args,
-            ]
+            args = ["-m", "paddle.distributed.launch", "--nproc_per_node", "2", "--log_dir", f"{tmp}/log", *args]
         run = subprocess.run([str(PEERS_PY), *args], env=env, capture_output=True, text=True, timeout=600)
         if run.returncode != 0:
             logs = "".join(p.read_text()[-2000:] for p in Path(tmp).glob("log/workerlog.*"))
             raise RuntimeError(f"paddle {mode} failed:\n{run.stderr[-3000:]}\n{logs}")
-        secs = [json.loads(Path(f"{out}.{r}").read_text())["seconds"] for r in range(1 if mode == "single" else 2)]
-    best = min(max(per) for per in zip(*(s[1:] for s in secs)))  # slowest rank, best pass
-    label = {
-        "single": "Paddle full_param",
-        "group": "Paddle full_param, single group",
-        "mesh": "Paddle full_param, 2-D mesh (h_group, v_group)",
-    }[mode]
-    return {label: best}
+        ranks = [json.loads(Path(f"{out}.{r}").read_text()) for r in range(1 if mode == "single" else 2)]
+    best = min(max(per) for per in zip(*(r["seconds"][1:] for r in ranks)))  # slowest rank, best pass
+    omp = ranks[0]["omp_num_threads"]
+    said = (
+        f"OMP_NUM_THREADS {omp['before import'] or 'unset'} before `import paddle`, "
+        f"{omp['after import'] or 'unset'} after"
+    )
+    return {"seconds": {PADDLE_LABELS[mode]: best}, "threads": said}
 
 
-# -- driver and report ------------------------------------------------------------------------------
+# -- driver -----------------------------------------------------------------------------------------
+
+ONE = ["single-dropped", "single-never", "single-tuned", "paddle-single"]
+TWO = ["pair", "torchrun", "paddle-group", "paddle-mesh"]
+#: Which side of the table each job is, for the thread settings in the report.
+SIDES = {
+    "single": "shardsync, 1 process",
+    "paddle-single": "Paddle, 1 process",
+    "pair": "shardsync and torch, 2 processes spawned by torch.multiprocessing",
+    "torchrun": "shardsync, 2 processes under torchrun",
+    "paddle-group": "Paddle, 2 processes under paddle.distributed.launch",
+    "paddle-mesh": "Paddle, 2 processes under paddle.distributed.launch",
+}
 
 
-def _run_job(name: str, repeats: int) -> dict[str, float]:
+def _run_job(name: str, repeats: int, layers: int) -> dict[str, Any]:
     """Each job in a fresh process: allocator state and caches never carry over."""
     if name.startswith("paddle"):
-        return job_paddle(name.split("-")[1], repeats)
-    cmd = [sys.executable, __file__, "--job", name, "--repeats", str(repeats)]
+        return job_paddle(name.split("-")[1], repeats, layers)
+    cmd = [sys.executable, __file__, "--job", name, "--repeats", str(repeats), "--layers", str(layers)]
     run = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
     if run.returncode != 0:
         raise RuntimeError(f"job {name} failed:\n{run.stderr[-4000:]}")
     return json.loads(run.stdout.strip().splitlines()[-1])
 
 
-ONE = ["single-dropped", "single-never", "single-tuned", "paddle-single"]
-TWO = ["pair", "paddle-group", "paddle-mesh"]
-
-#: (row, world, what the ratio is against) - the order of the table.
-ROWS = [
-    ("dropped", 1),
-    ("never", 1),
-    ("tuned", 1),
-    ("Paddle full_param", 1),
-    ("memcpy warm", 1),
-    ("memcpy fresh", 1),
-    ("shardsync shm", 2),
-    ("shardsync shm, shards in shared memory", 2),
-    ("shardsync gloo", 2),
-    ("Paddle full_param, single group", 2),
-    ("Paddle full_param, 2-D mesh (h_group, v_group)", 2),
-    ("torch DCP _gather_state_dict", 2),
-    ("torch DCP save + dcp_to_torch_save", 2),
-    ("naive all_gather", 2),
-    ("ceiling: gloo broadcast of the received bytes", 2),
-    ("ceiling: memcpy of every target, both ranks at once", 2),
-]
-LABELS = {
-    "dropped": "shardsync (reuse='dropped', default)",
-    "never": "shardsync (reuse='never')",
-    "tuned": "shardsync (reuse='never', tune_allocator())",
-    "memcpy warm": "ceiling: memcpy of every target into touched memory",
-    "memcpy fresh": "memcpy of every target into fresh memory",
-}
+def _job(name: str, repeats: int, layers: int) -> dict[str, Any]:
+    """Inside a job process: the job's ``{"seconds", "threads"}``."""
+    if name == "pair":
+        return job_pair(repeats, layers)
+    if name == "torchrun":
+        return job_torchrun(repeats, layers)
+    return {"seconds": job_single(name.split("-")[1], repeats, layers), "threads": busy.threads()}
 
 
-def _ratios(rounds: list[dict[str, float]], ours: str, other: str) -> float:
-    return statistics.median(r[other] / r[ours] for r in rounds)
-
-
-def report(rounds: list[dict[str, float]], doc: dict[str, Any]) -> str:
-    ours = {1: "dropped", 2: "shardsync shm"}
-    lines = [
-        f"# shardsync vs peers ({doc['date']})",
-        "",
-        f"Workload: {doc['workload']}. Machine: {doc['machine']}; load average before / after: "
-        f"{doc['load_before']} / {doc['load_after']}. {len(rounds)} interleaved rounds, each job "
-        f"the best of {doc['repeats']} passes in a fresh process; seconds are medians over the "
-        "rounds, ratios medians of per-round ratios (x = row's time / shardsync's: above 1, "
-        "shardsync is faster; for a ceiling, how far shardsync is from it is 1 / x).",
-        "",
-        "| world | variant | s (median) | s (best) | x vs shardsync |",
-        "|---|---|---|---|---|",
-    ]
-    for key, world in ROWS:
-        if key not in rounds[0]:
-            continue
-        secs = [r[key] for r in rounds]
-        x = _ratios(rounds, ours[world], key)
-        lines.append(
-            f"| {world} | {LABELS.get(key, key)} | {statistics.median(secs):.3f} | {min(secs):.3f} | {x:.2f} |"
+def notes(said: dict[str, set[str]]) -> list[str]:
+    """What the launchers do to the thread settings, with what their processes reported (``said``:
+    by side, as in :data:`SIDES`)."""
+    out = []
+    if SIDES["torchrun"] in said:
+        out.append(
+            "torchrun sets OMP_NUM_THREADS=1 in its workers when the caller left it unset and "
+            "nproc_per_node > 1 (torch/distributed/run.py); its workers here reported: "
+            + " / ".join(sorted(said[SIDES["torchrun"]]))
+            + "."
         )
-    lines += [
-        "",
-        "Targets (issue 11): >= 2.5x Paddle single-process, >= 4x Paddle's 2-D mesh path, within "
-        "2x of the ceilings measured in the same run.",
-        "",
-    ]
-    return "\n".join(lines) + "\n"
-
-
-def _load() -> str:
-    return " ".join(f"{x:.2f}" for x in os.getloadavg())
+    paddle = sorted(set().union(*(v for k, v in said.items() if k.startswith("Paddle"))))
+    if paddle:
+        out.append(
+            "Paddle sets OMP_NUM_THREADS=1 in its process's environment on import when it is unset "
+            "(paddle/base/__init__.py, __bootstrap__), so the workers of paddle.distributed.launch "
+            "(which imports paddle) start with 1; its processes here reported: " + " / ".join(paddle) + "."
+        )
+    return out
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--layers", type=int, default=W.LAYERS, help=f"layers of the workload ({W.LAYERS}: 0.336 GB)")
+    ap.add_argument("--no-paddle", action="store_true", help="leave Paddle's jobs out (its targets: not measured)")
     ap.add_argument("--job", help=argparse.SUPPRESS)
+    ap.add_argument("--result", help=argparse.SUPPRESS)
     ap.add_argument("--out", type=Path, default=RESULTS)
+    busy.add_flag(ap)
     args = ap.parse_args(argv)
+    if args.job == "torchrun-worker":
+        torchrun_worker(args.result, args.repeats, args.layers)
+        return {}
     if args.job:  # inside a job process: print one JSON line
-        res = job_pair(args.repeats) if args.job == "pair" else job_single(args.job.split("-")[1], args.repeats)
+        res = _job(args.job, args.repeats, args.layers)
         print(json.dumps(res))
         return res
-    if not PEERS_PY.exists():
-        raise SystemExit(f"{PEERS_PY} is missing: run `make bench-peers` (it creates the peers' venv)")
+    if not args.no_paddle and not PEERS_PY.exists():
+        raise SystemExit(f"{PEERS_PY} is missing: run `make bench-peers` (it creates the peers' venv), or --no-paddle")
+    jobs = [j for j in ONE + TWO if not (args.no_paddle and j.startswith("paddle"))]
     doc: dict[str, Any] = {
         "date": datetime.datetime.now().isoformat(timespec="seconds"),
         "machine": f"{platform.node()}, {os.cpu_count()} CPUs, torch {torch.__version__}",
-        "workload": f"{W.LAYERS} layers, hidden {W.HIDDEN}, ffn {W.FFN}, fp32, "
-        f"{W.total_bytes(W.full_weights()) / 1e9:.3f} GB, TP=2",
+        "workload": f"{args.layers} layers, hidden {W.HIDDEN}, ffn {W.FFN}, fp32, "
+        f"{W.total_bytes(W.full_weights(args.layers)) / 1e9:.3f} GB, TP=2",
         "repeats": args.repeats,
-        "load_before": _load(),
     }
-    jobs, rounds = ONE + TWO, []
-    for k in range(args.rounds):
-        res: dict[str, float] = {}
-        for name in jobs[k % len(jobs) :] + jobs[: k % len(jobs)]:
-            res |= _run_job(name, args.repeats)
-        rounds.append(res)
-        print(f"round {k}: " + ", ".join(f"{n} {s:.3f}" for n, s in res.items()), file=sys.stderr, flush=True)
-    doc |= {"load_after": _load(), "rounds": rounds}
+    rounds: list[dict[str, float]] = []
+    said: dict[str, set[str]] = {}
+    with busy.run(args.busy) as conditions:
+        for k in range(args.rounds):
+            res: dict[str, float] = {}
+            for name in jobs[k % len(jobs) :] + jobs[: k % len(jobs)]:
+                got = _run_job(name, args.repeats, args.layers)
+                res |= got["seconds"]
+                side = SIDES["single" if name.startswith("single") else name]
+                said.setdefault(side, set()).add(got["threads"])
+            rounds.append(res)
+            print(f"round {k}: " + ", ".join(f"{n} {s:.3f}" for n, s in res.items()), file=sys.stderr, flush=True)
+    doc |= {
+        "conditions": conditions,
+        "load_after": " ".join(f"{x:.2f}" for x in os.getloadavg()),
+        "threads": {side: " / ".join(sorted(v)) for side, v in said.items()},
+        "notes": notes(said),
+        "rounds": rounds,
+        "targets": peers_report.targets(rounds),
+    }
+    name = busy.stem("peers", args.busy)
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "peers.json").write_text(json.dumps(doc, indent=1))
-    text = report(rounds, doc)
-    (args.out / "peers.md").write_text(text)
+    (args.out / f"{name}.json").write_text(json.dumps(doc, indent=1))
+    text = peers_report.report(rounds, doc)
+    (args.out / f"{name}.md").write_text(text)
     sys.stdout.write(text)
     return doc
 

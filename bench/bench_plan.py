@@ -17,15 +17,19 @@ fitted to ``time ~ shards^k`` (1 is linear, 2 quadratic), and the speedup over t
 is also timed with Python's cyclic GC off: once the objects the planner keeps pass a quarter of the
 heap, CPython starts full collections of the whole heap (torch's modules included), which raise the
 time per shard at the large end without being part of the algorithm. Run: ``make bench`` or
-``.venv/bin/python bench/bench_plan.py``. Writes bench/results/plan.{json,md}.
+``.venv/bin/python bench/bench_plan.py`` (``--points 2 --out /tmp/x``: the two smallest sizes, a quick
+check); ``--busy`` measures next to another busy process (bench/busy.py). Writes
+bench/results/plan.{json,md} (``plan_busy.*`` with ``--busy``).
 """
 
 from __future__ import annotations
 
+import argparse
 import gc
 import json
 import math
 import statistics
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -37,6 +41,9 @@ import shardsync
 from shardsync.layout import Box, GlobalLayout
 from shardsync.mapping import resolve
 from shardsync.planning import Plan, PlanOptions, build_plan, reads, validate
+
+sys.path.insert(0, str(Path(__file__).parent))
+import busy  # noqa: E402
 
 RANKS = 8
 COLS = 64
@@ -112,10 +119,10 @@ def exponent(points: list[tuple[float, float]]) -> float:
     return fit.slope
 
 
-def measure_tensors() -> dict:
+def measure_tensors(points: int) -> dict:
     """``shardsync.plan`` over many tiny tensors, best of 3 (GC on, as users run it)."""
     rows_out = []
-    for n in TENSORS:
+    for n in TENSORS[:points]:
         state = {f"layers.{i}.w": torch.zeros(3) for i in range(n)}
         times = []
         for _ in range(3):
@@ -129,12 +136,12 @@ def measure_tensors() -> dict:
     return {"exponent": round(exponent([(r["tensors"], r["seconds"]) for r in rows_out]), 2), "rows": rows_out}
 
 
-def measure() -> dict:
+def measure(points: int) -> dict:
     out: dict = {"ranks": RANKS, "repeats": 3, "cases": {}}
-    out["tensors"] = measure_tensors()
+    out["tensors"] = measure_tensors(points)
     for case, (make, mapping) in CASES.items():
         rows_out = []
-        for n in SHARDS:
+        for n in SHARDS[:points]:
             layout = make(n)
             seconds, plan = best_of(layout, mapping, collect=True)
             row = {
@@ -164,7 +171,7 @@ def markdown(res: dict) -> str:
         f"resolve + build_plan, one key, {res['ranks']} ranks, every rank receives it; best of "
         f"{res['repeats']}. `k`: fitted exponent of time ~ shards^k (1 linear, 2 quadratic). GC off: the "
         "same with Python's cyclic GC disabled. Scan: the same planner checking every shard on every "
-        f"lookup (same plan), measured up to {SCAN_UP_TO} shards.",
+        f"lookup (same plan), measured up to {SCAN_UP_TO} shards. Conditions: {res['conditions']}.",
         "",
         "| case | shards | pieces | reads | seconds | us/shard | GC off | scan seconds | speedup |",
         "|---|---|---|---|---|---|---|---|---|",
@@ -191,11 +198,18 @@ def markdown(res: dict) -> str:
 
 
 def main() -> None:
-    res = measure()
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "plan.json").write_text(json.dumps(res, indent=2) + "\n")
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--points", type=int, default=len(SHARDS), help="the first N sizes of each case (at least 2)")
+    ap.add_argument("--out", type=Path, default=RESULTS)
+    busy.add_flag(ap)
+    a = ap.parse_args()
+    with busy.run(a.busy) as conditions:
+        res = measure(max(2, a.points)) | {"conditions": conditions}
+    name = busy.stem("plan", a.busy)
+    a.out.mkdir(parents=True, exist_ok=True)
+    (a.out / f"{name}.json").write_text(json.dumps(res, indent=2) + "\n")
     text = markdown(res)
-    (RESULTS / "plan.md").write_text(text)
+    (a.out / f"{name}.md").write_text(text)
     print(text)
 
 

@@ -5,8 +5,11 @@ default) in bf16, fp32 masters held by AdamW, Adam moments present. For each sce
 run in the same processes, alternating, and the per-step time is the slowest rank's, best of
 ``--rounds``. Collectives are counted by wrapping ``dist.broadcast`` / ``dist.all_reduce``.
 
-Run: ``python bench/bench_replicas.py`` (defaults ``--world 2 4 --steps 10 --rounds 2``; about 6 minutes
-on 2 cores, world 4 oversubscribed). Writes ``bench/results/replicas.json`` and ``.md``.
+Every rank runs with torch's default threads (nothing here sets them). Run: ``python
+bench/bench_replicas.py`` (defaults ``--world 2 4 --steps 10 --rounds 2``; about 6 minutes on 2 cores,
+world 4 oversubscribed; ``--world 2 --layers 2 --steps 1 --rounds 1 --out /tmp/x`` for a quick check);
+``--busy`` measures next to another busy process (bench/busy.py). Writes
+``bench/results/replicas.json`` and ``.md`` (``replicas_busy.*`` with ``--busy``).
 """
 
 from __future__ import annotations
@@ -28,6 +31,8 @@ import torch.multiprocessing as mp
 from torch import nn
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src"))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import busy  # noqa: E402
 from shardsync.replicas import ReplicaSync  # noqa: E402
 
 __all__ = ["main"]
@@ -176,7 +181,6 @@ def _adamw_ms(layers: int, hidden: int, steps: int) -> float:
 
 
 def _rank(rank: int, world: int, store: str, args: argparse.Namespace, out: str) -> None:
-    torch.set_num_threads(1)
     dist.init_process_group(
         "gloo", init_method=f"file://{store}", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=300)
     )
@@ -184,7 +188,8 @@ def _rank(rank: int, world: int, store: str, args: argparse.Namespace, out: str)
         rows = [_scenario(name, args.layers, args.hidden, args.steps, args.rounds, world) for name in SCENARIOS]
         if rank == 0:
             with open(out, "w") as fh:
-                json.dump({"rows": rows, "adamw_ms": _adamw_ms(args.layers, args.hidden, args.steps)}, fh)
+                adamw = _adamw_ms(args.layers, args.hidden, args.steps)
+                json.dump({"rows": rows, "adamw_ms": adamw, "threads": torch.get_num_threads()}, fh)
     finally:
         dist.destroy_process_group()
 
@@ -205,7 +210,8 @@ def _markdown(result: dict) -> str:
         f"{cfg['tensors']} replicated tensors ({cfg['layers']} blocks x 2 LayerNorms x "
         f"(weight, bias), hidden {cfg['hidden']}, bf16 params, fp32 masters and Adam moments), "
         f"gloo on CPU, {cfg['cpus']} CPU(s), torch {cfg['torch']}; best of {cfg['rounds']} "
-        f"rounds of {cfg['steps']} steps, slowest rank.",
+        f"rounds of {cfg['steps']} steps, slowest rank. Conditions: {cfg['conditions']}; torch threads in "
+        f"every rank: {cfg['rank_threads']}.",
         "",
         "| world | scenario | collectives per step: per tensor / coalesced (ratio) | "
         "ms per step: per tensor / coalesced (ratio) | bytes per step |",
@@ -237,20 +243,24 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--hidden", type=int, default=1024)
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--out", default=RESULTS, help="the results' folder")
+    busy.add_flag(parser)
     args = parser.parse_args(argv)
-    rows, adamw = [], 0.0
-    for world in args.world:
-        got = _run_world(world, args)
-        rows += got["rows"]
-        adamw = got["adamw_ms"]
-        for r in got["rows"]:
-            print(
-                f"world {world} {r['scenario']:<17} collectives {r['per_tensor']['collectives']:>4} -> "
-                f"{r['coalesced']['collectives']:<2} ({r['collective_ratio']:>5.0f}x)   ms/step "
-                f"{r['per_tensor']['ms_per_step']:8.2f} -> {r['coalesced']['ms_per_step']:7.2f} "
-                f"({r['time_ratio']:5.1f}x)",
-                flush=True,
-            )
+    rows, adamw, threads = [], 0.0, set()
+    with busy.run(args.busy) as conditions:
+        for world in args.world:
+            got = _run_world(world, args)
+            rows += got["rows"]
+            adamw = got["adamw_ms"]
+            threads.add(got["threads"])
+            for r in got["rows"]:
+                print(
+                    f"world {world} {r['scenario']:<17} collectives {r['per_tensor']['collectives']:>4} -> "
+                    f"{r['coalesced']['collectives']:<2} ({r['collective_ratio']:>5.0f}x)   ms/step "
+                    f"{r['per_tensor']['ms_per_step']:8.2f} -> {r['coalesced']['ms_per_step']:7.2f} "
+                    f"({r['time_ratio']:5.1f}x)",
+                    flush=True,
+                )
     met = all(r["collective_ratio"] >= 5 and r["time_ratio"] >= 3 for r in rows)
     result = {
         "config": {
@@ -264,19 +274,21 @@ def main(argv: list[str] | None = None) -> int:
             "torch": torch.__version__,
             "cpus": os.cpu_count(),
             "machine": platform.machine(),
+            "conditions": conditions,
+            "rank_threads": ", ".join(map(str, sorted(threads))),
         },
         "rows": rows,
         "adamw_ms": adamw,
         "targets_met": met,
     }
-    os.makedirs(RESULTS, exist_ok=True)
-    with open(os.path.join(RESULTS, "replicas.json"), "w") as fh:
+    name = os.path.join(args.out, busy.stem("replicas", args.busy))
+    os.makedirs(args.out, exist_ok=True)
+    with open(f"{name}.json", "w") as fh:
         json.dump(result, fh, indent=2)
-    with open(os.path.join(RESULTS, "replicas.md"), "w") as fh:
+    with open(f"{name}.md", "w") as fh:
         fh.write(_markdown(result))
     print(
-        f"targets (>= 5x fewer collectives, >= 3x less time): {'met' if met else 'NOT met'}; "
-        f"wrote {os.path.join(RESULTS, 'replicas.json')} and replicas.md"
+        f"targets (>= 5x fewer collectives, >= 3x less time): {'met' if met else 'NOT met'}; wrote {name}.json and .md"
     )
     return 0 if met else 1
 

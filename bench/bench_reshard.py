@@ -27,7 +27,10 @@ Each variant runs ``--repeats`` times, round-robin; the time of a run is the slo
 run is kept. The reshard output is checked against the reference once. Results go to
 ``bench/results/reshard.json``.
 
-Run: ``.venv/bin/python bench/bench_reshard.py`` (about a minute on 2 cores).
+Every rank runs with torch's default threads (nothing here sets them; four ranks on a 2-core machine
+oversubscribe it). Run: ``.venv/bin/python bench/bench_reshard.py`` (about a minute on 2 cores;
+``--layers 1 --repeats 1 --out /tmp/r.json`` for a quick check); ``--busy`` measures next to another
+busy process (bench/busy.py) and writes ``reshard_busy.json``.
 """
 
 from __future__ import annotations
@@ -50,6 +53,9 @@ import torch.multiprocessing as mp
 
 import shardsync
 from shardsync import LocalShard
+
+sys.path.insert(0, str(Path(__file__).parent))
+import busy  # noqa: E402
 
 __all__ = ["main", "mapping", "hf_model", "megatron_state", "inference_cut", "inference_state", "CUTS"]
 
@@ -257,11 +263,11 @@ def run_cut(
         "steps": len(result.plan.steps),
         "transport": result.stats.transport,
         "shard_bytes": mine,
+        "threads": torch.get_num_threads(),
     }
 
 
 def worker(rank: int, world: int, a: argparse.Namespace, store: str, out: str) -> None:
-    torch.set_num_threads(1)
     dist.init_process_group(
         "gloo", init_method=f"file://{store}", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=600)
     )
@@ -307,13 +313,17 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--ffn", type=int, default=2816)
     p.add_argument("--vocab", type=int, default=8191)
     p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--out", type=Path, default=RESULTS / "reshard.json")
+    p.add_argument("--out", type=Path, help="the JSON (default bench/results/reshard.json, reshard_busy.json)")
+    busy.add_flag(p)
     a = p.parse_args(argv)
-    with tempfile.TemporaryDirectory() as tmp:
+    a.out = a.out or RESULTS / f"{busy.stem('reshard', a.busy)}.json"
+    with busy.run(a.busy) as conditions, tempfile.TemporaryDirectory() as tmp:
         mp.spawn(worker, args=(4, a, os.path.join(tmp, "store"), tmp), nprocs=4)
         per_rank = [json.loads(Path(tmp, f"{r}.json").read_text()) for r in range(4)]
     doc = {
         "date": datetime.datetime.now().isoformat(timespec="seconds"),
+        "conditions": conditions,
+        "rank_threads": sorted({r[cut]["threads"] for r in per_rank for cut in CUTS}),
         "host": platform.node(),
         "cpus": os.cpu_count(),
         "torch": torch.__version__,
@@ -326,6 +336,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     doc["exact"] = all(c["exact"] for c in doc["cuts"])
     a.out.parent.mkdir(parents=True, exist_ok=True)
     a.out.write_text(json.dumps(doc, indent=1) + "\n")
+    print(f"conditions: {conditions}; torch threads in the ranks: {doc['rank_threads']}")
     for c in doc["cuts"]:
         times = ", ".join(f"{name} {row['seconds']:.3f} s" for name, row in c["rows"].items())
         print(

@@ -12,9 +12,11 @@ slowest rank's time), every consumer receiving every target:
 * ceilings, measured in the same processes: the bytes each rank must receive over gloo's broadcast
   bandwidth (64 MiB), and every target's bytes copied once into touched memory on all ranks at once.
 
-With one rank the only variant is the local copy. Writes ``bench/results/scaling.json``; ``bench/plots.py``
-draws it. The ranks share this machine's cores: above 2 ranks on 2 cores the times include waiting
-for a core.
+With one rank the only variant is the local copy. Every rank runs with torch's default threads
+(nothing here sets them). Writes ``bench/results/scaling.json`` (``scaling_busy.json`` with ``--busy``:
+next to another busy process, bench/busy.py); ``bench/plots.py`` draws the quiet one. The ranks share
+this machine's cores: above 2 ranks on 2 cores the times include waiting for a core. Quick check:
+``--configs 1x2 --repeats 1 --out /tmp/x``.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).parent))
+import busy  # noqa: E402
 import workload as W  # noqa: E402
 from bench_peers import _naive  # noqa: E402  (the same naive all_gather as the peers table)
 
@@ -103,7 +106,6 @@ def _ceilings(ref: dict, world: int) -> dict[str, float]:
 
 
 def _run(layers: int, world: int, rank: int, repeats: int) -> dict[str, float]:
-    torch.set_num_threads(1)
     state, local, ref = _state(layers, rank, world)
     variants = _variants(state, local, world)
     res = {name: float("inf") for name in variants}
@@ -140,23 +142,31 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--out", type=Path, default=RESULTS)
+    ap.add_argument(
+        "--configs",
+        type=lambda s: [tuple(int(x) for x in c.split("x")) for c in s.split(",")],
+        default=CONFIGS,
+        help="LAYERSxWORLD, comma-separated (default: " + ",".join(f"{x}x{y}" for x, y in CONFIGS) + ")",
+    )
+    busy.add_flag(ap)
     args = ap.parse_args(argv)
     doc: dict[str, Any] = {
         "date": datetime.datetime.now().isoformat(timespec="seconds"),
         "machine": f"{platform.node()}, {os.cpu_count()} CPUs, torch {torch.__version__}",
-        "load_before": os.getloadavg()[0],
         "repeats": args.repeats,
         "configs": [],
     }
-    for layers, world in CONFIGS:
-        res = measure(layers, world, args.repeats)
-        doc["configs"].append(
-            {"layers": layers, "world": world, "bytes": W.total_bytes(W.full_weights(layers)), "seconds": res}
-        )
-        print(f"{layers} layers, {world} ranks: " + ", ".join(f"{k} {v:.3f}" for k, v in res.items()), flush=True)
+    with busy.run(args.busy) as conditions:
+        doc["conditions"] = conditions
+        for layers, world in args.configs:
+            res = measure(layers, world, args.repeats)
+            doc["configs"].append(
+                {"layers": layers, "world": world, "bytes": W.total_bytes(W.full_weights(layers)), "seconds": res}
+            )
+            print(f"{layers} layers, {world} ranks: " + ", ".join(f"{k} {v:.3f}" for k, v in res.items()), flush=True)
     doc["load_after"] = os.getloadavg()[0]
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "scaling.json").write_text(json.dumps(doc, indent=1))
+    (args.out / f"{busy.stem('scaling', args.busy)}.json").write_text(json.dumps(doc, indent=1))
     return doc
 
 

@@ -10,11 +10,14 @@ resident set size after its imports (``rss_before``) and its peak (``VmHWM``).
 writer's shard, which the writer holds before writing). Baseline: the old way, ``read_tensors`` (the
 whole checkpoint in memory) and then the same export.
 
-Run: ``make bench`` or ``.venv/bin/python bench/bench_sources.py``. Writes bench/results/sources.json.
+torch's default threads (nothing here sets them). Run: ``make bench`` or ``.venv/bin/python
+bench/bench_sources.py`` (``--out /tmp/x`` to write elsewhere); ``--busy`` measures next to another busy
+process (bench/busy.py). Writes bench/results/sources.json (``sources_busy.json`` with ``--busy``).
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import subprocess
@@ -28,6 +31,7 @@ import torch
 import shardsync
 
 sys.path.insert(0, str(Path(__file__).parent))
+import busy  # noqa: E402
 from bench_export import MAPPING, build_state  # noqa: E402  (same state and mapping)
 
 LAYERS = 12
@@ -111,6 +115,11 @@ def cases(root: Path) -> list[tuple[str, str, Path, int, dict[str, str]]]:
 def main() -> None:
     import torch.distributed.checkpoint as dcp
 
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", type=Path, default=RESULTS)
+    busy.add_flag(ap)
+    a = ap.parse_args()
+
     import bench_export
 
     bench_export.LAYERS = LAYERS
@@ -125,28 +134,30 @@ def main() -> None:
         doubled = list(state.items()) + [(_shift(k), t) for k, t in state.items()]
         shardsync.save_safetensors(doubled, root / "st2", max_shard_bytes="100MB")
         del state
-        for i, (name, how, path, budget, env) in enumerate(cases(root)):
-            r = run_child(how, path, root / f"out{i}", budget, env)
-            shard = 0 if how == "discard" else SHARD
-            r |= {
-                "memory_budget": budget or None,
-                "writer_shard_bytes": shard or None,
-                "growth_over_budget_and_shard": r["growth"] - budget - shard if budget else None,
-            }
-            rows[name] = r
-            print(
-                f"{name:55s} growth {r['growth'] / MIB:6.1f} MiB (budget {budget / MIB:4.0f} + shard "
-                f"{shard / MIB:3.0f}), peak {r['peak_rss'] / MIB:6.1f} MiB, {r['seconds']:5.2f} s"
-            )
+        with busy.run(a.busy) as conditions:
+            for i, (name, how, path, budget, env) in enumerate(cases(root)):
+                r = run_child(how, path, root / f"out{i}", budget, env)
+                shard = 0 if how == "discard" else SHARD
+                r |= {
+                    "memory_budget": budget or None,
+                    "writer_shard_bytes": shard or None,
+                    "growth_over_budget_and_shard": r["growth"] - budget - shard if budget else None,
+                }
+                rows[name] = r
+                print(
+                    f"{name:55s} growth {r['growth'] / MIB:6.1f} MiB (budget {budget / MIB:4.0f} + shard "
+                    f"{shard / MIB:3.0f}), peak {r['peak_rss'] / MIB:6.1f} MiB, {r['seconds']:5.2f} s"
+                )
     doc = {
+        "conditions": conditions,
         "checkpoint_bytes": size,
         "checkpoint_over_budget_64MiB": round(size / BUDGET, 1),
         "fixed_malloc_threshold_env": FIXED,
         "threads": torch.get_num_threads(),
         "cases": rows,
     }
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "sources.json").write_text(json.dumps(doc, indent=2) + "\n")
+    a.out.mkdir(parents=True, exist_ok=True)
+    (a.out / f"{busy.stem('sources', a.busy)}.json").write_text(json.dumps(doc, indent=2) + "\n")
 
 
 if __name__ == "__main__":

@@ -11,7 +11,10 @@ checked against the unsharded reference once, and its peak memory (``stats.peak_
 Two shapes: ``llama`` (the main case: 6 layers, hidden 1024) and ``wide`` (2 layers, hidden 2048: fewer,
 larger tensors). Results go to ``bench/results/stream.json`` and ``stream.md``.
 
-Run: ``.venv/bin/python bench/bench_stream.py`` (about a minute on 2 cores).
+Both ranks run with torch's default threads (nothing here sets them). Run: ``.venv/bin/python
+bench/bench_stream.py`` (about a minute on 2 cores; ``--shapes wide --thp '' --repeats 1 --out /tmp/x``
+for a quick check); ``--busy`` measures next to another busy process (bench/busy.py) and writes
+``stream_busy.{json,md}``.
 """
 
 from __future__ import annotations
@@ -35,6 +38,9 @@ import torch.multiprocessing as mp
 
 from shardsync.layout import shard_dim
 from shardsync.stream import full_params
+
+sys.path.insert(0, str(Path(__file__).parent))
+import busy  # noqa: E402
 
 __all__ = ["main", "build_model", "naive", "Shape", "SHAPES"]
 
@@ -171,7 +177,6 @@ SHAPES = {"llama": Shape("llama", 6, 1024, 2816), "wide": Shape("wide", 2, 2048,
 
 
 def worker(rank: int, world: int, shape: Shape, args: argparse.Namespace, store: str, out: str) -> None:
-    torch.set_num_threads(1)
     dist.init_process_group(
         "gloo", init_method=f"file://{store}", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=600)
     )
@@ -196,6 +201,7 @@ def worker(rank: int, world: int, shape: Shape, args: argparse.Namespace, store:
             if rec["seconds"] < res[name]["seconds"]:
                 res[name] = rec
     res |= {
+        "threads": torch.get_num_threads(),
         "broadcast_64MiB_s": bcast,
         "all_gather_64MiB_s": gather,
         "total_bytes": sum(x.nbytes for x, _ in model.values()),
@@ -239,6 +245,7 @@ def report(shape: Shape, per_rank: list[dict], args: argparse.Namespace) -> dict
         "total_bytes": total,
         "broadcast_GBps": bw / 1e9,
         "all_gather_GBps": 64 * MIB / max(r["all_gather_64MiB_s"] for r in per_rank) / 1e9,
+        "rank_threads": sorted({r["threads"] for r in per_rank}),
         "rows": rows,
     }
 
@@ -249,7 +256,8 @@ def markdown(doc: dict[str, Any]) -> str:
         "",
         f"TP=2 over 2 gloo processes on {doc['cpus']} CPUs ({doc['host']}), torch {doc['torch']}, "
         f"best of {doc['repeats']} interleaved runs; the memory budget run allows "
-        f"{doc['budget_factor']}x the largest target.",
+        f"{doc['budget_factor']}x the largest target. Conditions: {doc['conditions']}; torch threads "
+        f"in the ranks: {sorted({t for c in doc['configs'] for t in c['rank_threads']})}.",
         "",
     ]
     for res in doc["configs"]:
@@ -302,6 +310,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         help="memory budget of the budget run, in multiples of the largest target",
     )
     ap.add_argument("--out", type=Path, default=RESULTS)
+    busy.add_flag(ap)
     args = ap.parse_args(argv)
     doc: dict[str, Any] = {
         "date": datetime.datetime.now().isoformat(timespec="seconds"),
@@ -315,24 +324,32 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     }
     runs = [(name, False) for name in args.shapes.split(",")]
     runs += [(name, True) for name in args.thp.split(",") if name]
-    for name, thp in runs:
-        env = os.environ.get("GLIBC_TUNABLES")
-        if thp:  # read by glibc when the spawned workers start
-            os.environ["GLIBC_TUNABLES"] = "glibc.malloc.hugetlb=1"
-        try:
-            with tempfile.TemporaryDirectory() as tmp:
-                mp.spawn(worker, args=(2, SHAPES[name], args, os.path.join(tmp, "store"), tmp), nprocs=2)
-                per_rank = [torch.load(os.path.join(tmp, f"{r}.pt")) for r in range(2)]
-        finally:
-            os.environ.pop("GLIBC_TUNABLES", None)
-            if env is not None:
-                os.environ["GLIBC_TUNABLES"] = env
-        doc["configs"].append(report(SHAPES[name], per_rank, args) | {"thp": thp})
+    with busy.run(args.busy) as conditions:
+        doc["conditions"] = conditions
+        for name, thp in runs:
+            _run_shape(doc, args, name, thp)
+    stem = busy.stem("stream", args.busy)
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "stream.json").write_text(json.dumps(doc, indent=1))
-    (args.out / "stream.md").write_text(markdown(doc))
+    (args.out / f"{stem}.json").write_text(json.dumps(doc, indent=1))
+    (args.out / f"{stem}.md").write_text(markdown(doc))
     sys.stdout.write(markdown(doc))
     return doc
+
+
+def _run_shape(doc: dict[str, Any], args: argparse.Namespace, name: str, thp: bool) -> None:
+    """One shape on two spawned ranks (with transparent huge pages when ``thp``), added to ``doc``."""
+    env = os.environ.get("GLIBC_TUNABLES")
+    if thp:  # read by glibc when the spawned workers start
+        os.environ["GLIBC_TUNABLES"] = "glibc.malloc.hugetlb=1"
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            mp.spawn(worker, args=(2, SHAPES[name], args, os.path.join(tmp, "store"), tmp), nprocs=2)
+            per_rank = [torch.load(os.path.join(tmp, f"{r}.pt")) for r in range(2)]
+    finally:
+        os.environ.pop("GLIBC_TUNABLES", None)
+        if env is not None:
+            os.environ["GLIBC_TUNABLES"] = env
+    doc["configs"].append(report(SHAPES[name], per_rank, args) | {"thp": thp})
 
 
 if __name__ == "__main__":

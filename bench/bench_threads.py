@@ -12,12 +12,14 @@ user gets it; OMP_NUM_THREADS unset), measured two ways in the same run, interle
 
 Each is run once on the quiet machine and once with another busy process (a second Python process
 running torch matmuls with its own default threads, as a trainer or a data loader next to it
-would). Medians of 7 interleaved rounds; ratios are medians of per-round ratios. Writes
-bench/results/threads.{json,md}. Run: ``.venv/bin/python bench/bench_threads.py``.
+would): it runs both itself, so it has no ``--busy``. Medians of 7 interleaved rounds (``--rounds``);
+ratios are medians of per-round ratios. Writes bench/results/threads.{json,md} (or ``--out``). Run:
+``.venv/bin/python bench/bench_threads.py``; ``--rounds 1 --out /tmp/x`` for a quick check.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import statistics
@@ -31,11 +33,10 @@ import shardsync
 from shardsync.exec import assemble, copies, executor, shm
 
 sys.path.insert(0, str(Path(__file__).parent))
+import busy  # noqa: E402
 from bench_export import MAPPING, build_state  # noqa: E402
-from busy import busy_process  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"
-ROUNDS = 7
 
 
 def _export(state: dict[str, torch.Tensor]) -> None:
@@ -68,9 +69,9 @@ def _memcpy(state: dict[str, torch.Tensor]) -> None:
 VARIANTS = {"shardsync": _export, "shardsync, torch copy_": _torch_copies, "memcpy, torch copy_": _memcpy}
 
 
-def _rounds(state: dict[str, torch.Tensor]) -> dict[str, list[float]]:
+def _rounds(state: dict[str, torch.Tensor], rounds: int) -> dict[str, list[float]]:
     times: dict[str, list[float]] = {k: [] for k in VARIANTS}
-    for _ in range(ROUNDS):
+    for _ in range(rounds):
         for name, fn in VARIANTS.items():
             t0 = time.perf_counter()
             fn(state)
@@ -88,6 +89,10 @@ def _summary(times: dict[str, list[float]]) -> dict[str, object]:
 
 
 def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--out", type=Path, default=RESULTS)
+    a = ap.parse_args()
     state = build_state()
     _export(state)  # warm up: plan cache, pool, first-touch pages
     results: dict[str, object] = {
@@ -96,15 +101,20 @@ def main() -> None:
         "cores": len(os.sched_getaffinity(0)),
         "state GB": round(sum(v.nbytes for v in state.values()) / 1e9, 3),
     }
-    results["quiet"] = _summary(_rounds(state))
-    with busy_process():
-        results["one busy process"] = _summary(_rounds(state))
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "threads.json").write_text(json.dumps(results, indent=2) + "\n")
+    with busy.run(False) as quiet_conditions:
+        results["quiet"] = _summary(_rounds(state, a.rounds))
+    with busy.run(True) as busy_conditions:
+        results["one busy process"] = _summary(_rounds(state, a.rounds))
+    results["conditions"] = {"quiet": quiet_conditions, "one busy process": busy_conditions}
+    a.out.mkdir(parents=True, exist_ok=True)
+    (a.out / "threads.json").write_text(json.dumps(results, indent=2) + "\n")
     md = [
         f"export of {results['state GB']} GB fp32, 1 process, torch default threads "
         f"({results['torch threads']}), shardsync copy threads {results['copy threads']}, "
-        f"{results['cores']} cores; medians of {ROUNDS} interleaved rounds",
+        f"{results['cores']} cores; medians of {a.rounds} interleaved rounds",
+        "",
+        f"- quiet: {quiet_conditions}",
+        f"- one busy process: {busy_conditions}",
         "",
         "| measure | quiet | one busy process |",
         "|---|---|---|",
@@ -112,7 +122,7 @@ def main() -> None:
     quiet, busy_res = results["quiet"], results["one busy process"]
     assert isinstance(quiet, dict) and isinstance(busy_res, dict)
     md += [f"| {k} | {quiet[k]} | {busy_res[k]} |" for k in quiet]
-    (RESULTS / "threads.md").write_text("\n".join(md) + "\n")
+    (a.out / "threads.md").write_text("\n".join(md) + "\n")
     print("\n".join(md))
 
 

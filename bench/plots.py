@@ -66,10 +66,10 @@ def plot_scaling(doc: dict[str, Any], out: Path) -> list[Path]:
 def plot_peers(doc: dict[str, Any], out: Path) -> Path:
     """Bars of the median seconds of every row of ``peers.json``, in the table's order."""
     sys.path.insert(0, str(Path(__file__).parent))
-    from bench_peers import LABELS, ROWS
+    from peers_report import LABELS, ROWS
 
     rounds = doc["rounds"]
-    rows = [(key, world) for key, world in ROWS if key in rounds[0]]
+    rows = list(dict.fromkeys((key, world) for key, world, _ in ROWS if all(key in r for r in rounds)))
     secs = [statistics.median(r[key] for r in rounds) for key, _ in rows]
     names = [f"{world} proc: {LABELS.get(key, key)}" for key, world in rows]
     colors = [
@@ -81,7 +81,7 @@ def plot_peers(doc: dict[str, Any], out: Path) -> Path:
     ax.set_yticks(range(len(rows)), names, fontsize=7)
     ax.invert_yaxis()
     ax.set_xlabel("seconds (median over rounds); green: shardsync, blue: peers, gray: ceilings")
-    ax.set_title(f"shardsync vs peers, 0.336 GB, TP=2 ({doc['date'][:10]})")
+    ax.set_title(f"shardsync vs peers ({doc['date'][:10]})\n{doc['workload']}", fontsize=9)
     fig.tight_layout()
     fig.savefig(out / "peers.png", dpi=110)
     plt.close(fig)

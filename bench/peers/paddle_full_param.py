@@ -5,7 +5,9 @@ card). ``--mode group`` / ``--mode mesh``: started by ``python -m paddle.distrib
 --nproc_per_node 2`` on CPU (gloo), TP=2 shards; ``group`` is Paddle's single-group broadcast path,
 ``mesh`` its 2-D mesh path (``h_group`` = both ranks, ``v_group`` = this rank alone: a 1x2 mesh).
 Every yielded tensor is checked against the numpy reference on the first repeat. Writes one JSON line
-per rank: ``{"mode", "rank", "seconds": [...]}`` to ``--out``.
+per rank: ``{"mode", "rank", "seconds": [...], "omp_num_threads": {"before import", "after import"}}``
+to ``--out.RANK`` (the environment's ``OMP_NUM_THREADS`` before and after ``import paddle``, which
+sets it to 1 when it is unset). ``--layers`` as in ``bench_peers.py``.
 
 Paddle's distributed path calls ``Tensor.cuda()`` on CPU tensors before broadcasting
 (``dcp/full_param.py:527``), which raises on a CPU build; as in tests/golden/make_paddle_golden.py the
@@ -49,12 +51,15 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--mode", choices=("single", "group", "mesh"), required=True)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--layers", type=int, default=W.LAYERS)
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
+    omp = {"before import": os.environ.get("OMP_NUM_THREADS")}
     import paddle
     import paddle.distributed as dist
     from paddle.distributed.flex_checkpoint.dcp.full_param import full_param
 
+    omp["after import"] = os.environ.get("OMP_NUM_THREADS")
     paddle.set_device("cpu")
     kw: dict = {}
     rank, world = 0, 1
@@ -66,7 +71,7 @@ def main() -> None:
         if args.mode == "mesh":
             singles = [dist.new_group([r]) for r in range(world)]
             kw = {"h_group": dist.new_group(list(range(world))), "v_group": singles[rank]}
-    weights = W.full_weights()
+    weights = W.full_weights(args.layers)
     ref = W.reference(weights)
     sd = state(rank, world, weights)
     cfg = {"aoa_statements": list(W.MAPPING)}
@@ -86,7 +91,7 @@ def main() -> None:
             raise AssertionError(f"paddle {args.mode}: {got} targets, expected {len(ref)}")
         seconds.append(time.perf_counter() - t0)
     with open(f"{args.out}.{rank}", "w") as fh:
-        json.dump({"mode": args.mode, "rank": rank, "seconds": seconds}, fh)
+        json.dump({"mode": args.mode, "rank": rank, "seconds": seconds, "omp_num_threads": omp}, fh)
 
 
 if __name__ == "__main__":
