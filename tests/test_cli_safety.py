@@ -292,11 +292,10 @@ def test_corrupt_inputs_are_user_errors(
 
 
 def _workers_of(launcher: int) -> list[int]:
-    """The worker processes a ``--nproc`` launcher started (its children that run spawn's main)."""
-    found = subprocess.run(
-        ["pgrep", "-P", str(launcher), "-f", "multiprocessing.spawn"], capture_output=True, text=True
-    ).stdout.split()
-    return [int(pid) for pid in found]
+    """The worker processes a ``--nproc`` launcher started (its children, but for the resource tracker
+    that multiprocessing starts with spawned workers)."""
+    found = subprocess.run(["pgrep", "-P", str(launcher)], capture_output=True, text=True).stdout.split()
+    return [int(pid) for pid in found if b"resource_tracker" not in Path(f"/proc/{pid}/cmdline").read_bytes()]
 
 
 @pytest.mark.parametrize("how", ["ctrl-c", "worker killed"])
