@@ -37,9 +37,7 @@ def ck(tmp_path_factory: pytest.TempPathFactory) -> Checkpoints:
         (True, "darwin", "", "spawn"),
     ],
 )
-def test_start_method(
-    monkeypatch: pytest.MonkeyPatch, command: bool, platform: str, env: str, expected: str
-) -> None:
+def test_start_method(monkeypatch: pytest.MonkeyPatch, command: bool, platform: str, env: str, expected: str) -> None:
     monkeypatch.setattr(launch, "is_command", lambda: command)
     monkeypatch.setattr(sys, "platform", platform)
     monkeypatch.setenv(launch.START_METHOD_ENV, env)
@@ -140,9 +138,7 @@ def _zeroed(ck: Checkpoints, tmp_path: Path) -> Path:
 
 
 @pytest.mark.parametrize("debug", [False, True])
-def test_a_forked_workers_error_is_printed_once_by_the_command(
-    ck: Checkpoints, tmp_path: Path, debug: bool
-) -> None:
+def test_a_forked_workers_error_is_printed_once_by_the_command(ck: Checkpoints, tmp_path: Path, debug: bool) -> None:
     out = tmp_path / "out"
     src = _zeroed(ck, tmp_path)
     argv = [sys.executable, "-m", "shardsync", "convert", str(src), str(out), "--nproc", "2"]

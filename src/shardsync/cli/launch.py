@@ -37,7 +37,15 @@ from .common import command_logging
 from .convert import ConvertConfig, Converted, prepare, write
 from .messages import INTERRUPTED, UsageError, one_line
 
-__all__ = ["launch", "launched_world", "run_launched", "start_method", "pin_threads", "WorkerFailed", "START_METHOD_ENV"]
+__all__ = [
+    "launch",
+    "launched_world",
+    "run_launched",
+    "start_method",
+    "pin_threads",
+    "WorkerFailed",
+    "START_METHOD_ENV",
+]
 
 #: Seconds between the launcher's checks on its workers.
 MONITOR_SECONDS = 0.1
@@ -71,7 +79,7 @@ class _Outcome:
     status: int = 0
 
 
-def cores() -> int:
+def _cores() -> int:
     """The cores this process may run on."""
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
@@ -135,7 +143,7 @@ def _convert_part(cfg: ConvertConfig) -> _Outcome:
     import torch
     import torch.distributed as dist
 
-    torch.set_num_threads(max(1, cores() // int(os.environ["WORLD_SIZE"])))
+    torch.set_num_threads(max(1, _cores() // int(os.environ["WORLD_SIZE"])))
     if not dist.is_initialized():
         dist.init_process_group("gloo")
     try:
@@ -221,13 +229,14 @@ def launch(cfg: ConvertConfig, nproc: int) -> list[Converted]:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-    if nproc > cores():
+    cores = _cores()
+    if nproc > cores:
         log.warning(
             "--nproc %d starts more workers than this machine gives the process cores (%d): "
             "they share the cores and each starts slower; --nproc %d is usually faster",
             nproc,
-            cores(),
-            cores(),
+            cores,
+            cores,
         )
     config = LaunchConfig(
         min_nodes=1,
