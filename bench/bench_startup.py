@@ -132,7 +132,8 @@ def main() -> None:
         f"Load average (1, 5, 15 min) at the start and end: quiet run {loads['quiet'][0]} / {loads['quiet'][1]}; "
         f"busy run {loads['busy'][0]} / {loads['busy'][1]} (the machine is shared: other processes ran).",
         "",
-        "| job | quiet (no busy process started; others ran, see the load average) | busy (one other process running torch matmuls) |",
+        "| job | quiet (no busy process started; others ran, see the load average) "
+        "| busy (one other process running torch matmuls) |",
         "|---|---|---|",
     ]
     for q, b in zip(out["runs"]["quiet"], out["runs"]["busy"]):
