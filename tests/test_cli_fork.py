@@ -5,7 +5,6 @@ does not hang in OpenMP, logs nothing of its own, and its error is printed once,
 
 from __future__ import annotations
 
-import io
 import logging
 import os
 import signal
@@ -54,28 +53,26 @@ def test_a_start_method_other_than_spawn_is_refused(monkeypatch: pytest.MonkeyPa
     )
 
 
-def _records(debug: bool) -> str:
-    """What a worker logs, forked from a command whose log handler it inherits."""
+def _records(debug: bool, capsys: pytest.CaptureFixture[str]) -> str:
+    """What a worker logs, forked from a command whose log handler it inherits (both write to stderr)."""
     log = logging.getLogger("shardsync.dist")
     with command_logging("convert"), launch._worker_logging(debug):
-        stream = io.StringIO()
-        for h in logging.getLogger("shardsync").handlers:
-            h.setStream(stream)  # type: ignore[attr-defined]
         log.warning("stray")
         log.error("phase 'stream' failed on rank 1")
         log.debug("plan: 2 steps")
-    return stream.getvalue()
+    return capsys.readouterr().err
 
 
-def test_a_worker_logs_nothing_of_its_own(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_worker_logs_nothing_of_its_own(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
     monkeypatch.setenv("RANK", "1")
-    assert _records(debug=False) == ""
-    assert _records(debug=True) == (
+    assert _records(False, capsys) == ""
+    assert _records(True, capsys) == (
         "shardsync convert: worker 1: warning: stray\n"
         "shardsync convert: worker 1: error: phase 'stream' failed on rank 1\n"
         "shardsync convert: worker 1: debug: plan: 2 steps\n"
     )
-    assert len(logging.getLogger("shardsync").handlers) == 0  # the command's handler is back, and gone
+    shardsync_log = logging.getLogger("shardsync")
+    assert (shardsync_log.handlers, shardsync_log.level) == ([], logging.NOTSET)  # the command's back, and gone
 
 
 def _run(argv: list[str], env: dict[str, str] | None = None, timeout: float = 180) -> subprocess.CompletedProcess[str]:

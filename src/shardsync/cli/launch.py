@@ -123,17 +123,18 @@ def _worker_logging(debug: bool) -> Iterator[None]:
     once; the command already warned), or every record with ``--debug``, each line naming the worker.
     A forked worker's logger holds the command's handler: it is set aside, not written to twice."""
     logger = logging.getLogger("shardsync")
-    inherited = logger.handlers[:]
+    inherited, level = logger.handlers[:], logger.level
     for h in inherited:
         logger.removeHandler(h)
     try:
-        if not debug:
-            logger.setLevel(logging.CRITICAL + 1)
-            yield
-        else:
+        if debug:
             with command_logging(f"convert: worker {os.environ.get('RANK', '0')}", debug=True):
                 yield
+        else:
+            logger.setLevel(logging.CRITICAL + 1)
+            yield
     finally:
+        logger.setLevel(level)
         for h in inherited:
             logger.addHandler(h)
 
