@@ -56,7 +56,9 @@ _LAUNCHER_LOGGERS = ("torch.distributed.elastic", "torch.multiprocessing")
 START_METHOD_ENV = "SHARDSYNC_START_METHOD"
 #: The signals torch's launcher handles while it runs (its default ``signals_to_handle``): a forked
 #: worker inherits its handlers, and the command's own are put back after the launch.
-_LAUNCHER_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
+_LAUNCHER_SIGNALS = tuple(
+    getattr(signal, name) for name in ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT") if hasattr(signal, name)
+)
 
 
 class WorkerFailed(ShardsyncError, RuntimeError):
@@ -110,9 +112,10 @@ def pin_threads() -> None:
 
 
 def _default_signals() -> None:
-    """A forked worker inherits the launcher's handlers (and the command's Ctrl-C handler): put back
-    the defaults a spawned one starts with, so that Ctrl-C, or the launcher's SIGTERM, ends it at once
-    (one in a collective could not react to it); the launching process cleans up after it."""
+    """A forked worker inherits the handlers torch's launcher installed in the command (they raise an
+    exception, caught as the worker's error): put back the defaults, so that Ctrl-C, or the launcher's
+    SIGTERM, ends the worker at once (one in a collective could not react to it); the launching
+    process cleans up after it."""
     for sig in _LAUNCHER_SIGNALS:
         signal.signal(sig, signal.SIG_DFL)
 
