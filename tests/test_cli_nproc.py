@@ -5,6 +5,7 @@ shardsync convert`` (started by the user), and ``plan --nproc 2`` against the pl
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -35,7 +36,9 @@ def test_two_workers_write_the_files_one_writes(
     assert main(["convert", str(ck.dcp), str(tmp_path / "one"), *flags]) == 0
     capsys.readouterr()
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0})  # one core: 2 workers oversubscribe
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)}
     assert main(["convert", str(ck.dcp), str(tmp_path / "two"), *flags, "--nproc", "2"]) == 0
+    assert {s: signal.getsignal(s) for s in handlers} == handlers  # torch's launcher left its own: undone
     out = capsys.readouterr()
     assert " with 2 workers " in out.out
     assert (

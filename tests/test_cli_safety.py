@@ -292,15 +292,36 @@ def test_corrupt_inputs_are_user_errors(
 
 
 def _workers_of(launcher: int) -> list[int]:
-    """The worker processes a ``--nproc`` launcher started (its children that run spawn's main)."""
-    found = subprocess.run(
-        ["pgrep", "-P", str(launcher), "-f", "multiprocessing.spawn"], capture_output=True, text=True
-    ).stdout.split()
-    return [int(pid) for pid in found]
+    """The worker processes a ``--nproc`` launcher started (its children, but for the resource tracker
+    that multiprocessing starts with spawned workers)."""
+    found = subprocess.run(["pgrep", "-P", str(launcher)], capture_output=True, text=True).stdout.split()
+    return [int(pid) for pid in found if b"resource_tracker" not in Path(f"/proc/{pid}/cmdline").read_bytes()]
 
 
-@pytest.mark.parametrize("how", ["ctrl-c", "worker killed"])
-def test_nproc_interrupted_or_worker_dead_is_one_line(tmp_path: Path, how: str) -> None:
+def _started(worker: int) -> str:
+    """How a worker was started: a spawned one runs multiprocessing's spawn main, a forked one the
+    command line of the command that forked it."""
+    return "spawn" if b"multiprocessing.spawn" in Path(f"/proc/{worker}/cmdline").read_bytes() else "fork"
+
+
+def _running(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(") ")[1][0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
+@pytest.mark.parametrize(
+    "start, how",
+    [
+        ("fork", "ctrl-c"),
+        ("fork", "worker killed"),
+        ("fork", "worker terminated"),  # the handler it inherited from the launcher is reset: it dies
+        ("spawn", "ctrl-c"),
+        ("spawn", "worker killed"),
+    ],
+)
+def test_nproc_interrupted_or_worker_dead_is_one_line(tmp_path: Path, start: str, how: str) -> None:
     out = tmp_path / "out"
     proc = subprocess.Popen(
         [
@@ -317,22 +338,31 @@ def test_nproc_interrupted_or_worker_dead_is_one_line(tmp_path: Path, how: str) 
         ],
         stderr=subprocess.PIPE,
         text=True,
+        env={**os.environ, "SHARDSYNC_START_METHOD": "spawn" if start == "spawn" else ""},
         preexec_fn=lambda: (signal.signal(signal.SIGINT, signal.SIG_DFL), os.setpgrp()),
     )
-    deadline = time.monotonic() + 300
-    while not (out.is_dir() and any(out.rglob("*.tmp"))):
-        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
-        time.sleep(0.001)
-    if how == "ctrl-c":
-        os.killpg(proc.pid, signal.SIGINT)  # as a terminal sends it: to the launcher and its workers
-    else:
-        os.kill(max(_workers_of(proc.pid)), signal.SIGKILL)
-    _, err = proc.communicate(timeout=300)
+    try:
+        deadline = time.monotonic() + 300
+        while not (out.is_dir() and any(out.rglob("*.tmp"))):
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+            time.sleep(0.001)
+        workers = _workers_of(proc.pid)
+        assert len(workers) == 2 and {_started(w) for w in workers} == {start}
+        if how == "ctrl-c":
+            os.killpg(proc.pid, signal.SIGINT)  # as a terminal sends it: to the launcher and its workers
+        else:
+            os.kill(max(workers), signal.SIGKILL if how == "worker killed" else signal.SIGTERM)
+        _, err = proc.communicate(timeout=300)
+    except BaseException:
+        os.killpg(proc.pid, signal.SIGKILL)  # a failed check leaves no process behind
+        raise
+    assert not [w for w in workers if _running(w)]  # the command ended its workers before it exited
     if how == "ctrl-c":
         assert (proc.returncode, err) == (130, "shardsync convert: interrupted\n")
     else:
         assert proc.returncode == 2 and err.count("\n") == 1, err
-        assert err.startswith("shardsync convert: worker ") and "died with exit code -9" in err, err
+        code = -9 if how == "worker killed" else -15
+        assert err.startswith("shardsync convert: worker ") and f"died with exit code {code} " in err, err
     assert not out.exists()  # nothing partial, and not the directory the convert created
 
 

@@ -149,18 +149,23 @@ def _check_output(cfg: ConvertConfig) -> None:
 
 
 def run_convert(cfg: ConvertConfig) -> Converted:
-    """Convert in this process, or with ``cfg.nproc`` workers started through torch's launcher.
+    """Convert in this process, or with ``cfg.nproc`` workers started through torch's launcher
+    (forked from the ``shardsync`` command, which then runs torch on one thread itself: see
+    :mod:`shardsync.cli.launch`).
 
     A conversion that fails leaves no directory it created behind (the writers remove their files).
     """
     start = time.perf_counter()
+    if cfg.nproc > 1:
+        from . import launch  # local: it imports this module
+
+        if launch.start_method() == "fork":
+            launch.pin_threads()  # before opening the source can run a parallel op
     prepared = prepare(cfg)
     created = _missing_dirs(cfg.out)
     try:
         if cfg.nproc > 1:
-            from .launch import launch
-
-            results = launch(cfg, cfg.nproc)
+            results = launch.launch(cfg, cfg.nproc)
             return replace(results[0], seconds=time.perf_counter() - start, workers=cfg.nproc)
         done = write(cfg, prepared, group=None)
     except BaseException:

@@ -1,6 +1,15 @@
 """``--nproc N``: N local worker processes started through torch's own launcher (the elastic agent
 that ``torchrun`` runs), joined in a gloo group; each reads and writes its part.
 
+In the ``shardsync`` command on Linux the workers are forked (:func:`start_method`): the command has
+imported torch and opened nothing distributed, so a worker starts at once instead of starting an
+interpreter that imports torch again (seconds per worker on a busy machine). The command pins torch to
+one thread first (:func:`pin_threads`): GNU OpenMP is not fork-safe, a child of a process that has
+used its thread pool hangs in its first parallel op. Each worker resets the signal handlers it
+inherited and sets its own thread count. A program that calls :func:`launch` may hold threads, CUDA or
+an OpenMP pool of its own: its workers are spawned, as are the command's with
+``SHARDSYNC_START_METHOD=spawn``.
+
 A worker never prints an error itself: it returns its one-line message (errors are agreed across
 ranks, so every worker has the same one) and the command prints rank 0's. A worker that dies
 (killed, out of memory) is reported as one line too, without the launcher's own report (``--debug``
@@ -14,24 +23,42 @@ import contextlib
 import logging
 import os
 import signal
+import sys
+import threading
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 from ..errors import ShardsyncError
 from ..io.commit import CheckpointNames, remove_uncommitted
+from ..startup import is_command
 from .common import command_logging
 from .convert import ConvertConfig, Converted, prepare, write
-from .messages import INTERRUPTED, one_line
+from .messages import INTERRUPTED, UsageError, one_line
 
-__all__ = ["launch", "launched_world", "run_launched", "WorkerFailed"]
+__all__ = [
+    "launch",
+    "launched_world",
+    "run_launched",
+    "start_method",
+    "pin_threads",
+    "WorkerFailed",
+    "START_METHOD_ENV",
+]
 
 #: Seconds between the launcher's checks on its workers.
 MONITOR_SECONDS = 0.1
 log = logging.getLogger(__name__)
 #: The loggers of torch's launcher (the elastic agent, and the multiprocessing it starts workers with).
 _LAUNCHER_LOGGERS = ("torch.distributed.elastic", "torch.multiprocessing")
+#: Set to ``spawn`` to spawn the command's workers instead of forking them.
+START_METHOD_ENV = "SHARDSYNC_START_METHOD"
+#: The signals torch's launcher handles while it runs (its default ``signals_to_handle``): a forked
+#: worker inherits its handlers, and the command's own are put back after the launch.
+_LAUNCHER_SIGNALS = tuple(
+    getattr(signal, name) for name in ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT") if hasattr(signal, name)
+)
 
 
 class WorkerFailed(ShardsyncError, RuntimeError):
@@ -54,22 +81,77 @@ class _Outcome:
     status: int = 0
 
 
-def _worker(cfg: ConvertConfig, warn: bool = False, die_on_interrupt: bool = False) -> _Outcome:
-    """One worker: join the gloo group, convert its part, leave; errors come back as their line.
-    With ``die_on_interrupt`` (workers of :func:`launch`), Ctrl-C ends it at once, cleaned up after
-    by the launching process."""
-    if die_on_interrupt:
-        signal.signal(signal.SIGINT, signal.SIG_DFL)
+def _cores() -> int:
+    """The cores this process may run on."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def start_method() -> Literal["fork", "spawn"]:
+    """How :func:`launch` starts its workers: ``fork`` in the ``shardsync`` command on Linux (unless
+    ``SHARDSYNC_START_METHOD=spawn``), ``spawn`` in a program that calls it and on other systems.
+
+    Raises:
+        UsageError: ``SHARDSYNC_START_METHOD`` is set to something other than ``spawn``.
+    """
+    forced = os.environ.get(START_METHOD_ENV, "")
+    if forced not in ("", "spawn"):
+        raise UsageError(
+            f"{START_METHOD_ENV}={forced!r} is not a start method for the workers",
+            f"set {START_METHOD_ENV}=spawn to spawn them, or unset it",
+        )
+    return "fork" if sys.platform == "linux" and is_command() and not forced else "spawn"
+
+
+def pin_threads() -> None:
+    """Run torch's parallel ops on this thread only, so that no OpenMP pool exists when the workers are
+    forked (a child of a process that used GNU OpenMP's pool hangs in its first parallel op). Called by
+    the command before it opens the source; each worker then sets its own thread count."""
+    import torch
+
+    torch.set_num_threads(1)
+
+
+def _default_signals() -> None:
+    """A forked worker inherits the handlers torch's launcher installed in the command (they raise an
+    exception, caught as the worker's error): put back the defaults, so that Ctrl-C, or the launcher's
+    SIGTERM, ends the worker at once (one in a collective could not react to it); the launching
+    process cleans up after it."""
+    for sig in _LAUNCHER_SIGNALS:
+        signal.signal(sig, signal.SIG_DFL)
+
+
+@contextlib.contextmanager
+def _worker_logging(debug: bool) -> Iterator[None]:
+    """A launched worker's log: nothing (its error comes back as its line, which the command prints
+    once; the command already warned), or every record with ``--debug``, each line naming the worker.
+    A forked worker's logger holds the command's handler: it is set aside, not written to twice."""
+    logger = logging.getLogger("shardsync")
+    inherited, level = logger.handlers[:], logger.level
+    for h in inherited:
+        logger.removeHandler(h)
+    try:
+        if debug:
+            with command_logging(f"convert: worker {os.environ.get('RANK', '0')}", debug=True):
+                yield
+        else:
+            logger.setLevel(logging.CRITICAL + 1)
+            yield
+    finally:
+        logger.setLevel(level)
+        for h in inherited:
+            logger.addHandler(h)
+
+
+def _convert_part(cfg: ConvertConfig) -> _Outcome:
+    """Join the gloo group, convert this worker's part, leave; an error comes back as its line."""
     import torch
     import torch.distributed as dist
 
-    world = int(os.environ["WORLD_SIZE"])
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    torch.set_num_threads(max(1, _cores() // int(os.environ["WORLD_SIZE"])))
     if not dist.is_initialized():
         dist.init_process_group("gloo")
     try:
-        with command_logging("convert", quiet=not warn):  # the launching process already warned
-            return _Outcome(write(cfg, prepare(cfg), group=dist.group.WORLD))
+        return _Outcome(write(cfg, prepare(cfg), group=dist.group.WORLD))
     except BaseException as exc:  # noqa: BLE001 - every failure goes back as one line
         line, status = one_line("convert", exc)
         return _Outcome(None, line, status)
@@ -77,11 +159,24 @@ def _worker(cfg: ConvertConfig, warn: bool = False, die_on_interrupt: bool = Fal
         dist.destroy_process_group()
 
 
+def _launched(cfg: ConvertConfig, debug: bool) -> _Outcome:
+    """One worker of :func:`launch`."""
+    _default_signals()
+    with _worker_logging(debug):
+        return _convert_part(cfg)
+
+
+def _worker(cfg: ConvertConfig, warn: bool = False) -> _Outcome:
+    """One worker ``torchrun`` started: rank 0 warns (there is no launching process to)."""
+    with command_logging("convert", quiet=not warn):
+        return _convert_part(cfg)
+
+
 @contextlib.contextmanager
-def _launcher_logs() -> Iterator[None]:
+def _launcher_logs(debug: bool) -> Iterator[None]:
     """torch's launcher logs each worker's failure as a multi-line report; the command says it in one
     line, so the report shows only with ``--debug``."""
-    if logging.getLogger("shardsync").isEnabledFor(logging.DEBUG):
+    if debug:
         yield
         return
     # each of torch's elastic modules sets its logger's own level, so each is raised
@@ -132,12 +227,13 @@ def launch(cfg: ConvertConfig, nproc: int) -> list[Converted]:
 
     Raises:
         WorkerFailed: a worker failed (rank 0's line) or died.
+        UsageError: ``SHARDSYNC_START_METHOD`` is not ``spawn``.
     """
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    cores = _cores()
     if nproc > cores:
         log.warning(
             "--nproc %d starts more workers than this machine gives the process cores (%d): "
@@ -155,11 +251,12 @@ def launch(cfg: ConvertConfig, nproc: int) -> list[Converted]:
         rdzv_endpoint="localhost:0",
         max_restarts=0,
         monitor_interval=MONITOR_SECONDS,
-        start_method="spawn",
+        start_method=start_method(),
     )
+    debug = logging.getLogger("shardsync").isEnabledFor(logging.DEBUG)
     try:
-        with _launcher_logs():
-            outcomes: dict[int, Any] = elastic_launch(config, _worker)(cfg, False, True)
+        with _launcher_logs(debug), _signals_kept():
+            outcomes: dict[int, Any] = elastic_launch(config, _launched)(cfg, debug)
     except ChildFailedError as exc:
         _remove_uncommitted(cfg)
         rank, failure = min(exc.failures.items())
@@ -175,3 +272,19 @@ def launch(cfg: ConvertConfig, nproc: int) -> list[Converted]:
     if failed:
         raise WorkerFailed(failed[0].line, max(o.status for o in failed))
     return [o.converted for o in (outcomes[r] for r in sorted(outcomes)) if o.converted is not None]
+
+
+@contextlib.contextmanager
+def _signals_kept() -> Iterator[None]:
+    """torch's launcher installs its own handlers for the signals it handles and leaves them: the
+    command's (its Ctrl-C handler) are put back after the launch."""
+    if threading.current_thread() is not threading.main_thread():  # where torch's launcher installs none
+        yield
+        return
+    saved = {sig: signal.getsignal(sig) for sig in _LAUNCHER_SIGNALS}
+    try:
+        yield
+    finally:
+        for sig, handler in saved.items():
+            if handler is not None:  # None: a handler not installed from Python, left as it is
+                signal.signal(sig, handler)
