@@ -216,7 +216,7 @@ def test_killed_mid_file(tmp_path: Path, writer: str, tensors: int, crasher: Cra
 
 
 def test_leftovers_of_the_old_writer_are_removed(tmp_path: Path) -> None:
-    """shardsync before 0.3 wrote each file through safetensors' own temporary file, in a work
+    """Earlier versions of shardsync wrote each file through safetensors' own temporary file, in a work
     directory of its own; a save killed then left that directory, which the next save removes."""
     old = checkpoint(2, 5)
     shardsync.save_hf(old, tmp_path)

@@ -25,9 +25,16 @@ DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.int8,
 
 
 def nested_state() -> dict:
-    tensors = {str(d).removeprefix("torch."): arange_tensor((5, 3), torch.float32, start=i).to(d) for i, d in enumerate(DTYPES)}
+    tensors = {
+        str(d).removeprefix("torch."): arange_tensor((5, 3), torch.float32, start=i).to(d) for i, d in enumerate(DTYPES)
+    }
     tensors["float8_e4m3fn"] = arange_tensor((4, 2), torch.float32, step=0.5).to(torch.float8_e4m3fn)
-    return {"model": {"layers": {"0": tensors}, "norm": torch.ones(7)}, "step": 3, "blob": b"bytes", "empty": torch.zeros(0, 4)}
+    return {
+        "model": {"layers": {"0": tensors}, "norm": torch.ones(7)},
+        "step": 3,
+        "blob": b"bytes",
+        "empty": torch.zeros(0, 4),
+    }
 
 
 def _tp_worker(rank: int, world: int, path: str) -> None:
@@ -116,7 +123,9 @@ def test_reads_what_torch_loads(checkpoints: dict[str, Path], name: str) -> None
     assert sorted(src.tensors) == sorted(want)
     for key, t in want.items():
         got = src.read(key, Box.full(t.shape))
-        assert got.dtype == t.dtype and torch.equal(got.reshape(-1).view(torch.uint8), t.reshape(-1).view(torch.uint8)), key
+        assert got.dtype == t.dtype and torch.equal(
+            got.reshape(-1).view(torch.uint8), t.reshape(-1).view(torch.uint8)
+        ), key
     if name == "tp2":  # a box across both ranks' shards
         assert torch.equal(src.read("qkv", Box((7, 1), (4, 3))), tp_full()["qkv"][7:11, 1:4])
         assert torch.equal(src.read("proj", Box((2, 3), (3, 4))), tp_full()["proj"][2:5, 3:7])

@@ -53,7 +53,9 @@ class FileWriter:
         self._files: dict[Hashable, SafetensorsFile] = {}
         self._thread: threading.Thread | None = None
 
-    def open(self, key: Hashable, path: Path, tensors: Sequence[TensorSpec], metadata: Mapping[str, str] | None) -> None:
+    def open(
+        self, key: Hashable, path: Path, tensors: Sequence[TensorSpec], metadata: Mapping[str, str] | None
+    ) -> None:
         """Create file ``key`` at ``path`` (it must not exist) for ``tensors``."""
         self.paths.append(path)
         self._put(("open", key, path, tuple(tensors), metadata), 0)

@@ -67,7 +67,9 @@ def _dtype_order() -> dict[str, tuple[str, int]]:
     return {name: (codes[name], rank) for rank, name in enumerate(written)}
 
 
-def header(tensors: Sequence[TensorSpec], metadata: Mapping[str, str] | None) -> tuple[bytes, dict[str, tuple[int, int]]]:
+def header(
+    tensors: Sequence[TensorSpec], metadata: Mapping[str, str] | None
+) -> tuple[bytes, dict[str, tuple[int, int]]]:
     """The file's first bytes (length, header, padding) and each tensor's data range in the file.
 
     Raises:
@@ -167,7 +169,7 @@ class SafetensorsFile:
         start, end = self.ranges[name]
         if end > start:
             flat = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
-            self._pwrite(memoryview(flat.numpy()), start)
+            self._pwrite(flat.numpy().data, start)
         self.missing.discard(name)
         self.unkicked += end - start
         if self.unkicked >= KICK_BYTES:

@@ -113,9 +113,16 @@ class DcpSource:
                 continue
             key = fqn[len(prefix) :]
             _check_boxes(meta_file, fqn, md)
+            if not all(hasattr(md, a) for a in ("size", "chunks", "properties")):
+                raise FormatError(
+                    f"{meta_file}: tensor {fqn!r} lacks its size, chunks or properties; the metadata is corrupt"
+                )
+            dtype = getattr(md.properties, "dtype", None)
+            if not isinstance(dtype, torch.dtype):
+                raise FormatError(f"{meta_file}: tensor {fqn!r} has no dtype ({dtype!r}); the metadata is corrupt")
             try:
-                self._dtypes[key] = dtype_name(getattr(getattr(md, "properties", None), "dtype", None))
-            except (ValueError, TypeError, KeyError) as exc:
+                self._dtypes[key] = dtype_name(dtype)
+            except ValueError as exc:
                 raise FormatError(f"{meta_file}: tensor {fqn!r}: {exc}") from exc
             self.tensors[key], self._fqns[key] = md, fqn
         problems = storage_problems(self.path, metadata, self._fqns.values())
