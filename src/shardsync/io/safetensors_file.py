@@ -178,8 +178,17 @@ class SafetensorsFile:
     def _pwrite(self, data: memoryview, offset: int) -> None:
         assert self.fd is not None
         done = 0
-        while done < len(data):
-            done += os.pwrite(self.fd, data[done : done + _MAX_PWRITE], offset + done)
+        try:
+            while done < len(data):
+                done += os.pwrite(self.fd, data[done : done + _MAX_PWRITE], offset + done)
+        except OSError as exc:
+            raise self._named(exc) from exc
+
+    def _named(self, exc: OSError) -> OSError:
+        """``exc`` naming this file (a failed write or fsync names none)."""
+        if exc.filename is not None or exc.errno is None:
+            return exc
+        return OSError(exc.errno, exc.strerror, str(self.path))
 
     def _kick(self) -> None:
         """Start writeback of the dirty pages; their cache is dropped once they are clean."""
@@ -193,7 +202,10 @@ class SafetensorsFile:
         if self.missing:
             raise FormatError(f"{self.path.name}: tensors {sorted(self.missing)} were never written")
         assert self.fd is not None
-        os.fsync(self.fd)
+        try:
+            os.fsync(self.fd)
+        except OSError as exc:
+            raise self._named(exc) from exc
         os.close(self.fd)
         self.fd = None
 

@@ -112,11 +112,11 @@ class DcpSource:
             if not fqn.startswith(prefix):
                 continue
             key = fqn[len(prefix) :]
-            _check_boxes(meta_file, fqn, md)
             if not all(hasattr(md, a) for a in ("size", "chunks", "properties")):
                 raise FormatError(
                     f"{meta_file}: tensor {fqn!r} lacks its size, chunks or properties; the metadata is corrupt"
                 )
+            _check_boxes(meta_file, fqn, md)
             dtype = getattr(md.properties, "dtype", None)
             if not isinstance(dtype, torch.dtype):
                 raise FormatError(f"{meta_file}: tensor {fqn!r} has no dtype ({dtype!r}); the metadata is corrupt")
