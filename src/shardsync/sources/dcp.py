@@ -160,9 +160,11 @@ class DcpSource:
         if md is None or not box.within(tuple(md.size)):
             raise LayoutError(f"{key!r}{box}: not in the DCP checkpoint {self.path}")
         fqn = self._fqns[key]
-        out = torch.empty(box.sizes, dtype=md.properties.dtype)
         if self._torch is not None:
-            return self._torch.read(fqn, box, out)
+            return self._torch.read(fqn, box, torch.empty(box.sizes, dtype=md.properties.dtype))
+        if any(Box(tuple(c.offsets), tuple(c.sizes)) == box for c in md.chunks):
+            return self._chunk(key, box)  # a saved chunk as it is: loaded, not copied
+        out = torch.empty(box.sizes, dtype=md.properties.dtype)
         for c in md.chunks:
             chunk = Box(tuple(c.offsets), tuple(c.sizes))
             part = chunk.intersect(box)
@@ -192,11 +194,16 @@ class DcpSource:
             raise FormatError(
                 f"{self.path}: cannot read {key!r} from {name} (corrupt or truncated?): {type(exc).__name__}: {first}"
             ) from exc
-        if not isinstance(tensor, torch.Tensor) or tuple(tensor.shape) != chunk.sizes:
-            what = f"{type(tensor).__name__} {list(getattr(tensor, 'shape', []))}"
+        md = self.tensors[key]
+        if (
+            not isinstance(tensor, torch.Tensor)
+            or tuple(tensor.shape) != chunk.sizes
+            or tensor.dtype != md.properties.dtype
+        ):
+            what = f"{getattr(tensor, 'dtype', type(tensor).__name__)} {list(getattr(tensor, 'shape', []))}"
             raise FormatError(
                 f"{self.path}: {name} holds a {what} where the metadata places {key!r}'s chunk "
-                f"{list(chunk.sizes)}; the checkpoint is corrupt"
+                f"({md.properties.dtype} {list(chunk.sizes)}); the checkpoint is corrupt"
             )
         return tensor
 
