@@ -5,8 +5,9 @@ The protocol, on every rank of the group: check the options and the directory (`
 removed yet) -> the orchestrator (:mod:`shardsync.pipeline`) into :class:`Files`, the destination
 "files": the plan packs the targets into files (independent of the number of ranks), gives each file
 a writer (contiguous runs of files, balanced by bytes) and makes that writer the consumer of every
-target of the file, so each rank receives exactly the targets of its own files and hands each file
-to its writer thread as soon as it is complete -> ``agree`` that every rank wrote its files -> rank 0
+target of the file, so each rank receives exactly the targets of its own files and hands each target
+to its writer thread as it arrives, which writes it at its offset in its file
+(:mod:`shardsync.io.rank_files`) -> ``agree`` that every rank wrote its files -> rank 0
 copies the extra files and commits (removes leftovers of killed saves, renames, index last;
 :mod:`shardsync.io.commit`) -> ``agree`` on the result.
 """
