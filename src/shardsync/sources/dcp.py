@@ -20,6 +20,7 @@ import logging
 import os
 import pickle
 import re
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -85,9 +86,19 @@ class DcpSource:
 
     #: every rank sees the same data at the same path
     shared = True
+    _files: dict[str, io.FileIO]  # data files, opened on first read, read with pread
+    _lock: threading.Lock
 
     def close(self) -> None:
-        """Nothing to release: torch's reader opens each data file for the reads that need it."""
+        """Close the data files opened so far (a later read opens them again)."""
+        with self._lock:
+            files, self._files = self._files, {}
+        for fh in files.values():
+            fh.close()
+
+    def __del__(self) -> None:  # a source nobody closed: its files go with it, quietly
+        if hasattr(self, "_files"):
+            self.close()
 
     def __init__(self, path: str | os.PathLike, *, prefix: str = "") -> None:
         self.path = Path(path)
@@ -139,6 +150,8 @@ class DcpSource:
             for c in md.chunks
         )
         self._torch = _TorchReader(self.path) if transformed else None
+        self._files = {}
+        self._lock = threading.Lock()
 
     def entries(self) -> list[LayoutEntry]:
         """One entry per saved chunk (duplicates dropped), sorted by key then offsets."""
@@ -178,14 +191,18 @@ class DcpSource:
         """The data file that holds saved chunk ``chunk`` of ``key`` (a box of :meth:`entries`)."""
         return str(self.storage[(self._fqns[key], chunk.offsets)].relative_path)
 
+    def _file(self, name: str) -> io.FileIO:
+        with self._lock:
+            if name not in self._files:
+                self._files[name] = io.FileIO(self.path / name, "r")
+            return self._files[name]
+
     def _chunk(self, key: str, chunk: Box) -> torch.Tensor:
         """One saved chunk, loaded whole (as torch's reader does)."""
         info = self.storage[(self._fqns[key], chunk.offsets)]
         name = self.chunk_file(key, chunk)
         try:
-            with open(self.path / name, "rb") as fh:
-                fh.seek(info.offset)
-                raw = fh.read(info.length)
+            raw = os.pread(self._file(name).fileno(), info.length, info.offset)  # safe from any thread
             if len(raw) != info.length:
                 raise EOFError(f"{len(raw)} of its {info.length} bytes are there")
             tensor = torch.load(io.BytesIO(raw), map_location="cpu", weights_only=True)
