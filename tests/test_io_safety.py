@@ -167,8 +167,9 @@ def test_empty_output_path_is_refused(tmp_path: Path, monkeypatch: pytest.Monkey
 
 
 def _save_torn(d: str, writer: str, tensors: int) -> None:
-    """In a crash child: save 6 files of 4 MiB, SIGKILLed right after the writer thread put
-    ``tensors`` tensors into their files (the file being written is torn: header and part of its data)."""
+    """In a crash child: save 2 files of three 4 MiB tensors, SIGKILLed right after the writer thread
+    put ``tensors`` tensors into their files (the file being written is torn: its header and one of
+    its three tensors)."""
     original = SafetensorsFile.write
     count = [0]
 
@@ -179,15 +180,16 @@ def _save_torn(d: str, writer: str, tensors: int) -> None:
             os.kill(os.getpid(), signal.SIGKILL)
 
     SafetensorsFile.write = write  # type: ignore[method-assign]
-    _save_big(d, writer)
+    _save_big(d, writer, 3 * 2**22)
 
 
-def _save_big(d: str, writer: str) -> None:
+def _save_big(d: str, writer: str, limit: int = 2**22) -> None:
+    """Six tensors of 4 MiB, in files of ``limit`` bytes (one tensor each by default)."""
     new = checkpoint(6, 0, numel=2**20)
     if writer == "save_hf":
-        shardsync.save_hf(new, d, max_file_size=2**22, overwrite=True)
+        shardsync.save_hf(new, d, max_file_size=limit, overwrite=True)
     else:
-        save_safetensors(list(new.items()), d, max_shard_bytes=2**22, overwrite=True)
+        save_safetensors(list(new.items()), d, max_shard_bytes=limit, overwrite=True)
 
 
 def _after_kill_then_save(d: Path, old: dict[str, torch.Tensor], writer: str) -> None:
