@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-import shardsync.io.safetensors_writer as writer
+import shardsync.io.safetensors_file as safetensors_file
 from cli_checkpoints import Checkpoints, build
 from shardsync.cli import main
 from shardsync.cli.messages import one_line
@@ -147,10 +147,10 @@ def test_disk_errors(
     code: int,
     line: str,
 ) -> None:
-    def fail(tensors: object, path: str, metadata: object = None) -> None:
-        raise OSError(code, errno.errorcode[code], path)
+    def fail(fd: int, data: object, offset: int) -> int:
+        raise OSError(code, errno.errorcode[code])  # as the kernel reports it: no file named
 
-    monkeypatch.setattr(writer, "save_file", fail)  # what the writer thread calls for each file
+    monkeypatch.setattr(safetensors_file.os, "pwrite", fail)  # what the writer thread calls for each tensor
     out = tmp_path / "o"
     assert main(["convert", str(ck.single), str(out)]) == 2
     err = capsys.readouterr().err

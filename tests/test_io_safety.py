@@ -8,12 +8,12 @@ from __future__ import annotations
 import os
 import random
 import signal
-import threading
 import time
 from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 import shardsync
 from crash_helpers import Crasher
@@ -21,6 +21,7 @@ from reference import arange_tensor
 from shardsync.errors import FormatError, MappingError
 from shardsync.io import commit, save_safetensors
 from shardsync.io.commit import CheckpointNames, scan
+from shardsync.io.safetensors_file import SafetensorsFile
 from shardsync.sources import read_tensors
 
 NAMES = CheckpointNames()
@@ -165,26 +166,30 @@ def test_empty_output_path_is_refused(tmp_path: Path, monkeypatch: pytest.Monkey
     assert snapshot(tmp_path) == {"model.safetensors": b"someone else's file"}
 
 
-def _save_watched(d: str, writer: str) -> None:
-    """In a crash child: save 6 files of 4 MiB; a thread SIGKILLs the process as soon as any
-    file named ``.tmp*`` (safetensors' own temporary file) exists under ``d``."""
+def _save_torn(d: str, writer: str, tensors: int) -> None:
+    """In a crash child: save 2 files of three 4 MiB tensors, SIGKILLed right after the writer thread
+    put ``tensors`` tensors into their files (the file being written is torn: its header and one of
+    its three tensors)."""
+    original = SafetensorsFile.write
+    count = [0]
 
-    def watch() -> None:
-        while True:
-            for _, _, files in os.walk(d):
-                if any(f.startswith(".tmp") for f in files):
-                    os.kill(os.getpid(), signal.SIGKILL)
+    def write(self: SafetensorsFile, name: str, tensor: torch.Tensor) -> None:
+        original(self, name, tensor)
+        count[0] += 1
+        if count[0] == tensors:
+            os.kill(os.getpid(), signal.SIGKILL)
 
-    threading.Thread(target=watch, daemon=True).start()
-    _save_big(d, writer)
+    SafetensorsFile.write = write  # type: ignore[method-assign]
+    _save_big(d, writer, 3 * 2**22)
 
 
-def _save_big(d: str, writer: str) -> None:
+def _save_big(d: str, writer: str, limit: int = 2**22) -> None:
+    """Six tensors of 4 MiB, in files of ``limit`` bytes (one tensor each by default)."""
     new = checkpoint(6, 0, numel=2**20)
     if writer == "save_hf":
-        shardsync.save_hf(new, d, max_file_size=2**22, overwrite=True)
+        shardsync.save_hf(new, d, max_file_size=limit, overwrite=True)
     else:
-        save_safetensors(list(new.items()), d, max_shard_bytes=2**22, overwrite=True)
+        save_safetensors(list(new.items()), d, max_shard_bytes=limit, overwrite=True)
 
 
 def _after_kill_then_save(d: Path, old: dict[str, torch.Tensor], writer: str) -> None:
@@ -192,6 +197,8 @@ def _after_kill_then_save(d: Path, old: dict[str, torch.Tensor], writer: str) ->
     save leaves nothing but its checkpoint."""
     got = read_tensors(d)
     assert same(got, old) or same(got, checkpoint(6, 0, numel=2**20))
+    for f in scan(d, NAMES).committed:  # each file loads with safetensors itself
+        assert f.endswith(".json") or load_file(d / f)
     assert all(NAMES.is_own(p.name) for p in d.iterdir()), sorted(p.name for p in d.iterdir())
     _save_big(str(d), writer)
     assert same(read_tensors(d), checkpoint(6, 0, numel=2**20))
@@ -199,23 +206,40 @@ def _after_kill_then_save(d: Path, old: dict[str, torch.Tensor], writer: str) ->
 
 
 @pytest.mark.parametrize("writer", ["save_safetensors", "save_hf"])
-def test_killed_while_safetensors_writes_its_own_temp_file(tmp_path: Path, writer: str, crasher: Crasher) -> None:
+@pytest.mark.parametrize("tensors", [1, 4])
+def test_killed_mid_file(tmp_path: Path, writer: str, tensors: int, crasher: Crasher) -> None:
     old = checkpoint(2, 5)
     shardsync.save_hf(old, tmp_path)
-    status = crasher.run(_save_watched, str(tmp_path), writer)
+    status = crasher.run(_save_torn, str(tmp_path), writer, tensors)
     assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL
-    assert any(p.name.endswith(".dir.tmp") for p in tmp_path.iterdir())  # killed mid-file
+    temps = [p for p in tmp_path.iterdir() if p.name.endswith(".tmp")]
+    assert temps and all(p.is_file() for p in temps)  # killed with a file half written: no work directory
     _after_kill_then_save(tmp_path, old, writer)
 
 
-def test_killed_at_random_instants(tmp_path: Path, crasher: Crasher) -> None:
+def test_leftovers_of_the_old_writer_are_removed(tmp_path: Path) -> None:
+    """Earlier versions of shardsync wrote each file through safetensors' own temporary file, in a work
+    directory of its own; a save killed then left that directory, which the next save removes."""
+    old = checkpoint(2, 5)
+    shardsync.save_hf(old, tmp_path)
+    work = tmp_path / ".model.0a1b2c3d.00001.dir.tmp"
+    work.mkdir()
+    (work / ".tmpAbCdEf").write_bytes(b"torn")
+    (tmp_path / ".model.0a1b2c3d.00001.tmp").write_bytes(b"torn")
+    assert scan(tmp_path, NAMES).leftovers == (".model.0a1b2c3d.00001.dir.tmp", ".model.0a1b2c3d.00001.tmp")
+    shardsync.save_hf(checkpoint(6, 0, numel=2**20), tmp_path, max_file_size=2**22, overwrite=True)
+    assert {p.name for p in tmp_path.iterdir()} == set(scan(tmp_path, NAMES).committed)
+
+
+@pytest.mark.parametrize("writer", ["save_safetensors", "save_hf"])
+def test_killed_at_random_instants(tmp_path: Path, writer: str, crasher: Crasher) -> None:
     rng = random.Random(19)
     old = checkpoint(2, 5)
     for k in range(6):
         d = tmp_path / f"kill{k}"
         shardsync.save_hf(old, d)
-        pid = crasher.start(_save_big, str(d), "save_safetensors")
+        pid = crasher.start(_save_big, str(d), writer)
         time.sleep(rng.uniform(0.0, 1.0))  # the child saves at once (torch is imported) for about a second
         os.kill(pid, signal.SIGKILL)
         crasher.wait(pid)
-        _after_kill_then_save(d, old, "save_safetensors")
+        _after_kill_then_save(d, old, writer)

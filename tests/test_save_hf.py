@@ -18,8 +18,8 @@ from multiproc import run_ranks
 from reference import arange_tensor
 from shardsync import shard_dim
 from shardsync.errors import FormatError
-from shardsync.io import save_hf as save_hf_module
 from shardsync.io.file_plan import file_owners
+from shardsync.io.safetensors_file import SafetensorsFile
 from test_io_commit import load_checkpoint, same
 
 MAPPING = ["layers.$LAYER_ID.w^T -> model.layers.$LAYER_ID.weight"]
@@ -57,7 +57,7 @@ def _save_worker(rank: int, world: int, out: str, old: str) -> dict:
     error = None
     full_disk = OSError(28, "No space left on device")
     with (
-        mock.patch.object(save_hf_module, "write_shard", side_effect=full_disk)
+        mock.patch.object(SafetensorsFile, "write", side_effect=full_disk)
         if rank == failing
         else contextlib.nullcontext()
     ):

@@ -42,17 +42,9 @@ def _shards(source: Source, root: Path) -> dict[str, list[dict[str, Any]]]:
             ]
         return out
     assert isinstance(source, DcpSource)  # open_source makes one of the two from a path
-    from torch.distributed.checkpoint.metadata import MetadataIndex
-
-    storage = source.reader.storage_data
     for e in source.entries():
-        stored = storage.get(MetadataIndex(e.key, e.box.offsets))
         out.setdefault(e.key, []).append(
-            {
-                "offsets": list(e.box.offsets),
-                "sizes": list(e.box.sizes),
-                "file": None if stored is None else stored.relative_path,
-            }
+            {"offsets": list(e.box.offsets), "sizes": list(e.box.sizes), "file": source.chunk_file(e.key, e.box)}
         )
     return out
 

@@ -9,9 +9,9 @@ files with the writer's names are leftovers of an interrupted save.
 The writer keeps that rule true at every instant, so a crash at any point leaves either the complete
 old checkpoint or the complete new one:
 
-1. Each shard is written under a temporary name (``.model.<tag>.00001.tmp``) and fsynced; the
-   safetensors library writes it through a temporary file of its own, in a directory of the writer's
-   (``.model.<tag>.00001.dir.tmp``), so that a kill leaves no byte under a name the writer did not choose.
+1. Each shard is written under a temporary name (``.model.<tag>.00001.tmp``), created by the writer
+   itself (:mod:`shardsync.io.safetensors_file`), and fsynced, so that a kill leaves no byte under a
+   name the writer did not choose.
 2. Once every check passed and every shard is written, leftovers of earlier killed saves (files with
    the writer's names that the rule does not select) are removed; nothing is removed before.
 3. Shards are renamed to final names that collide with no file of the old checkpoint (plain HF
@@ -297,8 +297,9 @@ def durable_write(path: Path, data: bytes) -> None:
 def remove_files(directory: Path, files: Sequence[str]) -> None:
     """Remove ``files`` (names in ``directory``; missing ones are skipped), then fsync the directory.
 
-    A name that is a directory (a shard's work directory, see :mod:`shardsync.io.safetensors_writer`)
-    is removed with what it holds; a symbolic link is removed, never followed."""
+    A name that is a directory (``.model.<tag>.00001.dir.tmp``, the work directory earlier versions
+    wrote each shard in, left by a killed save) is removed with what it holds; a symbolic link is
+    removed, never followed."""
     for name in files:
         path = directory / name
         try:

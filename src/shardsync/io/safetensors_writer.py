@@ -6,29 +6,19 @@ from __future__ import annotations
 
 import logging
 import os
-import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 
 import torch
-from safetensors import SafetensorError
-from safetensors.torch import save_file
 
 from ..errors import FormatError
+from ..layout.dtypes import dtype_name
 from ..sizes import parse_size  # exported here too: shardsync.io.parse_size
-from .commit import (
-    CheckpointNames,
-    commit,
-    fsync_path,
-    mark_stage,
-    new_tag,
-    output_dir,
-    prepare_directory,
-    remove_files,
-    remove_uncommitted,
-)
+from .commit import CheckpointNames, commit, new_tag, output_dir, prepare_directory, remove_uncommitted
+from .rank_files import FileWriter
+from .safetensors_file import TensorSpec, header
 
 __all__ = [
     "SafetensorsWriter",
@@ -36,9 +26,6 @@ __all__ = [
     "save_safetensors",
     "parse_size",
     "starts_new_shard",
-    "file_ready",
-    "work_dir",
-    "write_shard",
 ]
 
 log = logging.getLogger(__name__)
@@ -65,66 +52,11 @@ def starts_new_shard(pending_bytes: int, nbytes: int, limit: int) -> bool:
     return pending_bytes > 0 and pending_bytes + nbytes > limit
 
 
-def file_ready(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """CPU, contiguous tensors that share no memory (safetensors refuses shared memory in one file)."""
-    out: dict[str, torch.Tensor] = {}
-    seen: set[int] = set()
-    for name, tensor in tensors.items():
-        t = tensor.detach()
-        if t.device.type != "cpu":
-            t = t.cpu()
-        if not t.is_contiguous():
-            t = t.contiguous()
-        elif t.untyped_storage().data_ptr() in seen:
-            t = t.clone()
-        seen.add(t.untyped_storage().data_ptr())
-        out[name] = t
-    return out
-
-
-def work_dir(path: Path) -> Path:
-    """The directory the file at temporary ``path`` is written in before it is moved to ``path``.
-
-    Example:
-        >>> work_dir(Path("out/.model.0a1b2c3d.00001.tmp")).name
-        '.model.0a1b2c3d.00001.dir.tmp'
-    """
-    return path.with_suffix(".dir.tmp")
-
-
-def write_shard(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> None:
-    """Write one safetensors file at a temporary ``path`` and fsync it.
-
-    ``save_file`` writes through a temporary file of its own (``.tmp`` and random letters) next to its target; the
-    target is in :func:`work_dir`, so that a kill leaves those bytes only under a name of the writer's,
-    which the next save removes.
-
-    Raises:
-        OSError: the file could not be written (a full disk, a read-only directory).
-    """
-    work = work_dir(path)
-    work.mkdir()
-    try:
-        save_file(file_ready(tensors), str(work / "file.safetensors"), metadata=metadata)
-    except SafetensorError as exc:
-        raise _os_error(exc, path) from exc
-    os.replace(work / "file.safetensors", path)
-    work.rmdir()
-    fsync_path(path)
-    mark_stage(f"wrote {path.name}")
-
-
-def _os_error(exc: SafetensorError, path: Path) -> Exception:
-    """safetensors reports an I/O error as text ending in ``(os error 28)``: the OSError it was."""
-    found = re.search(r"\(os error (\d+)\)", str(exc))
-    if found is None:
-        return FormatError(f"{path}: safetensors could not write it: {exc}")
-    code = int(found[1])
-    return OSError(code, os.strerror(code), str(path.parent))
-
-
 class SafetensorsWriter:
     """Collect tensors into shards of at most ``max_shard_bytes`` and write them as they fill.
+
+    A full shard is handed to a writer thread (:mod:`shardsync.io.rank_files`), which writes it while
+    the caller adds the next tensors.
 
     Call sequence: ``add(name, tensor)`` for each tensor, then ``close()``, which commits the files
     crash-safely (see :mod:`shardsync.io.commit`); used as a context manager, an exception removes
@@ -169,6 +101,7 @@ class SafetensorsWriter:
         self._pending: dict[str, torch.Tensor] = {}
         self._pending_bytes = 0
         self._temps: list[Path] = []
+        self._writer = FileWriter()
         self._weight_map: dict[str, int] = {}
         self._total = 0
         self._closed = False
@@ -178,6 +111,7 @@ class SafetensorsWriter:
         if name in self._weight_map or name in self._pending:
             raise FormatError(f"tensor {name!r} added twice")
         nbytes = tensor.numel() * tensor.element_size()
+        header([TensorSpec(name, dtype_name(tensor.dtype), tuple(tensor.shape))], self.metadata)  # writable?
         if starts_new_shard(self._pending_bytes, nbytes, self.limit):
             self._flush()
         self._pending[name] = tensor.detach().cpu()  # a device tensor is released at once
@@ -186,10 +120,14 @@ class SafetensorsWriter:
 
     def _flush(self) -> None:
         tmp = self.dir / self.names.temp(self._tag, f"{len(self._temps) + 1:05d}")
-        self._temps.append(tmp)  # listed first: abort() removes a partly written file too
-        write_shard(tmp, self._pending, self.metadata)
-        for name in self._pending:
-            self._weight_map[name] = len(self._temps) - 1
+        self._temps.append(tmp)
+        f = len(self._temps) - 1
+        specs = [TensorSpec(n, dtype_name(t.dtype), tuple(t.shape)) for n, t in self._pending.items()]
+        self._writer.open(f, tmp, specs, self.metadata)
+        for name, tensor in self._pending.items():
+            self._writer.write(f, name, tensor)
+            self._weight_map[name] = f
+        self._writer.close(f)
         log.debug("wrote shard %s (%d tensors, %d bytes)", tmp.name, len(self._pending), self._pending_bytes)
         self._pending, self._pending_bytes = {}, 0
 
@@ -197,8 +135,13 @@ class SafetensorsWriter:
         """Write the last shard and commit: rename shards to their final names, then the index."""
         if self._closed:
             raise FormatError("writer already closed")
-        if self._pending or not self._temps:
-            self._flush()
+        try:
+            if self._pending or not self._temps:
+                self._flush()
+            self._writer.finish()
+        except BaseException:
+            self.abort()
+            raise
         try:
             files, index = commit(
                 self.dir, self.names, self._temps, self._weight_map, self._total, self._old, self._tag
@@ -212,7 +155,7 @@ class SafetensorsWriter:
 
     def abort(self) -> None:
         """Remove the temp files written so far; the directory keeps its old checkpoint."""
-        remove_files(self.dir, [name for t in self._temps for name in (t.name, work_dir(t).name)])
+        self._writer.abort()
         self._temps, self._pending, self._closed = [], {}, True
 
     def __enter__(self) -> SafetensorsWriter:

@@ -5,8 +5,9 @@ The protocol, on every rank of the group: check the options and the directory (`
 removed yet) -> the orchestrator (:mod:`shardsync.pipeline`) into :class:`Files`, the destination
 "files": the plan packs the targets into files (independent of the number of ranks), gives each file
 a writer (contiguous runs of files, balanced by bytes) and makes that writer the consumer of every
-target of the file, so each rank receives exactly the targets of its own files and hands each file
-to its writer thread as soon as it is complete -> ``agree`` that every rank wrote its files -> rank 0
+target of the file, so each rank receives exactly the targets of its own files and hands each target
+to its writer thread as it arrives, which writes it at its offset in its file
+(:mod:`shardsync.io.rank_files`) -> ``agree`` that every rank wrote its files -> rank 0
 copies the extra files and commits (removes leftovers of killed saves, renames, index last;
 :mod:`shardsync.io.commit`) -> ``agree`` on the result.
 """
@@ -18,9 +19,7 @@ import math
 import os
 import sys
 import warnings
-from collections import deque
 from collections.abc import Hashable, Iterable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Literal, NamedTuple
@@ -49,19 +48,19 @@ from .commit import (
     new_tag,
     output_dir,
     prepare_directory,
-    remove_files,
     remove_uncommitted,
 )
-from .file_plan import FilePlan, file_owners, output_cast, output_dtype, plan_files
+from .file_plan import FilePlan, file_owners, output_cast, output_dtype, plan_files, written_tensors
 from .hf_files import copy_files, extra_files
-from .safetensors_writer import WriteResult, parse_size, work_dir, write_shard
+from .rank_files import FileWriter
+from .safetensors_file import TensorSpec, header
+from .safetensors_writer import WriteResult, parse_size
 
 __all__ = ["save_hf", "Files", "progress_bar"]
 
 log = logging.getLogger(__name__)
-#: Files a rank may have queued for its writer thread before it waits (bounds memory to about this
-#: many files plus the one being filled).
-FILES_IN_FLIGHT = 2
+#: Every file's header metadata (as transformers writes it).
+METADATA = {"format": "pt"}
 
 
 @dataclass(frozen=True)
@@ -104,76 +103,64 @@ def _check(
 
 
 class _PartWriter:
-    """One rank's share: writes its files as their targets arrive (it receives only those)."""
+    """One rank's share: hands each tensor of its files to the writer thread as it arrives (it
+    receives only those); a file is opened at its first tensor and closed (fsynced) at its last."""
 
     def __init__(self, job: _Job, rank: int, progress: Any) -> None:
         self.job, self.rank, self.bar = job, rank, progress
         self.plan: FilePlan | None = None
         self.targets: tuple[TargetPlan, ...] | None = None  # the stream's targets, once it started
         self.file_of: dict[str, int] = {}
-        self.pending: dict[int, dict[str, torch.Tensor]] = {}
-        self.written: list[Path] = []
+        self.specs: dict[str, TensorSpec] = {}
+        self.left: dict[int, int] = {}  # an opened file -> its tensors not handed over yet
         self.error: BaseException | None = None  # the first failure; the stream is still drained
-        # Files are written by a thread, so this rank keeps serving the stream meanwhile (otherwise
-        # every rank would wait for each file write in turn).
-        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shardsync-save_hf")
-        self.in_flight: deque[Future[None]] = deque()
+        self.writer = FileWriter()
 
     def start(self, plan: Any) -> None:
-        self.plan = plan_files(plan.targets, self.job.limit, self.job.dtype, self.job.fp8)
+        job = self.job
+        self.plan = plan_files(plan.targets, job.limit, job.dtype, job.fp8)
         self.targets = tuple(plan.targets)
         self.file_of = self.plan.weight_map()
+        written_as = written_tensors(plan.targets, job.dtype, job.fp8)
+        self.specs = {w.name: TensorSpec(w.name, w.dtype, w.shape) for w in written_as}
+        for names in self.plan.files:  # what cannot be written is refused on every rank, before data moves
+            header([self.specs[n] for n in names], METADATA)
         if self.bar is not None:
             self.bar.total = sum(
-                math.prod(t.shape) * itemsize(output_dtype(t.dtype, self.job.dtype))
+                math.prod(t.shape) * itemsize(output_dtype(t.dtype, job.dtype))
                 for t in plan.targets
                 if self.rank in t.consumers
             )
 
     def take(self, name: str, tensor: torch.Tensor) -> None:
         for n, t in written(name, tensor, self.job.fp8, self.job.dtype):  # quantised: codes, then scales
-            self._keep(n, t)
+            f = self.file_of[n]
+            self._open(f)
+            self.left[f] -= 1
+            self.writer.write(f, n, t)
+            if self.left[f] == 0:
+                self.writer.close(f)
+            if self.bar is not None:
+                self.bar.update(t.numel() * t.element_size())
 
-    def _keep(self, name: str, tensor: torch.Tensor) -> None:
-        assert self.plan is not None
-        f = self.file_of[name]
-        self.pending.setdefault(f, {})[name] = tensor.detach().cpu()
-        if len(self.pending[f]) == len(self.plan.files[f]):
-            self.write(f)
-        if self.bar is not None:
-            self.bar.update(tensor.numel() * tensor.element_size())
-
-    def write(self, f: int) -> None:
-        assert self.plan is not None
-        tensors = self.pending.pop(f, {})
-        if self.error is not None:
-            return
-        missing = set(self.plan.files[f]) - set(tensors)
-        if missing:
-            raise RuntimeError(f"file {f + 1}: targets {sorted(missing)} never arrived")
-        self.written.append(self.job.temp(f))
-        while len(self.in_flight) >= FILES_IN_FLIGHT:
-            self._wait_oldest()
-        self.in_flight.append(self.pool.submit(write_shard, self.job.temp(f), tensors, {"format": "pt"}))
-
-    def _wait_oldest(self) -> None:
-        error = self.in_flight.popleft().exception()
-        self.error = self.error or error
+    def _open(self, f: int) -> None:
+        if f not in self.left:
+            assert self.plan is not None
+            names = self.plan.files[f]
+            self.writer.open(f, self.job.temp(f), [self.specs[n] for n in names], METADATA)
+            self.left[f] = len(names)
 
     def finish(self) -> None:
-        """Write the files still open (an empty checkpoint's one file)."""
+        """Write the files still open (an empty checkpoint's one file) and wait for the writer."""
         assert self.plan is not None
-        done = {p.name for p in self.written}
         for f in self.plan.files_of(self.rank):
-            if self.job.temp(f).name not in done:
-                self.write(f)
-        self.close()
-
-    def close(self) -> None:
-        """Wait for the files being written."""
-        while self.in_flight:
-            self._wait_oldest()
-        self.pool.shutdown()
+            if f not in self.left and not self.plan.files[f]:
+                self._open(f)
+                self.writer.close(f)
+        short = [f"file {f + 1}" for f in self.plan.files_of(self.rank) if self.left.get(f, 1)]
+        if short and self.error is None:
+            raise RuntimeError(f"{', '.join(short)}: some of their targets never arrived")
+        self.writer.finish()
 
 
 def _quantization(job: _Job, targets: Iterable[TargetPlan]) -> dict[str, Any] | None | Literal["keep"]:
@@ -316,8 +303,7 @@ class Files:
         return result
 
     def abort(self) -> None:
-        self.part.close()
-        remove_files(self.job.dir, [n for p in self.part.written for n in (p.name, work_dir(p).name)])
+        self.part.writer.abort()
         self._close_bar()
 
     def _close_bar(self) -> None:

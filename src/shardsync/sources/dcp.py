@@ -1,9 +1,11 @@
-"""A torch Distributed Checkpoint (DCP) directory as a source, read through torch's own reader.
+"""A torch Distributed Checkpoint (DCP) directory as a source.
 
 The layout comes from the checkpoint's metadata: every saved chunk of a tensor is one box, so a
 checkpoint saved under any sharding (FSDP, TP, a torchtitan run, a single process) reads as it is.
-:meth:`DcpSource.read` asks torch's ``FileSystemReader`` for just the box wanted (read items made by
-DCP's own resharding helper), so only the chunks that overlap it are loaded.
+:meth:`DcpSource.read` loads just the chunks that overlap the box wanted, as torch's
+``FileSystemReader`` does (each chunk is a ``torch.save`` record at an offset of a ``.distcp`` file),
+without importing ``torch.distributed.checkpoint`` (most of a second). A checkpoint whose chunks were
+saved through stream transforms (DCP's compression extensions) is read through torch's own reader.
 
 Trust: DCP metadata is a pickle (``.metadata``); it is read with an allow-list of the classes DCP
 metadata is made of (:mod:`shardsync.sources.dcp_metadata`), so opening a checkpoint never runs code
@@ -13,10 +15,12 @@ from it. The tensor data is loaded by torch with ``weights_only=True``.
 from __future__ import annotations
 
 import functools
+import io
 import logging
 import os
 import pickle
 import re
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +31,7 @@ from ..files import file_kind
 from ..layout.box import Box
 from ..layout.dtypes import dtype_name
 from ..layout.meta import LayoutEntry
-from .dcp_metadata import read_metadata, storage_problems
+from .dcp_metadata import is_record, read_metadata, storage_index, storage_problems
 
 __all__ = ["DcpSource", "METADATA_FILE"]
 
@@ -82,14 +86,21 @@ class DcpSource:
 
     #: every rank sees the same data at the same path
     shared = True
+    _files: dict[str, io.FileIO]  # data files, opened on first read, read with pread
+    _lock: threading.Lock
 
     def close(self) -> None:
-        """Nothing to release: torch's reader opens each data file for the reads that need it."""
+        """Close the data files opened so far (a later read opens them again)."""
+        with self._lock:
+            files, self._files = self._files, {}
+        for fh in files.values():
+            fh.close()
+
+    def __del__(self) -> None:  # a source nobody closed: its files go with it, quietly
+        if hasattr(self, "_files"):
+            self.close()
 
     def __init__(self, path: str | os.PathLike, *, prefix: str = "") -> None:
-        from torch.distributed.checkpoint import FileSystemReader
-        from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
         self.path = Path(path)
         meta_file = self.path / METADATA_FILE
         if not meta_file.is_file():
@@ -99,24 +110,29 @@ class DcpSource:
                 else f"it has no {METADATA_FILE} file"
             )
             raise FormatError(f"{self.path} is not a torch DCP checkpoint: {kind}")
-        self.reader = FileSystemReader(self.path)
-        metadata = read_metadata(meta_file)  # torch's reader would unpickle it without an allow-list
-        metadata.storage_meta.load_id = self.reader.load_id
+        metadata = read_metadata(meta_file, plain=True)  # torch's reader would unpickle it without an allow-list
         _check_storage(self.path, metadata)
-        self.reader.set_up_storage_reader(metadata, is_coordinator=True)
-        self.tensors: dict[str, Any] = {}  # key (prefix removed) -> TensorStorageMetadata
+        self.storage = storage_index(metadata)
+        self.tensors: dict[str, Any] = {}  # key (prefix removed) -> TensorStorageMetadata (a record)
         self._dtypes: dict[str, str] = {}
         self._fqns: dict[str, str] = {}  # key -> the checkpoint's own name
         for fqn, md in sorted(metadata.state_dict_metadata.items()):
-            if not isinstance(md, TensorStorageMetadata):
+            if not is_record(md, "TensorStorageMetadata"):
                 log.debug("%s: skipping non-tensor entry %r (%s)", self.path, fqn, type(md).__name__)
                 continue
             if not fqn.startswith(prefix):
                 continue
             key = fqn[len(prefix) :]
+            if not all(hasattr(md, a) for a in ("size", "chunks", "properties")):
+                raise FormatError(
+                    f"{meta_file}: tensor {fqn!r} lacks its size, chunks or properties; the metadata is corrupt"
+                )
             _check_boxes(meta_file, fqn, md)
+            dtype = getattr(md.properties, "dtype", None)
+            if not isinstance(dtype, torch.dtype):
+                raise FormatError(f"{meta_file}: tensor {fqn!r} has no dtype ({dtype!r}); the metadata is corrupt")
             try:
-                self._dtypes[key] = dtype_name(md.properties.dtype)
+                self._dtypes[key] = dtype_name(dtype)
             except ValueError as exc:
                 raise FormatError(f"{meta_file}: tensor {fqn!r}: {exc}") from exc
             self.tensors[key], self._fqns[key] = md, fqn
@@ -128,6 +144,14 @@ class DcpSource:
             raise FormatError(
                 f"{self.path}: no tensor{f' under prefix {prefix!r}' if prefix else ''} in this DCP checkpoint"
             )
+        transformed = any(
+            getattr(self.storage[(f, tuple(c.offsets))], "transform_descriptors", None)
+            for f, md in zip(self._fqns.values(), self.tensors.values())
+            for c in md.chunks
+        )
+        self._torch = _TorchReader(self.path) if transformed else None
+        self._files = {}
+        self._lock = threading.Lock()
 
     def entries(self) -> list[LayoutEntry]:
         """One entry per saved chunk (duplicates dropped), sorted by key then offsets."""
@@ -139,31 +163,66 @@ class DcpSource:
         return out
 
     def read(self, key: str, box: Box) -> torch.Tensor:
-        """The data of ``box`` of ``key``: torch's reader loads the chunks that overlap it.
+        """The data of ``box`` of ``key``: the chunks that overlap it are loaded.
 
         Raises:
             LayoutError: no such tensor, or the box is outside it.
+            FormatError: a data file that is corrupt or truncated.
         """
-        from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
-        from torch.distributed.checkpoint.planner import LoadPlan
-        from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
-
         md = self.tensors.get(key)
         if md is None or not box.within(tuple(md.size)):
             raise LayoutError(f"{key!r}{box}: not in the DCP checkpoint {self.path}")
+        fqn = self._fqns[key]
+        if self._torch is not None:
+            return self._torch.read(fqn, box, torch.empty(box.sizes, dtype=md.properties.dtype))
+        if any(Box(tuple(c.offsets), tuple(c.sizes)) == box for c in md.chunks):
+            return self._chunk(key, box)  # a saved chunk as it is: loaded, not copied
         out = torch.empty(box.sizes, dtype=md.properties.dtype)
-        wanted = ChunkStorageMetadata(offsets=torch.Size(box.offsets), sizes=torch.Size(box.sizes))
-        items = create_read_items_for_chunk_list(self._fqns[key], md, [wanted])
+        for c in md.chunks:
+            chunk = Box(tuple(c.offsets), tuple(c.sizes))
+            part = chunk.intersect(box)
+            if part is None or part.empty:
+                continue
+            data = self._chunk(key, chunk)
+            out[part.relative_to(box).slices()] = data[part.relative_to(chunk).slices()]
+        return out
+
+    def chunk_file(self, key: str, chunk: Box) -> str:
+        """The data file that holds saved chunk ``chunk`` of ``key`` (a box of :meth:`entries`)."""
+        return str(self.storage[(self._fqns[key], chunk.offsets)].relative_path)
+
+    def _file(self, name: str) -> io.FileIO:
+        with self._lock:
+            if name not in self._files:
+                self._files[name] = io.FileIO(self.path / name, "r")
+            return self._files[name]
+
+    def _chunk(self, key: str, chunk: Box) -> torch.Tensor:
+        """One saved chunk, loaded whole (as torch's reader does)."""
+        info = self.storage[(self._fqns[key], chunk.offsets)]
+        name = self.chunk_file(key, chunk)
         try:
-            self.reader.read_data(LoadPlan(items), _box_planner()(out)).wait()
-        except (RuntimeError, EOFError, ValueError, KeyError, pickle.UnpicklingError) as exc:
-            files = sorted({str(self.reader.storage_data[i.storage_index].relative_path) for i in items})
+            raw = os.pread(self._file(name).fileno(), info.length, info.offset)  # safe from any thread
+            if len(raw) != info.length:
+                raise EOFError(f"{len(raw)} of its {info.length} bytes are there")
+            tensor = torch.load(io.BytesIO(raw), map_location="cpu", weights_only=True)
+        except (OSError, RuntimeError, EOFError, ValueError, KeyError, pickle.UnpicklingError) as exc:
             first = re.split(r"(?<=\.)\s", (str(exc).strip().splitlines() or [""])[0])[0]
             raise FormatError(
-                f"{self.path}: cannot read {key!r} from {', '.join(files)} (corrupt or "
-                f"truncated?): {type(exc).__name__}: {first}"
+                f"{self.path}: cannot read {key!r} from {name} (corrupt or truncated?): {type(exc).__name__}: {first}"
             ) from exc
-        return out
+        md = self.tensors[key]
+        if (
+            not isinstance(tensor, torch.Tensor)
+            or tuple(tensor.shape) != chunk.sizes
+            or tensor.dtype != md.properties.dtype
+        ):
+            what = f"{getattr(tensor, 'dtype', type(tensor).__name__)} {list(getattr(tensor, 'shape', []))}"
+            raise FormatError(
+                f"{self.path}: {name} holds a {what} where the metadata places {key!r}'s chunk "
+                f"({md.properties.dtype} {list(chunk.sizes)}); the checkpoint is corrupt"
+            )
+        return tensor
 
     def device(self) -> torch.device:
         """Reads land in CPU memory."""
@@ -171,6 +230,38 @@ class DcpSource:
 
     def __repr__(self) -> str:
         return f"DcpSource({str(self.path)!r}, {len(self.tensors)} tensors)"
+
+
+class _TorchReader:
+    """torch's own ``FileSystemReader``, for chunks saved through stream transforms."""
+
+    def __init__(self, path: Path) -> None:
+        from torch.distributed.checkpoint import FileSystemReader
+
+        self.path = path
+        self.reader = FileSystemReader(path)
+        self.metadata = read_metadata(path / METADATA_FILE)
+        self.metadata.storage_meta.load_id = self.reader.load_id
+        self.reader.set_up_storage_reader(self.metadata, is_coordinator=True)
+
+    def read(self, fqn: str, box: Box, out: torch.Tensor) -> torch.Tensor:
+        from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
+        from torch.distributed.checkpoint.planner import LoadPlan
+        from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
+
+        md = self.metadata.state_dict_metadata[fqn]
+        wanted = ChunkStorageMetadata(offsets=torch.Size(box.offsets), sizes=torch.Size(box.sizes))
+        items = create_read_items_for_chunk_list(fqn, md, [wanted])
+        try:
+            self.reader.read_data(LoadPlan(items), _box_planner()(out)).wait()
+        except (RuntimeError, EOFError, ValueError, KeyError, pickle.UnpicklingError) as exc:
+            files = sorted({str(self.reader.storage_data[i.storage_index].relative_path) for i in items})
+            first = re.split(r"(?<=\.)\s", (str(exc).strip().splitlines() or [""])[0])[0]
+            raise FormatError(
+                f"{self.path}: cannot read {fqn!r} from {', '.join(files)} (corrupt or "
+                f"truncated?): {type(exc).__name__}: {first}"
+            ) from exc
+        return out
 
 
 def _check_storage(path: Path, metadata: Any) -> None:
