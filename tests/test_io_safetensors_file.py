@@ -214,3 +214,32 @@ def test_bytes_in_flight_are_bounded(tmp_path: Path, monkeypatch: pytest.MonkeyP
     w.finish()
     assert max(in_flight) <= 250
     assert [t.tolist()[0] for t in load_file(tmp_path / "a").values()] == [0.0, 1.0, 2.0, 3.0]
+
+
+def test_a_memory_budget_or_a_shard_size_bounds_the_writer_thread(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """save_hf's writer thread holds at most ``memory_budget`` bytes not yet written, and
+    save_safetensors' at most one shard (it holds another until it is full); 256 MiB otherwise."""
+    import shardsync
+    from shardsync.io import rank_files, safetensors_writer, save_hf
+
+    limits: list[int] = []
+
+    class Recording(rank_files.FileWriter):
+        def __init__(self, in_flight: int = rank_files.IN_FLIGHT) -> None:
+            limits.append(in_flight)
+            super().__init__(in_flight)
+
+    monkeypatch.setattr(save_hf, "FileWriter", Recording)
+    monkeypatch.setattr(safetensors_writer, "FileWriter", Recording)
+    state = {f"w{i}": torch.arange(i * 1000, i * 1000 + 999, dtype=torch.float32) for i in range(3)}
+    shardsync.save_hf(state, tmp_path / "budget", memory_budget="8KiB")
+    shardsync.save_hf(state, tmp_path / "none")
+    shardsync.save_safetensors(state.items(), tmp_path / "shards", max_shard_bytes="5000")
+    assert limits == [8192, rank_files.IN_FLIGHT, 5000]
+    for d in ("budget", "none", "shards"):
+        got = {}
+        for f in sorted((tmp_path / d).glob("*.safetensors")):
+            got.update(load_file(f))
+        assert set(got) == set(state) and all(torch.equal(got[k], v) for k, v in state.items()), d

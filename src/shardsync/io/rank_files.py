@@ -21,11 +21,22 @@ import torch
 from .commit import mark_stage
 from .safetensors_file import SafetensorsFile, TensorSpec
 
-__all__ = ["FileWriter", "IN_FLIGHT"]
+__all__ = ["FileWriter", "IN_FLIGHT", "in_flight"]
 
 #: Bytes handed to the writer thread and not yet written, at most (one tensor larger than this is
-#: handed over alone).
+#: handed over alone), unless the caller set a smaller bound (:func:`in_flight`).
 IN_FLIGHT = 256 << 20
+
+
+def in_flight(bound: int | None) -> int:
+    """The writer thread's bound under a caller's ``bound`` (a memory budget, a shard size): the
+    smaller of the two, so that a write with a budget holds at most about twice it.
+
+    Example:
+        >>> in_flight(None) == IN_FLIGHT, in_flight(64 << 20) == 64 << 20, in_flight(1 << 40) == IN_FLIGHT
+        (True, True, True)
+    """
+    return IN_FLIGHT if bound is None else max(1, min(IN_FLIGHT, bound))
 
 
 class FileWriter:

@@ -17,7 +17,7 @@ from ..errors import FormatError
 from ..layout.dtypes import dtype_name
 from ..sizes import parse_size  # exported here too: shardsync.io.parse_size
 from .commit import CheckpointNames, commit, new_tag, output_dir, prepare_directory, remove_uncommitted
-from .rank_files import FileWriter
+from .rank_files import FileWriter, in_flight
 from .safetensors_file import TensorSpec, header
 
 __all__ = [
@@ -101,7 +101,7 @@ class SafetensorsWriter:
         self._pending: dict[str, torch.Tensor] = {}
         self._pending_bytes = 0
         self._temps: list[Path] = []
-        self._writer = FileWriter()
+        self._writer = FileWriter(in_flight(self.limit))  # with the shard held: at most about two shards
         self._weight_map: dict[str, int] = {}
         self._total = 0
         self._closed = False

@@ -52,7 +52,7 @@ from .commit import (
 )
 from .file_plan import FilePlan, file_owners, output_cast, output_dtype, plan_files, written_tensors
 from .hf_files import copy_files, extra_files
-from .rank_files import FileWriter
+from .rank_files import FileWriter, in_flight
 from .safetensors_file import TensorSpec, header
 from .safetensors_writer import WriteResult, parse_size
 
@@ -106,7 +106,7 @@ class _PartWriter:
     """One rank's share: hands each tensor of its files to the writer thread as it arrives (it
     receives only those); a file is opened at its first tensor and closed (fsynced) at its last."""
 
-    def __init__(self, job: _Job, rank: int, progress: Any) -> None:
+    def __init__(self, job: _Job, rank: int, progress: Any, budget: int | None = None) -> None:
         self.job, self.rank, self.bar = job, rank, progress
         self.plan: FilePlan | None = None
         self.targets: tuple[TargetPlan, ...] | None = None  # the stream's targets, once it started
@@ -114,7 +114,7 @@ class _PartWriter:
         self.specs: dict[str, TensorSpec] = {}
         self.left: dict[int, int] = {}  # an opened file -> its tensors not handed over yet
         self.error: BaseException | None = None  # the first failure; the stream is still drained
-        self.writer = FileWriter()
+        self.writer = FileWriter(in_flight(budget))  # a memory budget bounds the writer too
 
     def start(self, plan: Any) -> None:
         job = self.job
@@ -237,10 +237,12 @@ class Files:
     phase = phases.STREAM
     spreads = True
 
-    def __init__(self, job: _Job, *, rank: int, world: int, progress: bool = False) -> None:
+    def __init__(
+        self, job: _Job, *, rank: int, world: int, progress: bool = False, memory_budget: int | None = None
+    ) -> None:
         self.job, self.rank = job, rank
         self.settings: Hashable = _Packing(job.limit, job.dtype, job.fp8, world)
-        self.part = _PartWriter(job, rank, progress_bar(progress, rank, "save_hf"))
+        self.part = _PartWriter(job, rank, progress_bar(progress, rank, "save_hf"), memory_budget)
 
     def adapt(self, source: Source) -> Source:
         if self.job.dtype is None:
@@ -354,7 +356,8 @@ def save_hf(
             without a ``config.json`` among ``extra_files``) a warning says that it will not.
         overwrite: replace a checkpoint already in ``path`` (other files there are never touched).
         progress: a progress bar (bytes, rate, ETA) on rank 0; needs tqdm.
-        memory_budget: most bytes the streamer holds at once on any rank (int or ``"2GB"``).
+        memory_budget: most bytes the streamer holds at once on any rank (int or ``"2GB"``); the
+            writer thread then holds at most as many bytes not yet on disk (256 MiB without one).
         quantize: ``"fp8"``: write the selected targets as block FP8, codes (``float8_e4m3fn``) and
             ``<name>_scale_inv`` (fp32, ``amax / 448`` per block), and give ``config.json`` the matching
             ``quantization_config``.
@@ -394,7 +397,7 @@ def save_hf(
         group,
         unanimous=True,
     ).all[0]
-    files = Files(job, rank=rank, world=world, progress=progress)
+    files = Files(job, rank=rank, world=world, progress=progress, memory_budget=opts.plan.memory_budget)
     result = run(Call(source, mapping, files, opts, group), files)
     if rank == 0 and not any(f.name == "config.json" for f in job.extras):
         log.warning(
