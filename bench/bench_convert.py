@@ -216,16 +216,12 @@ def _shardsync_rank(rank: int, ckpt: str, out: str, max_shard_size: str) -> floa
 
 def route_shardsync_2ranks(ckpt: str, out: str) -> float:
     """One output file (HF's 5GB limit): rank 0 writes it, rank 1 reads and sends its share."""
-    ranks = on_two_ranks(_shardsync_rank, ckpt, out, "5GB")
-    _from_ranks(ranks)
-    return float(ranks[0]["result"])
+    return _from_ranks(on_two_ranks(_shardsync_rank, ckpt, out, "5GB"))
 
 
 def route_shardsync_2ranks_100mb(ckpt: str, out: str) -> float:
     """100 MB files: both ranks write theirs in parallel."""
-    ranks = on_two_ranks(_shardsync_rank, ckpt, out, "100MB")
-    _from_ranks(ranks)
-    return float(ranks[0]["result"])
+    return _from_ranks(on_two_ranks(_shardsync_rank, ckpt, out, "100MB"))
 
 
 def route_torch_dcp_to_torch_save(ckpt: str, out: str) -> float:
@@ -281,9 +277,7 @@ def _torch_hf_rank(rank: int, ckpt: str, out: str) -> float:
 
 
 def route_torch_hf_writer_2ranks(ckpt: str, out: str) -> float:
-    ranks = on_two_ranks(_torch_hf_rank, ckpt, out)
-    _from_ranks(ranks)
-    return float(ranks[0]["result"])
+    return _from_ranks(on_two_ranks(_torch_hf_rank, ckpt, out))
 
 
 def _live_rank(rank: int, who: str, out: str) -> float:
@@ -309,15 +303,11 @@ def _live_rank(rank: int, who: str, out: str) -> float:
 
 
 def route_live_shardsync_2ranks(ckpt: str, out: str) -> float:
-    ranks = on_two_ranks(_live_rank, "shardsync", out)
-    _from_ranks(ranks)
-    return float(ranks[0]["result"])
+    return _from_ranks(on_two_ranks(_live_rank, "shardsync", out))
 
 
 def route_live_torch_hf_writer_2ranks(ckpt: str, out: str) -> float:
-    ranks = on_two_ranks(_live_rank, "torch", out)
-    _from_ranks(ranks)
-    return float(ranks[0]["result"])
+    return _from_ranks(on_two_ranks(_live_rank, "torch", out))
 
 
 def _loaded(ckpt: str) -> dict[str, torch.Tensor]:
@@ -370,11 +360,12 @@ _PEAK: int | None = None
 _RANK_MODULES: list[str] | None = None
 
 
-def _from_ranks(ranks: list[dict[str, Any]]) -> None:
-    """A two-rank route: its peak and the modules imported during it are its ranks'."""
+def _from_ranks(ranks: list[dict[str, Any]]) -> float:
+    """A two-rank route's time (rank 0's); its peak and the modules imported during it are its ranks'."""
     global _PEAK, _RANK_MODULES
     _PEAK = max(r["peak"] for r in ranks)
     _RANK_MODULES = sorted({m for r in ranks for m in r["new_modules"]})
+    return float(ranks[0]["result"])
 
 
 def child(route: str, ckpt: str, out: str) -> None:

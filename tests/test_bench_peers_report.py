@@ -18,47 +18,35 @@ ROUNDS = [
 ]
 
 
+def _target(name: str, status: str, ratio: float, lo: float, hi: float) -> tuple[str, dict]:
+    return name, {"target": name, "status": status, "ratio": ratio, "range": [lo, hi]}
+
+
 def test_targets_from_given_rounds() -> None:
     got = {t["target"]: t for t in P.targets(ROUNDS)}
-    assert got == {
-        # Paddle / shardsync per round: 4, 2, 2 -> median 2 < 2.5
-        "1 process: >= 2.5x Paddle full_param": {
-            "target": "1 process: >= 2.5x Paddle full_param",
-            "status": "missed",
-            "ratio": 2.0,
-            "range": [2.0, 4.0],
-        },
-        # 4, 8, 4 -> median 4: the bound itself is met
-        "2 processes, spawned: >= 4x Paddle's 2-D mesh path": {
-            "target": "2 processes, spawned: >= 4x Paddle's 2-D mesh path",
-            "status": "met",
-            "ratio": 4.0,
-            "range": [4.0, 8.0],
-        },
-        # shardsync / ceiling: 2, 2, 1 -> median 2 <= 2
-        "2 processes, spawned: within 2x of the memcpy ceiling": {
-            "target": "2 processes, spawned: within 2x of the memcpy ceiling",
-            "status": "met",
-            "ratio": 2.0,
-            "range": [1.0, 2.0],
-        },
-        # 4, 2, 4 -> median 4 > 2
-        "2 processes, spawned: within 2x of the transport (gloo broadcast) ceiling": {
-            "target": "2 processes, spawned: within 2x of the transport (gloo broadcast) ceiling",
-            "status": "missed",
-            "ratio": 4.0,
-            "range": [2.0, 4.0],
-        },
-        # no torchrun job in these rounds
-        **{
-            name: {"target": name, "status": "not measured"}
-            for name in (
-                "2 processes, torchrun: >= 4x Paddle's 2-D mesh path",
-                "2 processes, torchrun: within 2x of the memcpy ceiling",
-                "2 processes, torchrun: within 2x of the transport (gloo broadcast) ceiling",
-            )
-        },
-    }
+    assert got == dict(
+        [
+            # Paddle / shardsync per round: 4, 2, 2 -> median 2 < 2.5
+            _target("1 process: >= 2.5x Paddle full_param", "missed", 2.0, 2.0, 4.0),
+            # 4, 8, 4 -> median 4: the bound itself is met
+            _target("2 processes, spawned: >= 4x Paddle's 2-D mesh path", "met", 4.0, 4.0, 8.0),
+            # shardsync / ceiling: 2, 2, 1 -> median 2 <= 2
+            _target("2 processes, spawned: within 2x of the memcpy ceiling", "met", 2.0, 1.0, 2.0),
+            # 4, 2, 4 -> median 4 > 2
+            _target(
+                "2 processes, spawned: within 2x of the transport (gloo broadcast) ceiling", "missed", 4.0, 2.0, 4.0
+            ),
+            # no torchrun job in these rounds
+            *(
+                (name, {"target": name, "status": "not measured"})
+                for name in (
+                    "2 processes, torchrun: >= 4x Paddle's 2-D mesh path",
+                    "2 processes, torchrun: within 2x of the memcpy ceiling",
+                    "2 processes, torchrun: within 2x of the transport (gloo broadcast) ceiling",
+                )
+            ),
+        ]
+    )
 
 
 def test_a_side_missing_in_one_round_is_not_measured() -> None:

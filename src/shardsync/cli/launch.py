@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from ..errors import ShardsyncError
+from ..exec.copies import cores
 from ..io.commit import CheckpointNames, remove_uncommitted
 from ..startup import is_command
 from .common import command_logging
@@ -79,11 +80,6 @@ class _Outcome:
     converted: Converted | None
     line: str = ""
     status: int = 0
-
-
-def _cores() -> int:
-    """The cores this process may run on."""
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 def start_method() -> Literal["fork", "spawn"]:
@@ -147,7 +143,7 @@ def _convert_part(cfg: ConvertConfig) -> _Outcome:
     import torch
     import torch.distributed as dist
 
-    torch.set_num_threads(max(1, _cores() // int(os.environ["WORLD_SIZE"])))
+    torch.set_num_threads(max(1, cores() // int(os.environ["WORLD_SIZE"])))
     if not dist.is_initialized():
         dist.init_process_group("gloo")
     try:
@@ -233,14 +229,14 @@ def launch(cfg: ConvertConfig, nproc: int) -> list[Converted]:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-    cores = _cores()
-    if nproc > cores:
+    usable = cores()
+    if nproc > usable:
         log.warning(
             "--nproc %d starts more workers than this machine gives the process cores (%d): "
             "they share the cores and each starts slower; --nproc %d is usually faster",
             nproc,
-            cores,
-            cores,
+            usable,
+            usable,
         )
     config = LaunchConfig(
         min_nodes=1,

@@ -31,7 +31,7 @@ from typing import Any
 import numpy as np
 import torch
 
-__all__ = ["copy_into", "copy_threads", "CHUNK_BYTES", "PARALLEL_BYTES", "TORCH_GRAIN", "MAX_THREADS"]
+__all__ = ["copy_into", "copy_threads", "cores", "CHUNK_BYTES", "PARALLEL_BYTES", "TORCH_GRAIN", "MAX_THREADS"]
 
 #: Bytes of one chunk of a threaded copy.
 CHUNK_BYTES = 1 << 20
@@ -49,6 +49,16 @@ _pool: ThreadPoolExecutor | None = None
 _lock = threading.Lock()
 
 
+def cores() -> int:
+    """The cores this process may run on (its CPU affinity, where the system has one).
+
+    Example:
+        >>> cores() >= 1
+        True
+    """
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
 def copy_threads() -> int:
     """Threads of the copy pool: the cores this process may run on, at most :data:`MAX_THREADS`.
 
@@ -56,8 +66,7 @@ def copy_threads() -> int:
         >>> 1 <= copy_threads() <= MAX_THREADS
         True
     """
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    return max(1, min(MAX_THREADS, cores))
+    return max(1, min(MAX_THREADS, cores()))
 
 
 def _get_pool() -> ThreadPoolExecutor:

@@ -207,10 +207,7 @@ class DcpSource:
                 raise EOFError(f"{len(raw)} of its {info.length} bytes are there")
             tensor = torch.load(io.BytesIO(raw), map_location="cpu", weights_only=True)
         except (OSError, RuntimeError, EOFError, ValueError, KeyError, pickle.UnpicklingError) as exc:
-            first = re.split(r"(?<=\.)\s", (str(exc).strip().splitlines() or [""])[0])[0]
-            raise FormatError(
-                f"{self.path}: cannot read {key!r} from {name} (corrupt or truncated?): {type(exc).__name__}: {first}"
-            ) from exc
+            raise _unreadable(self.path, key, [name], exc) from exc
         md = self.tensors[key]
         if (
             not isinstance(tensor, torch.Tensor)
@@ -256,12 +253,16 @@ class _TorchReader:
             self.reader.read_data(LoadPlan(items), _box_planner()(out)).wait()
         except (RuntimeError, EOFError, ValueError, KeyError, pickle.UnpicklingError) as exc:
             files = sorted({str(self.reader.storage_data[i.storage_index].relative_path) for i in items})
-            first = re.split(r"(?<=\.)\s", (str(exc).strip().splitlines() or [""])[0])[0]
-            raise FormatError(
-                f"{self.path}: cannot read {fqn!r} from {', '.join(files)} (corrupt or "
-                f"truncated?): {type(exc).__name__}: {first}"
-            ) from exc
+            raise _unreadable(self.path, fqn, files, exc) from exc
         return out
+
+
+def _unreadable(path: Path, key: str, files: list[str], exc: BaseException) -> FormatError:
+    """The error for data files that do not hold what the metadata says: the first sentence of why."""
+    first = re.split(r"(?<=\.)\s", (str(exc).strip().splitlines() or [""])[0])[0]
+    return FormatError(
+        f"{path}: cannot read {key!r} from {', '.join(files)} (corrupt or truncated?): {type(exc).__name__}: {first}"
+    )
 
 
 def _check_storage(path: Path, metadata: Any) -> None:
