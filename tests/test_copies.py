@@ -194,7 +194,7 @@ def test_a_failing_helper_is_waited_for_with_the_others(monkeypatch: pytest.Monk
             done.append("helper 1")
 
     with pytest.raises(RuntimeError, match="helper 0 failed"):
-        copies._run([(job, None, None)] * 3)
+        lane = copies.Lane(); batch = copies.Copies(); batch.jobs, batch.nbytes = [(job, None, None)] * 3, copies.PARALLEL_BYTES; lane.wait(lane.start(batch))
     assert done == ["helper 1"]  # no thread writes a target after copy_into has returned
 
 
@@ -238,3 +238,78 @@ def test_a_copy_does_not_wait_for_a_helper_whose_core_is_busy() -> None:
             f.result()
     assert finished, "copy_into waited for a pool thread that had not started"
     assert torch.equal(dst, src)
+
+
+def _batch(jobs: list) -> copies.Copies:  # type: ignore[type-arg]
+    batch = copies.Copies()
+    batch.jobs, batch.nbytes = list(jobs), copies.PARALLEL_BYTES  # large enough for the pool
+    return batch
+
+
+def test_a_lane_runs_batches_in_the_background_and_wait_returns_once_written(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(copies, "copy_threads", lambda: 3)
+    written: list[tuple[int, int]] = []
+    running, most = [0], [0]
+    lock = threading.Lock()
+
+    def job(batch: int, k: int) -> None:
+        with lock:
+            running[0] += 1
+            most[0] = max(most[0], running[0])
+        time.sleep(0.01)
+        with lock:
+            running[0] -= 1
+            written.append((batch, k))
+
+    lane = copies.Lane()
+    first = lane.start(_batch([(job, 1, k) for k in range(6)]))
+    second = lane.start(_batch([(job, 2, k) for k in range(6)]))
+    time.sleep(0.05)  # the helpers copy while this thread does something else
+    assert written, "nothing was copied in the background"
+    lane.wait(first)
+    assert {(1, k) for k in range(6)} <= set(written)  # every chunk of the batch, before wait returned
+    lane.wait(second)
+    assert sorted(written) == [(b, k) for b in (1, 2) for k in range(6)]
+    assert most[0] <= 3  # two helpers and this thread: never more threads than copy_threads()
+
+
+def test_a_failed_chunk_is_raised_by_wait_of_its_batch_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(copies, "copy_threads", lambda: 2)
+    done: list[int] = []
+
+    def job(k: int, _: object) -> None:
+        if k == 1:
+            raise ValueError("chunk 1 failed")
+        time.sleep(0.01)
+        done.append(k)
+
+    lane = copies.Lane()
+    bad = lane.start(_batch([(job, k, None) for k in range(4)]))
+    good = lane.start(_batch([(job, k, None) for k in range(10, 14)]))
+    with pytest.raises(ValueError, match="chunk 1 failed"):
+        lane.wait(bad)
+    assert {0, 2, 3} <= set(done)  # the batch's other chunks were written before it raised
+    lane.wait(good)
+    assert {10, 11, 12, 13} <= set(done)
+
+
+def test_settle_waits_for_every_batch(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(copies, "copy_threads", lambda: 2)
+    done: list[int] = []
+    lane = copies.Lane()
+    lane.start(_batch([(lambda k, _: (time.sleep(0.02), done.append(k)), k, None) for k in range(5)]))
+    lane.settle()
+    assert sorted(done) == list(range(5))
+
+
+def test_a_batch_keeps_the_inference_mode_it_was_started_in(small_chunks: None) -> None:
+    with torch.inference_mode():
+        dst = torch.empty(40, 30)
+        batch = copies.Copies()
+        batch.add(dst, _values((30, 40), torch.float32).t())
+        lane = copies.Lane()
+        ticket = lane.start(batch)
+    lane.wait(ticket)  # the chunks write an inference tensor, from threads outside the mode
+    assert torch.equal(dst, _values((30, 40), torch.float32).t())

@@ -30,8 +30,8 @@ def corrupt(monkeypatch: pytest.MonkeyPatch) -> Iterator[set[str]]:
     keys: set[str] = set()
     real = executor.copy_piece
 
-    def copy_piece(out: torch.Tensor, data: torch.Tensor, origin: Any, piece: Piece) -> None:
-        real(out, data, origin, piece)
+    def copy_piece(out: torch.Tensor, data: torch.Tensor, origin: Any, piece: Piece, batch: Any = None) -> None:
+        real(out, data, origin, piece)  # now, not with the batch: the change below lands after it
         if piece.source in keys:
             region = out[piece.target_box.slices()]
             region[(0,) * region.dim()] += 1

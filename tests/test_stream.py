@@ -45,6 +45,50 @@ def test_identity_yields_sorted_clones_one_at_a_time() -> None:
     assert (stream.stats.bytes_sent, stream.stats.collectives) == (0, 0)
 
 
+def test_large_targets_are_built_one_ahead_while_the_caller_has_the_last() -> None:
+    # 4 MiB or more (AHEAD_BYTES): the next target's copies run while the caller holds this one
+    full = {f"w{i}": arange_tensor((1031, 1021 + i), start=i, step=0.5) for i in range(3)}
+    mapping = ["w0 -> w0", "w1^T -> w1t", "w2 -> w2"]
+    stream = full_params(full, mapping)
+    got, held = {}, []
+    for name, t in stream:
+        got[name] = t
+        held.append(stream.stats.held_bytes)  # the next one, under way
+    assert held == [full["w1"].nbytes, full["w2"].nbytes, 0]
+    assert torch.equal(got["w0"], full["w0"]) and torch.equal(got["w2"], full["w2"])
+    assert torch.equal(got["w1t"], full["w1"].t())
+    two = full["w1"].nbytes + full["w2"].nbytes
+    assert stream.stats.peak_bytes == two == stream.plan.costs.peak_bytes[0]
+    # a budget of one target: built when asked for, one at a time
+    one = full_params(full, mapping, memory_budget=full["w2"].nbytes)
+    assert all(torch.equal(t, got[n]) for n, t in one)
+    assert one.stats.peak_bytes == full["w2"].nbytes and one.plan.depth == 1
+
+
+def test_leaving_early_waits_for_the_copies_under_way(monkeypatch: pytest.MonkeyPatch) -> None:
+    import time
+
+    from shardsync.exec import copies
+
+    ends: list[float] = []
+    slow = copies._torch_small
+
+    def tile(dst: torch.Tensor, src: torch.Tensor) -> None:
+        time.sleep(0.02)
+        slow(dst, src)
+        ends.append(time.monotonic())
+
+    monkeypatch.setattr(copies, "_torch_small", tile)
+    full = {f"w{i}": arange_tensor((1100, 1000), start=i) for i in range(3)}
+    stream = full_params(full, [f"w{i}^T -> t{i}" for i in range(3)])
+    for name, t in stream:
+        assert name == "t0" and torch.equal(t, full["w0"].t())
+        break
+    stream.close()
+    closed = time.monotonic()
+    assert ends and max(ends) <= closed  # t1's copies, started ahead, all ended before close returned
+
+
 def test_copy_false_returns_the_source_or_a_view() -> None:
     full = model()
     got = dict(full_params(full, ["emb -> e1, e2, axis=0, sizes='[5, 12]'", "proj^T -> proj_t"], copy=False))

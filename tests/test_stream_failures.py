@@ -29,8 +29,8 @@ def _outcome(rank: int, world: int, fail: str) -> tuple:
             names.append(name)
             if rank == 1 and fail == "rank dies":
                 os._exit(3)  # no cleanup, no goodbye: the peer must not hang
-            if rank == 1 and fail == "shard vanishes":
-                state["b"].local = state["b"].local[:0]  # this rank can no longer send its shard
+            if rank == 1 and fail == "shard vanishes":  # after "a": "h" is read two steps later
+                state["h"].local = state["h"].local[:0]  # this rank can no longer read its shard
     except DistributedError as exc:
         return ("DistributedError", exc.phase, sorted(exc.failures), str(exc), names)
     return ("finished", names)
@@ -41,7 +41,7 @@ def test_exception_inside_the_stream_is_raised_on_every_rank() -> None:
     for rank in (0, 1):
         kind, phase, failed, text, _ = out[rank]
         assert (kind, phase, failed) == ("DistributedError", "stream", [1]), rank
-        assert "LayoutError: 'b': this rank holds no shard containing" in text, rank
+        assert "LayoutError: 'h': this rank holds no shard containing" in text, rank
 
 
 def test_rank_that_dies_is_named() -> None:

@@ -39,7 +39,8 @@ from . import phases
 from .dist import GroupRanks, agree, is_distributed
 from .errors import PlanError
 from .exec import MeshGroups, MeshPlace, Stats, Transport, choose_transport, execute, local_mesh_info, run_device
-from .exec.hosts import host_info
+from .exec.copies import copy_threads
+from .exec.hosts import host_info, neighbours
 from .exec.shm import HostChoice, cached_token
 from .layout import GlobalLayout
 from .layout.box import Box
@@ -201,6 +202,7 @@ class Prepared:
     device: torch.device
     seconds: float
     files: FileSource | None = None  # the source this call opened from a path: closed with the call
+    neighbours: int = 1  # processes copying on this machine at once (copy threads are shared out)
 
     def close(self) -> None:
         """Close the files this call opened (a no-op for a source the caller passed)."""
@@ -429,6 +431,7 @@ def prepare(call: Call) -> Prepared:
         run_device(backend, opened.source),
         time.perf_counter() - start,
         opened.files,
+        neighbours([h for h, _ in hosts], ranks.rank if ranks is not None else 0),
     )
 
 
@@ -449,6 +452,7 @@ def execute_into(prepared: Prepared, stats: Stats) -> Iterator[tuple[str, torch.
         into=call.destination.into(prepared.planned),
         reuse=call.options.reuse,
         phase=call.destination.phase,
+        threads=copy_threads(prepared.neighbours),
     )
 
 

@@ -16,7 +16,7 @@ import torch
 from ..layout.box import Box
 from ..layout.dtypes import to_torch_dtype
 from ..mapping.pieces import Piece
-from .copies import copy_into
+from .copies import Copies, copy_into
 
 __all__ = ["copy_piece", "cast_into", "arrange", "CHAIN_CHUNK_ELEMENTS"]
 
@@ -30,11 +30,12 @@ def _chain(x: torch.Tensor, casts: Sequence[str]) -> torch.Tensor:
     return x
 
 
-def cast_into(dst: torch.Tensor, src: torch.Tensor, casts: Sequence[str]) -> None:
+def cast_into(dst: torch.Tensor, src: torch.Tensor, casts: Sequence[str], batch: Copies | None = None) -> None:
     """``dst.copy_(src cast through casts)``, rounding exactly as applying each cast in order.
 
     The last cast is ``dst``'s dtype and is done by ``copy_`` itself; earlier ones are applied to
-    chunks along dim 0 of at most :data:`CHAIN_CHUNK_ELEMENTS` elements.
+    chunks along dim 0 of at most :data:`CHAIN_CHUNK_ELEMENTS` elements, now (their temporaries are
+    bounded that way). A single cast is added to ``batch`` when one is given.
 
     Example:
         >>> out = torch.empty(3)
@@ -43,7 +44,11 @@ def cast_into(dst: torch.Tensor, src: torch.Tensor, casts: Sequence[str]) -> Non
         tensor([1., 2., 3.])
     """
     if len(casts) <= 1 or src.dim() == 0 or src.numel() == 0:
-        copy_into(dst, _chain(src, casts[:-1]) if len(casts) > 1 else src)
+        one = _chain(src, casts[:-1]) if len(casts) > 1 else src
+        if batch is None:
+            copy_into(dst, one)
+        else:
+            batch.add(dst, one)
         return
     rows = max(1, CHAIN_CHUNK_ELEMENTS // max(1, src[0].numel()))
     for start in range(0, src.shape[0], rows):
@@ -70,8 +75,9 @@ def arrange(view: torch.Tensor, piece: Piece) -> torch.Tensor:
 
 
 @torch.no_grad()
-def copy_piece(out: torch.Tensor, data: torch.Tensor, origin: Box, piece: Piece) -> None:
-    """Write ``piece`` into target ``out``, reading its source box from ``data`` located at ``origin``.
+def copy_piece(out: torch.Tensor, data: torch.Tensor, origin: Box, piece: Piece, batch: Copies | None = None) -> None:
+    """Write ``piece`` into target ``out``, reading its source box from ``data`` located at ``origin``
+    (with ``batch``, when it runs: see :func:`cast_into`).
 
     Args:
         out: the target tensor.
@@ -91,4 +97,4 @@ def copy_piece(out: torch.Tensor, data: torch.Tensor, origin: Box, piece: Piece)
     view = data[piece.source_box.relative_to(origin).slices()]
     if piece.perm is not None:
         view = arrange(view, piece)
-    cast_into(out[piece.target_box.slices()], view, piece.casts)
+    cast_into(out[piece.target_box.slices()], view, piece.casts, batch)

@@ -1,10 +1,14 @@
 """The executor: runs a plan's steps on this rank and yields finished targets.
 
 Steps are pipelined ``plan.depth`` deep: step k+1 is *started* (its targets allocated, its packets
-packed and posted) before step k is *finished* (copies of local pieces, wait, copies of received
-pieces, buffers dropped, completed targets yielded). So while this rank copies - or its caller
-consumes a target - the next packets are already on the wire. Memory held is the open targets plus
-the buffers of the steps in flight, as :func:`shardsync.planning.estimate_costs` assumes.
+packed and posted, the copies of this rank's own pieces into its targets handed to the copy threads)
+before step k is *finished* (wait, copies of received pieces, buffers dropped, completed targets
+yielded). So while this rank copies - or its caller consumes a target - the next packets are already
+on the wire and the copy threads are filling the next targets. A target built from this rank's own
+data alone is built when it is due, or while the caller has the one before it
+(:func:`~shardsync.planning.costs.builds_ahead`). Every copy of a run goes through one
+:class:`~shardsync.exec.copies.Lane`, in order. Memory held is the open targets plus the buffers of
+the steps in flight, as :func:`shardsync.planning.estimate_costs` assumes.
 
 On CPU, targets and buffers come from a :class:`~shardsync.exec.memory.BlockPool` (``reuse``): memory
 of earlier targets the caller dropped is written again instead of faulting in fresh pages.
@@ -24,11 +28,11 @@ from .. import phases
 from ..dist import data_phase
 from ..layout.dtypes import to_torch_dtype
 from ..mapping.pieces import Piece
-from ..planning.costs import is_zero_copy
+from ..planning.costs import builds_ahead, is_zero_copy
 from ..planning.model import Packet, Plan, Step
 from ..sources import Source
 from .assemble import copy_piece
-from .copies import copy_into
+from .copies import Copies, Lane
 from .memory import BlockPool, Reuse, shared_pool
 from .stats import Stats
 from .transport import Pending, Received, Transport, unpack
@@ -84,10 +88,14 @@ class _Run:
         device: torch.device,
         into: Callable[[int], torch.Tensor] | None = None,
         pool: BlockPool | None = None,
+        threads: int | None = None,
     ) -> None:
         self.plan, self.source, self.rank, self.stats, self.device = plan, source, rank, stats, device
         self.into, self.pool = into, pool
         self.open: dict[int, torch.Tensor] = {}
+        self.lane = Lane(threads)  # copies under way on the copy threads
+        self.ahead: dict[int, int] = {}  # target built from local data -> its copies' ticket
+        self.local: dict[int, int] = {}  # step -> ticket of the copies of its opened targets' own pieces
         self.direct: set[int] = set()  # reads received straight into their target
         self.posting = 0  # the step being started: its buffers are held under its tag
         # remote[i]: (target, piece) pairs this rank builds from read i, which it receives
@@ -143,14 +151,34 @@ class _Run:
             self.stats.hold(tp.nbytes, tag=t)
 
     @torch.no_grad()
-    def copy_local(self, t: int) -> None:
-        """Copy into target ``t`` every piece whose data this rank holds."""
+    def copy_local(self, t: int, batch: Copies) -> None:
+        """Add to ``batch`` a copy into target ``t`` of every piece whose data this rank holds."""
         if t not in self.open:
             return
         for c in self.plan.targets[t].copies:
             r = self.plan.reads[c.read]
             if self.rank in r.holders:
-                copy_piece(self.open[t], self.read(c.read), r.box, c.piece)
+                copy_piece(self.open[t], self.read(c.read), r.box, c.piece, batch)
+
+    def build(self, t: int) -> None:
+        """Allocate target ``t`` (built from this rank's own data) and start its copies on the pool."""
+        if t in self.open or t in self.ahead:
+            return
+        self.allocate(t)
+        if t in self.open:
+            batch = Copies()
+            self.copy_local(t, batch)
+            self.ahead[t] = self.lane.start(batch)
+
+    def run(self, batch: Copies) -> None:
+        """Run ``batch`` now, on the lane (after the copies started before it)."""
+        self.lane.wait(self.lane.start(batch))
+
+    def settle(self) -> None:
+        """Wait for every copy started ahead (the stream ends or is left): nothing writes after."""
+        self.ahead.clear()
+        self.local.clear()
+        self.lane.settle()
 
     def buffer(self, nbytes: int) -> torch.Tensor:
         self.stats.hold(nbytes, _step_tag(self.posting))
@@ -162,11 +190,12 @@ class _Run:
         only = self.read(pk.reads[0]) if len(pk.reads) == 1 else None
         if only is not None and only.is_contiguous():
             return only.detach().reshape(-1).view(torch.uint8)
-        buf = self.buffer(pk.nbytes)
+        buf, batch = self.buffer(pk.nbytes), Copies()
         for i, off in zip(pk.reads, pk.offsets):
             r = self.plan.reads[i]
             dst = buf[off : off + r.nbytes].view(to_torch_dtype(r.dtype)).view(r.box.sizes)
-            copy_into(dst, only if only is not None else self.read(i))
+            batch.add(dst, only if only is not None else self.read(i))
+        self.run(batch)
         return buf
 
     def sink(self, pk: Packet) -> torch.Tensor | None:
@@ -187,19 +216,22 @@ class _Run:
     @torch.no_grad()
     def deliver(self, received: list[Received]) -> None:
         """Copy every received read into the targets that read it (unless it landed there)."""
+        batch = Copies()
         for pk, buf in received:
             if all(i in self.direct for i in pk.reads):
                 continue
             for i, data in unpack(buf, pk, self.plan.reads).items():
                 for t, piece in self.remote.get(i, ()):
-                    copy_piece(self.open[t], data, self.plan.reads[i].box, piece)
+                    copy_piece(self.open[t], data, self.plan.reads[i].box, piece, batch)
+        self.run(batch)
 
     def take(self, t: int) -> tuple[str, torch.Tensor]:
-        """Hand target ``t`` to the caller, building it first if nothing moved for it."""
+        """Hand target ``t`` to the caller once its copies are done (a view of this rank's own source
+        when it is zero copy)."""
         tp = self.plan.targets[t]
-        if t not in self.open:
-            self.allocate(t)
-            self.copy_local(t)
+        ticket = self.ahead.pop(t, None)
+        if ticket is not None:
+            self.lane.wait(ticket)
         if t in self.open:
             tensor = self.open.pop(t)
             self.stats.release(tag=t)
@@ -215,20 +247,27 @@ class _Run:
 
     def start(self, k: int, step: Step, transport: Transport) -> Pending:
         self.posting = k
-        for t in step.opens:
-            if self.mine(t):
-                self.allocate(t)
-        return transport.start(step, self, self.stats)
+        mine = [t for t in step.opens if self.mine(t)]
+        for t in mine:
+            self.allocate(t)
+        pending = transport.start(step, self, self.stats)  # packed and posted first
+        batch = Copies()
+        for t in mine:
+            self.copy_local(t, batch)
+        self.local[k] = self.lane.start(batch)  # runs while packets are on the wire and the caller
+        return pending  # has the targets of earlier steps
 
     def finish(self, k: int, step: Step, pending: Pending) -> Iterator[tuple[str, torch.Tensor]]:
-        for t in step.opens:
-            if self.mine(t):
-                self.copy_local(t)  # overlaps with packets still on the wire
-        self.deliver(pending.wait())
+        received = pending.wait()
+        self.lane.wait(self.local.pop(k))
+        self.deliver(received)
         self.stats.release(tag=_step_tag(k))
-        for t in step.ready:
-            if self.mine(t):
-                yield self.take(t)
+        ready = [t for t in step.ready if self.mine(t)]
+        for j, t in enumerate(ready):
+            self.build(t)
+            if j + 1 < len(ready) and builds_ahead(self.plan.targets[ready[j + 1]], self.plan.depth):
+                self.build(ready[j + 1])  # copied while the caller has target t
+            yield self.take(t)
 
 
 def _pool(plan: Plan, rank: int, device: torch.device, reuse: Reuse) -> BlockPool | None:
@@ -251,6 +290,7 @@ def execute(
     into: Callable[[int], torch.Tensor] | None = None,
     reuse: Reuse = "dropped",
     phase: str = STREAM_PHASE,
+    threads: int | None = None,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Run ``plan`` on this rank; yield ``(name, tensor)`` for each target this rank consumes.
 
@@ -264,7 +304,8 @@ def execute(
     iterating makes the others fail within the group timeout. ``reuse`` says when the memory of a
     yielded target may hold a later one (see :data:`~shardsync.exec.memory.Reuse`). The transport's
     ``setup(io, stats)`` is called before the data phase (it may run agreed phases of its own), its
-    ``close(stats)`` after the last step, inside the phase.
+    ``close(stats)`` after the last step, inside the phase. ``threads``: how many threads copy on this
+    rank (the caller's included; default :func:`~shardsync.exec.copies.copy_threads`).
 
     Example:
         >>> for name, tensor in execute(plan, LocalSource(state), transport, rank, Stats()):  # doctest: +SKIP
@@ -272,21 +313,24 @@ def execute(
     """
     device = device or source.device()
     pool = _pool(plan, rank, device, reuse)  # targets and buffers, or buffers only with ``into``
-    run = _Run(plan, source, rank, stats, device, into, pool)
+    run = _Run(plan, source, rank, stats, device, into, pool, threads)
     reused = pool.reused if pool is not None else 0
     inflight: deque[tuple[int, Step, Pending]] = deque()
     start = time.perf_counter()
     transport.setup(run, stats)
     with data_phase(phase, group):
-        for k, step in enumerate(plan.steps):
-            inflight.append((k, step, run.start(k, step, transport)))
-            while len(inflight) >= plan.depth or (inflight and k == len(plan.steps) - 1):
-                for item in run.finish(*inflight.popleft()):
-                    stats.seconds = time.perf_counter() - start
-                    yield item
-                    start = time.perf_counter() - stats.seconds  # time spent in the caller not counted
-                    if pool is not None and reuse == "until-next" and into is None:
-                        pool.release(item[1])
+        try:
+            for k, step in enumerate(plan.steps):
+                inflight.append((k, step, run.start(k, step, transport)))
+                while len(inflight) >= plan.depth or (inflight and k == len(plan.steps) - 1):
+                    for item in run.finish(*inflight.popleft()):
+                        stats.seconds = time.perf_counter() - start
+                        yield item
+                        start = time.perf_counter() - stats.seconds  # time spent in the caller not counted
+                        if pool is not None and reuse == "until-next" and into is None:
+                            pool.release(item[1])
+        finally:
+            run.settle()
         transport.close(stats)
     run.cache.clear()
     stats.reused_blocks = pool.reused - reused if pool is not None else 0

@@ -12,7 +12,7 @@ import socket
 from collections.abc import Sequence
 from typing import NamedTuple
 
-__all__ = ["HostInfo", "host_info", "same_host", "describe_hosts", "SHM_DIR"]
+__all__ = ["HostInfo", "host_info", "same_host", "describe_hosts", "neighbours", "SHM_DIR"]
 
 #: Where shared-memory segments live (a tmpfs on Linux).
 SHM_DIR = "/dev/shm"
@@ -80,3 +80,17 @@ def same_host(hosts: Sequence[HostInfo]) -> bool:
         True
     """
     return len({h.machine for h in hosts}) == 1 and hosts[0].shm_device >= 0
+
+
+def neighbours(hosts: Sequence[HostInfo], rank: int) -> int:
+    """How many processes copy on this machine at once, ``rank`` included: the ranks of its group on
+    the same machine, or the local processes torchrun started (``LOCAL_WORLD_SIZE``) if more.
+
+    Example:
+        >>> a, b = HostInfo("a", "x", 1, 0, 7, 0, ""), HostInfo("b", "y", 1, 0, 8, 0, "")
+        >>> neighbours([a, a, b], 0) >= 2   # ranks 0 and 1 share machine "a"
+        True
+    """
+    here = sum(1 for h in hosts if h.machine == hosts[rank].machine) if rank < len(hosts) else 1
+    local = os.environ.get("LOCAL_WORLD_SIZE", "")
+    return max(here, int(local) if local.isdigit() else 1)

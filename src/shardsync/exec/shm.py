@@ -49,7 +49,7 @@ from ..errors import PlanError
 from ..layout.dtypes import to_torch_dtype
 from ..planning.model import Costs, Packet, Plan, Step
 from ..planning.schedule import ALIGN
-from .copies import copy_into
+from .copies import Copies
 from .hosts import SHM_DIR, HostInfo, describe_hosts, same_host
 from .stats import Stats
 from .transport import PacketIO, Posted, Received
@@ -424,9 +424,11 @@ class ShmTransport:
             self.kept.own = own
         self.held = size
         stats.hold(size)
+        batch = Copies()  # one hand-off to the copy threads for every read
         for (i, view), off in zip(copied, offsets):
             r = self.plan.reads[i]
-            copy_into(own[2][off : off + r.nbytes].view(to_torch_dtype(r.dtype)).view(r.box.sizes), view)
+            batch.add(own[2][off : off + r.nbytes].view(to_torch_dtype(r.dtype)).view(r.box.sizes), view)
+        batch.run()
         return {i: (own[1], off) for (i, _), off in zip(copied, offsets)}
 
     def _open(self, tables: list[dict[int, tuple[tuple, int]]]) -> None:

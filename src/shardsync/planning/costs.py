@@ -4,7 +4,9 @@ The executor counts the same quantities while it runs (see :class:`shardsync.exe
 plan-time figures. Conventions: a collective counts once on every rank that calls it; a rank *sends*
 the bytes of its own data it hands to a collective or message, and *receives* the bytes of other
 ranks' data it gets. Memory held is the open targets (allocated when their first data arrives,
-released when yielded) plus the step's buffers (packed sends, receive buffers).
+released when yielded) plus the step's buffers (packed sends, receive buffers). A target built from
+this rank's own data alone is allocated right before it is yielded - or, in a pipelined plan when it
+has at least :data:`AHEAD_BYTES`, while the caller has the target before it (its copies run then).
 """
 
 from __future__ import annotations
@@ -16,7 +18,10 @@ from typing import get_args
 from ..layout.box import Box
 from .model import Costs, Read, Step, StepKind, TargetPlan
 
-__all__ = ["is_zero_copy", "estimate_costs", "STEP_COSTS"]
+__all__ = ["is_zero_copy", "builds_ahead", "estimate_costs", "STEP_COSTS", "AHEAD_BYTES"]
+
+#: Smallest target built one ahead (its copies are large enough to go to the copy threads).
+AHEAD_BYTES = 4 << 20
 
 
 def is_zero_copy(target: TargetPlan, reads: Sequence[Read], rank: int, copy: bool) -> bool:
@@ -37,6 +42,19 @@ def is_zero_copy(target: TargetPlan, reads: Sequence[Read], rank: int, copy: boo
     # a perm that only drops or adds unit dims reads the same bytes, but the target has its own shape
     identity = p.perm is None or tuple(p.perm) == tuple(range(p.source_box.ndim))
     return identity and not p.casts and p.target_box == Box.full(target.shape) and rank in reads[c.read].holders
+
+
+def builds_ahead(target: TargetPlan, depth: int) -> bool:
+    """Whether a target built from local data is built while the caller has the one before it: in a
+    pipelined plan (``depth`` > 1), for targets of at least :data:`AHEAD_BYTES`.
+
+    Example:
+        >>> import torch, shardsync
+        >>> plan = shardsync.plan({"w": torch.zeros(1024, 1024), "v": torch.zeros(3)})
+        >>> [(t.name, builds_ahead(t, plan.depth)) for t in plan.targets]
+        [('v', False), ('w', True)]
+    """
+    return depth > 1 and target.nbytes >= AHEAD_BYTES
 
 
 class _Tally:
@@ -152,7 +170,8 @@ def estimate_costs(
 
     Mirrors the executor: starting step k allocates the targets it opens and its buffers; finishing
     the oldest step in flight (once ``depth`` are) frees its buffers and yields its targets, those
-    built from local data only being allocated right before they are yielded.
+    built from local data only being allocated right before they are yielded, or while the target
+    before them in the step is (:func:`builds_ahead`).
 
     Example:
         >>> costs = estimate_costs(plan.steps, plan.reads, plan.targets, 2)   # doctest: +SKIP
@@ -175,11 +194,15 @@ def estimate_costs(
             flying = sum(b[r] for _, b in inflight)
             peak[r] = max(peak[r], held[r] + flying)
             flying -= inflight[0][1][r]
-            for i in step.ready:
+            mine = [i for i in step.ready if r in targets[i].consumers]
+            for j, i in enumerate(mine):
+                now = 0 if i in eager else size[i][r]  # built from local data right before it is yielded
+                nxt = mine[j + 1] if j + 1 < len(mine) else None
+                if nxt is not None and nxt not in eager and builds_ahead(targets[nxt], depth):
+                    now += size[nxt][r]  # and the next one, while the caller has this one
+                peak[r] = max(peak[r], held[r] + flying + now)
                 if i in eager:
                     held[r] -= size[i][r]
-                else:  # built from local data right before it is yielded
-                    peak[r] = max(peak[r], held[r] + flying + size[i][r])
         inflight.popleft()
 
     for k, step in enumerate(steps):
