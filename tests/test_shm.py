@@ -21,7 +21,8 @@ import torch.distributed as dist
 import shardsync.exec.shm as shm
 from multiproc import RankFailure, run_ranks
 from shardsync.errors import DistributedError, PlanError
-from shardsync.exec.hosts import HostInfo, host_info, same_host
+from shardsync.exec.copies import copy_threads
+from shardsync.exec.hosts import HostInfo, host_info, neighbours, same_host
 from shardsync.stream import full_params
 from test_stream_dist import case_empty_rank, case_experts, case_fused, case_tp
 from test_stream_dist4 import case_replicas, case_tp_pp
@@ -249,6 +250,42 @@ def test_segment_of_a_dead_process_is_swept() -> None:
         for p in (path, mine):
             if os.path.exists(p):
                 os.unlink(p)
+
+
+def test_neighbours_are_the_group_ranks_on_this_machine_or_torchruns_local_world(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    a = host_info()
+    hosts = [a, a._replace(pid=11), a._replace(hostname="n2"), a._replace(pid=12)]
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    assert [neighbours(hosts, r) for r in range(4)] == [3, 3, 1, 3]
+    assert neighbours([], 0) == 1
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    assert neighbours(hosts, 2) == 8
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "junk")
+    assert neighbours(hosts, 2) == 1
+
+
+def _lane_threads(rank: int, world: int) -> list[int]:
+    import shardsync.exec.executor as executor
+
+    seen: list[int] = []
+
+    class Recorded(executor.Lane):  # type: ignore[misc,name-defined]
+        def __init__(self, threads: int | None = None) -> None:
+            super().__init__(threads)
+            seen.append(self.threads)
+
+    executor.Lane = Recorded  # this spawned process only
+    state, _, full = case_tp(rank, world)
+    got = dict(full_params(state))
+    assert all(torch.equal(got[k], full[k]) for k in full)
+    return seen
+
+
+def test_ranks_on_one_machine_share_its_copy_threads() -> None:
+    out = run_ranks(_lane_threads, 2)
+    assert out == [[copy_threads(processes=2)]] * 2
 
 
 def test_same_host_needs_machine_and_shm_mount() -> None:
