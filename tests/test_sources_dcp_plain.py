@@ -132,6 +132,26 @@ def test_reads_what_torch_loads(checkpoints: dict[str, Path], name: str) -> None
         assert src.chunk_file("qkv", Box((9, 0), (8, 6))) == "__1_0.distcp"
 
 
+def test_a_chunk_is_a_view_of_the_bytes_read(checkpoints: dict[str, Path], monkeypatch: pytest.MonkeyPatch) -> None:
+    import shardsync.sources.dcp as dcp
+    import shardsync.sources.torch_record as torch_record
+
+    records: list[torch.Tensor] = []
+    real = dcp.load_record
+    monkeypatch.setattr(dcp, "load_record", lambda record: (records.append(record), real(record))[1])
+
+    def inside(t: torch.Tensor) -> bool:  # its bytes lie in the last record read from the file
+        start = records[-1].data_ptr()
+        return start <= t.data_ptr() and t.data_ptr() + t.nbytes <= start + records[-1].numel()
+
+    chunk = Box((9, 0), (8, 6))  # rank 1's shard of qkv, a saved chunk as it is
+    got = DcpSource(checkpoints["tp2"]).read("qkv", chunk)
+    assert torch.equal(got, tp_full()["qkv"][9:17]) and inside(got)  # a view: not copied again
+    monkeypatch.setattr(torch_record, "_private_loader", lambda: None)  # a torch without it: torch.load
+    again = DcpSource(checkpoints["tp2"]).read("qkv", chunk)
+    assert torch.equal(again, got) and not inside(again)
+
+
 def test_torch_distributed_checkpoint_is_not_imported(checkpoints: dict[str, Path]) -> None:
     code = (
         "import sys, shardsync; from shardsync.sources import DcpSource; from shardsync import Box\n"

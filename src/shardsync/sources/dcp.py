@@ -9,7 +9,8 @@ saved through stream transforms (DCP's compression extensions) is read through t
 
 Trust: DCP metadata is a pickle (``.metadata``); it is read with an allow-list of the classes DCP
 metadata is made of (:mod:`shardsync.sources.dcp_metadata`), so opening a checkpoint never runs code
-from it. The tensor data is loaded by torch with ``weights_only=True``.
+from it. The tensor data is loaded with torch's ``weights_only`` unpickler, each chunk a view of the
+bytes read from its file (:mod:`shardsync.sources.torch_record`: not copied a second time).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from ..layout.box import Box
 from ..layout.dtypes import dtype_name
 from ..layout.meta import LayoutEntry
 from .dcp_metadata import is_record, read_metadata, storage_index, storage_problems
+from .torch_record import load_record
 
 __all__ = ["DcpSource", "METADATA_FILE"]
 
@@ -202,10 +204,11 @@ class DcpSource:
         info = self.storage[(self._fqns[key], chunk.offsets)]
         name = self.chunk_file(key, chunk)
         try:
-            raw = os.pread(self._file(name).fileno(), info.length, info.offset)  # safe from any thread
-            if len(raw) != info.length:
-                raise EOFError(f"{len(raw)} of its {info.length} bytes are there")
-            tensor = torch.load(io.BytesIO(raw), map_location="cpu", weights_only=True)
+            record = torch.empty(info.length, dtype=torch.uint8)
+            got = os.preadv(self._file(name).fileno(), [record.numpy()], info.offset)  # safe from any thread
+            if got != info.length:
+                raise EOFError(f"{got} of its {info.length} bytes are there")
+            tensor = load_record(record)  # a view of the record: its bytes are not copied again
         except (OSError, RuntimeError, EOFError, ValueError, KeyError, pickle.UnpicklingError) as exc:
             raise _unreadable(self.path, key, [name], exc) from exc
         md = self.tensors[key]
