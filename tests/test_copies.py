@@ -194,7 +194,8 @@ def test_a_failing_helper_is_waited_for_with_the_others(monkeypatch: pytest.Monk
             done.append("helper 1")
 
     with pytest.raises(RuntimeError, match="helper 0 failed"):
-        lane = copies.Lane(); batch = copies.Copies(); batch.jobs, batch.nbytes = [(job, None, None)] * 3, copies.PARALLEL_BYTES; lane.wait(lane.start(batch))
+        lane = copies.Lane()
+        lane.wait(lane.start(_batch([(job, None, None)] * 3)))
     assert done == ["helper 1"]  # no thread writes a target after copy_into has returned
 
 

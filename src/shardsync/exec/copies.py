@@ -32,7 +32,17 @@ from typing import Any
 import numpy as np
 import torch
 
-__all__ = ["copy_into", "Copies", "Lane", "copy_threads", "cores", "CHUNK_BYTES", "PARALLEL_BYTES", "TORCH_GRAIN", "MAX_THREADS"]
+__all__ = [
+    "copy_into",
+    "Copies",
+    "Lane",
+    "copy_threads",
+    "cores",
+    "CHUNK_BYTES",
+    "PARALLEL_BYTES",
+    "TORCH_GRAIN",
+    "MAX_THREADS",
+]
 
 #: Bytes of one chunk of a threaded copy.
 CHUNK_BYTES = 1 << 20

@@ -205,7 +205,7 @@ class DcpSource:
         name = self.chunk_file(key, chunk)
         try:
             record = torch.empty(info.length, dtype=torch.uint8)
-            got = os.preadv(self._file(name).fileno(), [record.numpy()], info.offset)  # safe from any thread
+            got = os.preadv(self._file(name).fileno(), [record.numpy().data], info.offset)  # safe from any thread
             if got != info.length:
                 raise EOFError(f"{got} of its {info.length} bytes are there")
             tensor = load_record(record)  # a view of the record: its bytes are not copied again

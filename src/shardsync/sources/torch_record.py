@@ -64,7 +64,7 @@ def load_record(record: torch.Tensor) -> Any:
     if private is None:  # another torch: its public loader, which copies
         return torch.load(io.BytesIO(record.numpy().tobytes()), map_location="cpu", weights_only=True)
     opener, load = private
-    with opener(_View(memoryview(record.numpy()))) as zipped:
+    with opener(_View(record.numpy().data)) as zipped:
         return load(zipped, "cpu", torch._weights_only_unpickler, overall_storage=record.untyped_storage())
 
 
