@@ -236,3 +236,14 @@ def test_a_chunk_that_is_not_a_tensor_record(checkpoints: dict[str, Path], tmp_p
     assert torch.equal(src.read("qkv", Box((0, 0), (9, 6))), tp_full()["qkv"][:9])  # rank 0's chunk is whole
     with pytest.raises(FormatError, match=r"cannot read 'qkv' from __1_0.distcp \(corrupt or truncated\?\)"):
         src.read("qkv", Box((8, 0), (2, 6)))
+
+
+def test_a_legacy_torch_save_record_loads_through_torch_load() -> None:
+    import io
+
+    from shardsync.sources.torch_record import load_record
+
+    buf = io.BytesIO()
+    torch.save(arange_tensor((3, 5), start=2), buf, _use_new_zipfile_serialization=False)
+    record = torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8)
+    assert torch.equal(load_record(record), arange_tensor((3, 5), start=2))

@@ -5,7 +5,8 @@ DCP chunk that is a second copy of every byte read (the first is the read from t
 through torch's own zip reader and unpickler with the record's memory as the *overall storage* -
 what ``torch.load(mmap=True)`` does with a mapped file - makes each tensor a view of that memory.
 That path uses two private functions of ``torch.serialization`` (``_open_zipfile_reader``, ``_load``);
-where a torch release changes them, :func:`load_record` falls back to ``torch.load`` (a copy).
+where a torch release changes them, and for a record that is not a zip (``torch.save``'s legacy
+format, or corrupt bytes), :func:`load_record` falls back to ``torch.load`` (a copy).
 The unpickler is torch's ``weights_only`` one either way.
 """
 
@@ -20,6 +21,7 @@ import torch
 __all__ = ["load_record"]
 
 log = logging.getLogger(__name__)
+_ZIP_MAGIC = b"PK\x03\x04"  # a local file header: how every zip record of torch.save starts
 
 
 class _View(io.RawIOBase):
@@ -61,7 +63,8 @@ def load_record(record: torch.Tensor) -> Any:
         ([[0.0, 1.0, 2.0], [3.0, 4.0, 5.0]], True)
     """
     private = _private_loader()
-    if private is None:  # another torch: its public loader, which copies
+    if private is None or bytes(record[:4].numpy()) != _ZIP_MAGIC:
+        # another torch, or not a zip record (torch.save's legacy format, or corrupt): torch.load, a copy
         return torch.load(io.BytesIO(record.numpy().tobytes()), map_location="cpu", weights_only=True)
     opener, load = private
     with opener(_View(record.numpy().data)) as zipped:
