@@ -314,3 +314,19 @@ def test_a_batch_keeps_the_inference_mode_it_was_started_in(small_chunks: None) 
         ticket = lane.start(batch)
     lane.wait(ticket)  # the chunks write an inference tensor, from threads outside the mode
     assert torch.equal(dst, _values((30, 40), torch.float32).t())
+
+
+def test_a_wait_takes_its_own_batch_not_the_older_ones(monkeypatch: pytest.MonkeyPatch) -> None:
+    # a batch needed now (a packet, received data) is not copied behind targets built ahead
+    monkeypatch.setattr(copies, "copy_threads", lambda: 2)
+    done: list[tuple[str, int]] = []
+    lane = copies.Lane()
+    ahead = lane.start(
+        _batch([(lambda k, _: (time.sleep(0.05), done.append(("ahead", k))), k, None) for k in range(8)])
+    )
+    now = lane.start(_batch([(lambda k, _: done.append(("now", k)), k, None) for k in range(4)]))
+    lane.wait(now)
+    assert sorted(k for w, k in done if w == "now") == [0, 1, 2, 3]
+    assert sum(w == "ahead" for w, _ in done) < 8  # the older batch is still being copied by the helper
+    lane.wait(ahead)
+    assert sum(w == "ahead" for w, _ in done) == 8

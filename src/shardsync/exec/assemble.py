@@ -44,11 +44,7 @@ def cast_into(dst: torch.Tensor, src: torch.Tensor, casts: Sequence[str], batch:
         tensor([1., 2., 3.])
     """
     if len(casts) <= 1 or src.dim() == 0 or src.numel() == 0:
-        one = _chain(src, casts[:-1]) if len(casts) > 1 else src
-        if batch is None:
-            copy_into(dst, one)
-        else:
-            batch.add(dst, one)
+        (copy_into if batch is None else batch.add)(dst, _chain(src, casts[:-1]) if len(casts) > 1 else src)
         return
     rows = max(1, CHAIN_CHUNK_ELEMENTS // max(1, src[0].numel()))
     for start in range(0, src.shape[0], rows):

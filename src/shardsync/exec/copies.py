@@ -32,6 +32,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from ..planning.costs import AHEAD_BYTES
+
 __all__ = [
     "copy_into",
     "Copies",
@@ -46,8 +48,9 @@ __all__ = [
 
 #: Bytes of one chunk of a threaded copy.
 CHUNK_BYTES = 1 << 20
-#: Copies smaller than this run in the calling thread (a pool hand-off costs more than it saves).
-PARALLEL_BYTES = 4 << 20
+#: Copies smaller than this run in the calling thread (a pool hand-off costs more than it saves); the
+#: planner builds targets of this size and more one ahead (``planning.costs.AHEAD_BYTES``).
+PARALLEL_BYTES = AHEAD_BYTES
 #: Elements at which torch's copy kernels start to use their own threads (``at::internal::GRAIN_SIZE``).
 TORCH_GRAIN = 32768
 #: Most threads the pool runs (memory bandwidth is saturated before).
@@ -171,66 +174,76 @@ def _jobs(dst: torch.Tensor, src: torch.Tensor, raw: bool) -> list[tuple[Any, An
 
 
 class Lane:
-    """Batches of copies the pool's threads work through in order, in the background; :meth:`wait`
-    joins in and returns once a batch is written.
+    """Batches of copies the pool's threads work through in the background, oldest batch first;
+    :meth:`wait` joins in on its own batch and returns once that batch is written.
 
     At most ``threads - 1`` helpers run (the caller is the last thread, when it waits; ``threads``
-    defaults to :func:`copy_threads`). Each
-    thread takes the next chunk until none is left, so a thread that is descheduled holds up one chunk,
-    not a share fixed in advance, and a helper with nothing left to take ends (nothing spins).
+    defaults to :func:`copy_threads`). Each thread takes the next chunk until none is left, so a
+    thread that is descheduled holds up one chunk, not a share fixed in advance, and a helper with
+    nothing left to take ends (nothing spins). A waiting caller takes chunks of its own batch only:
+    a batch it needs now (a packet to send, the copies of received data) never waits behind batches
+    started earlier for later (targets built ahead).
     """
 
     def __init__(self, threads: int | None = None) -> None:
         self.threads = max(1, threads if threads is not None else copy_threads())
-        self._jobs: deque[tuple[int, tuple[Any, Any, Any]]] = deque()
+        self._queues: dict[int, deque[tuple[Any, Any, Any]]] = {}  # ticket -> chunks not taken; oldest first
         self._left: dict[int, int] = {}  # ticket -> chunks not yet written
+        self._modes: dict[int, bool] = {}  # ticket -> inference mode (thread-local: targets made under it need it)
         self._errors: dict[int, BaseException] = {}
         self._done = threading.Condition()
         self._tickets = 0
         self._helpers = 0
-        self._modes: dict[int, bool] = {}  # ticket -> inference mode (thread-local: targets made under it need it)
 
     def start(self, batch: Copies) -> int:
-        """Queue ``batch``'s copies (a batch under :data:`PARALLEL_BYTES`: copied now, on this thread);
-        returns the ticket to :meth:`wait` for."""
+        """Queue ``batch``'s copies (a batch under :data:`PARALLEL_BYTES`, or with one thread: copied
+        now, on this thread); returns the ticket to :meth:`wait` for."""
         jobs, nbytes = batch.take()
         with self._done:
-            ticket = self._tickets = self._tickets + 1
-        if nbytes < PARALLEL_BYTES or len(jobs) == 1 or (self.threads == 1 and not self._jobs):
+            self._tickets += 1
+            ticket = self._tickets
+            if nbytes < PARALLEL_BYTES or len(jobs) == 1 or self.threads == 1:
+                wanted = -1
+            else:
+                self._queues[ticket] = deque(jobs)
+                self._left[ticket] = len(jobs)
+                self._modes[ticket] = torch.is_inference_mode_enabled()
+                wanted = min(self.threads - 1 - self._helpers, len(jobs))
+                self._helpers += wanted
+        if wanted < 0:
             for fn, a, b in jobs:
                 fn(a, b)
-            return ticket
-        with self._done:
-            self._left[ticket] = len(jobs)
-            self._modes[ticket] = torch.is_inference_mode_enabled()
-            self._jobs.extend((ticket, job) for job in jobs)
-            wanted = min(self.threads - 1, len(self._jobs)) - self._helpers
-            self._helpers += max(0, wanted)
         for _ in range(wanted):
             _get_pool().submit(self._help)
         return ticket
 
-    def _next(self, upto: int | None) -> tuple[int, tuple[Any, Any, Any]] | None:
+    def _next(self, ticket: int | None) -> tuple[int, tuple[Any, Any, Any]] | None:
+        """A chunk of batch ``ticket`` (None: of the oldest batch with chunks left), or None."""
         with self._done:
-            if self._jobs and (upto is None or self._jobs[0][0] <= upto):
-                return self._jobs.popleft()
-            return None
+            key = next(iter(self._queues), None) if ticket is None else ticket
+            queue = self._queues.get(key) if key is not None else None
+            if key is None or not queue:
+                return None
+            job = queue.popleft()
+            if not queue:
+                del self._queues[key]
+            return key, job
 
-    def _work(self, upto: int | None) -> None:
-        while (item := self._next(upto)) is not None:
-            ticket, (fn, a, b) = item
+    def _work(self, ticket: int | None) -> None:
+        while (item := self._next(ticket)) is not None:
+            taken, (fn, a, b) = item
             error = None
             try:
-                with torch.inference_mode(self._modes[ticket]):
+                with torch.inference_mode(self._modes[taken]):
                     fn(a, b)
             except BaseException as e:  # noqa: BLE001 - raised by wait(), in the caller's thread
                 error = e
             with self._done:
                 if error is not None:
-                    self._errors.setdefault(ticket, error)
-                self._left[ticket] -= 1
-                if not self._left[ticket]:
-                    del self._left[ticket], self._modes[ticket]
+                    self._errors.setdefault(taken, error)
+                self._left[taken] -= 1
+                if not self._left[taken]:
+                    del self._left[taken], self._modes[taken]
                     self._done.notify_all()
 
     def _help(self) -> None:
@@ -241,8 +254,8 @@ class Lane:
                 self._helpers -= 1
 
     def wait(self, ticket: int) -> None:
-        """Copy on this thread too until batch ``ticket`` (and those before it) is taken; return once
-        every chunk of it is written, or raise the first error a thread met in it."""
+        """Copy what is left of batch ``ticket`` on this thread too; return once every chunk of it is
+        written, or raise the first error a thread met in it."""
         self._work(ticket)
         with self._done:
             while ticket in self._left:

@@ -7,7 +7,8 @@ yielded). So while this rank copies - or its caller consumes a target - the next
 on the wire and the copy threads are filling the next targets. A target built from this rank's own
 data alone is built when it is due, or while the caller has the one before it
 (:func:`~shardsync.planning.costs.builds_ahead`). Every copy of a run goes through one
-:class:`~shardsync.exec.copies.Lane`, in order. Memory held is the open targets plus the buffers of
+:class:`~shardsync.exec.copies.Lane` (its threads take the oldest batch first; a copy needed now
+is done by this thread without waiting behind them). Memory held is the open targets plus the buffers of
 the steps in flight, as :func:`shardsync.planning.estimate_costs` assumes.
 
 On CPU, targets and buffers come from a :class:`~shardsync.exec.memory.BlockPool` (``reuse``): memory
@@ -170,8 +171,8 @@ class _Run:
             self.copy_local(t, batch)
             self.ahead[t] = self.lane.start(batch)
 
-    def run(self, batch: Copies) -> None:
-        """Run ``batch`` now, on the lane (after the copies started before it)."""
+    def copy(self, batch: Copies) -> None:
+        """Run ``batch`` now, on the lane (not behind the copies started ahead)."""
         self.lane.wait(self.lane.start(batch))
 
     def settle(self) -> None:
@@ -195,7 +196,7 @@ class _Run:
             r = self.plan.reads[i]
             dst = buf[off : off + r.nbytes].view(to_torch_dtype(r.dtype)).view(r.box.sizes)
             batch.add(dst, only if only is not None else self.read(i))
-        self.run(batch)
+        self.copy(batch)
         return buf
 
     def sink(self, pk: Packet) -> torch.Tensor | None:
@@ -223,7 +224,7 @@ class _Run:
             for i, data in unpack(buf, pk, self.plan.reads).items():
                 for t, piece in self.remote.get(i, ()):
                     copy_piece(self.open[t], data, self.plan.reads[i].box, piece, batch)
-        self.run(batch)
+        self.copy(batch)
 
     def take(self, t: int) -> tuple[str, torch.Tensor]:
         """Hand target ``t`` to the caller once its copies are done (a view of this rank's own source

@@ -400,10 +400,10 @@ class ShmTransport:
                 else:
                     where[i] = found
         if copied:
-            where |= self._fill(copied, stats)
+            where |= self._fill(copied, stats, io)
         return where
 
-    def _fill(self, copied: list[tuple[int, torch.Tensor]], stats: Stats) -> dict[int, tuple[tuple, int]]:
+    def _fill(self, copied: list[tuple[int, torch.Tensor]], stats: Stats, io: PacketIO) -> dict[int, tuple[tuple, int]]:
         offsets, size = [], 0
         for i, _ in copied:
             offsets.append(size)
@@ -424,11 +424,11 @@ class ShmTransport:
             self.kept.own = own
         self.held = size
         stats.hold(size)
-        batch = Copies()  # one hand-off to the copy threads for every read
+        batch = Copies()  # one hand-off to this rank's copy threads for every read
         for (i, view), off in zip(copied, offsets):
             r = self.plan.reads[i]
             batch.add(own[2][off : off + r.nbytes].view(to_torch_dtype(r.dtype)).view(r.box.sizes), view)
-        batch.run()
+        io.copy(batch)
         return {i: (own[1], off) for (i, _), off in zip(copied, offsets)}
 
     def _open(self, tables: list[dict[int, tuple[tuple, int]]]) -> None:

@@ -22,6 +22,7 @@ import torch.distributed as dist
 from ..dist import GroupRanks, transport_errors
 from ..layout.dtypes import to_torch_dtype
 from ..planning.model import Packet, Read, Step
+from .copies import Copies
 from .stats import Stats
 
 __all__ = [
@@ -74,6 +75,10 @@ class PacketIO(Protocol):
 
     def buffer(self, nbytes: int) -> torch.Tensor:
         """A fresh flat uint8 receive buffer, accounted to the step being started."""
+        ...
+
+    def copy(self, batch: Copies) -> None:
+        """Run ``batch`` now, on this rank's copy threads (its share of the machine's cores)."""
         ...
 
 

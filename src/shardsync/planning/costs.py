@@ -20,7 +20,9 @@ from .model import Costs, Read, Step, StepKind, TargetPlan
 
 __all__ = ["is_zero_copy", "builds_ahead", "estimate_costs", "STEP_COSTS", "AHEAD_BYTES"]
 
-#: Smallest target built one ahead (its copies are large enough to go to the copy threads).
+#: Smallest target built one ahead: the size at which its copies go to the copy threads in the
+#: background (:data:`shardsync.exec.copies.PARALLEL_BYTES` is this value; smaller batches are
+#: copied on the spot, so building them early would only hold memory longer).
 AHEAD_BYTES = 4 << 20
 
 
