@@ -19,15 +19,19 @@ from collections.abc import Iterator
 
 __all__ = ["busy_process", "BUSY", "threads", "conditions", "run", "add_flag", "stem"]
 
-#: What the busy process runs.
-BUSY = "import torch\na = torch.randn(512, 512)\nwhile True:\n    a = (a @ a).clamp_(-1, 1)\n"
+#: What the busy process runs: matmuls until its parent is gone (a benchmark killed by a signal runs
+#: no ``finally``; its busy process must not outlive it and load the next run).
+BUSY = (
+    "import os, sys, torch\na = torch.randn(512, 512)\n"
+    "while os.getppid() == int(sys.argv[1]):\n    a = (a @ a).clamp_(-1, 1)\n"
+)
 BUSY_TEXT = "one other busy process (bench/busy.py)"
 
 
 @contextlib.contextmanager
 def busy_process(settle: float = 2.0) -> Iterator[None]:
     """Run the block with the busy process computing (started ``settle`` seconds before)."""
-    proc = subprocess.Popen([sys.executable, "-c", BUSY])
+    proc = subprocess.Popen([sys.executable, "-c", BUSY, str(os.getpid())])
     try:
         time.sleep(settle)
         yield
