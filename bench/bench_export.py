@@ -7,6 +7,8 @@ and renames the rest. Baselines measured in the same run, on the same bytes:
 * ``memcpy ceiling``: ``torch.empty_like(x).copy_(x)`` of every source (the least any copy can cost);
 * ``hand-written torch``: the same export written directly (slices + ``torch.cat``, ``.t().contiguous()``,
   ``clone``), as a user would without shardsync.
+* ``shardsync, torch transposes``: shardsync with its SIMD transpose kernel off (``exec/transpose.py``):
+  the transposed matrices copied by torch's ``copy_`` in tiles, as before the kernel.
 
 Also: the identity export with ``copy=False`` must copy nothing (every output shares its source's memory).
 
@@ -34,6 +36,7 @@ from pathlib import Path
 import torch
 
 import shardsync
+from shardsync.exec import transpose
 
 sys.path.insert(0, str(Path(__file__).parent))
 import busy  # noqa: E402
@@ -95,6 +98,16 @@ def shardsync_no_transpose(state: dict[str, torch.Tensor]) -> dict[str, torch.Te
     return dict(shardsync.full_params(state, MAPPING_NO_TRANSPOSE))
 
 
+def shardsync_torch_transpose(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The export with transposes copied by torch in tiles (``exec/transpose.py``'s kernel off)."""
+    kernel = transpose.kernel
+    transpose.kernel = lambda itemsize: None  # type: ignore[assignment]
+    try:
+        return dict(shardsync.full_params(state, MAPPING))
+    finally:
+        transpose.kernel = kernel
+
+
 def rounds(fns: dict, state: dict[str, torch.Tensor], n: int = 7) -> dict[str, list[float]]:  # type: ignore[type-arg]
     """Run every variant once per round, interleaved, so drift on a shared machine hits all alike."""
     times: dict[str, list[float]] = {k: [] for k in fns}
@@ -127,7 +140,13 @@ def measure(n_rounds: int) -> None:
         assert all(torch.equal(ours[p + a], ref[f"{b}{i}"]) for a, b in pairs)
     del ours, ref
     times = rounds(
-        {"memcpy": memcpy, "hand": hand_written, "ours": shardsync_export, "ours_nt": shardsync_no_transpose},
+        {
+            "memcpy": memcpy,
+            "hand": hand_written,
+            "ours": shardsync_export,
+            "ours_nt": shardsync_no_transpose,
+            "ours_tt": shardsync_torch_transpose,
+        },
         state,
         n_rounds,
     )
@@ -151,6 +170,8 @@ def measure(n_rounds: int) -> None:
         "ratio_vs_hand_written": round(vs_hand, 3),
         "no_transpose_shardsync_gbps": round(gbs(statistics.median(times["ours_nt"])), 3),
         "no_transpose_ratio_vs_memcpy_ceiling": round(nt_vs_mem, 3),
+        "torch_transpose_shardsync_gbps": round(gbs(statistics.median(times["ours_tt"])), 3),
+        "ratio_vs_torch_transpose": round(statistics.median(t / o for t, o in zip(times["ours_tt"], times["ours"])), 3),
         "identity_copy_false_seconds": round(t_ident, 4),
         "identity_copy_false_outputs_sharing_memory": f"{shared}/{len(ident)}",
     }

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import functools
+from typing import Any
+
 import pytest
 import torch
 
@@ -71,14 +74,17 @@ def test_leaving_early_waits_for_the_copies_under_way(monkeypatch: pytest.Monkey
     from shardsync.exec import copies
 
     ends: list[float] = []
-    slow = copies._torch_small
+    jobs = copies._jobs
 
-    def tile(dst: torch.Tensor, src: torch.Tensor) -> None:
-        time.sleep(0.02)
-        slow(dst, src)
-        ends.append(time.monotonic())
+    def slow(dst: torch.Tensor, src: torch.Tensor) -> list[tuple[Any, Any, Any]]:
+        def chunk(fn: Any, d: Any, s: Any) -> None:
+            time.sleep(0.02)
+            fn(d, s)
+            ends.append(time.monotonic())
 
-    monkeypatch.setattr(copies, "_torch_small", tile)
+        return [(functools.partial(chunk, fn), d, s) for fn, d, s in jobs(dst, src)]
+
+    monkeypatch.setattr(copies, "_jobs", slow)
     full = {f"w{i}": arange_tensor((1100, 1000), start=i) for i in range(3)}
     stream = full_params(full, [f"w{i}^T -> t{i}" for i in range(3)])
     for name, t in stream:

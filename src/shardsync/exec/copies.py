@@ -11,7 +11,9 @@ threads takes one at a time: a thread that is descheduled delays one chunk, not 
 * same dtype, innermost dim contiguous on both sides (the common case: whole shards and row blocks):
   numpy's ``copyto`` (a ``memcpy`` per row run, the GIL released), bytes viewed as integers so that
   bf16 and fp8 need no numpy dtype of their own;
-* a cast or a permutation: torch's ``copy_`` on pieces below its parallel grain size
+* same dtype, transposed (the last two dims swapped): a SIMD transpose kernel (``exec/transpose.py``),
+  2-4x torch's element-at-a-time ``copy_``;
+* another cast or permutation: torch's ``copy_`` on pieces below its parallel grain size
   (:data:`TORCH_GRAIN`), so that each runs on one thread;
 * copies under :data:`PARALLEL_BYTES` are cut the same way and run on the calling thread; copies of
   at most :data:`TORCH_GRAIN` elements, and copies to or from other devices, are one ``copy_``.
@@ -33,6 +35,7 @@ import numpy as np
 import torch
 
 from ..planning.costs import AHEAD_BYTES
+from .transpose import transposable, transpose_into
 
 __all__ = [
     "copy_into",
@@ -163,14 +166,16 @@ def _torch_small(dst: torch.Tensor, src: torch.Tensor) -> None:
             dst[i : i + height, j : j + width].copy_(src[i : i + height, j : j + width])
 
 
-def _jobs(dst: torch.Tensor, src: torch.Tensor, raw: bool) -> list[tuple[Any, Any, Any]]:
+def _jobs(dst: torch.Tensor, src: torch.Tensor) -> list[tuple[Any, Any, Any]]:
     """The copy cut along dim 0 into chunks of about :data:`CHUNK_BYTES`: ``(function, dst, src)``."""
     size = max(dst.element_size(), src.element_size())
     rows = max(1, CHUNK_BYTES // (max(1, dst[0].numel()) * size))
-    if raw:
+    cuts = range(0, dst.shape[0], rows)
+    if _raw(dst, src):
         d, s = _as_ints(dst), _as_ints(src)
-        return [(np.copyto, d[i : i + rows], s[i : i + rows]) for i in range(0, dst.shape[0], rows)]
-    return [(_torch_small, dst[i : i + rows], src[i : i + rows]) for i in range(0, dst.shape[0], rows)]
+        return [(np.copyto, d[i : i + rows], s[i : i + rows]) for i in cuts]
+    fn = transpose_into if transposable(dst, src) else _torch_small
+    return [(fn, dst[i : i + rows], src[i : i + rows]) for i in cuts]
 
 
 class Lane:
@@ -310,7 +315,7 @@ class Copies:
         dst, src = dst.detach(), src.detach()  # the pool's threads do not share this one's no_grad
         if dst.is_contiguous() and src.is_contiguous():  # one run of elements: chunks of any length
             dst, src = dst.view(-1), src.view(-1)
-        self.jobs += _jobs(dst, src, _raw(dst, src))
+        self.jobs += _jobs(dst, src)
         self.nbytes += dst.numel() * max(dst.element_size(), src.element_size())
 
     def take(self) -> tuple[list[tuple[Any, Any, Any]], int]:
