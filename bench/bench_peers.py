@@ -29,6 +29,9 @@ numpy reference once, then times ``--repeats`` passes and keeps the best:
   MiB, same run), and the memcpy of every target's bytes on both ranks at once (every memcpy ceiling
   is the better of torch's default threads and one thread: next to a busy process one thread is
   faster);
+* the same two spawned processes, each calling ``os.setsid()`` first (a session of its own, as torchrun
+  and Paddle's launcher start their workers: the report's notes say why it matters next to a busy
+  process): shardsync through shared memory and the memcpy ceiling;
 * two processes started by torchrun (``python -m torch.distributed.run --standalone --nproc_per_node
   2``): shardsync through shared memory and the same two ceilings, in those processes;
 * Paddle's single-group and 2-D mesh paths (``paddle.distributed.launch --nproc_per_node 2``).
@@ -266,34 +269,41 @@ def _timed_passes(variants: dict[str, Callable[[], Iterator]], rank: int, ref: d
     return res
 
 
-def _pair(rank: int, world: int, out: str, repeats: int, tmp: str, layers: int, only: str | None) -> None:
-    """The two-process job on an initialised group: every variant (or ``only`` that one, its rows
-    suffixed ``" (torchrun)"``), then the ceilings; rank 0 writes ``{"seconds", "threads"}``."""
+def _pair(
+    rank: int, world: int, out: str, repeats: int, tmp: str, layers: int, only: str | None, suffix: str = ""
+) -> None:
+    """The two-process job on an initialised group: every variant (or ``only`` that one), then the
+    ceilings, every row suffixed ``suffix``; rank 0 writes ``{"seconds", "threads"}``."""
     ref = W.reference(W.full_weights(layers))
     variants = _variants(rank, world, tmp, layers)
     if only is not None:
         variants = {only: variants[only]}
     res = _timed_passes(variants, rank, ref, repeats) | _ceilings(ref, world)
-    if only is not None:
-        res = {f"{k} (torchrun)": v for k, v in res.items()}
+    res = {f"{k}{suffix}": v for k, v in res.items()}
     if rank == 0:
         Path(out).write_text(json.dumps({"seconds": res, "threads": busy.threads()}))
     dist.destroy_process_group()
 
 
-def _worker(rank: int, world: int, store: str, out: str, repeats: int, tmp: str, layers: int) -> None:
+def _worker(rank: int, world: int, store: str, out: str, repeats: int, tmp: str, layers: int, sessions: bool) -> None:
+    if sessions:
+        os.setsid()  # as torchrun and paddle.distributed.launch start their workers
     dist.init_process_group(
         "gloo", init_method=f"file://{store}", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=600)
     )
-    _pair(rank, world, out, repeats, tmp, layers, None)
+    if sessions:
+        _pair(rank, world, out, repeats, tmp, layers, peers_report.SHM, peers_report.OWN_SESSIONS)
+    else:
+        _pair(rank, world, out, repeats, tmp, layers, None)
 
 
-def job_pair(repeats: int, layers: int) -> dict[str, Any]:
-    """Two ranks spawned by ``torch.multiprocessing``, this process's environment as it is."""
+def job_pair(repeats: int, layers: int, sessions: bool = False) -> dict[str, Any]:
+    """Two ranks spawned by ``torch.multiprocessing``, this process's environment as it is (with
+    ``sessions``: each rank calls ``os.setsid()`` first and runs shardsync's shared-memory stream only)."""
     shm = "/dev/shm" if os.path.isdir("/dev/shm") else None  # DCP's files on tmpfs: no disk in the timing
     with tempfile.TemporaryDirectory() as tmp, tempfile.TemporaryDirectory(dir=shm, prefix="bench-dcp-") as files:
         out = os.path.join(tmp, "res.json")
-        mp.spawn(_worker, args=(2, os.path.join(tmp, "store"), out, repeats, files, layers), nprocs=2)
+        mp.spawn(_worker, args=(2, os.path.join(tmp, "store"), out, repeats, files, layers, sessions), nprocs=2)
         return json.loads(Path(out).read_text())
 
 
@@ -311,7 +321,8 @@ def job_torchrun(repeats: int, layers: int) -> dict[str, Any]:
 
 def torchrun_worker(out: str, repeats: int, layers: int) -> None:
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=600))
-    _pair(dist.get_rank(), dist.get_world_size(), out, repeats, tempfile.gettempdir(), layers, "shardsync shm")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    _pair(rank, world, out, repeats, tempfile.gettempdir(), layers, peers_report.SHM, " (torchrun)")
 
 
 # -- Paddle (its own venv) --------------------------------------------------------------------------
@@ -349,12 +360,13 @@ def job_paddle(mode: str, repeats: int, layers: int) -> dict[str, Any]:
 # -- driver -----------------------------------------------------------------------------------------
 
 ONE = ["single-dropped", "single-never", "single-tuned", "paddle-single"]
-TWO = ["pair", "torchrun", "paddle-group", "paddle-mesh"]
+TWO = ["pair", "sessions", "torchrun", "paddle-group", "paddle-mesh"]
 #: Which side of the table each job is, for the thread settings in the report.
 SIDES = {
     "single": "shardsync, 1 process",
     "paddle-single": "Paddle, 1 process",
     "pair": "shardsync and torch, 2 processes spawned by torch.multiprocessing",
+    "sessions": "shardsync, 2 processes spawned by torch.multiprocessing, each in a session of its own",
     "torchrun": "shardsync, 2 processes under torchrun",
     "paddle-group": "Paddle, 2 processes under paddle.distributed.launch",
     "paddle-mesh": "Paddle, 2 processes under paddle.distributed.launch",
@@ -376,9 +388,18 @@ def _job(name: str, repeats: int, layers: int) -> dict[str, Any]:
     """Inside a job process: the job's ``{"seconds", "threads"}``."""
     if name == "pair":
         return job_pair(repeats, layers)
+    if name == "sessions":
+        return job_pair(repeats, layers, sessions=True)
     if name == "torchrun":
         return job_torchrun(repeats, layers)
     return {"seconds": job_single(name.split("-")[1], repeats, layers), "threads": busy.threads()}
+
+
+def _autogroup() -> str:
+    try:
+        return Path("/proc/sys/kernel/sched_autogroup_enabled").read_text().strip()
+    except OSError:
+        return "not on this system"
 
 
 def notes(said: dict[str, set[str]]) -> list[str]:
@@ -391,6 +412,16 @@ def notes(said: dict[str, set[str]]) -> list[str]:
             "nproc_per_node > 1 (torch/distributed/run.py); its workers here reported: "
             + " / ".join(sorted(said[SIDES["torchrun"]]))
             + "."
+        )
+    if SIDES["sessions"] in said:
+        out.append(
+            "torchrun and paddle.distributed.launch start each worker in a session of its own "
+            "(Popen(start_new_session=True), os.setsid); torch.multiprocessing.spawn does not, so its "
+            "ranks share the job's session - and, with --busy, the busy process's, which the driver "
+            f"started. Linux's autogroup scheduler (kernel.sched_autogroup_enabled: {_autogroup()}) "
+            "shares the CPU between sessions first, then between the threads of each: next to a busy "
+            'process a worker with a session of its own gets a larger share. The rows "spawned, each '
+            'rank in a session of its own" are the spawned job with each rank calling os.setsid() first.'
         )
     paddle = sorted(set().union(*(v for k, v in said.items() if k.startswith("Paddle"))))
     if paddle:

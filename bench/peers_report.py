@@ -15,6 +15,9 @@ from typing import Any
 __all__ = ["ROWS", "LABELS", "TARGETS", "Target", "targets", "targets_md", "report"]
 
 SHM, TORCHRUN = "shardsync shm", "shardsync shm (torchrun)"
+#: What the rows of spawned ranks that each start a session of their own end with.
+OWN_SESSIONS = " (spawned, each rank in a session of its own)"
+SESSIONS = SHM + OWN_SESSIONS
 PADDLE_ONE, PADDLE_MESH = "Paddle full_param", "Paddle full_param, 2-D mesh (h_group, v_group)"
 GLOO_CEILING = "ceiling: gloo broadcast of the received bytes"
 MEMCPY_CEILING = "ceiling: memcpy of every target, both ranks at once"
@@ -37,6 +40,9 @@ ROWS = [
     ("naive all_gather", 2, SHM),
     (GLOO_CEILING, 2, SHM),
     (MEMCPY_CEILING, 2, SHM),
+    (SESSIONS, 2, SESSIONS),
+    (PADDLE_MESH, 2, SESSIONS),
+    (MEMCPY_CEILING + OWN_SESSIONS, 2, SESSIONS),
     (TORCHRUN, 2, TORCHRUN),
     (PADDLE_MESH, 2, TORCHRUN),
     (f"{GLOO_CEILING} (torchrun)", 2, TORCHRUN),
