@@ -135,3 +135,18 @@ def test_a_library_that_will_not_load_means_no_kernel(monkeypatch: pytest.Monkey
         monkeypatch.undo()
         transpose._library.cache_clear()
         transpose.kernel.cache_clear()
+
+
+def test_quantized_tensors_are_torch_s_to_copy() -> None:
+    """``copy_`` of quantized tensors also gives the destination the source's scale: left to torch."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch deprecates its quantized tensors
+        src = torch.quantize_per_tensor(torch.arange(60000.0).reshape(300, 200) / 1000, 0.25, 3, torch.quint8)
+        dst = torch._empty_affine_quantized((200, 300), scale=0.5, zero_point=0, dtype=torch.quint8)
+        ref = torch._empty_affine_quantized((200, 300), scale=0.5, zero_point=0, dtype=torch.quint8)
+    assert not transposable(dst, src.t())
+    copy_into(dst, src.t())
+    ref.copy_(src.t())
+    assert torch.equal(dst.int_repr(), ref.int_repr()) and (dst.q_scale(), dst.q_zero_point()) == (0.25, 3)

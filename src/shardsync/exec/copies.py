@@ -115,9 +115,10 @@ def _as_ints(t: torch.Tensor) -> np.ndarray:
 
 def _plain(dst: torch.Tensor, src: torch.Tensor) -> bool:
     """Whether both are dense CPU tensors in separate memory (the cases shardsync cuts in chunks);
-    sparse tensors, other devices, and a copy within one storage are left to ``copy_``."""
+    sparse and quantized tensors (``copy_`` gives the destination the source's quantizer), other
+    devices, and a copy within one storage are left to ``copy_``."""
     return (
-        all(t.device.type == "cpu" and t.layout == torch.strided for t in (dst, src))
+        all(t.device.type == "cpu" and t.layout == torch.strided and not t.is_quantized for t in (dst, src))
         and dst.untyped_storage().data_ptr() != src.untyped_storage().data_ptr()
     )
 

@@ -79,7 +79,10 @@ def transposable(dst: torch.Tensor, src: torch.Tensor) -> bool:
     """
     if dst.dtype != src.dtype or dst.dim() < 2 or dst.shape != src.shape or dst.numel() == 0:
         return False
-    if any(t.device.type != "cpu" or t.layout != torch.strided or t.is_conj() or t.is_neg() for t in (dst, src)):
+    if any(
+        t.device.type != "cpu" or t.layout != torch.strided or t.is_quantized or t.is_conj() or t.is_neg()
+        for t in (dst, src)
+    ):
         return False
     rows, cols = dst.shape[-2:]
     return (
