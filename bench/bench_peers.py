@@ -291,10 +291,8 @@ def _worker(rank: int, world: int, store: str, out: str, repeats: int, tmp: str,
     dist.init_process_group(
         "gloo", init_method=f"file://{store}", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=600)
     )
-    if sessions:
-        _pair(rank, world, out, repeats, tmp, layers, peers_report.SHM, peers_report.OWN_SESSIONS)
-    else:
-        _pair(rank, world, out, repeats, tmp, layers, None)
+    only, suffix = (peers_report.SHM, peers_report.OWN_SESSIONS) if sessions else (None, "")
+    _pair(rank, world, out, repeats, tmp, layers, only, suffix)
 
 
 def job_pair(repeats: int, layers: int, sessions: bool = False) -> dict[str, Any]:

@@ -11,8 +11,8 @@ threads takes one at a time: a thread that is descheduled delays one chunk, not 
 * same dtype, innermost dim contiguous on both sides (the common case: whole shards and row blocks):
   numpy's ``copyto`` (a ``memcpy`` per row run, the GIL released), bytes viewed as integers so that
   bf16 and fp8 need no numpy dtype of their own;
-* same dtype, transposed (the last two dims swapped): a SIMD transpose kernel (``exec/transpose.py``),
-  2-4x torch's element-at-a-time ``copy_``;
+* same dtype, transposed (the last two dims swapped): a SIMD transpose kernel (``exec/transpose.py``)
+  instead of torch's element-at-a-time ``copy_``;
 * another cast or permutation: torch's ``copy_`` on pieces below its parallel grain size
   (:data:`TORCH_GRAIN`), so that each runs on one thread;
 * copies under :data:`PARALLEL_BYTES` are cut the same way and run on the calling thread; copies of
@@ -123,15 +123,16 @@ def _plain(dst: torch.Tensor, src: torch.Tensor) -> bool:
     )
 
 
-def _raw(dst: torch.Tensor, src: torch.Tensor) -> bool:
-    """Whether the copy is a move of bytes that numpy can do on row runs (not for a lazily conjugated
-    or negated view: its bytes are not its values)."""
-    return (
-        dst.dtype == src.dtype
-        and dst.element_size() in _INTS
-        and all(t.dim() == 0 or t.stride(-1) == 1 or t.shape[-1] == 1 for t in (dst, src))
-        and not any(t.is_conj() or t.is_neg() for t in (dst, src))
-    )
+def _bits(dst: torch.Tensor, src: torch.Tensor) -> bool:
+    """Whether the copy moves bytes: the same dtype, and no lazily conjugated or negated view (its
+    bytes are not its values)."""
+    return dst.dtype == src.dtype and not any(t.is_conj() or t.is_neg() for t in (dst, src))
+
+
+def _rows(dst: torch.Tensor, src: torch.Tensor) -> bool:
+    """Whether numpy can move the bytes in row runs: the innermost dim contiguous on both sides."""
+    inner = all(t.dim() == 0 or t.stride(-1) == 1 or t.shape[-1] == 1 for t in (dst, src))
+    return inner and dst.element_size() in _INTS
 
 
 def _torch_small(dst: torch.Tensor, src: torch.Tensor) -> None:
@@ -172,10 +173,11 @@ def _jobs(dst: torch.Tensor, src: torch.Tensor) -> list[tuple[Any, Any, Any]]:
     size = max(dst.element_size(), src.element_size())
     rows = max(1, CHUNK_BYTES // (max(1, dst[0].numel()) * size))
     cuts = range(0, dst.shape[0], rows)
-    if _raw(dst, src):
+    bits = _bits(dst, src)
+    if bits and _rows(dst, src):
         d, s = _as_ints(dst), _as_ints(src)
         return [(np.copyto, d[i : i + rows], s[i : i + rows]) for i in cuts]
-    fn = transpose_into if transposable(dst, src) else _torch_small
+    fn = transpose_into if bits and transposable(dst, src) else _torch_small
     return [(fn, dst[i : i + rows], src[i : i + rows]) for i in cuts]
 
 

@@ -1,12 +1,11 @@
 """Transposed copies on a SIMD kernel: fbgemm's ``transpose_simd``, which torch's x86 builds carry.
 
 Converting between Paddle's ``[in, out]`` Linear weights and HF's ``[out, in]`` transposes nearly
-every tensor of a model, and torch's ``copy_`` of a transposed matrix runs an element at a time:
-1.0-1.7 GB/s on one thread here, tiled or not, against 4.4-4.7 GB/s for a memcpy of the same bytes.
+every tensor of a model, and torch's ``copy_`` of a transposed matrix moves one element at a time.
 fbgemm (linked into ``libtorch_cpu`` on x86 for torch's quantized kernels) has AVX2/AVX-512
-transposes of 1-, 2- and 4-byte elements: 3.5-4.3 GB/s on a 1024 x 1024 fp32 matrix and 1.5-1.6
-GB/s on 4096 x 4096 ones (TLB-bound). The kernel moves bits (no arithmetic), so one kernel per
+transposes of 1-, 2- and 4-byte elements. The kernel moves bits (no arithmetic), so one kernel per
 element size serves every dtype of that size (fp32 and int32; bf16, fp16 and int16; fp8, int8, bool).
+``bench/bench_export.py`` measures the export with the kernel and without it.
 
 The kernel is not part of torch's Python API: it is looked up by its symbol in the library that
 torch loaded, once, and where it is missing (a torch built without fbgemm, another architecture)
@@ -66,9 +65,10 @@ def kernel(itemsize: int) -> Callable[..., None] | None:
 
 
 def transposable(dst: torch.Tensor, src: torch.Tensor) -> bool:
-    """Whether ``dst.copy_(src)`` is a transpose the kernel does: the same dtype, CPU, the last two
-    dims contiguous in rows on ``dst`` and in columns on ``src`` (``src`` is a transposed view of
-    row-major memory), and a kernel for the element size.
+    """Whether the copy of a pair that moves bits (dense CPU tensors of one dtype, same shape: what
+    ``exec/copies.py`` has checked) is a transpose the kernel does: the last two dims contiguous in
+    rows on ``dst`` and in columns on ``src`` (``src`` is a transposed view of row-major memory), and
+    a kernel for the element size.
 
     Example:
         >>> a = torch.zeros(64, 48)
@@ -77,12 +77,7 @@ def transposable(dst: torch.Tensor, src: torch.Tensor) -> bool:
         >>> transposable(torch.empty(64, 48), a)   # not transposed: a plain copy
         False
     """
-    if dst.dtype != src.dtype or dst.dim() < 2 or dst.shape != src.shape or dst.numel() == 0:
-        return False
-    if any(
-        t.device.type != "cpu" or t.layout != torch.strided or t.is_quantized or t.is_conj() or t.is_neg()
-        for t in (dst, src)
-    ):
+    if dst.dim() < 2:
         return False
     rows, cols = dst.shape[-2:]
     return (
