@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-# Spawned ranks unpickle worker functions by module name: keep tests/ importable in every process.
+# Ranks (forked or spawned) unpickle worker functions by module name: keep tests/ importable in every process.
 sys.path.insert(0, os.path.dirname(__file__))
 
 

@@ -12,6 +12,12 @@ all ranks) are killed: a hang fails the test instead of CI. A rank whose ``init_
 the whole run is started again, once, on a fresh store; :func:`new_group` does the same for a
 subgroup whose creation fails (gloo connects every pair of its ranks, which can flake on loopback).
 
+The ranks are forked from a forkserver that has imported torch, shardsync and the heavy test
+dependencies once for the whole session (:func:`context`): a spawned rank spends seconds of CPU
+importing torch, on 2 cores most of a small test (``SHARDSYNC_TEST_START=spawn`` spawns them all the
+same). Each rank starts from the parent's environment and working directory of the moment
+(:func:`adopt`), as a spawned one would.
+
 Failure tests wait on events, not on clocks: :func:`short_wait_group` connects a group under a
 generous timeout and only then shortens it, so the short timeout bounds the wait for a rank that
 never comes, never the connect of a busy machine.
@@ -41,6 +47,34 @@ __all__ = [
     "short_wait_group",
     "CONNECT_TIMEOUT",
 ]
+
+#: Imported once in the forkserver the ranks are forked from (an ImportError is ignored there): what
+#: a rank would otherwise import each time, megatron-core and transformers the slowest.
+PRELOAD = ["torch", "torch.distributed", "numpy", "safetensors.torch", "shardsync", "multiproc"]
+PRELOAD += ["transformers", "megatron.core"]
+
+#: ``SHARDSYNC_TEST_START=spawn`` starts every rank as a fresh interpreter instead (slower: each imports
+#: torch), for a failure that might depend on how the ranks start.
+START = os.environ.get("SHARDSYNC_TEST_START", "forkserver")
+
+
+def context() -> Any:
+    """The multiprocessing context the tests start ranks in: by default a forkserver that has imported
+    :data:`PRELOAD` (it runs nothing else, so its forks start as a DataLoader worker does)."""
+    if START not in ("forkserver", "spawn"):
+        raise ValueError(f"SHARDSYNC_TEST_START={START!r}: use forkserver (the default) or spawn")
+    ctx = mp.get_context(START)
+    if START == "forkserver":
+        ctx.set_forkserver_preload(PRELOAD)
+    return ctx
+
+
+def adopt(env: dict[str, str], cwd: str) -> None:
+    """Give this (forked) rank the environment and working directory its parent had at the start."""
+    os.environ.clear()
+    os.environ.update(env)
+    os.chdir(cwd)
+
 
 #: The process group backend of the multi-process tests.
 BACKEND = os.environ.get("SHARDSYNC_TEST_BACKEND", "gloo")
@@ -110,11 +144,19 @@ class RankFailure(Exception):
 
 
 def _entry(
-    rank: int, world: int, store_dir: str, group_timeout: float, fn: Callable, args: tuple, out_dir: str
+    rank: int,
+    world: int,
+    store_dir: str,
+    group_timeout: float,
+    fn: Callable,
+    args: tuple,
+    out_dir: str,
+    where: tuple[dict[str, str], str],
 ) -> None:
     import torch
     import torch.distributed as dist
 
+    adopt(*where)
     torch.set_num_threads(1)
     _out_dir[:] = [out_dir]
     result: tuple
@@ -184,10 +226,11 @@ def _spawn(
 ) -> dict[int, tuple] | None:
     """Every rank's outcome, or None when a rank failed to join the process group (the others,
     left waiting to connect, are killed)."""
-    ctx = mp.get_context("spawn")
+    ctx = context()
+    where = (dict(os.environ), os.getcwd())
     with tempfile.TemporaryDirectory() as store_dir, tempfile.TemporaryDirectory() as out_dir:
         procs = [
-            ctx.Process(target=_entry, args=(r, world, store_dir, group_timeout, fn, args, out_dir), daemon=True)
+            ctx.Process(target=_entry, args=(r, world, store_dir, group_timeout, fn, args, out_dir, where), daemon=True)
             for r in range(world)
         ]
         for p in procs:

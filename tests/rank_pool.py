@@ -1,7 +1,8 @@
-"""Spawned processes kept for several multi-process runs (the docs' examples: one spawn per world size
+"""Rank processes kept for several multi-process runs (the docs' examples: one start per world size
 instead of one per example).
 
-``RankPool(world)`` starts ``world`` spawned processes; ``pool.run(fn, *args)`` calls
+``RankPool(world)`` starts ``world`` processes (forked like ``run_ranks``' ranks, from
+:func:`multiproc.context`); ``pool.run(fn, *args)`` calls
 ``fn(rank, world, *args)`` in each and returns the results by rank, raising
 :class:`multiproc.RankFailure` like ``run_ranks`` when a rank raises. Unlike ``run_ranks`` it makes no
 process group: ``fn`` makes its own (as under torchrun), and one still open after ``fn`` is destroyed
@@ -12,23 +13,23 @@ test; the next ``run`` starts a fresh pool).
 from __future__ import annotations
 
 import contextlib
+import os
 import queue
 import time
 import traceback
 from collections.abc import Callable
 from typing import Any
 
-import torch.multiprocessing as mp
-
-from multiproc import RankFailure
+from multiproc import RankFailure, adopt, context
 
 __all__ = ["RankPool"]
 
 
-def _serve(rank: int, world: int, tasks: Any, results: Any) -> None:
+def _serve(rank: int, world: int, tasks: Any, results: Any, where: tuple[dict[str, str], str]) -> None:
     import torch
     import torch.distributed as dist
 
+    adopt(*where)
     torch.set_num_threads(1)
     while True:
         task = tasks.get()
@@ -47,18 +48,19 @@ def _serve(rank: int, world: int, tasks: Any, results: Any) -> None:
 
 
 class RankPool:
-    """``world`` spawned processes that run one function after another on every rank."""
+    """``world`` processes that run one function after another on every rank."""
 
     def __init__(self, world: int) -> None:
         self.world = world
         self._procs: list[Any] = []
 
     def _start(self) -> None:
-        ctx = mp.get_context("spawn")
+        ctx = context()
+        where = (dict(os.environ), os.getcwd())
         self._tasks = [ctx.Queue() for _ in range(self.world)]
         self._results = ctx.Queue()
         self._procs = [
-            ctx.Process(target=_serve, args=(r, self.world, self._tasks[r], self._results), daemon=True)
+            ctx.Process(target=_serve, args=(r, self.world, self._tasks[r], self._results, where), daemon=True)
             for r in range(self.world)
         ]
         for p in self._procs:

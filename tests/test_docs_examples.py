@@ -4,9 +4,9 @@ Per markdown file, its fenced blocks run in order in one temporary working direc
 namespace, like a notebook:
 
 * ```` ```python ```` blocks are executed. A block right after the comment ``<!-- ranks: N -->`` runs
-  on N spawned processes set up the way ``torchrun --nproc_per_node N`` sets them up (``RANK``,
+  on N processes set up the way ``torchrun --nproc_per_node N`` sets them up (``RANK``,
   ``WORLD_SIZE``, ``MASTER_ADDR``/``MASTER_PORT``), so ``dist.init_process_group("gloo")`` works as
-  written; such a block must be self-contained. The processes of one world size are spawned once
+  written; such a block must be self-contained. The processes of one world size are started once
   for the whole file (:class:`rank_pool.RankPool`); each block makes and ends its own group.
 * A ```` ```text ```` block right after the comment ``<!-- output -->`` is what the python block before
   it prints, compared line by line (trailing spaces ignored).
@@ -117,7 +117,7 @@ def _run_sh(body: str, cwd: Path) -> None:
 
 @pytest.fixture(scope="module")
 def pools() -> Iterator[dict[int, RankPool]]:
-    """Spawned ranks by world size, shared by every page's examples."""
+    """Rank processes by world size, shared by every page's examples."""
     made: dict[int, RankPool] = {}
     yield made
     for pool in made.values():
