@@ -50,6 +50,8 @@ bench: $(STAMP)
 	$(PY) bench/bench_digest.py --busy
 	$(PY) bench/bench_scaling.py
 	$(PY) bench/bench_scaling.py --busy
+	$(PY) bench/bench_cma.py
+	$(PY) bench/bench_cma.py --busy
 	$(PY) bench/plots.py
 
 # The peers run in their own venv (Paddle is never a dependency of shardsync).
