@@ -25,13 +25,10 @@ import argparse
 import ctypes
 import datetime
 import json
-import mmap
 import os
 import statistics
 import sys
 import tempfile
-import time
-import warnings
 from pathlib import Path
 from typing import Any
 
@@ -40,9 +37,12 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from shardsync.exec.shm import SHM_DIR, _bytes, _map
+
 sys.path.insert(0, str(Path(__file__).parent))
 import busy  # noqa: E402
 import workload as W  # noqa: E402
+from bench_convert import _timed  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"
 ROWS = ("process_vm_readv", "shm: publish + copy out", "memcpy")
@@ -67,19 +67,6 @@ def _readv() -> Any:
     return fn
 
 
-def _segment(path: str, nbytes: int, create: bool) -> torch.Tensor:
-    """A shared-memory segment both ranks map (``exec/shm.py`` makes its own the same way)."""
-    fd = os.open(path, os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0), 0o600)
-    try:
-        if create:
-            os.posix_fallocate(fd, 0, nbytes)
-        with warnings.catch_warnings():  # frombuffer warns about buffers it cannot check; this one is writable
-            warnings.simplefilter("ignore")
-            return torch.frombuffer(mmap.mmap(fd, nbytes), dtype=torch.uint8)
-    finally:
-        os.close(fd)
-
-
 def _read_peer(fn: Any, pid: int, addr: int, dst: torch.Tensor, chunk: int) -> None:
     n = dst.numel()
     for off in range(0, n, chunk):
@@ -90,24 +77,16 @@ def _read_peer(fn: Any, pid: int, addr: int, dst: torch.Tensor, chunk: int) -> N
             raise OSError(ctypes.get_errno(), f"process_vm_readv of process {pid}: {os.strerror(ctypes.get_errno())}")
 
 
-def _timed(work: Any) -> float:
-    dist.barrier()
-    t0 = time.perf_counter()
-    work()
-    dist.barrier()
-    return time.perf_counter() - t0
-
-
 def _rank(rank: int, store: str, nbytes: int, rounds: int, chunk: int, out: str) -> None:
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
     mine = torch.full((nbytes,), rank + 1, dtype=torch.uint8)  # a private shard, as a trainer holds it
     target = torch.zeros(nbytes, dtype=torch.uint8)
-    path = f"/dev/shm/bench-cma-{os.getpid()}"
-    segment = _segment(path, nbytes, create=True)
+    path = os.path.join(SHM_DIR, f"bench-cma-{os.getpid()}")
+    segment = _bytes(_map(path, nbytes, create=True))  # made as the transport makes its segment
     where: list[Any] = [None, None]
     dist.all_gather_object(where, (os.getpid(), mine.data_ptr(), path))
     pid, addr, peer_path = where[1 - rank]
-    peer_segment = _segment(peer_path, nbytes, create=False)
+    peer_segment = _bytes(_map(peer_path, nbytes, create=False))
     dist.barrier()
     os.unlink(path)  # both mapped: the names go
     peer_segment.numpy()[:] = 0  # touched, as the transport's kept segments are
@@ -135,10 +114,10 @@ def _rank(rank: int, store: str, nbytes: int, rounds: int, chunk: int, out: str)
         for name in order:
             if name == "process_vm_readv" and denied:
                 continue
-            times[name].append(_timed(jobs[name]))
-            want = 2 - rank if name == "process_vm_readv" else None
-            if want is not None and int(target[nbytes // 2]) != want:
-                raise AssertionError(f"{name}: read {int(target[nbytes // 2])}, the peer's shard holds {want}")
+            target.zero_()  # outside the window: every row must write the whole target
+            times[name].append(_timed(rank, jobs[name]))
+            if not bool((target == 2 - rank).all()):  # every row leaves the peer's shard in the target
+                raise AssertionError(f"{name}: the target does not hold the peer's shard")
     if rank == 0:
         Path(out).write_text(json.dumps({"times": times, "denied": denied, "threads": busy.threads()}))
     dist.destroy_process_group()
@@ -168,14 +147,13 @@ def markdown(doc: dict[str, Any]) -> str:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    half = W.LAYERS * (4 * W.HIDDEN * W.HIDDEN + 3 * W.FFN * W.HIDDEN) * 4 // 2  # a rank's shard of the workload
-    ap.add_argument("--mib", type=int, default=half >> 20, help="MiB of each rank's shard")
+    ap.add_argument("--mib", type=int, help="MiB of each rank's shard (default: half of bench/workload.py's)")
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--chunk", type=int, default=4 << 20, help="bytes per process_vm_readv call")
     ap.add_argument("--out", type=Path, default=RESULTS)
     busy.add_flag(ap)
     args = ap.parse_args(argv)
-    nbytes = args.mib << 20
+    nbytes = args.mib << 20 if args.mib else W.total_bytes(W.full_weights()) // 2
     with tempfile.TemporaryDirectory() as tmp, busy.run(args.busy) as conditions:
         result = os.path.join(tmp, "result.json")
         mp.spawn(_rank, args=(os.path.join(tmp, "store"), nbytes, args.rounds, args.chunk, result), nprocs=2)
