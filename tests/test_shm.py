@@ -20,9 +20,11 @@ import torch.distributed as dist
 
 import shardsync.exec.shm as shm
 from multiproc import RankFailure, run_ranks
+from reference import arange_tensor
 from shardsync.errors import DistributedError, PlanError
 from shardsync.exec.copies import copy_threads
 from shardsync.exec.hosts import HostInfo, host_info, neighbours, same_host
+from shardsync.layout import shard_dim
 from shardsync.stream import full_params
 from test_stream_dist import case_empty_rank, case_experts, case_fused, case_tp
 from test_stream_dist4 import case_replicas, case_tp_pp
@@ -208,7 +210,7 @@ def test_four_ranks_shm_matches_broadcast() -> None:
 def _dies(rank: int, world: int, when: str) -> tuple:
     state, _, _ = case_tp(rank, world)
     if rank == 1 and when == "setup":  # after creating its segment, before the others map it
-        shm.ShmTransport._open = lambda self, tables: os._exit(3)  # type: ignore[method-assign]
+        shm.ShmTransport._open = lambda self, *args: os._exit(3)  # type: ignore[method-assign]
     names = []
     try:
         for name, _ in full_params(state, transport="shm", strategy="broadcast"):
@@ -324,3 +326,103 @@ def test_ranks_with_targets_off_cpu_make_every_rank_use_the_backend() -> None:
     assert not shm.use_shm(plan, [(cpu, "auto"), (gpu, "auto")], None)  # the same answer on both ranks
     with pytest.raises(PlanError, match="targets of some ranks are on cuda, not cpu"):
         shm.use_shm(plan, [(gpu, "shm"), (cpu, "shm")], None)
+
+
+def _arranged_case(rank: int, world: int) -> tuple[dict, list[str], dict]:
+    """Reads a sender publishes in target form (transposed, narrowed, a chain of casts, several
+    transposed pieces of one read) and reads it must not (pieces that overlap, a widening cast)."""
+    # each transposed piece has more than TORCH_GRAIN elements, so that it goes through the kernel
+    full = {
+        "p": arange_tensor((181, 2 * 191)),  # column shards, transposed whole
+        "q": arange_tensor((183, 2 * 181), start=0.5, step=0.37),  # column shards: transposed and narrowed
+        "c": arange_tensor((2 * 5, 3), step=0.37),  # narrowed only: half the bytes published
+        "e": arange_tensor((2 * 3, 4), step=0.37),  # a chain: float32 -> bfloat16 -> float32
+        "x": arange_tensor((2 * 187, 2 * 181), start=100),  # each row block feeds two transposed pieces
+        "w": arange_tensor((2 * 185, 179), start=-50),  # two overlapping pieces: published as it is
+        "h": arange_tensor((2 * 3, 5), step=0.37).to(torch.bfloat16),  # widened: published as it is
+    }
+    state = {k: shard_dim(v, 1 if k in ("p", "q") else 0, rank, world) for k, v in full.items()}
+    mapping = [
+        "p^T -> pt",
+        "q^T -> qt, dtype='bfloat16'",
+        "c -> c16, dtype='bfloat16'",
+        "e -> e, dtype='bfloat16'",
+        "e -> e, dtype='float32'",
+        "x -> x1, x2, axis=1",
+        "x1^T -> y1",
+        "x2^T -> y2",
+        "w -> w2",
+        "w -> wt, permute='[1, 0]'",
+        "h -> h32, dtype='float32'",
+    ]
+    ref = {
+        "pt": full["p"].T,
+        "qt": full["q"].T.to(torch.bfloat16),
+        "c16": full["c"].to(torch.bfloat16),
+        "e": full["e"].to(torch.bfloat16).to(torch.float32),
+        "y1": full["x"][:, :181].T,
+        "y2": full["x"][:, 181:].T,
+        "w2": full["w"],
+        "wt": full["w"].T,
+        "h32": full["h"].to(torch.float32),
+    }
+    return state, mapping, ref
+
+
+def _arranged(rank: int, world: int) -> dict:
+    import shardsync.exec.copies as copies
+
+    moved = [0]  # elements this rank transposed (every transposed copy goes through this kernel)
+    real = copies.transpose_into
+
+    def counted(dst: torch.Tensor, src: torch.Tensor) -> None:
+        moved[0] += dst.numel()
+        real(dst, src)
+
+    copies.transpose_into = counted  # type: ignore[assignment]  # this forked rank only
+    state, mapping, ref = _arranged_case(rank, world)
+    shm.release()
+    out = {}
+    for transport in ("shm", "backend"):
+        moved[0] = 0
+        out[transport] = stream(state, mapping, ref, transport=transport, strategy="broadcast")
+        out[transport]["moved"] = moved[0]
+    s = full_params(state, mapping, transport="shm", strategy="broadcast")
+    list(s)
+    arranged = shm.arranged_pieces(s.plan)
+    sent = [i for i in arranged if s.plan.reads[i].sender == rank]
+    out["arranged"] = sorted((s.plan.reads[i].source, len(arranged[i])) for i in sent)
+    align = lambda n: -(-n // shm.ALIGN) * shm.ALIGN  # noqa: E731
+    half = {"c", "q"}  # published narrowed to bfloat16: half of each read's bytes
+    out["segment"] = (
+        shm._kept_by_name()[shm.group_name(None)].own[2].numel(),
+        sum(
+            align(r.nbytes // 2 if r.source in half else r.nbytes)
+            for r in s.plan.reads
+            if r.sender == rank and r.receivers
+        ),
+    )
+    return out
+
+
+def test_senders_publish_pieces_cast_and_transposed_once() -> None:
+    """Each rank transposes only the pieces of the reads it sends (its own shard, once), where
+    receivers and itself used to transpose every piece they build: half of it on 2 ranks; the
+    targets are the same bytes as through gloo and equal to the reference."""
+    world = 2
+    records = run_ranks(_arranged, world)
+    full = _arranged_case(0, world)[2]
+    for rank, rec in enumerate(records):
+        got, via_gloo = rec["shm"], rec["backend"]
+        assert got["transport"] == "shm" and got["bad"] == [] == via_gloo["bad"], rank
+        assert got["targets"] == via_gloo["targets"] and sorted(got["targets"]) == sorted(full), rank
+        assert got["stats"] == got["costs"] and got["peak"] <= got["plan_peak"], rank
+        # transposed without a cast (qt's cast and transpose is one torch copy): pt, y1, y2, wt;
+        # through gloo each rank transposes all of them
+        every = sum(full[k].numel() for k in ("pt", "y1", "y2", "wt"))
+        assert via_gloo["moved"] == every, rank
+        # through shm only its own halves of pt, y1 and y2 (wt's read is published as it is)
+        assert got["moved"] == (every - full["wt"].numel()) // world + full["wt"].numel(), rank
+        assert rec["arranged"] == [("c", 1), ("e", 1), ("p", 1), ("q", 1), ("x", 2)], rank
+        size, expected = rec["segment"]
+        assert size == expected, rank

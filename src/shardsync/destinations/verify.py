@@ -19,7 +19,7 @@ import torch
 from .. import phases
 from ..dist import agree
 from ..errors import VerifyError
-from ..exec.assemble import arrange
+from ..exec.assemble import piece_view
 from ..exec.box_hash import MASK, box_sum
 from ..exec.digests import Part, local_sums, owners, plan_parts
 from ..layout.box import Box
@@ -76,7 +76,7 @@ def _sums(
 def _landed(part: Part, plan: Plan, boxes: Sequence[tuple[str, Box]], source: Source, dest: Shards) -> bool:
     """Whether the destination holds exactly the bits of ``part``'s source values (cast, arranged)."""
     read, p = plan.reads[part.read], part.piece
-    view = arrange(source.read(read.source, read.box)[p.source_box.relative_to(read.box).slices()], p)
+    view = piece_view(source.read(read.source, read.box), read.box, p)
     casts = p.casts if p.casts and p.casts[-1] == part.dtype else (*p.casts, part.dtype)
     for c in casts:
         view = view.to(to_torch_dtype(c))

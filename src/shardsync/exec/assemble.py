@@ -18,7 +18,7 @@ from ..layout.dtypes import to_torch_dtype
 from ..mapping.pieces import Piece
 from .copies import Copies, copy_into
 
-__all__ = ["copy_piece", "cast_into", "arrange", "CHAIN_CHUNK_ELEMENTS"]
+__all__ = ["copy_piece", "cast_into", "arrange", "piece_view", "CHAIN_CHUNK_ELEMENTS"]
 
 #: Largest temporary (in elements) of a multi-cast chain.
 CHAIN_CHUNK_ELEMENTS = 1 << 20
@@ -70,6 +70,19 @@ def arrange(view: torch.Tensor, piece: Piece) -> torch.Tensor:
     return view.permute(kept + dropped).reshape(piece.target_box.sizes)
 
 
+def piece_view(data: torch.Tensor, origin: Box, piece: Piece) -> torch.Tensor:
+    """The piece's source box, read from ``data`` (which holds the region ``origin`` of its source),
+    in the target's dims (:func:`arrange`): what :func:`copy_piece` casts into the target. A view.
+
+    Example:
+        >>> piece = Piece("s", Box((0, 1), (2, 2)), Box((0, 0), (2, 2)), perm=(1, 0))
+        >>> piece_view(torch.arange(6).reshape(2, 3), Box((0, 0), (2, 3)), piece).tolist()
+        [[1, 4], [2, 5]]
+    """
+    view = data[piece.source_box.relative_to(origin).slices()]
+    return arrange(view, piece) if piece.perm is not None else view
+
+
 @torch.no_grad()
 def copy_piece(out: torch.Tensor, data: torch.Tensor, origin: Box, piece: Piece, batch: Copies | None = None) -> None:
     """Write ``piece`` into target ``out``, reading its source box from ``data`` located at ``origin``
@@ -90,7 +103,4 @@ def copy_piece(out: torch.Tensor, data: torch.Tensor, origin: Box, piece: Piece,
                 [1., 4.],
                 [2., 5.]])
     """
-    view = data[piece.source_box.relative_to(origin).slices()]
-    if piece.perm is not None:
-        view = arrange(view, piece)
-    cast_into(out[piece.target_box.slices()], view, piece.casts, batch)
+    cast_into(out[piece.target_box.slices()], piece_view(data, origin, piece), piece.casts, batch)

@@ -110,6 +110,9 @@ class _Run:
         self.sends = _sends(plan, rank)
         self.uses = _read_uses(plan, rank, self.sends)
         self.cache: dict[int, torch.Tensor] = {}
+        # read -> its pieces already cast and permuted into target form, by the transport (see
+        # :meth:`prearranged`): their copies are plain ones from there
+        self.arranged: dict[int, dict[Piece, torch.Tensor]] = {}
 
     def read(self, i: int) -> torch.Tensor:
         """The data of read ``i`` from this rank's source: read on first use, dropped after the last."""
@@ -131,6 +134,17 @@ class _Run:
         if self.uses[i] <= 0:
             self.cache.pop(i, None)
         return data
+
+    def prearranged(self, i: int, pieces: dict[Piece, torch.Tensor]) -> None:
+        """Read ``i``'s pieces are also held in target form (each cast and permuted as its copy
+        would); the copies of those pieces take them from there."""
+        self.arranged[i] = pieces
+
+    def _skip(self, i: int) -> None:
+        """One use of read ``i`` that needs not its data (a copy from its arranged pieces)."""
+        self.uses[i] -= 1
+        if self.uses[i] <= 0:
+            self.cache.pop(i, None)
 
     def empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         if self.pool is None:
@@ -156,10 +170,17 @@ class _Run:
         """Add to ``batch`` a copy into target ``t`` of every piece whose data this rank holds."""
         if t not in self.open:
             return
+        out = self.open[t]
         for c in self.plan.targets[t].copies:
             r = self.plan.reads[c.read]
-            if self.rank in r.holders:
-                copy_piece(self.open[t], self.read(c.read), r.box, c.piece, batch)
+            if self.rank not in r.holders:
+                continue
+            arranged = self.arranged.get(c.read, {}).get(c.piece)
+            if arranged is None:
+                copy_piece(out, self.read(c.read), r.box, c.piece, batch)
+            else:
+                self._skip(c.read)
+                batch.add(out[c.piece.target_box.slices()], arranged)
 
     def build(self, t: int) -> None:
         """Allocate target ``t`` (built from this rank's own data) and start its copies on the pool."""
@@ -221,7 +242,11 @@ class _Run:
         for pk, buf in received:
             if all(i in self.direct for i in pk.reads):
                 continue
-            for i, data in unpack(buf, pk, self.plan.reads).items():
+            for i in pk.reads:
+                for t, piece in self.remote.get(i, ()) if i in self.arranged else ():
+                    batch.add(self.open[t][piece.target_box.slices()], self.arranged[i][piece])
+            raw = [i for i in pk.reads if i not in self.arranged]
+            for i, data in unpack(buf, pk, self.plan.reads, raw).items():
                 for t, piece in self.remote.get(i, ()):
                     copy_piece(self.open[t], data, self.plan.reads[i].box, piece, batch)
         self.copy(batch)

@@ -4,8 +4,13 @@ Every read a rank sends (each once, however many ranks receive it) is published 
 in place when it is a contiguous part of a tensor the caller already moved there (``share_memory_()``
 - nothing is copied to publish it), otherwise copied into the rank's segment, one file in
 ``/dev/shm``. The receivers map what they need and copy each box straight into their targets - no
-packing, no socket, no receive buffer. Setup is two agreed phases (:func:`shardsync.dist.agree`, so a
-failure on any rank is raised on all of them):
+packing, no socket, no receive buffer. A read copied into the segment whose pieces cast or permute
+(a transpose, a narrowing cast) is written there already in target form, piece by piece
+(:func:`arranged_pieces`): its sender arranges it once, and every rank that builds those pieces - the
+sender too - copies them plainly, instead of each transposing or casting on its own.
+
+Setup is two agreed phases (:func:`shardsync.dist.agree`, so a failure on any rank is raised on all of
+them):
 
 1. ``shm publish``: each rank fills its segment - created with ``O_EXCL`` and its space reserved with
    ``posix_fallocate``, so a full ``/dev/shm`` is an error, never a ``SIGBUS`` - and says where each
@@ -46,9 +51,11 @@ import torch.distributed as dist
 from .. import phases
 from ..dist import GroupRanks, agree, transport_errors
 from ..errors import PlanError
-from ..layout.dtypes import to_torch_dtype
+from ..layout.dtypes import itemsize, to_torch_dtype
+from ..mapping.pieces import Piece
 from ..planning.model import Costs, Packet, Plan, Step
 from ..planning.schedule import ALIGN
+from .assemble import cast_into, piece_view
 from .copies import Copies
 from .hosts import SHM_DIR, HostInfo, describe_hosts, same_host
 from .stats import Stats
@@ -66,6 +73,7 @@ __all__ = [
     "release",
     "release_all",
     "group_name",
+    "arranged_pieces",
     "SHM_DIR",
     "SHM_PREFIX",
 ]
@@ -108,6 +116,56 @@ def shm_costs(plan: Plan) -> Costs:
                 recv[d] += r.nbytes
     peak = tuple(p + s for p, s in zip(plan.costs.peak_bytes, segment))
     return Costs(tuple(sent), tuple(recv), (SETUP_COLLECTIVES + 1,) * world, peak)
+
+
+def _moves(piece: Piece) -> bool:
+    """Whether copying ``piece`` casts or reorders its elements (not one memcpy per row run)."""
+    return bool(piece.casts) or (piece.perm is not None and tuple(piece.perm) != tuple(range(len(piece.perm))))
+
+
+def _piece_dtype(piece: Piece, dtype: str) -> str:
+    return piece.casts[-1] if piece.casts else dtype
+
+
+def _regions(pieces: Sequence[Piece], dtype: str) -> tuple[list[int], int]:
+    """Byte offsets of ``pieces`` in target form (read dtype ``dtype``), one after another, aligned;
+    and the bytes they take."""
+    offsets, size = [], 0
+    for p in pieces:
+        offsets.append(size)
+        size = -(-(size + p.target_box.numel * itemsize(_piece_dtype(p, dtype))) // ALIGN) * ALIGN
+    return offsets, size
+
+
+def arranged_pieces(plan: Plan) -> dict[int, tuple[Piece, ...]]:
+    """The reads whose sender publishes their pieces in target form rather than the read's own bytes.
+
+    A receiver copies what it gets into its targets piece by piece, casting and permuting each as it
+    goes (a transposed piece is the slow copy of them all). When a sender copies a read into its
+    segment anyway, it can as well write the read's pieces already cast and permuted: each is then
+    arranged once, by its sender, and every rank that builds it - the receivers, and the sender
+    itself when it builds that target too - copies it plainly. So it is done for a read that some
+    piece casts or permutes and whose distinct pieces, so written, take no more bytes than the read
+    (not for pieces that overlap, nor for a cast that widens).
+
+    Example:
+        >>> import shardsync
+        >>> plan = shardsync.plan({"w": torch.zeros(3, 2)}, "w^T -> wt")   # one process: no receivers
+        >>> arranged_pieces(plan)
+        {}
+    """
+    pieces: dict[int, dict[Piece, None]] = {}
+    for tp in plan.targets:
+        for c in tp.copies:
+            r = plan.reads[c.read]
+            if r.receivers and r.sender is not None:
+                pieces.setdefault(c.read, {})[c.piece] = None
+    out = {}
+    for i, found in pieces.items():
+        r, ps = plan.reads[i], tuple(found)
+        if any(_moves(p) for p in ps) and _regions(ps, r.dtype)[1] <= -(-r.nbytes // ALIGN) * ALIGN:
+            out[i] = ps
+    return out
 
 
 def group_name(group: Any) -> str:
@@ -337,6 +395,7 @@ class ShmTransport:
         self.kept = _Kept()  # until setup takes what is kept for the group
         self.reuse_own = False
         self.views: dict[int, torch.Tensor] = {}  # read this rank receives -> its bytes
+        self.arrange = arranged_pieces(plan)  # published in target form when copied to publish
         self.held = 0
 
     def start(self, step: Step, io: PacketIO, stats: Stats) -> Posted:
@@ -378,7 +437,7 @@ class ShmTransport:
         self.kept.token = ""  # until every rank has set up
         try:
             tables = agree(phases.SHM_PUBLISH, lambda: self._publish(io, stats), self.ranks.group)
-            agree(phases.SHM_OPEN, lambda: self._open(tables.all), self.ranks.group)
+            agree(phases.SHM_OPEN, lambda: self._open(tables.all, io), self.ranks.group)
             self.kept.token = self.token
         finally:
             for path in self.paths:  # mapped by every reader, or failed on every rank: names go
@@ -386,8 +445,9 @@ class ShmTransport:
                     os.unlink(path)
 
     @torch.no_grad()
-    def _publish(self, io: PacketIO, stats: Stats) -> dict[int, tuple[tuple, int]]:
-        """Where each read this rank sends can be mapped from: (handle, byte offset)."""
+    def _publish(self, io: PacketIO, stats: Stats) -> dict[int, tuple[tuple, int, bool]]:
+        """Where each read this rank sends can be mapped from: (handle, byte offset, whether its
+        pieces are there in target form, see :func:`arranged_pieces`)."""
         me, where, copied = self.ranks.rank, {}, []
         _sweep()
         for i, r in enumerate(self.plan.reads):
@@ -398,18 +458,34 @@ class ShmTransport:
                 if found is None:
                     copied.append((i, view))
                 else:
-                    where[i] = found
+                    where[i] = (*found, False)
         if copied:
             where |= self._fill(copied, stats, io)
         return where
 
-    def _fill(self, copied: list[tuple[int, torch.Tensor]], stats: Stats, io: PacketIO) -> dict[int, tuple[tuple, int]]:
+    def _published_bytes(self, i: int) -> int:
+        r = self.plan.reads[i]
+        return _regions(self.arrange[i], r.dtype)[1] if i in self.arrange else r.nbytes
+
+    def _pieces(self, region: torch.Tensor, i: int) -> dict[Piece, torch.Tensor]:
+        """Read ``i``'s pieces in target form, as views of ``region`` (the bytes it is published in)."""
+        r, pieces = self.plan.reads[i], self.arrange[i]
+        out = {}
+        for p, off in zip(pieces, _regions(pieces, r.dtype)[0]):
+            dtype = to_torch_dtype(_piece_dtype(p, r.dtype))
+            n = p.target_box.numel * dtype.itemsize
+            out[p] = region[off : off + n].view(dtype).view(p.target_box.sizes)
+        return out
+
+    def _fill(
+        self, copied: list[tuple[int, torch.Tensor]], stats: Stats, io: PacketIO
+    ) -> dict[int, tuple[tuple, int, bool]]:
         offsets, size = [], 0
         for i, _ in copied:
             offsets.append(size)
-            size = -(-(size + self.plan.reads[i].nbytes) // ALIGN) * ALIGN
+            size = -(-(size + self._published_bytes(i)) // ALIGN) * ALIGN
         # written again only for the same receivers: they mapped it last time (its name is gone)
-        layout = tuple((i, self.plan.reads[i].nbytes, self.plan.reads[i].receivers) for i, _ in copied)
+        layout = tuple((i, self._published_bytes(i), self.plan.reads[i].receivers) for i, _ in copied)
         own = self.kept.own
         if own is None or own[0] != layout or not self.reuse_own:
             path = self.paths[self.ranks.rank]
@@ -427,18 +503,24 @@ class ShmTransport:
         batch = Copies()  # one hand-off to this rank's copy threads for every read
         for (i, view), off in zip(copied, offsets):
             r = self.plan.reads[i]
-            batch.add(own[2][off : off + r.nbytes].view(to_torch_dtype(r.dtype)).view(r.box.sizes), view)
+            if i in self.arrange:  # each piece cast and permuted here, once; then copied plainly
+                pieces = self._pieces(own[2][off : off + self._published_bytes(i)], i)
+                for p, region in pieces.items():
+                    cast_into(region, piece_view(view, r.box, p), p.casts, batch)
+                io.prearranged(i, pieces)  # this rank's own targets copy them from here too
+            else:
+                batch.add(own[2][off : off + r.nbytes].view(to_torch_dtype(r.dtype)).view(r.box.sizes), view)
         io.copy(batch)
-        return {i: (own[1], off) for (i, _), off in zip(copied, offsets)}
+        return {i: (own[1], off, i in self.arrange) for (i, _), off in zip(copied, offsets)}
 
-    def _open(self, tables: list[dict[int, tuple[tuple, int]]]) -> None:
+    def _open(self, tables: list[dict[int, tuple[tuple, int, bool]]], io: PacketIO) -> None:
         me, maps = self.ranks.rank, self.kept.maps
         needed = {}
         for table in tables:
-            for i, (handle, off) in table.items():
+            for i, where in table.items():
                 if me in self.plan.reads[i].receivers:
-                    needed[i] = (handle, off)
-        used = {h for h, _ in needed.values()}
+                    needed[i] = where
+        used = {h for h, _, _ in needed.values()}
         for handle in used - set(maps):
             maps[handle] = _open_handle(handle)
         # Unmap storages not read any more, and a peer's segment once it published another; keep
@@ -446,8 +528,12 @@ class ShmTransport:
         owners = {h[1] for h in used if h[0] == "seg"}
         for handle in [h for h in maps if h not in used and (h[0] != "seg" or h[1] in owners)]:
             del maps[handle]
-        for i, (handle, off) in needed.items():
-            self.views[i] = maps[handle][off : off + self.plan.reads[i].nbytes]
+        for i, (handle, off, arranged) in needed.items():
+            if arranged:
+                self.views[i] = maps[handle][off : off + self._published_bytes(i)]
+                io.prearranged(i, self._pieces(self.views[i], i))
+            else:
+                self.views[i] = maps[handle][off : off + self.plan.reads[i].nbytes]
 
 
 def _idle(kept: _Kept) -> None:

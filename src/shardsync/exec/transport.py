@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 from ..dist import GroupRanks, transport_errors
 from ..layout.dtypes import to_torch_dtype
+from ..mapping.pieces import Piece
 from ..planning.model import Packet, Read, Step
 from .copies import Copies
 from .stats import Stats
@@ -66,6 +67,11 @@ class PacketIO(Protocol):
     def send_once(self, read: int) -> torch.Tensor:
         """The data of a read this rank sends, for a transport that publishes each read once instead
         of filling the plan's packets (those packets are then never filled)."""
+        ...
+
+    def prearranged(self, read: int, pieces: dict[Piece, torch.Tensor]) -> None:
+        """Where a transport holds ``read``'s pieces already cast and permuted into target form (as
+        their copies would write them): the copies of those pieces, on this rank, read them there."""
         ...
 
     def sink(self, packet: Packet) -> torch.Tensor | None:
@@ -118,14 +124,19 @@ def landing(packet: Packet, io: PacketIO) -> torch.Tensor:
     return direct if direct is not None else io.buffer(packet.nbytes)
 
 
-def unpack(buf: torch.Tensor, packet: Packet, reads: Sequence[Read]) -> dict[int, torch.Tensor]:
-    """Views of each read in a received packet buffer, in the read's dtype and box shape.
+def unpack(
+    buf: torch.Tensor, packet: Packet, reads: Sequence[Read], only: Sequence[int] | None = None
+) -> dict[int, torch.Tensor]:
+    """Views of each read in a received packet buffer (or of those in ``only``), in the read's dtype
+    and box shape.
 
     Example:
         >>> views = unpack(buf, packet, plan.reads)   # doctest: +SKIP
     """
     out = {}
     for i, off in zip(packet.reads, packet.offsets):
+        if only is not None and i not in only:
+            continue
         r = reads[i]
         out[i] = buf[off : off + r.nbytes].view(to_torch_dtype(r.dtype)).view(r.box.sizes)
     return out
