@@ -25,6 +25,7 @@ from shardsync.errors import DistributedError, PlanError
 from shardsync.exec.copies import copy_threads
 from shardsync.exec.hosts import HostInfo, host_info, neighbours, same_host
 from shardsync.layout import shard_dim
+from shardsync.planning.schedule import aligned
 from shardsync.stream import full_params
 from test_stream_dist import case_empty_rank, case_experts, case_fused, case_tp
 from test_stream_dist4 import case_replicas, case_tp_pp
@@ -392,12 +393,11 @@ def _arranged(rank: int, world: int) -> dict:
     arranged = shm.arranged_pieces(s.plan)
     sent = [i for i in arranged if s.plan.reads[i].sender == rank]
     out["arranged"] = sorted((s.plan.reads[i].source, len(arranged[i])) for i in sent)
-    align = lambda n: -(-n // shm.ALIGN) * shm.ALIGN  # noqa: E731
     half = {"c", "q"}  # published narrowed to bfloat16: half of each read's bytes
     out["segment"] = (
         shm._kept_by_name()[shm.group_name(None)].own[2].numel(),
         sum(
-            align(r.nbytes // 2 if r.source in half else r.nbytes)
+            aligned(r.nbytes // 2 if r.source in half else r.nbytes)
             for r in s.plan.reads
             if r.sender == rank and r.receivers
         ),

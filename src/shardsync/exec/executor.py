@@ -226,8 +226,7 @@ class _Run:
             return None
         i = pk.reads[0]
         ((t, piece),) = self.remote[i]
-        identity = piece.perm is None or tuple(piece.perm) == tuple(range(len(piece.perm)))
-        if not identity or piece.casts or piece.source_box != self.plan.reads[i].box or t not in self.open:
+        if piece.permutes or piece.casts or piece.source_box != self.plan.reads[i].box or t not in self.open:
             return None
         region = self.open[t][piece.target_box.slices()]
         if not region.is_contiguous() or region.device != self.device:
@@ -243,8 +242,9 @@ class _Run:
             if all(i in self.direct for i in pk.reads):
                 continue
             for i in pk.reads:
-                for t, piece in self.remote.get(i, ()) if i in self.arranged else ():
-                    batch.add(self.open[t][piece.target_box.slices()], self.arranged[i][piece])
+                if i in self.arranged:  # its sender published its pieces in target form
+                    for t, piece in self.remote.get(i, ()):
+                        batch.add(self.open[t][piece.target_box.slices()], self.arranged[i][piece])
             raw = [i for i in pk.reads if i not in self.arranged]
             for i, data in unpack(buf, pk, self.plan.reads, raw).items():
                 for t, piece in self.remote.get(i, ()):

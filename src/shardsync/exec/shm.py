@@ -54,7 +54,7 @@ from ..errors import PlanError
 from ..layout.dtypes import itemsize, to_torch_dtype
 from ..mapping.pieces import Piece
 from ..planning.model import Costs, Packet, Plan, Step
-from ..planning.schedule import ALIGN
+from ..planning.schedule import aligned
 from .assemble import cast_into, piece_view
 from .copies import Copies
 from .hosts import SHM_DIR, HostInfo, describe_hosts, same_host
@@ -111,16 +111,11 @@ def shm_costs(plan: Plan) -> Costs:
     for r in plan.reads:
         if r.receivers and r.sender is not None:
             sent[r.sender] += r.nbytes
-            segment[r.sender] += -(-r.nbytes // ALIGN) * ALIGN
+            segment[r.sender] += aligned(r.nbytes)
             for d in r.receivers:
                 recv[d] += r.nbytes
     peak = tuple(p + s for p, s in zip(plan.costs.peak_bytes, segment))
     return Costs(tuple(sent), tuple(recv), (SETUP_COLLECTIVES + 1,) * world, peak)
-
-
-def _moves(piece: Piece) -> bool:
-    """Whether copying ``piece`` casts or reorders its elements (not one memcpy per row run)."""
-    return bool(piece.casts) or (piece.perm is not None and tuple(piece.perm) != tuple(range(len(piece.perm))))
 
 
 def _piece_dtype(piece: Piece, dtype: str) -> str:
@@ -133,7 +128,7 @@ def _regions(pieces: Sequence[Piece], dtype: str) -> tuple[list[int], int]:
     offsets, size = [], 0
     for p in pieces:
         offsets.append(size)
-        size = -(-(size + p.target_box.numel * itemsize(_piece_dtype(p, dtype))) // ALIGN) * ALIGN
+        size = aligned(size + p.target_box.numel * itemsize(_piece_dtype(p, dtype)))
     return offsets, size
 
 
@@ -163,7 +158,7 @@ def arranged_pieces(plan: Plan) -> dict[int, tuple[Piece, ...]]:
     out = {}
     for i, found in pieces.items():
         r, ps = plan.reads[i], tuple(found)
-        if any(_moves(p) for p in ps) and _regions(ps, r.dtype)[1] <= -(-r.nbytes // ALIGN) * ALIGN:
+        if any(p.permutes or p.casts for p in ps) and _regions(ps, r.dtype)[1] <= aligned(r.nbytes):
             out[i] = ps
     return out
 
@@ -395,7 +390,8 @@ class ShmTransport:
         self.kept = _Kept()  # until setup takes what is kept for the group
         self.reuse_own = False
         self.views: dict[int, torch.Tensor] = {}  # read this rank receives -> its bytes
-        self.arrange = arranged_pieces(plan)  # published in target form when copied to publish
+        # read -> its pieces, their offsets and bytes, when published in target form (if copied)
+        self.arrange = {i: (ps, *_regions(ps, plan.reads[i].dtype)) for i, ps in arranged_pieces(plan).items()}
         self.held = 0
 
     def start(self, step: Step, io: PacketIO, stats: Stats) -> Posted:
@@ -464,15 +460,13 @@ class ShmTransport:
         return where
 
     def _published_bytes(self, i: int) -> int:
-        r = self.plan.reads[i]
-        return _regions(self.arrange[i], r.dtype)[1] if i in self.arrange else r.nbytes
+        return self.arrange[i][2] if i in self.arrange else self.plan.reads[i].nbytes
 
     def _pieces(self, region: torch.Tensor, i: int) -> dict[Piece, torch.Tensor]:
         """Read ``i``'s pieces in target form, as views of ``region`` (the bytes it is published in)."""
-        r, pieces = self.plan.reads[i], self.arrange[i]
-        out = {}
-        for p, off in zip(pieces, _regions(pieces, r.dtype)[0]):
-            dtype = to_torch_dtype(_piece_dtype(p, r.dtype))
+        (pieces, offsets, _), out = self.arrange[i], {}
+        for p, off in zip(pieces, offsets):
+            dtype = to_torch_dtype(_piece_dtype(p, self.plan.reads[i].dtype))
             n = p.target_box.numel * dtype.itemsize
             out[p] = region[off : off + n].view(dtype).view(p.target_box.sizes)
         return out
@@ -483,7 +477,7 @@ class ShmTransport:
         offsets, size = [], 0
         for i, _ in copied:
             offsets.append(size)
-            size = -(-(size + self._published_bytes(i)) // ALIGN) * ALIGN
+            size = aligned(size + self._published_bytes(i))
         # written again only for the same receivers: they mapped it last time (its name is gone)
         layout = tuple((i, self._published_bytes(i), self.plan.reads[i].receivers) for i, _ in copied)
         own = self.kept.own

@@ -55,6 +55,16 @@ class Piece:
                 f"piece {self.source}{self.source_box} -> {self.target_box}: sizes differ after perm {self.perm}"
             )
 
+    @property
+    def permutes(self) -> bool:
+        """Whether ``perm`` moves dims (not None and not the identity).
+
+        Example:
+            >>> Piece("s", Box((0, 0), (2, 3)), Box((0, 0), (3, 2)), perm=(1, 0)).permutes
+            True
+        """
+        return self.perm is not None and tuple(self.perm) != tuple(range(len(self.perm)))
+
     def to_target(self, box: Box) -> Box:
         """``box`` (in source dims) in target dims: permuted, unit dims dropped or added."""
         if self.perm is None:

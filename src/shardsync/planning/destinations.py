@@ -22,7 +22,7 @@ from ..layout.meta import GlobalLayout
 from ..mapping.pieces import Piece, TargetSpec
 from ..mapping.vtensor import simplify_casts
 from .model import Read
-from .schedule import ALIGN, RawStep, pack
+from .schedule import RawStep, aligned, pack
 from .validate import shard_boxes
 
 __all__ = ["BoxTarget", "restrict_piece", "restrict_target", "box_targets", "schedule_multicast", "MULTICAST_RECEIVERS"]
@@ -141,10 +141,6 @@ def _multicast(r: Read) -> bool:
     return len(r.receivers) >= MULTICAST_RECEIVERS
 
 
-def _aligned(n: int) -> int:
-    return -(-n // ALIGN) * ALIGN
-
-
 def _rounds(reads: Sequence[Read], cap: int, solo: int | None, many: bool) -> list[dict[_Key, list[int]]]:
     # One buffer per key (a sender and its receivers) per round: a read of ``solo`` bytes or more
     # alone, else reads packed up to ``cap``. A round closes only when one of the read's buffers is
@@ -158,12 +154,12 @@ def _rounds(reads: Sequence[Read], cap: int, solo: int | None, many: bool) -> li
             continue
         ks, n = _keys(r), r.nbytes
         big = solo is not None and n >= solo
-        if any(k in alone or (k in rounds[-1] and (big or _aligned(size[k]) + n > cap)) for k in ks):
+        if any(k in alone or (k in rounds[-1] and (big or aligned(size[k]) + n > cap)) for k in ks):
             rounds.append({})
             size, alone = {}, set()
         for k in ks:
             rounds[-1].setdefault(k, []).append(i)
-            size[k] = _aligned(size.get(k, 0)) + n
+            size[k] = aligned(size.get(k, 0)) + n
         if big:
             alone.update(ks)
     return [rnd for rnd in rounds if rnd]

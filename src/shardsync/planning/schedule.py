@@ -20,7 +20,16 @@ from typing import TypeVar
 
 from .model import Copy, Packet, Read, Step, StepKind
 
-__all__ = ["ALIGN", "RawStep", "pack", "schedule_broadcast", "schedule_bucketed", "schedule_p2p", "attach_targets"]
+__all__ = [
+    "ALIGN",
+    "aligned",
+    "RawStep",
+    "pack",
+    "schedule_broadcast",
+    "schedule_bucketed",
+    "schedule_p2p",
+    "attach_targets",
+]
 
 #: Byte alignment of each read inside a flat buffer (any dtype can then be viewed in place).
 ALIGN = 16
@@ -29,7 +38,13 @@ RawStep = tuple[StepKind, tuple[Packet, ...]]
 K = TypeVar("K", bound=Hashable)
 
 
-def _aligned(n: int) -> int:
+def aligned(n: int) -> int:
+    """``n`` bytes rounded up to :data:`ALIGN` (where the next read of a buffer starts).
+
+    Example:
+        >>> aligned(1), aligned(ALIGN)
+        (16, 16)
+    """
     return -(-n // ALIGN) * ALIGN
 
 
@@ -42,7 +57,7 @@ def pack(reads: Sequence[Read], ids: Sequence[int], src: int, dst: int = -1) -> 
     offsets, end = [], 0
     for i in ids:
         offsets.append(end)
-        end = _aligned(end + reads[i].nbytes)
+        end = aligned(end + reads[i].nbytes)
     last = offsets[-1] + reads[ids[-1]].nbytes if ids else 0
     return Packet(src, dst, tuple(ids), tuple(offsets), last)
 
@@ -80,12 +95,12 @@ def _rounds(
     for i in _moved(reads):
         ks, n = keys(reads[i]), reads[i].nbytes
         alone = solo is not None and n >= solo
-        if rounds[-1] and (alone or any(rounds[-1].get(k) and _aligned(size[k]) + n > cap for k in ks)):
+        if rounds[-1] and (alone or any(rounds[-1].get(k) and aligned(size[k]) + n > cap for k in ks)):
             rounds.append({})
             size = {}
         for k in ks:
             rounds[-1].setdefault(k, []).append(i)
-            size[k] = _aligned(size.get(k, 0)) + n
+            size[k] = aligned(size.get(k, 0)) + n
         step_of[i] = len(rounds) - 1
         if alone:
             rounds.append({})
