@@ -131,6 +131,16 @@ def test_quantize_within_e4m3_precision_and_amax_to_448() -> None:
     assert ((back - w).abs() <= bound).all()
 
 
+@pytest.mark.parametrize("device", ["cpu", "cuda"] if torch.cuda.is_available() else ["cpu"])
+def test_scales_are_the_correctly_rounded_quotient_on_every_device(device: str) -> None:
+    # CUDA divides by a Python number as a multiply by its reciprocal: an ulp off now and then
+    w = (arange_tensor((640, 640), step=0.00731, start=-1500) * 1.37).sin() * 1000
+    q, s = quantize(w.to(device), (8, 8))
+    amax = w.unflatten(1, (80, 8)).unflatten(0, (80, 8)).abs().amax(dim=(1, 3))
+    assert torch.equal(s.cpu(), (amax.double() / 448).float())
+    assert torch.equal(q.cpu().view(torch.uint8), quantize(w, (8, 8))[0].view(torch.uint8))
+
+
 def test_full_params_yields_each_weight_then_its_scales() -> None:
     state = {
         "model.layers.0.mlp.down_proj.weight": arange_tensor((17, 130), step=0.01),

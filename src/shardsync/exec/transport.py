@@ -109,12 +109,18 @@ class Posted:
 
     works: list[dist.Work] = field(default_factory=list)
     got: list[Received] = field(default_factory=list)
+    # (host buffer on the wire, the GPU buffer it is copied into after the wait, or None for a send):
+    # gloo's send and recv move host memory only
+    staged: list[tuple[torch.Tensor, torch.Tensor | None]] = field(default_factory=list)
 
     def wait(self) -> list[Received]:
         with transport_errors():
             for work in self.works:
                 work.wait()
-        self.works = []
+        for host, device in self.staged:
+            if device is not None:
+                device.copy_(host)
+        self.works, self.staged = [], []
         return self.got
 
 
@@ -235,17 +241,31 @@ class P2PTransport(Plain):
 
     def __init__(self, ranks: GroupRanks) -> None:
         self.ranks = ranks
+        # gloo hands a GPU tensor's pointer to its socket ("Bad address"): its send and recv move host
+        # memory only (its broadcast and all_gather stage GPU tensors themselves)
+        self.host_only = dist.get_backend(ranks.group) == "gloo"
+
+    def _wire(self, buf: torch.Tensor, posted: Posted, receive: bool) -> torch.Tensor:
+        """What goes on the wire for ``buf``: itself, or a host copy where the backend needs one."""
+        if not self.host_only or buf.device.type == "cpu":
+            return buf
+        host = torch.empty_like(buf, device="cpu") if receive else buf.cpu()
+        posted.staged.append((host, buf if receive else None))
+        return host
 
     def start(self, step: Step, io: PacketIO, stats: Stats) -> Pending:
         me, group = self.ranks.rank, self.ranks.group
         ops, posted = [], Posted()
         for pk in step.packets:
             if pk.src == me:
-                ops.append(dist.P2POp(dist.isend, io.fill(pk), self.ranks.to_global(pk.dst), group))
+                wire = self._wire(io.fill(pk), posted, receive=False)
+                ops.append(dist.P2POp(dist.isend, wire, self.ranks.to_global(pk.dst), group))
                 stats.bytes_sent += pk.nbytes
             elif pk.dst == me:
                 buf = landing(pk, io)
-                ops.append(dist.P2POp(dist.irecv, buf, self.ranks.to_global(pk.src), group))
+                ops.append(
+                    dist.P2POp(dist.irecv, self._wire(buf, posted, receive=True), self.ranks.to_global(pk.src), group)
+                )
                 stats.bytes_received += pk.nbytes
                 posted.got.append(Received(pk, buf))
         if ops:

@@ -139,7 +139,9 @@ def quantize(w: torch.Tensor, block: Block = DEFAULT_BLOCK) -> tuple[torch.Tenso
     padded = torch.nn.functional.pad(x, (0, pad_c, 0, pad_r))  # zeros never raise a block's amax
     tiles = padded.unflatten(-1, (-1, block[1])).unflatten(-3, (-1, block[0]))  # (..., R, b0, C, b1)
     amax = tiles.abs().amax(dim=(-3, -1))
-    scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    # a tensor divisor: CUDA divides by a Python number as a multiply by its (rounded) reciprocal, an
+    # ulp off the host's correctly rounded quotient now and then; tensor by tensor, both round alike
+    scale = torch.where(amax > 0, amax / torch.full_like(amax, FP8_MAX), torch.ones_like(amax))
     codes = (tiles / scale[..., :, None, :, None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
     codes = codes.flatten(-2).flatten(-3, -2)[..., :rows, :cols]
     return codes.contiguous(), scale.contiguous()
