@@ -183,9 +183,19 @@ class Call:
     def parse(self) -> ParsedMapping | None:
         if self.mapping is None and self.reverse is None:
             return None
-        return ParsedMapping.parse(
-            self.mapping if self.mapping is not None else [], reverse=True if self.reverse else None
-        )
+        mapping, reverse = self.mapping if self.mapping is not None else [], True if self.reverse else None
+        if isinstance(mapping, (list, tuple)) and all(isinstance(x, str) for x in mapping):
+            return _parse_program(tuple(mapping), reverse)
+        if isinstance(mapping, str) and "->" in mapping:
+            return _parse_program(mapping, reverse)
+        return ParsedMapping.parse(mapping, reverse=reverse)  # a file or a name: read each call
+
+
+@functools.lru_cache(maxsize=64)
+def _parse_program(program: str | tuple[str, ...], reverse: bool | None) -> ParsedMapping:
+    """A program given as text, parsed once (a parsed mapping is immutable): a stream called every
+    step with the same statements parses them once."""
+    return ParsedMapping.parse(list(program) if isinstance(program, tuple) else program, reverse=reverse)
 
 
 @dataclass(frozen=True)
@@ -266,11 +276,13 @@ def release_plans() -> None:
     """Forget every group's last call and the planning cache (see :func:`shardsync.release`)."""
     _last.clear()
     _planned.cache_clear()
+    _parse_program.cache_clear()
 
 
 def _open(call: Call, ranks: GroupRanks | None) -> _Opened:
     files = open_path(call.source) if isinstance(call.source, (str, os.PathLike)) else None
-    opened = files or open_source(call.source, call.options.replica_check)
+    # replicas are compared across ranks: a single process has none to sample
+    opened = files or open_source(call.source, call.options.replica_check if ranks is not None else "off")
     block = fp8_block(opened)  # before adapt: a source read as values hides its blocks
     source = call.destination.adapt(opened)
     if ranks is not None and call.destination.spreads:

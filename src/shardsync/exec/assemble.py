@@ -16,7 +16,7 @@ import torch
 from ..layout.box import Box
 from ..layout.dtypes import to_torch_dtype
 from ..mapping.pieces import Piece
-from .copies import Copies, copy_into
+from .copies import Copies, copy_into, no_grad
 
 __all__ = ["copy_piece", "cast_into", "arrange", "piece_view", "CHAIN_CHUNK_ELEMENTS"]
 
@@ -83,7 +83,7 @@ def piece_view(data: torch.Tensor, origin: Box, piece: Piece) -> torch.Tensor:
     return arrange(view, piece) if piece.perm is not None else view
 
 
-@torch.no_grad()
+@no_grad
 def copy_piece(out: torch.Tensor, data: torch.Tensor, origin: Box, piece: Piece, batch: Copies | None = None) -> None:
     """Write ``piece`` into target ``out``, reading its source box from ``data`` located at ``origin``
     (with ``batch``, when it runs: see :func:`cast_into`).

@@ -25,11 +25,13 @@ after ``fork``.
 
 from __future__ import annotations
 
+import functools
 import os
 import threading
 from collections import deque
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
@@ -38,6 +40,7 @@ from ..planning.costs import AHEAD_BYTES
 from .transpose import transposable, transpose_into
 
 __all__ = [
+    "no_grad",
     "copy_into",
     "Copies",
     "Lane",
@@ -48,6 +51,28 @@ __all__ = [
     "TORCH_GRAIN",
     "MAX_THREADS",
 ]
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def no_grad(fn: F) -> F:
+    """``fn`` run with autograd off, as ``@torch.no_grad()`` does, but entering no_grad only where
+    grad is on: torch's decorator costs microseconds a call, and the copy paths nest it per piece.
+
+    Example:
+        >>> no_grad(lambda x: (x * 2).requires_grad)(torch.ones(1, requires_grad=True))
+        False
+    """
+
+    @functools.wraps(fn)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        if not torch.is_grad_enabled():
+            return fn(*args, **kwargs)
+        with torch.no_grad():
+            return fn(*args, **kwargs)
+
+    return run  # type: ignore[return-value]
+
 
 #: Bytes of one chunk of a threaded copy.
 CHUNK_BYTES = 1 << 20
@@ -307,7 +332,7 @@ class Copies:
         self.jobs: list[tuple[Any, Any, Any]] = []
         self.nbytes = 0
 
-    @torch.no_grad()
+    @no_grad
     def add(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         """Copy ``src`` into ``dst`` (same shape; a cast to ``dst``'s dtype), now or with the batch."""
         if dst.shape != src.shape:

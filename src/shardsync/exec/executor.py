@@ -33,7 +33,7 @@ from ..planning.costs import builds_ahead, is_zero_copy
 from ..planning.model import Packet, Plan, Step
 from ..sources import Source
 from .assemble import copy_piece
-from .copies import Copies, Lane
+from .copies import Copies, Lane, no_grad
 from .memory import BlockPool, Reuse, shared_pool
 from .stats import Stats
 from .transport import Pending, Received, Transport, unpack
@@ -165,7 +165,7 @@ class _Run:
             self.open[t] = self.empty(tp.shape, to_torch_dtype(tp.dtype))
             self.stats.hold(tp.nbytes, tag=t)
 
-    @torch.no_grad()
+    @no_grad
     def copy_local(self, t: int, batch: Copies) -> None:
         """Add to ``batch`` a copy into target ``t`` of every piece whose data this rank holds."""
         if t not in self.open:
@@ -206,7 +206,7 @@ class _Run:
         self.stats.hold(nbytes, _step_tag(self.posting))
         return self.empty((nbytes,), torch.uint8)
 
-    @torch.no_grad()
+    @no_grad
     def fill(self, pk: Packet) -> torch.Tensor:
         """The bytes of a packet this rank sends: the shard itself when it is one contiguous read."""
         only = self.read(pk.reads[0]) if len(pk.reads) == 1 else None
@@ -234,7 +234,7 @@ class _Run:
         self.direct.add(i)
         return region.reshape(-1).view(torch.uint8)
 
-    @torch.no_grad()
+    @no_grad
     def deliver(self, received: list[Received]) -> None:
         """Copy every received read into the targets that read it (unless it landed there)."""
         batch = Copies()

@@ -21,6 +21,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import logging
+import math
 import sys
 from collections import OrderedDict
 from typing import Literal
@@ -122,7 +123,7 @@ class BlockPool:
 
         The tensor is not a view: it owns a storage of exactly its bytes.
         """
-        nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        nbytes = math.prod(shape) * dtype.itemsize
         if nbytes == 0 or nbytes < POOL_MIN_BYTES:
             return torch.empty(shape, dtype=dtype)
         block = self._find(nbytes)

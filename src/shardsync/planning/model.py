@@ -17,6 +17,7 @@ Vocabulary:
 from __future__ import annotations
 
 import hashlib
+import math
 from dataclasses import dataclass
 from typing import Literal
 
@@ -111,7 +112,7 @@ class TargetPlan:
 
     @property
     def nbytes(self) -> int:
-        return Box.full(self.shape).numel * itemsize(self.dtype)
+        return math.prod(self.shape) * itemsize(self.dtype)
 
 
 @dataclass(frozen=True, slots=True)
