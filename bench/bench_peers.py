@@ -28,7 +28,9 @@ numpy reference once, then times ``--repeats`` passes and keeps the best:
   ``all_gather``; and the ceilings: bytes each rank must receive over gloo's broadcast bandwidth (64
   MiB, same run), and the memcpy of every target's bytes on both ranks at once (every memcpy ceiling
   is the better of torch's default threads and one thread: next to a busy process one thread is
-  faster);
+  faster); and, as a bound of the shared-memory transport's design rather than of the job, the memcpy
+  of every byte it copies (each rank's shards into its segment, then every target: 1.5x the bytes of
+  the memcpy ceiling on 2 ranks), both ranks at once;
 * the same two spawned processes, each calling ``os.setsid()`` first (a session of its own, as torchrun
   and Paddle's launcher start their workers: the report's notes say why it matters next to a busy
   process): shardsync through shared memory and the memcpy ceiling;
@@ -219,7 +221,7 @@ def _variants(rank: int, world: int, tmp: str, layers: int) -> dict[str, Callabl
     }
 
 
-def _ceilings(ref: dict, world: int) -> dict[str, float]:
+def _ceilings(ref: dict, world: int, shards: list[torch.Tensor]) -> dict[str, float]:
     buf = torch.ones(64 * MIB, dtype=torch.uint8)
     best = float("inf")
     for _ in range(3):
@@ -234,22 +236,26 @@ def _ceilings(ref: dict, world: int) -> dict[str, float]:
         for w in ref.values()
     ]
     warm = [torch.empty_like(s) for s in srcs]
+    # what the shared-memory transport copies: this rank's shards once (published), then every target
+    published = [s.reshape(-1) for s in shards]
+    segment = [torch.empty_like(s) for s in published]
 
-    def copy_all() -> float:
+    def copy_all(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
         copy = float("inf")
         for _ in range(3):
             dist.barrier()
             t0 = time.perf_counter()
-            for d, s in zip(warm, srcs):
+            for d, s in pairs:
                 d.copy_(s)
             dist.barrier()
             copy = min(copy, time.perf_counter() - t0)
         return copy
 
-    copy = _fastest(copy_all)
+    targets = list(zip(warm, srcs))
     return {
         "ceiling: gloo broadcast of the received bytes": receive / (64 * MIB / best),
-        "ceiling: memcpy of every target, both ranks at once": copy,
+        "ceiling: memcpy of every target, both ranks at once": _fastest(lambda: copy_all(targets)),
+        peers_report.DESIGN_BOUND: _fastest(lambda: copy_all(list(zip(segment, published)) + targets)),
     }
 
 
@@ -278,7 +284,8 @@ def _pair(
     variants = _variants(rank, world, tmp, layers)
     if only is not None:
         variants = {only: variants[only]}
-    res = _timed_passes(variants, rank, ref, repeats) | _ceilings(ref, world)
+    shards = [torch.from_numpy(W.local_shard(w, k, rank, world)[0]) for k, w in W.full_weights(layers).items()]
+    res = _timed_passes(variants, rank, ref, repeats) | _ceilings(ref, world, shards)
     res = {f"{k}{suffix}": v for k, v in res.items()}
     if rank == 0:
         Path(out).write_text(json.dumps({"seconds": res, "threads": busy.threads()}))

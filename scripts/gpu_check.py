@@ -16,7 +16,8 @@ machine is available. Under 5 minutes. Steps, each printed with PASS / FAIL / SK
    rank; the 4-rank file needs 4 GPUs and is skipped by pytest otherwise);
 5. with 2+ GPUs: the stream benchmark on NCCL: every strategy on 2 ranks, timed, checked.
 
-Every step with processes runs them under a deadline: a hang is a FAIL, not a lost machine.
+Every step with processes runs them under a deadline, and the whole script under one (its
+tracebacks dumped): a hang is a FAIL, not a lost machine.
 
 Exit status 0 when everything that could run passed (also with no CUDA at all: "no CUDA: skipped"),
 1 otherwise. ``SHARDSYNC_GPU_CHECK_DEVICE=cpu`` runs steps 1-3 with the CPU standing in for the GPU
@@ -26,6 +27,7 @@ Exit status 0 when everything that could run passed (also with no CUDA at all: "
 from __future__ import annotations
 
 import datetime
+import faulthandler
 import os
 import statistics
 import subprocess
@@ -191,12 +193,14 @@ def _gloo_worker(rank: int, world: int, store: str, out: str) -> None:
     state, ref = _state(2, rank, world, gpu)
     for s in STRATEGIES:
         kw = {"mesh": (dist.group.WORLD, None)} if s == "mesh2d" else {}
-        _check(full_params(state, W.MAPPING, strategy=s, **kw), ref)
+        # the backend: on one host, CPU state would go through shared memory instead (the dry run)
+        _check(full_params(state, W.MAPPING, strategy=s, transport="backend", **kw), ref)
     host, _ = _state(2, rank, world, torch.device("cpu"))
     if shardsync.digest(state, W.MAPPING) != shardsync.digest(host, W.MAPPING):
         raise AssertionError("digest of the GPU shards with the group differs from the host's")
     dst = _shard_zeros(state, gpu)
-    shardsync.load(dst, {k: torch.from_numpy(w) for k, w in W.full_weights(2).items()}, group=dist.group.WORLD)
+    full = {k: torch.from_numpy(w) for k, w in W.full_weights(2).items()}
+    shardsync.load(dst, full, group=dist.group.WORLD, transport="backend")
     _same_shards(dst, host, "load with the group")
 
     model = torch.nn.Sequential(torch.nn.Linear(5, 3), torch.nn.LayerNorm(3)).to(gpu)
@@ -334,6 +338,8 @@ def nccl_tests() -> str:
 
 
 def main() -> int:
+    # a hang anywhere (a CUDA call, a collective) ends the script with every thread's traceback
+    faulthandler.dump_traceback_later(LIMIT_S + 60, exit=True)
     if DEVICE == "cpu":
         n = 0
         print("gpu-check: dry run, the CPU standing in for the GPU (SHARDSYNC_GPU_CHECK_DEVICE=cpu)")

@@ -16,6 +16,8 @@ ROUNDS = [
     {"dropped": 0.5, P.PADDLE_ONE: 1.0, P.SHM: 0.125, MESH: 1.0, P.MEMCPY_CEILING: 0.0625, P.GLOO_CEILING: 0.0625},
     {"dropped": 0.125, P.PADDLE_ONE: 0.25, P.SHM: 0.5, MESH: 2.0, P.MEMCPY_CEILING: 0.5, P.GLOO_CEILING: 0.125},
 ]
+for _r, _shared in zip(ROUNDS, (0.25, 0.0625, 1.0)):
+    _r[P.SHARED_SHARDS] = _shared
 
 
 def _target(name: str, status: str, ratio: float, lo: float, hi: float) -> tuple[str, dict]:
@@ -35,6 +37,15 @@ def test_targets_from_given_rounds() -> None:
             # 4, 2, 4 -> median 4 > 2
             _target(
                 "2 processes, spawned: within 2x of the transport (gloo broadcast) ceiling", "missed", 4.0, 2.0, 4.0
+            ),
+            # shards in shared memory / ceiling: 2, 1, 2 -> median 2 <= 2
+            _target(
+                "2 processes, spawned, shards moved to shared memory first (share_memory_()): within 2x of the "
+                "memcpy ceiling",
+                "met",
+                2.0,
+                1.0,
+                2.0,
             ),
             # no torchrun job in these rounds
             *(

@@ -133,7 +133,8 @@ def test_quantize_within_e4m3_precision_and_amax_to_448() -> None:
 
 @pytest.mark.parametrize("device", ["cpu", "cuda"] if torch.cuda.is_available() else ["cpu"])
 def test_scales_are_the_correctly_rounded_quotient_on_every_device(device: str) -> None:
-    # CUDA divides by a Python number as a multiply by its reciprocal: an ulp off now and then
+    # CUDA divides by a Python number as a multiply by its reciprocal: an ulp off now and then. The host
+    # divides correctly either way, so this guards on a CUDA machine only (make gpu-check runs it there)
     w = (arange_tensor((640, 640), step=0.00731, start=-1500) * 1.37).sin() * 1000
     q, s = quantize(w.to(device), (8, 8))
     amax = w.unflatten(1, (80, 8)).unflatten(0, (80, 8)).abs().amax(dim=(1, 3))

@@ -17,9 +17,8 @@ SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "gpu_check.py"
 
 
 def _run(**env: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, str(SCRIPT)], env=os.environ | env, capture_output=True, text=True, timeout=240
-    )
+    base = {k: v for k, v in os.environ.items() if k != "SHARDSYNC_GPU_CHECK_DEVICE"}
+    return subprocess.run([sys.executable, str(SCRIPT)], env=base | env, capture_output=True, text=True, timeout=240)
 
 
 def test_the_dry_run_passes_every_single_gpu_step() -> None:

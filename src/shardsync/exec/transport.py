@@ -38,6 +38,7 @@ __all__ = [
     "P2PTransport",
     "LocalTransport",
     "broadcast_packet",
+    "gloo_for_gpus",
 ]
 
 
@@ -231,6 +232,19 @@ class BroadcastTransport(Plain):
         return posted
 
 
+def gloo_for_gpus(group: Any) -> bool:
+    """Whether ``group`` moves GPU tensors over gloo: its backend is ``gloo``, or names gloo for
+    ``cuda`` (``"cpu:gloo,cuda:gloo"``; ``"cpu:gloo,cuda:nccl"`` sends them over NCCL).
+
+    Example:
+        >>> gloo_for_gpus(None)   # doctest: +SKIP
+        True
+    """
+    backend = str(dist.get_backend(group))
+    per_device = dict(p.split(":", 1) for p in backend.split(",")) if ":" in backend else {"cuda": backend}
+    return per_device.get("cuda") == "gloo"
+
+
 class P2PTransport(Plain):
     """``p2p`` steps: every packet is one message from its sender to its receiver; all messages of a
     step are posted together (``batch_isend_irecv``), so no pair waits on another.
@@ -241,15 +255,23 @@ class P2PTransport(Plain):
 
     def __init__(self, ranks: GroupRanks) -> None:
         self.ranks = ranks
-        # gloo hands a GPU tensor's pointer to its socket ("Bad address"): its send and recv move host
-        # memory only (its broadcast and all_gather stage GPU tensors themselves)
-        self.host_only = dist.get_backend(ranks.group) == "gloo"
+        self._host_only: bool | None = None  # looked up on the first step (the group exists by then)
+
+    def stages(self, buf: torch.Tensor) -> bool:
+        """Whether ``buf`` travels through a host copy: a GPU tensor that the group sends over gloo,
+        which hands its pointer to a socket ("Bad address"): gloo's send and recv move host memory
+        only (its broadcast and all_gather stage GPU tensors themselves)."""
+        if buf.device.type == "cpu":
+            return False
+        if self._host_only is None:
+            self._host_only = gloo_for_gpus(self.ranks.group)
+        return self._host_only
 
     def _wire(self, buf: torch.Tensor, posted: Posted, receive: bool) -> torch.Tensor:
-        """What goes on the wire for ``buf``: itself, or a host copy where the backend needs one."""
-        if not self.host_only or buf.device.type == "cpu":
+        """What goes on the wire for ``buf``: itself, or a host copy where :meth:`stages` says so."""
+        if not self.stages(buf):
             return buf
-        host = torch.empty_like(buf, device="cpu") if receive else buf.cpu()
+        host = torch.empty_like(buf, device="cpu") if receive else buf.to("cpu", copy=True)
         posted.staged.append((host, buf if receive else None))
         return host
 
