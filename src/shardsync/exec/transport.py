@@ -232,15 +232,14 @@ class BroadcastTransport(Plain):
         return posted
 
 
-def gloo_for_gpus(group: Any) -> bool:
-    """Whether ``group`` moves GPU tensors over gloo: its backend is ``gloo``, or names gloo for
-    ``cuda`` (``"cpu:gloo,cuda:gloo"``; ``"cpu:gloo,cuda:nccl"`` sends them over NCCL).
+def gloo_for_gpus(backend: str) -> bool:
+    """Whether a group of ``backend`` (``dist.get_backend(group)``) moves GPU tensors over gloo: it is
+    ``gloo``, or names gloo for ``cuda``.
 
     Example:
-        >>> gloo_for_gpus(None)   # doctest: +SKIP
-        True
+        >>> gloo_for_gpus("gloo"), gloo_for_gpus("cpu:gloo,cuda:nccl"), gloo_for_gpus("cpu:gloo,cuda:gloo")
+        (True, False, True)
     """
-    backend = str(dist.get_backend(group))
     per_device = dict(p.split(":", 1) for p in backend.split(",")) if ":" in backend else {"cuda": backend}
     return per_device.get("cuda") == "gloo"
 
@@ -264,7 +263,7 @@ class P2PTransport(Plain):
         if buf.device.type == "cpu":
             return False
         if self._host_only is None:
-            self._host_only = gloo_for_gpus(self.ranks.group)
+            self._host_only = gloo_for_gpus(str(dist.get_backend(self.ranks.group)))
         return self._host_only
 
     def _wire(self, buf: torch.Tensor, posted: Posted, receive: bool) -> torch.Tensor:
