@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import math
+import operator
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 __all__ = ["Box"]
 
@@ -20,12 +21,16 @@ class Box:
 
     offsets: tuple[int, ...]
     sizes: tuple[int, ...]
+    #: ``offsets + sizes`` per dim, computed once (the planner asks for it millions of times)
+    stops: tuple[int, ...] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        if len(self.offsets) != len(self.sizes):
-            raise ValueError(f"box offsets {self.offsets} and sizes {self.sizes} differ in length")
-        if any(s < 0 for s in self.sizes) or any(o < 0 for o in self.offsets):
-            raise ValueError(f"box with negative offset or size: {self.offsets}, {self.sizes}")
+        offsets, sizes = self.offsets, self.sizes
+        if len(offsets) != len(sizes):
+            raise ValueError(f"box offsets {offsets} and sizes {sizes} differ in length")
+        if offsets and (min(sizes) < 0 or min(offsets) < 0):
+            raise ValueError(f"box with negative offset or size: {offsets}, {sizes}")
+        object.__setattr__(self, "stops", tuple(map(operator.add, offsets, sizes)))
 
     @classmethod
     def full(cls, shape: Sequence[int]) -> Box:
@@ -37,16 +42,12 @@ class Box:
         return len(self.sizes)
 
     @property
-    def stops(self) -> tuple[int, ...]:
-        return tuple(o + s for o, s in zip(self.offsets, self.sizes))
-
-    @property
     def numel(self) -> int:
         return math.prod(self.sizes)
 
     @property
     def empty(self) -> bool:
-        return any(s == 0 for s in self.sizes)
+        return 0 in self.sizes
 
     def intersect(self, other: Box) -> Box | None:
         """The common region, or None when it is empty."""
