@@ -338,8 +338,9 @@ def nccl_tests() -> str:
 
 
 def main() -> int:
-    # a hang anywhere (a CUDA call, a collective) ends the script with every thread's traceback
-    faulthandler.dump_traceback_later(LIMIT_S + 60, exit=True)
+    # a hang anywhere (a CUDA call, a collective) ends the script with every thread's traceback, after
+    # the longest the steps may take together (the NCCL tests' limit and two steps' deadlines)
+    faulthandler.dump_traceback_later(LIMIT_S + 2 * STEP_S, exit=True)
     if DEVICE == "cpu":
         n = 0
         print("gpu-check: dry run, the CPU standing in for the GPU (SHARDSYNC_GPU_CHECK_DEVICE=cpu)")
