@@ -10,8 +10,9 @@ machine is available. Under 5 minutes. Steps, each printed with PASS / FAIL / SK
    ``save_hf`` from CUDA state; fp8 ``quantize`` on the GPU equal to the host's;
 2. two processes on gloo whose state lives on the GPUs (both on ``cuda:0`` when there is one):
    every strategy, ``digest`` and ``load`` with the group, ``ReplicaSync`` of CUDA parameters;
-3. the stream benchmark on one GPU: the 0.336 GB workload, ``full_params`` against the same targets
-   computed by hand with torch (split, transpose, ``contiguous``), medians of interleaved rounds;
+3. the stream benchmark on one GPU: the 0.336 GB workload (and 2 layers 4x as wide, 1.34 GB),
+   ``full_params`` against the same targets computed by hand with torch (split, transpose,
+   ``contiguous``), medians of interleaved rounds, with how long the stream's own loop took;
 4. with 2+ GPUs: the multi-process stream tests with ``SHARDSYNC_TEST_BACKEND=nccl`` (one GPU per
    rank; the 4-rank file needs 4 GPUs and is skipped by pytest otherwise);
 5. with 2+ GPUs: the stream benchmark on NCCL: every strategy on 2 ranks, timed, checked.
@@ -252,11 +253,14 @@ def _median_round(jobs: dict[str, Callable[[], object]], rounds: int = 5) -> dic
     return {k: statistics.median(v) for k, v in times.items()}
 
 
-def gpu_bench() -> str:
+def _bench_one(layers: int, hidden: int, ffn: int) -> str:
+    from shardsync import LocalShard
     from shardsync.stream import full_params
 
-    state, ref = _state(W.LAYERS, 0, 1, _gpu())
-    full = {k: s.local for k, s in state.items()}
+    weights = W.full_weights(layers, hidden, ffn)
+    full = {k: torch.from_numpy(w).to(_gpu()) for k, w in weights.items()}
+    state = {k: LocalShard(w, w.shape, (0,) * w.dim()) for k, w in full.items()}
+    ref = W.reference(weights)
 
     def by_hand() -> None:  # what a user writes with torch: the targets, contiguous
         for key, w in full.items():
@@ -275,12 +279,26 @@ def gpu_bench() -> str:
 
     _check(full_params(state, W.MAPPING), ref)
     t = _median_round({"torch": by_hand, "shardsync": stream})
+    _sync()
+    t0 = time.perf_counter()
+    stream()
+    loop = time.perf_counter() - t0  # the host's part: a stream bound by Python ends with little left
+    _sync()
+    tail = time.perf_counter() - t0 - loop
     gb = W.total_bytes(ref) / 1e9
     return (
-        f"{gb:.3f} GB on {_gpu()}, medians of 5 interleaved rounds (torch threads {torch.get_num_threads()}): "
-        f"shardsync {t['shardsync'] * 1e3:.2f} ms ({gb / t['shardsync']:.0f} GB/s), torch by hand "
+        f"{gb:.3f} GB, {len(ref)} targets: shardsync {t['shardsync'] * 1e3:.2f} ms ({gb / t['shardsync']:.0f} "
+        f"GB/s; its loop {loop * 1e3:.2f} ms, then {tail * 1e3:.2f} ms waiting for the device), torch by hand "
         f"{t['torch'] * 1e3:.2f} ms ({gb / t['torch']:.0f} GB/s), ratio {t['torch'] / t['shardsync']:.2f}x"
     )
+
+
+def gpu_bench() -> str:
+    """The workload, and on a real GPU also 2 layers 4x as wide (fewer, larger targets: what is left is
+    the cost per target), each with medians of 5 interleaved rounds."""
+    sizes = [(W.LAYERS, W.HIDDEN, W.FFN)] + ([(2, 4 * W.HIDDEN, 4 * W.FFN)] if DEVICE != "cpu" else [])
+    head = f"on {_gpu()}, torch threads {torch.get_num_threads()}:\n    "
+    return head + "\n    ".join(_bench_one(*size) for size in sizes)
 
 
 def _bench_worker(rank: int, world: int, store: str, out: str) -> None:
