@@ -330,3 +330,38 @@ def test_a_wait_takes_its_own_batch_not_the_older_ones(monkeypatch: pytest.Monke
     assert sum(w == "ahead" for w, _ in done) < 8  # the older batch is still being copied by the helper
     lane.wait(ahead)
     assert sum(w == "ahead" for w, _ in done) == 8
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+def test_then_runs_once_every_chunk_is_written_and_never_after_a_failure(
+    monkeypatch: pytest.MonkeyPatch, threads: int
+) -> None:
+    monkeypatch.setattr(copies, "copy_threads", lambda: threads)
+    done: list[int] = []
+    seen: list[list[int]] = []
+
+    def job(k: int, _: object) -> None:
+        if k == 99:
+            raise ValueError("chunk 99 failed")
+        time.sleep(0.005)
+        done.append(k)
+
+    lane = copies.Lane()
+    ticket = lane.start(_batch([(job, k, None) for k in range(6)]), then=lambda: seen.append(sorted(done)))
+    lane.wait(ticket)
+    assert seen == [list(range(6))]  # once, after the last chunk, before wait returned
+    with pytest.raises(ValueError, match="chunk 99 failed"):  # one thread: start() copies it, and raises
+        lane.wait(lane.start(_batch([(job, k, None) for k in (7, 99, 8)]), then=lambda: seen.append([-1])))
+    assert seen == [list(range(6))]
+
+
+def test_an_error_in_then_is_raised_by_wait(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(copies, "copy_threads", lambda: 2)
+    lane = copies.Lane()
+
+    def then() -> None:
+        raise RuntimeError("then failed")
+
+    ticket = lane.start(_batch([(lambda k, _: None, k, None) for k in range(4)]), then=then)
+    with pytest.raises(RuntimeError, match="then failed"):
+        lane.wait(ticket)

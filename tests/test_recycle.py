@@ -139,3 +139,58 @@ def test_two_ranks_keep_targets_while_recycling() -> None:
     for rec in run_ranks(_two_ranks, 2, timeout=120):
         for transport, (wrong, reused) in rec.items():
             assert wrong == [] and reused > 0, transport
+
+
+def test_a_shm_block_is_mapped_by_its_handle_and_its_descriptor_closes_with_it() -> None:
+    import gc
+    import mmap
+    import os
+
+    t = memory.shm_block((3, 5), torch.float32)
+    h = memory.handle(t)
+    assert h is not None and (h.pid, h.nbytes) == (os.getpid(), 60) and memory.handle(torch.zeros(3)) is None
+    fd = os.open(f"/proc/{h.pid}/fd/{h.fd}", os.O_RDWR)  # as a peer process opens it
+    try:
+        assert os.fstat(fd).st_ino == h.inode
+        peer = torch.frombuffer(mmap.mmap(fd, h.nbytes), dtype=torch.float32).view(3, 5)
+    finally:
+        os.close(fd)
+    peer.copy_(arange_tensor((3, 5)))  # written through the peer's mapping, seen in the tensor
+    assert torch.equal(t, arange_tensor((3, 5)))
+    view = t[1:]
+    del t
+    gc.collect()
+    assert os.fstat(h.fd).st_ino == h.inode  # a view keeps the block, and its descriptor, alive
+    del view
+    gc.collect()
+    with pytest.raises(OSError):
+        os.fstat(h.fd)  # closed with the block (nothing else has opened a descriptor since)
+
+
+def test_a_pool_of_shared_memory_reuses_only_blocks_nobody_holds() -> None:
+    pool = BlockPool(1 << 20, shm=True)
+    a = pool.empty((4, 3), torch.float32)  # any size: shared even under POOL_MIN_BYTES
+    handle, ptr = memory.handle(a), a.data_ptr()
+    assert handle is not None and memory.handle(pool.empty((4, 3), torch.float32)) != handle
+    del a
+    b = pool.empty((2, 6), torch.float32)
+    assert (b.data_ptr(), memory.handle(b)) == (ptr, handle) and pool.reused == 1
+
+
+@pytest.mark.skipif(not hasattr(__import__("os"), "fork"), reason="fork only")
+def test_a_forked_child_never_hands_out_its_parents_shared_blocks() -> None:
+    import os
+
+    parent = memory.process_pool(1 << 20, shm=True)
+    block = parent.empty((8,), torch.float32)
+    del block  # idle in the parent's pool: a child must not write into it (it is the parent's memory)
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child
+        child = memory.process_pool(1 << 20, shm=True)
+        os.write(w, b"1" if child is not parent and not child._sizes else b"0")
+        os._exit(0)
+    os.close(w)
+    assert os.read(r, 1) == b"1"
+    os.waitpid(pid, 0)
+    assert memory.process_pool(0, shm=True) is parent

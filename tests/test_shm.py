@@ -168,7 +168,7 @@ def test_two_ranks_shm_matches_broadcast() -> None:
     check_pair(records, "copy=False", tp)
     for rec in records:
         (first, second), fresh = rec["kept"]
-        assert first[:2] == second[:2] == ([], 3) and first[2] == second[2] is not None  # same segment
+        assert first[:2] == second[:2] == ([], 2) and first[2] == second[2] is not None  # same segment
         got, own = rec["in place"]
         assert got["bad"] == [] and got["stats"] == got["costs"] and own is None  # no segment at all
     errors = [rec["errors"] for rec in records]
@@ -372,7 +372,9 @@ def _arranged_case(rank: int, world: int) -> tuple[dict, list[str], dict]:
 
 def _arranged(rank: int, world: int) -> dict:
     import shardsync.exec.copies as copies
+    import shardsync.exec.push as push
 
+    push.PUSH_MIN_BYTES = 1 << 62  # this forked rank only: every read published (test_push pushes them)
     moved = [0]  # elements this rank transposed (every transposed copy goes through this kernel)
     real = copies.transpose_into
 

@@ -427,7 +427,9 @@ def prepare(call: Call) -> Prepared:
             if ranks is not None:  # on every rank, so that every rank takes the same path next time
                 _last[_group_key(call.group)] = _Last(inputs, planned, _replicated(gathered.all))
         backend = call.options.plan.backend
-        chosen = choose_transport(planned.plan, ranks, call.groups, hosts, backend, call.options.plan.memory_budget)
+        fresh = call.destination.into(planned) is None
+        budget = call.options.plan.memory_budget
+        chosen = choose_transport(planned.plan, ranks, call.groups, hosts, backend, budget, fresh)
     except BaseException:
         if opened is not None:
             opened.close()

@@ -41,6 +41,7 @@ if TYPE_CHECKING:
 __all__ = [
     "TransportFailure",
     "transport_errors",
+    "group_timeout",
     "is_transport_failure",
     "describe",
     "RollCall",
@@ -131,6 +132,21 @@ def _timeout_seconds(pg: Any, store: Any) -> float:
     with contextlib.suppress(Exception):
         return float(store.timeout.total_seconds())
     return 1800.0
+
+
+def group_timeout(group: Any) -> float:
+    """Seconds a collective of ``group`` (None: the default group) waits before it fails: what a rank
+    waiting for its peers outside collectives waits too.
+
+    Example:
+        >>> group_timeout(None) > 0
+        True
+    """
+    pg = group if group is not None else dist.group.WORLD
+    store = None
+    with contextlib.suppress(Exception):
+        store = pg.get_group_store()  # type: ignore[union-attr]
+    return _timeout_seconds(pg, store)
 
 
 def _default_store() -> Any:

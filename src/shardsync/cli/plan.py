@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from ..exec.hosts import host_info
-from ..exec.shm import shm_costs, use_shm
+from ..exec.shm import pushes, shm_costs, use_shm
 from ..layout.box import Box
 from ..layout.meta import GlobalLayout, LayoutEntry
 from ..planning import Plan, PlanOptions, build_plan
@@ -71,8 +71,9 @@ def dry_run(cfg: PlanConfig) -> Plan:
     plan = build_plan(targets, layout, options)
     # the workers start on this host: where they move data through shared memory, so do the costs
     here = [(host_info(), "auto")] * cfg.nproc
-    if cfg.nproc > 1 and use_shm(plan, here, cfg.memory_budget):
-        plan = dataclasses.replace(plan, costs=shm_costs(plan))
+    pushing = pushes(plan, True, cfg.memory_budget)  # the workers stream targets into files: fresh memory
+    if cfg.nproc > 1 and use_shm(plan, here, cfg.memory_budget, pushing):
+        plan = dataclasses.replace(plan, costs=shm_costs(plan, pushing))
     return plan
 
 

@@ -224,13 +224,16 @@ class Lane:
         self._left: dict[int, int] = {}  # ticket -> chunks not yet written
         self._modes: dict[int, bool] = {}  # ticket -> inference mode (thread-local: targets made under it need it)
         self._errors: dict[int, BaseException] = {}
+        self._then: dict[int, Callable[[], None]] = {}  # ticket -> called once all of it is written
         self._done = threading.Condition()
         self._tickets = 0
         self._helpers = 0
 
-    def start(self, batch: Copies) -> int:
+    def start(self, batch: Copies, then: Callable[[], None] | None = None) -> int:
         """Queue ``batch``'s copies (a batch under :data:`PARALLEL_BYTES`, or with one thread: copied
-        now, on this thread); returns the ticket to :meth:`wait` for."""
+        now, on this thread); returns the ticket to :meth:`wait` for. ``then`` is called once every
+        copy of the batch is written, unless one failed, by the thread that wrote the last one (while
+        it holds the lane's lock: it must be short and must not use the lane)."""
         jobs, nbytes = batch.take()
         with self._done:
             self._tickets += 1
@@ -241,11 +244,16 @@ class Lane:
                 self._queues[ticket] = deque(jobs)
                 self._left[ticket] = len(jobs)
                 self._modes[ticket] = torch.is_inference_mode_enabled()
+                if then is not None:
+                    self._then[ticket] = then
                 wanted = min(self.threads - 1 - self._helpers, len(jobs))
                 self._helpers += wanted
         if wanted < 0:
             for fn, a, b in jobs:
                 fn(a, b)
+            if then is not None:
+                with self._done:
+                    then()
         for _ in range(wanted):
             _get_pool().submit(self._help)
         return ticket
@@ -277,7 +285,18 @@ class Lane:
                 self._left[taken] -= 1
                 if not self._left[taken]:
                     del self._left[taken], self._modes[taken]
+                    self._finished(taken)
                     self._done.notify_all()
+
+    def _finished(self, ticket: int) -> None:
+        """Batch ``ticket`` is written (the lock is held): call its ``then`` unless a copy failed."""
+        then = self._then.pop(ticket, None)
+        if then is None or ticket in self._errors:
+            return
+        try:
+            then()
+        except BaseException as e:  # noqa: BLE001 - raised by wait(), in the caller's thread
+            self._errors[ticket] = e
 
     def _help(self) -> None:
         try:

@@ -12,7 +12,9 @@ is done by this thread without waiting behind them). Memory held is the open tar
 the steps in flight, as :func:`shardsync.planning.estimate_costs` assumes.
 
 On CPU, targets and buffers come from a :class:`~shardsync.exec.memory.BlockPool` (``reuse``): memory
-of earlier targets the caller dropped is written again instead of faulting in fresh pages.
+of earlier targets the caller dropped is written again instead of faulting in fresh pages. Targets
+other ranks write pieces into (the shared-memory transport's pushed targets, see
+:mod:`shardsync.exec.push`) come from a pool of shared-memory blocks the same way.
 """
 
 from __future__ import annotations
@@ -34,7 +36,8 @@ from ..planning.model import Packet, Plan, Step
 from ..sources import Source
 from .assemble import copy_piece
 from .copies import Copies, Lane, no_grad
-from .memory import BlockPool, Reuse, shared_pool
+from .memory import BlockPool, Reuse, process_pool, shm_block
+from .push import Pusher
 from .stats import Stats
 from .transport import Pending, Received, Transport, unpack
 
@@ -64,8 +67,8 @@ def _sends(plan: Plan, rank: int) -> Counter[int]:
 
 
 def _read_uses(plan: Plan, rank: int, sends: Counter[int]) -> Counter[int]:
-    """How many times ``rank`` takes each read from its source: once per packet it sends holding the
-    read, per copy into a target it builds from its own data, per target it yields as a view."""
+    """How many times ``rank`` takes each read from its source: ``sends`` (to send it), once per copy
+    into a target it builds from its own data, once per target it yields as a view."""
     uses = Counter(sends)
     for tp in plan.targets:
         if rank not in tp.consumers:
@@ -90,25 +93,30 @@ class _Run:
         into: Callable[[int], torch.Tensor] | None = None,
         pool: BlockPool | None = None,
         threads: int | None = None,
+        transport: Transport | None = None,
+        shm_pool: BlockPool | None = None,
     ) -> None:
         self.plan, self.source, self.rank, self.stats, self.device = plan, source, rank, stats, device
-        self.into, self.pool = into, pool
+        self.into, self.pool, self.shm_pool = into, pool, shm_pool
+        # pushing: other ranks write their pieces of some targets straight into this rank's memory
+        self.push: Pusher | None = transport.push if transport is not None else None
         self.open: dict[int, torch.Tensor] = {}
         self.lane = Lane(threads)  # copies under way on the copy threads
         self.ahead: dict[int, int] = {}  # target built from local data -> its copies' ticket
-        self.local: dict[int, int] = {}  # step -> ticket of the copies of its opened targets' own pieces
+        # step -> tickets of the copies of its opened targets' own pieces, and of the pieces it pushes
+        self.local: dict[int, list[int]] = {}
         self.direct: set[int] = set()  # reads received straight into their target
         self.posting = 0  # the step being started: its buffers are held under its tag
         # remote[i]: (target, piece) pairs this rank builds from read i, which it receives
         self.remote: dict[int, list[tuple[int, Piece]]] = {}
         for t, tp in enumerate(plan.targets):
-            if rank in tp.consumers:
+            if rank in tp.consumers and not (self.push is not None and self.push.mine(t)):
                 for c in tp.copies:
                     if rank not in plan.reads[c.read].holders:
                         self.remote.setdefault(c.read, []).append((t, c.piece))
         # A read is taken from the source once (a file source loads it) and kept until its last use.
-        self.sends = _sends(plan, rank)
-        self.uses = _read_uses(plan, rank, self.sends)
+        sends = transport.sends if transport is not None else None
+        self.uses = _read_uses(plan, rank, sends if sends is not None else _sends(plan, rank))
         self.cache: dict[int, torch.Tensor] = {}
         # read -> its pieces already cast and permuted into target form, by the transport (see
         # :meth:`prearranged`): their copies are plain ones from there
@@ -129,11 +137,7 @@ class _Run:
         return data
 
     def send_once(self, i: int) -> torch.Tensor:
-        data = self.read(i)
-        self.uses[i] -= self.sends[i] - 1  # the other packets holding it are never filled
-        if self.uses[i] <= 0:
-            self.cache.pop(i, None)
-        return data
+        return self.read(i)  # counted once in the transport's ``sends``
 
     def prearranged(self, i: int, pieces: dict[Piece, torch.Tensor]) -> None:
         """Read ``i``'s pieces are also held in target form (each cast and permuted as its copy
@@ -156,12 +160,17 @@ class _Run:
 
     def allocate(self, t: int) -> None:
         """Allocate target ``t`` (unless it will be a view of this rank's own data, or is written into
-        memory the caller gave)."""
+        memory the caller gave): in shared memory, shown to the ranks that write into it, when pushed."""
         tp = self.plan.targets[t]
         if self.into is not None:
             self.open[t] = self.into(t)
             return
-        if not is_zero_copy(tp, self.plan.reads, self.rank, self.plan.copy):
+        if self.push is not None and self.push.mine(t):
+            shape, dtype = tp.shape, to_torch_dtype(tp.dtype)
+            self.open[t] = self.shm_pool.empty(shape, dtype) if self.shm_pool is not None else shm_block(shape, dtype)
+            self.push.post(t, self.open[t])
+            self.stats.hold(tp.nbytes, tag=t)
+        elif not is_zero_copy(tp, self.plan.reads, self.rank, self.plan.copy):
             self.open[t] = self.empty(tp.shape, to_torch_dtype(tp.dtype))
             self.stats.hold(tp.nbytes, tag=t)
 
@@ -258,6 +267,8 @@ class _Run:
         ticket = self.ahead.pop(t, None)
         if ticket is not None:
             self.lane.wait(ticket)
+        if self.push is not None and self.push.mine(t):
+            self.push.await_target(t, self.stats)  # the pieces other ranks write into it
         if t in self.open:
             tensor = self.open.pop(t)
             self.stats.release(tag=t)
@@ -273,19 +284,48 @@ class _Run:
 
     def start(self, k: int, step: Step, transport: Transport) -> Pending:
         self.posting = k
+        if self.push is not None:  # targets other ranks write into: shown to them ahead of their step
+            for t in self.push.allocations[k]:
+                self.allocate(t)
         mine = [t for t in step.opens if self.mine(t)]
         for t in mine:
-            self.allocate(t)
+            if t not in self.open:
+                self.allocate(t)
         pending = transport.start(step, self, self.stats)  # packed and posted first
         batch = Copies()
         for t in mine:
             self.copy_local(t, batch)
-        self.local[k] = self.lane.start(batch)  # runs while packets are on the wire and the caller
-        return pending  # has the targets of earlier steps
+        # runs while packets are on the wire and the caller has the targets of earlier steps
+        self.local[k] = [self.lane.start(batch)]
+        if self.push is not None and self.push.steps[k]:
+            self.local[k].append(self.push_pieces(k, self.push))
+        return pending
+
+    @no_grad
+    def push_pieces(self, k: int, push: Pusher) -> int:
+        """Write this rank's pieces of other consumers' targets of step ``k`` into them (their memory
+        waited for: their consumers open them now); returns the copies' ticket. A piece that casts or
+        permutes and that this rank also builds into its own target is copied from there once built:
+        cast and permuted once, not once per consumer."""
+        batch, relays = Copies(), []
+        for out, p in push.outbound(k, self.stats):
+            piece, i = p.copy.piece, p.copy.read
+            own = self.open.get(p.target) if (piece.permutes or piece.casts) and self.mine(p.target) else None
+            if own is not None:
+                self._skip(i)
+                relays.append((out[piece.target_box.slices()], own[piece.target_box.slices()]))
+            else:
+                copy_piece(out, self.read(i), self.plan.reads[i].box, piece, batch)
+        if relays:
+            self.lane.wait(self.local[k][0])  # this rank's own pieces, relayed from its targets
+            for dst, src in relays:
+                batch.add(dst, src)
+        return self.lane.start(batch, then=lambda: push.mark(k))
 
     def finish(self, k: int, step: Step, pending: Pending) -> Iterator[tuple[str, torch.Tensor]]:
         received = pending.wait()
-        self.lane.wait(self.local.pop(k))
+        for ticket in self.local.pop(k):
+            self.lane.wait(ticket)
         self.deliver(received)
         self.stats.release(tag=_step_tag(k))
         ready = [t for t in step.ready if self.mine(t)]
@@ -296,12 +336,14 @@ class _Run:
             yield self.take(t)
 
 
-def _pool(plan: Plan, rank: int, device: torch.device, reuse: Reuse) -> BlockPool | None:
-    # Room for what the plan holds at once, the caller's current target and the one before it.
+def _pool(plan: Plan, rank: int, device: torch.device, reuse: Reuse, window: int | None = None) -> BlockPool | None:
+    # Room for what the plan holds at once, the caller's current target and the one before it (and,
+    # with a push ``window``, a pool of shared memory: the targets allocated ahead of their step).
     if reuse == "never" or device.type != "cpu":
         return None
     largest = max((t.nbytes for t in plan.targets if rank in t.consumers), default=0)
-    return shared_pool(plan.costs.peak_bytes[rank] + 2 * largest)
+    capacity = plan.costs.peak_bytes[rank] + 2 * largest + (window or 0)
+    return process_pool(capacity, shm=window is not None)
 
 
 def execute(
@@ -339,8 +381,11 @@ def execute(
     """
     device = device or source.device()
     pool = _pool(plan, rank, device, reuse)  # targets and buffers, or buffers only with ``into``
-    run = _Run(plan, source, rank, stats, device, into, pool, threads)
-    reused = pool.reused if pool is not None else 0
+    push = transport.push
+    # targets others write into, allocated up to the push window ahead of their step
+    shm_pool = _pool(plan, rank, device, reuse, push.window) if push is not None and push.writers else None
+    run = _Run(plan, source, rank, stats, device, into, pool, threads, transport, shm_pool)
+    reused = (pool.reused if pool is not None else 0) + (shm_pool.reused if shm_pool is not None else 0)
     inflight: deque[tuple[int, Step, Pending]] = deque()
     start = time.perf_counter()
     transport.setup(run, stats)
@@ -353,12 +398,18 @@ def execute(
                         stats.seconds = time.perf_counter() - start
                         yield item
                         start = time.perf_counter() - stats.seconds  # time spent in the caller not counted
-                        if pool is not None and reuse == "until-next" and into is None:
-                            pool.release(item[1])
+                        if reuse == "until-next" and into is None:
+                            for p in (pool, shm_pool):
+                                if p is not None:
+                                    p.release(item[1])
+        except BaseException:
+            if transport.push is not None:
+                transport.push.fail()  # ranks waiting for this one stop waiting
+            raise
         finally:
             run.settle()
         transport.close(stats)
     run.cache.clear()
-    stats.reused_blocks = pool.reused - reused if pool is not None else 0
+    stats.reused_blocks = sum(p.reused for p in (pool, shm_pool) if p is not None) - reused
     stats.seconds = time.perf_counter() - start
     log.debug("rank %d stream done: %s", rank, stats.summary())

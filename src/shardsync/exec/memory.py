@@ -14,6 +14,11 @@ target is then valid only until the next one is requested.
 
 :func:`tune_allocator` is for a process that owns its allocator (the ``shardsync`` command): it tells
 glibc to keep freed memory instead of returning it to the system.
+
+A pool made with ``shm=True`` hands out blocks of shared memory instead (:func:`shm_block`: a
+``memfd``, no name in any file system): a peer process on the same machine maps a block by its
+:func:`handle` and writes into it (the same-host transport's senders write their pieces straight
+into their consumers' targets, :mod:`shardsync.exec.push`).
 """
 
 from __future__ import annotations
@@ -22,9 +27,12 @@ import ctypes
 import ctypes.util
 import logging
 import math
+import mmap
+import os
 import sys
+import weakref
 from collections import OrderedDict
-from typing import Literal
+from typing import Literal, NamedTuple
 
 import numpy as np
 import torch
@@ -33,7 +41,11 @@ __all__ = [
     "Reuse",
     "REUSE_MODES",
     "BlockPool",
-    "shared_pool",
+    "BlockHandle",
+    "process_pool",
+    "shm_block",
+    "shm_blocks_supported",
+    "handle",
     "release_memory",
     "tune_allocator",
     "MMAP_THRESHOLD_BYTES",
@@ -64,8 +76,8 @@ class BlockPool:
     Args:
         capacity: most bytes of blocks the pool keeps references to; a block that does not fit is
             allocated outside the pool (and freed as usual), the oldest blocks make room first.
-
-    Tensors under :data:`POOL_MIN_BYTES` are plain ``torch.empty`` ones.
+        shm: blocks of shared memory (:func:`shm_block`), of any size; else tensors under
+            :data:`POOL_MIN_BYTES` are plain ``torch.empty`` ones.
 
     Example:
         >>> import shardsync.exec.memory as memory
@@ -81,8 +93,9 @@ class BlockPool:
         >>> memory.POOL_MIN_BYTES = 32 << 20
     """
 
-    def __init__(self, capacity: int) -> None:
+    def __init__(self, capacity: int, shm: bool = False) -> None:
         self.capacity = capacity
+        self.shm = shm
         self.held = 0  # bytes of the blocks in the pool, busy or idle
         self.reused = 0  # blocks handed out again (for stats and tests)
         self._blocks: dict[int, np.ndarray] = {}  # id(block) -> block
@@ -106,7 +119,7 @@ class BlockPool:
     def _admit(self, nbytes: int) -> np.ndarray:
         # torch's allocator aligns to 64 B (numpy's large arrays sit 16 B past a page: slower copies);
         # the numpy view is what tensors handed out refer to, so its reference count tells use.
-        block = torch.empty(nbytes, dtype=torch.uint8).numpy()
+        block = _shm_array(nbytes) if self.shm else torch.empty(nbytes, dtype=torch.uint8).numpy()
         while self._sizes and self.held + nbytes > self.capacity:  # oldest out (busy: the caller's)
             key, size = self._sizes.popitem(last=False)
             del self._blocks[key]
@@ -124,13 +137,12 @@ class BlockPool:
         The tensor is not a view: it owns a storage of exactly its bytes.
         """
         nbytes = math.prod(shape) * dtype.itemsize
-        if nbytes == 0 or nbytes < POOL_MIN_BYTES:
+        if not self.shm and (nbytes == 0 or nbytes < POOL_MIN_BYTES):
             return torch.empty(shape, dtype=dtype)
         block = self._find(nbytes)
         if block is None:
             block = self._admit(nbytes)
-        storage = torch.from_numpy(block).untyped_storage()
-        return torch.empty(0, dtype=dtype).set_(storage, 0, tuple(shape), _strides(tuple(shape)))
+        return _over(block, shape, dtype)
 
     def release(self, tensor: torch.Tensor) -> None:
         """``reuse="until-next"``: the caller is done with ``tensor`` (it asked for the next target);
@@ -152,32 +164,122 @@ def _strides(shape: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(reversed(out))
 
 
-_shared: list[BlockPool] = []
+def _over(block: np.ndarray, shape: tuple[int, ...] | torch.Size, dtype: torch.dtype) -> torch.Tensor:
+    """A tensor of ``shape`` and ``dtype`` over ``block``'s memory, keeping ``block`` alive."""
+    storage = torch.from_numpy(block).untyped_storage()
+    return torch.empty(0, dtype=dtype).set_(storage, 0, tuple(shape), _strides(tuple(shape)))
 
 
-def shared_pool(capacity: int) -> BlockPool:
-    """The process's pool, shared by every stream (so that a stream starts on the blocks the last
-    one left), its capacity raised to at least ``capacity``. Sharing is safe: a block in use by one
-    stream's caller is busy for all of them.
+class BlockHandle(NamedTuple):
+    """Where a peer process on this machine maps a block of shared memory: ``/proc/<pid>/fd/<fd>``,
+    which must still be the file of inode ``inode``, ``nbytes`` long."""
+
+    pid: int
+    fd: int
+    inode: int
+    nbytes: int
+
+
+#: data pointer of each live shared block -> its handle (dropped, and its descriptor closed, with it)
+_handles: dict[int, BlockHandle] = {}
+
+
+def shm_blocks_supported() -> bool:
+    """Whether this system makes shared-memory blocks (``memfd_create``: Linux).
 
     Example:
-        >>> shared_pool(1 << 20) is shared_pool(0)
+        >>> shm_blocks_supported() in (True, False)
         True
     """
-    if not _shared:
-        _shared.append(BlockPool(capacity))
-    pool = _shared[0]
+    return hasattr(os, "memfd_create")
+
+
+def _forget(ptr: int, fd: int) -> None:
+    _handles.pop(ptr, None)
+    os.close(fd)
+
+
+def _shm_array(nbytes: int) -> np.ndarray:
+    """``nbytes`` of shared memory as a numpy array: a memfd (no name in any file system, so nothing
+    is left behind whatever happens to this process), its pages reserved and mapped now (a full
+    memory cgroup is an error here, not a ``SIGBUS`` later), open for peers until the array is freed."""
+    fd = os.memfd_create("shardsync-block", os.MFD_CLOEXEC)
+    size = max(nbytes, 1)  # a mapping is never empty
+    try:
+        os.posix_fallocate(fd, 0, size)
+        mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
+    except BaseException:
+        os.close(fd)
+        raise
+    block = np.frombuffer(mm, dtype=np.uint8)[:nbytes]
+    ptr = block.ctypes.data if nbytes else id(block)
+    _handles[ptr] = BlockHandle(os.getpid(), fd, os.fstat(fd).st_ino, size)
+    weakref.finalize(block, _forget, ptr, fd)
+    return block
+
+
+def shm_block(shape: tuple[int, ...] | torch.Size, dtype: torch.dtype) -> torch.Tensor:
+    """A fresh CPU tensor in shared memory that peers on this machine can map (:func:`handle`); it
+    owns exactly its bytes.
+
+    Raises:
+        OSError: no memory left to reserve it.
+
+    Example:
+        >>> t = shm_block((2, 3), torch.float32)
+        >>> h = handle(t)
+        >>> (h.pid, h.nbytes) == (os.getpid(), 24)
+        True
+    """
+    return _over(_shm_array(math.prod(shape) * dtype.itemsize), shape, dtype)
+
+
+def handle(tensor: torch.Tensor) -> BlockHandle | None:
+    """The handle of the shared-memory block ``tensor``'s storage is (from :func:`shm_block` or a
+    pool with ``shm``), or None for any other tensor.
+
+    Example:
+        >>> handle(torch.zeros(3)) is None
+        True
+    """
+    return _handles.get(tensor.untyped_storage().data_ptr()) if tensor.device.type == "cpu" else None
+
+
+_pools: dict[bool, BlockPool] = {}
+
+
+def process_pool(capacity: int, shm: bool = False) -> BlockPool:
+    """The process's pool (of shared-memory blocks with ``shm``), used by every stream (so that a
+    stream starts on the blocks the last one left), its capacity raised to at least ``capacity``.
+    Sharing it is safe: a block in use by one stream's caller is busy for all of them.
+
+    Example:
+        >>> process_pool(1 << 20) is process_pool(0)
+        True
+    """
+    pool = _pools.get(shm)
+    if pool is None:
+        pool = _pools[shm] = BlockPool(capacity, shm=shm)
     pool.capacity = max(pool.capacity, capacity)
     return pool
 
 
 def release_memory() -> None:
-    """Drop the process's pool of recycled target memory (the blocks nobody uses are freed).
+    """Drop the process's pools of recycled target memory (the blocks nobody uses are freed).
 
     Example:
         >>> release_memory()
     """
-    _shared.clear()
+    _pools.clear()
+
+
+def _after_fork_in_child() -> None:
+    # A forked child's shared-memory blocks are its parent's memory: never hand them out there.
+    _pools.pop(True, None)
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def tune_allocator(threshold: int = MMAP_THRESHOLD_BYTES) -> bool:

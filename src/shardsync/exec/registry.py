@@ -14,7 +14,8 @@ from ..planning import STRATEGIES, Plan
 from ..sources import Source
 from .mesh import MeshGroups, MeshTransport
 from .multicast import MulticastTransport
-from .shm import HostChoice, ShmTransport, shm_costs, use_shm
+from .push import Pushing
+from .shm import HostChoice, ShmTransport, pushes, shm_costs, use_shm
 from .transport import BroadcastTransport, LocalTransport, P2PTransport, Transport
 
 __all__ = ["TRANSPORTS", "transport_for", "Chosen", "choose_transport", "run_device"]
@@ -79,6 +80,7 @@ def choose_transport(
     hosts: Sequence[HostChoice],
     backend: str,
     budget: int | None = None,
+    fresh: bool = True,
 ) -> Chosen:
     """Shared memory where every rank is on one host and ``transport=`` allows it (see
     :func:`~shardsync.exec.shm.use_shm`), else the strategy's transport on the group's ``backend``.
@@ -86,6 +88,9 @@ def choose_transport(
     ``hosts`` is every rank's host (with the device type of its targets) and choice, gathered with the
     layout: every rank decides the same.
     ``budget`` is the stream's ``memory_budget`` (segments count against it).
+    ``fresh``: the destination gives targets fresh memory (not memory of its own): through shared
+    memory, senders then write pieces of large targets straight into them
+    (:func:`~shardsync.exec.shm.pushes`).
 
     Example:
         >>> import torch, shardsync
@@ -95,13 +100,14 @@ def choose_transport(
     """
     if ranks is None:
         return Chosen(LocalTransport(), plan, "local")
-    if use_shm(plan, hosts, budget):
-        shm_plan = _with_shm_costs(plan)
-        return Chosen(ShmTransport(ranks, shm_plan, [h for h, _ in hosts]), shm_plan, "shm")
+    pushing = pushes(plan, fresh, budget)
+    if use_shm(plan, hosts, budget, pushing):
+        shm_plan = _with_shm_costs(plan, pushing)
+        return Chosen(ShmTransport(ranks, shm_plan, [h for h, _ in hosts], pushing), shm_plan, "shm")
     return Chosen(transport_for(plan, ranks, groups), plan, backend)
 
 
-_shm_plans: dict[int, tuple[Plan, Plan]] = {}  # id(plan) -> (plan, the plan with shm costs)
+_shm_plans: dict[tuple[int, Pushing], tuple[Plan, Plan]] = {}  # (id(plan), pushing) -> (plan, with shm costs)
 
 
 def release_shm_plans() -> None:
@@ -109,13 +115,14 @@ def release_shm_plans() -> None:
     _shm_plans.clear()
 
 
-def _with_shm_costs(plan: Plan) -> Plan:
+def _with_shm_costs(plan: Plan, pushing: Pushing) -> Plan:
     # The same object for the same (cached) plan: a loop that reuses its plan sees one plan.
-    hit = _shm_plans.get(id(plan))
+    key = (id(plan), pushing)
+    hit = _shm_plans.get(key)
     if hit is not None and hit[0] is plan:
         return hit[1]
     if len(_shm_plans) >= 8:
         del _shm_plans[next(iter(_shm_plans))]
-    shm_plan = dataclasses.replace(plan, costs=shm_costs(plan))
-    _shm_plans[id(plan)] = (plan, shm_plan)
+    shm_plan = dataclasses.replace(plan, costs=shm_costs(plan, pushing))
+    _shm_plans[key] = (plan, shm_plan)
     return shm_plan

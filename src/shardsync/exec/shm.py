@@ -1,6 +1,9 @@
-"""The same-host transport: ranks on one machine exchange reads through shared memory, not sockets.
+"""The same-host transport: ranks on one machine exchange data through shared memory, not sockets.
 
-Every read a rank sends (each once, however many ranks receive it) is published in shared memory:
+Targets of :data:`~shardsync.exec.push.PUSH_MIN_BYTES` or more that their consumers get in fresh
+memory lie in shared memory, and the ranks that send their pieces write them straight in
+(:mod:`shardsync.exec.push`). For the others, every read a rank sends (each once, however many ranks
+receive it) is published in shared memory:
 in place when it is a contiguous part of a tensor the caller already moved there (``share_memory_()``
 - nothing is copied to publish it), otherwise copied into the rank's segment, one file in
 ``/dev/shm``. The receivers map what they need and copy each box straight into their targets - no
@@ -14,8 +17,9 @@ them):
 
 1. ``shm publish``: each rank fills its segment - created with ``O_EXCL`` and its space reserved with
    ``posix_fallocate``, so a full ``/dev/shm`` is an error, never a ``SIGBUS`` - and says where each
-   of its reads lies (segment or shared storage, and offset);
-2. ``shm open``: each rank maps what it reads (a peer's shared storage through
+   of its reads lies (segment or shared storage, and offset), and where its board is (see
+   :mod:`~shardsync.exec.push`: every rank has one, for the pushed targets and the end of the stream);
+2. ``shm open``: each rank maps what it reads and every peer's board (a peer's shared storage through
    ``/proc/<pid>/fd/<fd>``, so peers run as the same user).
 
 Right after the second phase - whether it succeeded or not - every rank unlinks every segment name of
@@ -29,9 +33,10 @@ Fresh shared memory fills at about a third of the speed of memory already touche
 segment, and its mappings of its peers' ones, for the next stream of the group (:func:`release` drops
 them); the next stream writes into them when every rank still has them (agreed with the layout).
 
-After setup no rank waits for another until :meth:`ShmTransport.close`, a barrier after the last
-step: a rank that failed or stopped iterating still makes every other rank raise (the
-``data_phase`` guarantee), and no rank writes the next stream's data while another reads this one's.
+After setup ranks wait for each other only through their boards: for pushed targets, and at
+:meth:`ShmTransport.close`, after the last step, until every rank is done (no rank writes the next
+stream's data while another reads this one's). A rank that failed, stopped iterating or died makes
+every rank waiting for it raise (the ``data_phase`` guarantee), within a fraction of a second.
 """
 
 from __future__ import annotations
@@ -42,6 +47,7 @@ import mmap
 import os
 import warnings
 import weakref
+from collections import Counter
 from collections.abc import Sequence
 from typing import Any, Literal
 
@@ -49,15 +55,29 @@ import torch
 import torch.distributed as dist
 
 from .. import phases
-from ..dist import GroupRanks, agree, transport_errors
+from ..dist import GroupRanks, agree
 from ..errors import PlanError
 from ..layout.dtypes import itemsize, to_torch_dtype
+from ..liveness import ProcessRecord, is_gone, this_process
 from ..mapping.pieces import Piece
 from ..planning.model import Costs, Packet, Plan, Step
 from ..planning.schedule import aligned
+from ..roll_call import group_timeout
 from .assemble import cast_into, piece_view
 from .copies import Copies
 from .hosts import SHM_DIR, HostInfo, describe_hosts, same_host
+from .memory import BlockHandle, handle, shm_block, shm_blocks_supported
+from .push import (
+    NO_PUSHING,
+    PUSH_AHEAD_BYTES,
+    Board,
+    Pusher,
+    Pushing,
+    allocations,
+    pushed_bytes,
+    pushed_targets,
+    writers,
+)
 from .stats import Stats
 from .transport import PacketIO, Posted, Received
 
@@ -74,6 +94,8 @@ __all__ = [
     "release_all",
     "group_name",
     "arranged_pieces",
+    "pushes",
+    "pulls",
     "SHM_DIR",
     "SHM_PREFIX",
 ]
@@ -88,34 +110,83 @@ TransportChoice = Literal["auto", "shm", "backend"]
 TRANSPORT_CHOICES: tuple[str, ...] = ("auto", "shm", "backend")
 #: What each rank reports when the layout is gathered: its host and its ``transport=`` choice.
 HostChoice = tuple[HostInfo, TransportChoice]
-#: Collectives of the setup (publish, open); :meth:`ShmTransport.close` adds one barrier.
+#: Collectives of the setup (publish, open); nothing else of the stream is a collective.
 SETUP_COLLECTIVES = 2
 
 
-def shm_costs(plan: Plan) -> Costs:
-    """The plan's costs when its reads move through shared memory: each read is written once by its
-    sender and copied by each receiver; no collective moves data, three small ones synchronise (the
-    two setup phases and the closing barrier); and every rank may also hold a segment of the bytes it
-    sends for the whole stream (none for reads published in place; no receive or pack buffers either,
-    so this stays an upper bound).
+def pushes(plan: Plan, fresh: bool, budget: int | None = None) -> Pushing:
+    """The targets senders write straight into (:func:`~shardsync.exec.push.pushed_targets`) when
+    the destination gives targets fresh memory (``fresh``) and this system has shared-memory blocks,
+    and how far ahead their consumers allocate them: :data:`~shardsync.exec.push.PUSH_AHEAD_BYTES`,
+    or what is left of ``budget`` (``memory_budget``); the same on every rank.
+
+    Example:
+        >>> import shardsync
+        >>> pushes(shardsync.plan({"w": torch.zeros(3)}), fresh=True)
+        Pushing(targets=frozenset(), window=0)
+    """
+    if not (fresh and shm_blocks_supported()):
+        return NO_PUSHING
+    pushed = pushed_targets(plan)
+    if not pushed:
+        return NO_PUSHING
+    window = PUSH_AHEAD_BYTES
+    if budget is not None:
+        held = max(shm_costs(plan, Pushing(pushed)).peak_bytes, default=0)
+        window = max(0, min(window, budget - held))
+    return Pushing(pushed, window)
+
+
+def pulls(plan: Plan, pushed: frozenset[int]) -> dict[int, frozenset[int]]:
+    """Read -> the ranks that copy it out of its sender's shared memory (for the targets that are not
+    pushed), for every read some rank does: the reads their senders publish.
+
+    Example:
+        >>> import shardsync
+        >>> pulls(shardsync.plan({"w": torch.zeros(3)}), frozenset())
+        {}
+    """
+    out: dict[int, set[int]] = {}
+    for t, tp in enumerate(plan.targets):
+        if t in pushed:
+            continue
+        for cp in tp.copies:
+            r = plan.reads[cp.read]
+            for c in tp.consumers:
+                if c in r.receivers:
+                    out.setdefault(cp.read, set()).add(c)
+    return {i: frozenset(ranks) for i, ranks in sorted(out.items())}
+
+
+def shm_costs(plan: Plan, pushing: Pushing = NO_PUSHING) -> Costs:
+    """The plan's costs when its data moves through shared memory, the targets of ``pushing`` written
+    straight into by their senders (:func:`pushes`): a pushed piece is written once by its sender per
+    consumer; any other read is written once by its sender and copied by each rank that pulls it; no
+    collective moves data, two small ones set up; and every rank may also hold a segment of the
+    bytes it publishes for the whole stream (none for reads published in place) and the pushed
+    targets it allocates ahead of their step (no receive or pack buffers either, so this stays an
+    upper bound).
 
     Example:
         >>> import shardsync
         >>> plan = shardsync.plan({"w": torch.zeros(3)})   # one process: nothing is received
         >>> shm_costs(plan).collectives, shm_costs(plan).bytes_received
-        ((3,), (0,))
+        ((2,), (0,))
     """
     world = plan.world_size
-    sent, recv = [0] * world, [0] * world
-    segment = [0] * world  # at most: every read a rank sends copied into its segment
-    for r in plan.reads:
-        if r.receivers and r.sender is not None:
+    sent, recv = pushed_bytes(plan, pushing.targets)
+    segment = [0] * world  # at most: every read a rank publishes copied into its segment
+    for rank in range(world) if pushing.targets else ():  # and the pushed targets allocated ahead
+        segment[rank] += allocations(plan, writers(plan, pushing.targets, rank), pushing.window)[1]
+    for i, ranks in pulls(plan, pushing.targets).items():
+        r = plan.reads[i]
+        if r.sender is not None:
             sent[r.sender] += r.nbytes
             segment[r.sender] += aligned(r.nbytes)
-            for d in r.receivers:
+            for d in ranks:
                 recv[d] += r.nbytes
     peak = tuple(p + s for p, s in zip(plan.costs.peak_bytes, segment))
-    return Costs(tuple(sent), tuple(recv), (SETUP_COLLECTIVES + 1,) * world, peak)
+    return Costs(tuple(sent), tuple(recv), (SETUP_COLLECTIVES,) * world, peak)
 
 
 def _piece_dtype(piece: Piece, dtype: str) -> str:
@@ -132,8 +203,9 @@ def _regions(pieces: Sequence[Piece], dtype: str) -> tuple[list[int], int]:
     return offsets, size
 
 
-def arranged_pieces(plan: Plan) -> dict[int, tuple[Piece, ...]]:
-    """The reads whose sender publishes their pieces in target form rather than the read's own bytes.
+def arranged_pieces(plan: Plan, pushed: frozenset[int] = frozenset()) -> dict[int, tuple[Piece, ...]]:
+    """The reads whose sender publishes their pieces in target form rather than the read's own bytes
+    (pieces of ``pushed`` targets are written by their senders, not published).
 
     A receiver copies what it gets into its targets piece by piece, casting and permuting each as it
     goes (a transposed piece is the slow copy of them all). When a sender copies a read into its
@@ -150,7 +222,9 @@ def arranged_pieces(plan: Plan) -> dict[int, tuple[Piece, ...]]:
         {}
     """
     pieces: dict[int, dict[Piece, None]] = {}
-    for tp in plan.targets:
+    for t, tp in enumerate(plan.targets):
+        if t in pushed:
+            continue
         for c in tp.copies:
             r = plan.reads[c.read]
             if r.receivers and r.sender is not None:
@@ -187,9 +261,13 @@ def check_transport(value: object) -> None:
         raise PlanError(f"transport={value!r}: use one of {list(TRANSPORT_CHOICES)}")
 
 
-def use_shm(plan: Plan, hosts: Sequence[tuple[HostInfo, str]], budget: int | None) -> bool:
-    """Whether ``plan``'s reads move through shared memory, from every rank's host and ``transport=``
+def use_shm(
+    plan: Plan, hosts: Sequence[tuple[HostInfo, str]], budget: int | None, pushing: Pushing = NO_PUSHING
+) -> bool:
+    """Whether ``plan``'s data moves through shared memory, from every rank's host and ``transport=``
     choice (gathered with the layout): the same answer, or the same error, on every rank.
+    ``pushing``: the targets senders would write straight into (:func:`pushes`); their bytes need no
+    room in /dev/shm (their blocks have no name there).
 
     Raises:
         PlanError: the ranks passed different choices, or ``"shm"`` where it cannot be used (mesh2d,
@@ -212,8 +290,8 @@ def use_shm(plan: Plan, hosts: Sequence[tuple[HostInfo, str]], budget: int | Non
             f"ranks passed different transport= values {sorted(choices)}; pass the same on every rank of the group"
         )
     infos, choice = [h for h, _ in hosts], choices.pop()
-    need = sum(r.nbytes for r in plan.reads if r.receivers)
-    peak = max(shm_costs(plan).peak_bytes, default=0)
+    need = sum(plan.reads[i].nbytes for i in pulls(plan, pushing.targets))
+    peak = max(shm_costs(plan, pushing).peak_bytes, default=0)
     off_cpu = ", ".join(sorted({h.data_device for h in infos} - {"cpu"}))  # every rank's, gathered
     why = (
         "the strategy is mesh2d (its transport is the mesh's groups)"
@@ -230,7 +308,7 @@ def use_shm(plan: Plan, hosts: Sequence[tuple[HostInfo, str]], budget: int | Non
     )
     if choice == "shm" and why:
         raise PlanError(f"transport='shm' cannot be used: {why}; pass transport='backend' or 'auto'")
-    return choice != "backend" and not why and need > 0
+    return choice != "backend" and not why and any(r.receivers for r in plan.reads)
 
 
 def _alive(pid: int) -> bool:
@@ -254,13 +332,14 @@ def _sweep() -> None:
                     log.warning("removed %s/%s, left by a process that died", SHM_DIR, name)
 
 
-def _map(path: str, size: int, create: bool) -> mmap.mmap:
+def _map(path: str, size: int, create: bool, populate: bool = False) -> mmap.mmap:
     flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
     fd = os.open(path, flags, 0o600)
     try:
         if create:
             os.posix_fallocate(fd, 0, size)  # ENOSPC here, not SIGBUS on first touch
-        return mmap.mmap(fd, size)
+        # populate: the pages mapped now, in one call, rather than faulted in one by one on first write
+        return mmap.mmap(fd, size, flags=mmap.MAP_SHARED | (getattr(mmap, "MAP_POPULATE", 0) if populate else 0))
     finally:
         os.close(fd)
 
@@ -273,12 +352,15 @@ def _bytes(mm: mmap.mmap) -> torch.Tensor:
 
 class _Kept:
     """What a rank keeps for its group between streams: its own segment (by the reads it holds) and
-    its mappings of peers' segments and shared storages (by handle)."""
+    board, its mappings of peers' segments, boards and shared storages (by handle), and of the
+    peers' blocks it wrote pieces into."""
 
     def __init__(self) -> None:
         self.token = ""  # the stream that set these up; "" when none (or after a failure)
         self.own: tuple[tuple, tuple, torch.Tensor] | None = None  # (reads and sizes, handle, bytes)
+        self.board: tuple[tuple, torch.Tensor] | None = None  # (handle, bytes)
         self.maps: dict[tuple, torch.Tensor] = {}  # handle -> mapped bytes
+        self.blocks: dict[tuple[int, int, int], torch.Tensor] = {}  # (rank, fd, inode) -> mapped bytes
         self.busy = False  # a stream is using them: another one works on its own
 
 
@@ -346,7 +428,7 @@ def _storage_handle(view: torch.Tensor) -> tuple[tuple, int] | None:
     return ("fd", os.getpid(), fd, os.fstat(fd).st_ino, size), offset
 
 
-def _open_handle(handle: tuple) -> torch.Tensor:
+def _open_handle(handle: tuple, populate: bool = False) -> torch.Tensor:
     if handle[0] == "fd":  # the owner's descriptor, reached through /proc (same user)
         _, pid, fd, ino, size = handle
         path = f"/proc/{pid}/fd/{fd}"
@@ -362,46 +444,63 @@ def _open_handle(handle: tuple) -> torch.Tensor:
             raise RuntimeError(f"{path} is no longer the shared storage published by process {pid}")
     else:
         path, size = handle[-2:]
-    return _bytes(_map(path, size, create=False))
+    return _bytes(_map(path, size, create=False, populate=populate))
+
+
+#: What a rank shows its peers at setup: where each read it publishes lies (handle, byte offset,
+#: whether in target form), its board's handle, and where its process runs.
+_Published = tuple[dict[int, tuple[tuple, int, bool]], tuple, ProcessRecord]
 
 
 class ShmTransport:
-    """Moves a plan's reads between ranks of one host through shared memory (see the module doc).
+    """Moves a plan's data between ranks of one host through shared memory (see the module doc).
 
-    Works with the packet strategies (``broadcast``, ``bucketed``, ``p2p``): what a packet would
-    carry, a receiver copies from where its sender published it; each read crosses once per receiver.
-    A read that is a contiguous part of a tensor already in shared memory (``share_memory_()``) is
-    published in place; any other is copied into the sender's segment.
+    Works with the packet strategies (``broadcast``, ``bucketed``, ``p2p``, ``multicast``): what a
+    packet would carry, a receiver copies from where its sender published it, or its sender writes
+    straight into the receiver's target (``pushed`` targets); each read crosses once per receiver.
+    A published read that is a contiguous part of a tensor already in shared memory
+    (``share_memory_()``) is published in place; any other is copied into the sender's segment.
 
     Args:
         ranks: the stream's group and this rank's place in it.
         plan: the agreed plan.
         hosts: every rank's :class:`HostInfo`, by group rank (gathered with the layout).
+        pushing: the targets senders write straight into, and how far ahead (:func:`pushes`).
 
     Example:
-        >>> transport = ShmTransport(GroupRanks.of(None), plan, hosts)   # doctest: +SKIP
+        >>> transport = ShmTransport(GroupRanks.of(None), plan, hosts, pushes(plan, True))  # doctest: +SKIP
     """
 
-    def __init__(self, ranks: GroupRanks, plan: Plan, hosts: Sequence[HostInfo]) -> None:
+    def __init__(self, ranks: GroupRanks, plan: Plan, hosts: Sequence[HostInfo], pushing: Pushing = NO_PUSHING) -> None:
         self.ranks, self.plan = ranks, plan
         token = f"{hosts[0].pid}-{hosts[0].stream}"
         self.paths = [os.path.join(SHM_DIR, f"{SHM_PREFIX}{token}-{r}-{h.pid}") for r, h in enumerate(hosts)]
         self.token, self.tokens = token, {h.segments for h in hosts}
+        self.gen = hosts[0].stream % (2**31 - 2) + 1  # numbers the stream on every board (rank 0's count)
         self.kept = _Kept()  # until setup takes what is kept for the group
         self.reuse_own = False
-        self.views: dict[int, torch.Tensor] = {}  # read this rank receives -> its bytes
+        me = ranks.rank
+        self.pulls = pulls(plan, pushing.targets)
+        self.mine = frozenset(i for i, ranks_ in self.pulls.items() if me in ranks_)  # reads this rank pulls
+        self.views: dict[int, torch.Tensor] = {}  # read this rank pulls -> its bytes
         # read -> its pieces, their offsets and bytes, when published in target form (if copied)
-        self.arrange = {i: (ps, *_regions(ps, plan.reads[i].dtype)) for i, ps in arranged_pieces(plan).items()}
+        self.arrange = {
+            i: (ps, *_regions(ps, plan.reads[i].dtype)) for i, ps in arranged_pieces(plan, pushing.targets).items()
+        }
+        self.push = Pusher(ranks, plan, pushing)
+        # how many times this rank takes each read from its source: once per read it publishes, once
+        # per piece it pushes
+        self.sends: Counter[int] = Counter(i for i in self.pulls if plan.reads[i].sender == me) + self.push.takes
         self.held = 0
 
     def start(self, step: Step, io: PacketIO, stats: Stats) -> Posted:
-        """Hand out, for every read of ``step`` this rank receives, a view of it where its sender
+        """Hand out, for every read of ``step`` this rank pulls, a view of it where its sender
         published it (no data moves here)."""
         me, posted = self.ranks.rank, Posted()
         for pk in step.packets:
             for i in pk.reads:
-                r = self.plan.reads[i]
-                if me in r.receivers and pk.src != me and pk.dst in (-1, me):
+                if i in self.mine and pk.src != me and pk.dst in (-1, me) and i in self.views:
+                    r = self.plan.reads[i]
                     posted.got.append(Received(Packet(pk.src, me, (i,), (0,), r.nbytes), self.views[i]))
                     stats.bytes_received += r.nbytes
         return posted
@@ -409,23 +508,22 @@ class ShmTransport:
     def close(self, stats: Stats) -> None:
         """After the last step, on every rank: wait for the others (a failure anywhere fails all, and
         no rank writes the next stream's data while another still reads this one's)."""
-        with transport_errors():
-            dist.barrier(group=self.ranks.group)
-        stats.collectives += 1
+        self.push.close()
         stats.release(self.held)
         self.views.clear()
         self.kept.busy = False
 
     def setup(self, io: PacketIO, stats: Stats) -> None:
         """Before the first step, on every rank, in two agreed phases of their own (before the data
-        phase): publish the reads this rank sends, map the ones it receives."""
+        phase): publish the reads this rank sends and show its board, map the reads it pulls and
+        every peer's board."""
         kept = _kept_by_name().setdefault(group_name(self.ranks.group), _Kept())
         if kept.busy:  # another stream of this group is live: work on fresh memory of its own
             kept = _Kept()
         # every rank still has what the last stream left (their tokens were gathered with the layout)
         self.reuse_own = len(self.tokens) == 1 and kept.token in self.tokens and kept.token != ""
         if not self.reuse_own:
-            kept.own, kept.maps = None, {}
+            kept.own, kept.board, kept.maps, kept.blocks = None, None, {}, {}
         self.kept = kept
         kept.busy = True
         weakref.finalize(self, _idle, kept)  # an abandoned stream frees them for the next
@@ -440,15 +538,28 @@ class ShmTransport:
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(path)
 
+    def _board(self) -> tuple:
+        """This rank's board (the kept one when it fits this plan), as its handle."""
+        size = Board.nbytes(len(self.plan.targets), self.ranks.world)
+        kept = self.kept.board
+        if kept is None or kept[1].numel() != size:
+            memory = shm_block((size,), torch.uint8)
+            block = handle(memory)
+            assert block is not None
+            kept = self.kept.board = (("fd", *block), memory)
+        return kept[0]
+
     @torch.no_grad()
-    def _publish(self, io: PacketIO, stats: Stats) -> dict[int, tuple[tuple, int, bool]]:
-        """Where each read this rank sends can be mapped from: (handle, byte offset, whether its
-        pieces are there in target form, see :func:`arranged_pieces`)."""
+    def _publish(self, io: PacketIO, stats: Stats) -> _Published:
+        """Where each read this rank publishes can be mapped from: (handle, byte offset, whether its
+        pieces are there in target form, see :func:`arranged_pieces`); where its board is; and where
+        its process runs (the waits on its board check it)."""
         me, where, copied = self.ranks.rank, {}, []
         _sweep()
-        for i, r in enumerate(self.plan.reads):
-            if r.sender == me and r.receivers:
-                stats.bytes_sent += r.nbytes
+        board = self._board()
+        for i in self.pulls:
+            if self.plan.reads[i].sender == me:
+                stats.bytes_sent += self.plan.reads[i].nbytes
                 view = io.send_once(i)
                 found = _storage_handle(view)
                 if found is None:
@@ -457,7 +568,7 @@ class ShmTransport:
                     where[i] = (*found, False)
         if copied:
             where |= self._fill(copied, stats, io)
-        return where
+        return where, board, this_process()
 
     def _published_bytes(self, i: int) -> int:
         return self.arrange[i][2] if i in self.arrange else self.plan.reads[i].nbytes
@@ -479,7 +590,7 @@ class ShmTransport:
             offsets.append(size)
             size = aligned(size + self._published_bytes(i))
         # written again only for the same receivers: they mapped it last time (its name is gone)
-        layout = tuple((i, self._published_bytes(i), self.plan.reads[i].receivers) for i, _ in copied)
+        layout = tuple((i, self._published_bytes(i), self.pulls[i]) for i, _ in copied)
         own = self.kept.own
         if own is None or own[0] != layout or not self.reuse_own:
             path = self.paths[self.ranks.rank]
@@ -507,27 +618,53 @@ class ShmTransport:
         io.copy(batch)
         return {i: (own[1], off, i in self.arrange) for (i, _), off in zip(copied, offsets)}
 
-    def _open(self, tables: list[dict[int, tuple[tuple, int, bool]]], io: PacketIO) -> None:
+    def _open(self, tables: list[_Published], io: PacketIO) -> None:
         me, maps = self.ranks.rank, self.kept.maps
-        needed = {}
-        for table in tables:
-            for i, where in table.items():
-                if me in self.plan.reads[i].receivers:
-                    needed[i] = where
-        used = {h for h, _, _ in needed.values()}
-        for handle in used - set(maps):
-            maps[handle] = _open_handle(handle)
+        needed = {i: where for table, _, _ in tables for i, where in table.items() if i in self.mine}
+        boards = [board for _, board, _ in tables]
+        used = {h for h, _, _ in needed.values()} | {b for r, b in enumerate(boards) if r != me}
+        records = [record for _, _, record in tables]
+        for handle_ in used - set(maps):
+            try:
+                maps[handle_] = _open_handle(handle_)
+            except (OSError, RuntimeError):
+                if _owner_gone(handle_, records):  # died since it published: this phase names it
+                    return
+                raise
         # Unmap storages not read any more, and a peer's segment once it published another; keep
         # the others: their owners write the next stream into them (their names are gone).
         owners = {h[1] for h in used if h[0] == "seg"}
-        for handle in [h for h in maps if h not in used and (h[0] != "seg" or h[1] in owners)]:
-            del maps[handle]
-        for i, (handle, off, arranged) in needed.items():
+        for handle_ in [h for h in maps if h not in used and (h[0] != "seg" or h[1] in owners)]:
+            del maps[handle_]
+        for i, (handle_, off, arranged) in needed.items():
             if arranged:
-                self.views[i] = maps[handle][off : off + self._published_bytes(i)]
+                self.views[i] = maps[handle_][off : off + self._published_bytes(i)]
                 io.prearranged(i, self._pieces(self.views[i], i))
             else:
-                self.views[i] = maps[handle][off : off + self.plan.reads[i].nbytes]
+                self.views[i] = maps[handle_][off : off + self.plan.reads[i].nbytes]
+        size = Board.nbytes(len(self.plan.targets), self.ranks.world)
+        own = self.kept.board
+        assert own is not None
+        memories = [own[1] if r == me else maps[b] for r, b in enumerate(boards)]
+        self.push.attach(
+            self.gen,
+            [Board(m[:size], *self.push.shape) for m in memories],
+            records,
+            self.kept.blocks,
+            _open_block,
+            group_timeout(self.ranks.group),
+        )
+
+
+def _owner_gone(handle_: tuple, records: Sequence[ProcessRecord]) -> bool:
+    """Whether the process that published ``handle_`` has ended (its segment's rank, or its pid)."""
+    owner = records[handle_[1]] if handle_[0] == "seg" else next((r for r in records if r.pid == handle_[1]), None)
+    return owner is not None and bool(is_gone(owner))
+
+
+def _open_block(block: BlockHandle) -> torch.Tensor:
+    """A peer's block of shared memory (a target it receives pieces in), mapped with its pages."""
+    return _open_handle(("fd", *block), populate=True)
 
 
 def _idle(kept: _Kept) -> None:

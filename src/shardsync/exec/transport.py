@@ -12,9 +12,10 @@ while the next one is on the wire.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple, Protocol
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 import torch
 import torch.distributed as dist
@@ -25,6 +26,9 @@ from ..mapping.pieces import Piece
 from ..planning.model import Packet, Read, Step
 from .copies import Copies
 from .stats import Stats
+
+if TYPE_CHECKING:
+    from .push import Pusher
 
 __all__ = [
     "Transport",
@@ -162,6 +166,13 @@ class Transport(Protocol):
     their bytes from ``io.fill``; receivers land packets where ``io.sink`` says or in ``io.buffer``.
     Implementations count ``bytes_sent``, ``bytes_received`` and ``collectives`` in ``stats``.
 
+    Attributes:
+        push: the shared-memory transport's :class:`~shardsync.exec.push.Pusher` (senders write
+            pieces straight into their consumers' targets; the executor calls it as its docstring
+            says), or None.
+        sends: how many times this rank takes each read from its source to send it (None: once per
+            packet of the plan holding it, through ``io.fill``).
+
     Example:
         >>> for k, step in enumerate(plan.steps):              # doctest: +SKIP
         ...     transport.start(step, io, stats).wait()
@@ -179,15 +190,24 @@ class Transport(Protocol):
         """After the last step, on every rank."""
         ...
 
+    @property
+    def push(self) -> Pusher | None: ...
+
+    @property
+    def sends(self) -> Counter[int] | None: ...
+
 
 class Plain:
-    """The :class:`Transport` members of a transport that sets nothing up and holds nothing after the
-    last step.
+    """The :class:`Transport` members of a transport that sets nothing up, holds nothing after the
+    last step, pushes nothing and sends each packet it fills.
 
     Example:
-        >>> Plain().setup(None, None), Plain().close(None)
-        (None, None)
+        >>> Plain().setup(None, None), Plain().close(None), Plain().push
+        (None, None, None)
     """
+
+    push: Pusher | None = None
+    sends: Counter[int] | None = None
 
     def setup(self, io: PacketIO, stats: Stats) -> None:
         """Nothing to set up."""

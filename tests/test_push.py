@@ -1,0 +1,340 @@
+"""Senders write their pieces straight into their consumers' targets in shared memory (exec/push.py).
+
+Every scenario of the shared-memory tests runs again with every target pushed (``PUSH_MIN_BYTES`` 0 in
+the ranks): targets byte-identical to gloo's broadcasts and equal to the dense reference, the counters
+equal to the plan's costs, and no read published. Then what pushing changes: targets the caller keeps
+are never written again, no two consumers share memory, a rank that dies or fails while others wait
+for its pieces is named within seconds (not after the group's timeout), and a rank that leaves early
+still writes its pieces.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+
+import shardsync.exec.push as push
+import shardsync.exec.shm as shm
+from multiproc import RankFailure, run_ranks
+from reference import arange_tensor
+from shardsync.dist import GroupRanks
+from shardsync.errors import DistributedError
+from shardsync.exec.memory import BlockHandle, handle
+from shardsync.layout import shard_dim
+from shardsync.liveness import ProcessRecord, this_process
+from shardsync.planning.model import Costs, Plan, Step, TargetPlan
+from shardsync.roll_call import TransportFailure
+from shardsync.stream import full_params
+from test_shm import CASES, STRATEGIES, _arranged_case, both, check_pair, stream
+from test_stream_dist import case_tp
+from test_stream_dist4 import case_replicas, case_tp_pp
+
+
+@contextlib.contextmanager
+def counting() -> Iterator[dict[str, int]]:
+    """Count the steps whose pieces this rank pushed and the segments it filled, in this process."""
+    counts = {"marks": 0, "fills": 0}
+    mark, fill = push.Pusher.mark, shm.ShmTransport._fill
+
+    def marked(self: push.Pusher, k: int) -> None:
+        counts["marks"] += 1
+        mark(self, k)
+
+    def filled(self: shm.ShmTransport, *args: Any) -> Any:
+        counts["fills"] += 1
+        return fill(self, *args)
+
+    push.Pusher.mark, shm.ShmTransport._fill = marked, filled  # type: ignore[method-assign]
+    try:
+        yield counts
+    finally:
+        push.Pusher.mark, shm.ShmTransport._fill = mark, fill  # type: ignore[method-assign]
+
+
+def _every_case(rank: int, world: int, cases: tuple) -> dict:
+    push.PUSH_MIN_BYTES = 0  # this forked rank only: every target with pieces from elsewhere
+    out: dict = {}
+    with counting() as counts:
+        for case in cases:
+            state, mapping, ref = case(rank, world)
+            for name, kw in STRATEGIES:
+                out[(case.__name__, name)] = both(state, mapping, ref, strategy=name, **kw)
+        state, _, ref = case_tp(rank, world)
+        out["consumers=1"] = both(state, None, ref, consumers=1, strategy="p2p")
+        out["consumers=[1,0]"] = both(state, None, ref, consumers=[1, 0], strategy="p2p", split_by="bytes")
+        out["copy=False"] = both(state, None, ref, copy=False)
+        out["num_splits"] = both(state, None, ref, num_splits=2, split_index=1)
+        for reuse in ("until-next", "never"):
+            out[reuse] = both(state, None, ref, reuse=reuse)
+    out["counts"] = counts
+    return out
+
+
+def test_two_ranks_pushing_every_target_matches_broadcast() -> None:
+    records = run_ranks(_every_case, 2, CASES, timeout=300)
+    for case in CASES:
+        for name, _ in STRATEGIES:
+            check_pair(records, (case.__name__, name), list(case(0, 2)[2]))
+    for key in ("consumers=1", "consumers=[1,0]", "copy=False", "num_splits", "until-next", "never"):
+        check_pair(records, key)
+    assert [rec["consumers=1"][0]["targets"] == {} for rec in records] == [True, False]
+    for rec in records:
+        # every target's pieces from elsewhere were pushed: no read was published into a segment
+        assert rec["counts"]["marks"] > 0 and rec["counts"]["fills"] == 0, rec["counts"]
+
+
+def test_four_ranks_pushing_every_target_matches_broadcast() -> None:
+    records = run_ranks(_every_case, 4, (*CASES, case_tp_pp, case_replicas), timeout=300)
+    for case in (*CASES, case_tp_pp, case_replicas):
+        for name, _ in STRATEGIES:
+            check_pair(records, (case.__name__, name), list(case(0, 4)[2]))
+    for rec in records:
+        assert rec["counts"]["marks"] > 0 and rec["counts"]["fills"] == 0, rec["counts"]
+
+
+def _transposed(rank: int, world: int) -> dict:
+    """The cast and transposed pieces of test_shm's case, at the real threshold (they are large)."""
+    import shardsync.exec.copies as copies
+
+    moved = [0]  # elements this rank transposed (every transposed copy goes through this kernel)
+    real = copies.transpose_into
+
+    def counted(dst: torch.Tensor, src: torch.Tensor) -> None:
+        moved[0] += dst.numel()
+        real(dst, src)
+
+    copies.transpose_into = counted  # type: ignore[assignment]  # this forked rank only
+    state, mapping, ref = _arranged_case(rank, world)
+    out = {}
+    with counting() as counts:
+        for transport in ("shm", "backend"):
+            moved[0] = 0
+            out[transport] = stream(state, mapping, ref, transport=transport, strategy="broadcast")
+            out[transport]["moved"] = moved[0]
+    s = full_params(state, mapping, transport="shm", strategy="broadcast")
+    list(s)
+    pushed = push.pushed_targets(s.plan)
+    out["pushed"] = sorted(s.plan.targets[t].name for t in pushed)
+    out["counts"] = counts
+    return out
+
+
+def test_pieces_are_cast_and_transposed_once_by_their_sender() -> None:
+    """A sender that builds a transposed piece into its own target copies it from there into the
+    other consumers' targets: every element is transposed once, by the rank that holds it."""
+    world = 2
+    records = run_ranks(_transposed, world)
+    full = _arranged_case(0, world)[2]
+    large = sorted(k for k, v in full.items() if v.numel() * v.element_size() >= push.PUSH_MIN_BYTES)
+    for rank, rec in enumerate(records):
+        got, via_gloo = rec["shm"], rec["backend"]
+        assert got["transport"] == "shm" and got["bad"] == [] == via_gloo["bad"], rank
+        assert got["targets"] == via_gloo["targets"] and sorted(got["targets"]) == sorted(full), rank
+        assert got["stats"] == got["costs"] and got["peak"] <= got["plan_peak"], rank
+        assert rec["pushed"] == large == ["pt", "qt", "w2", "wt", "y1", "y2"], rank
+        every = sum(full[k].numel() for k in ("pt", "y1", "y2", "wt"))
+        assert via_gloo["moved"] == every, rank
+        assert got["moved"] == every // world, rank  # its own halves, once
+        # the small targets (c16, e, h32) are still published: one segment per stream
+        assert rec["counts"]["fills"] == 1 and rec["counts"]["marks"] > 0, rank
+
+
+def _kept_and_private(rank: int, world: int) -> dict:
+    """Targets the caller keeps, and targets it writes into, while more streams run."""
+    full = arange_tensor((2 * 131, 257))  # 269 KB: pushed at the real threshold
+    state = {"w": shard_dim(full.clone(), 0, rank, world), "v": shard_dim(full + 0.5, 1, rank, world)}
+    mapping = ["w^T -> wt", "v -> v"]
+    ref = {"wt": full.T, "v": full + 0.5}  # the shards are copies: changing them leaves these
+    kept = [dict(full_params(state, mapping)) for _ in range(2)]  # the second stream on new memory
+    state["w"].local.add_(1000)  # the sources change between streams (a training step)
+    state["v"].local.add_(1000)
+    third = dict(full_params(state, mapping))
+    unchanged = [all(torch.equal(k[n], ref[n]) for n in ref) for k in kept]
+    kept[0]["wt"].add_(rank + 1)  # a consumer writes into its target: nobody else's changes
+    dist.barrier()
+    return {
+        "kept": unchanged,
+        "third": all(torch.equal(third[n], ref[n] + 1000) for n in ref),
+        "mine": torch.equal(kept[0]["wt"], ref["wt"] + rank + 1),
+        "other": torch.equal(kept[1]["wt"], ref["wt"]),
+        "shared": handle(kept[0]["wt"]) is not None and kept[0]["wt"].untyped_storage().nbytes() == full.numel() * 4,
+        "blocks": len({t.untyped_storage().data_ptr() for k in (*kept, third) for t in k.values()}),
+    }
+
+
+def test_targets_kept_by_the_caller_are_never_written_again_nor_shared() -> None:
+    records = run_ranks(_kept_and_private, 2)
+    for rec in records:
+        assert rec["kept"] == [True, True] and rec["third"] and rec["mine"] and rec["other"], rec
+        assert rec["shared"] and rec["blocks"] == 6, rec  # each target its own block, owning its bytes
+
+
+def _export(rank: int, world: int) -> dict:
+    full = arange_tensor((4 * 97, 2 * 181), start=-7)  # every target pushed (b in bfloat16 too)
+    state = {"w": shard_dim(full, 1, rank, world)}
+    ref = {"a": full[:, :181], "b": full[:, 181:].T.to(torch.bfloat16), "w": full}
+    mapping = ["w -> a, b2, axis=1", "b2^T -> b, dtype='bfloat16'", "w -> w"]
+    s = full_params(state, mapping, consumers=0)
+    got = {n: torch.equal(t, ref[n]) and t.dtype == ref[n].dtype for n, t in s}
+    c = s.plan.costs
+    return {
+        "got": got,
+        "stats": (s.stats.bytes_sent, s.stats.bytes_received),
+        "costs": (c.bytes_sent[rank], c.bytes_received[rank]),
+        "columns": state["w"].local.shape[1],
+    }
+
+
+def test_export_to_one_rank_is_written_by_every_sender() -> None:
+    records = run_ranks(_export, 4)
+    assert records[0]["got"] == {"a": True, "b": True, "w": True}
+    assert all(rec["got"] == {} for rec in records[1:])
+    for rec in records:
+        assert rec["stats"] == rec["costs"]
+    # rank 0 receives every column it does not hold, of every target, as the senders wrote them
+    rows, mine = 4 * 97, records[0]["columns"]
+    total = rows * 181 * 4 + rows * 181 * 2 + rows * 2 * 181 * 4
+    own = rows * mine * 4 + rows * mine * 4  # its columns of "a" and "w" ("b" is the other half)
+    assert records[0]["stats"] == (0, total - own) and sum(rec["stats"][0] for rec in records[1:]) == total - own
+
+
+# -- failures ----------------------------------------------------------------------------------------
+
+#: A group timeout no failure below waits out: each must be found well within it.
+LONG_TIMEOUT = 120
+
+
+def _failing(rank: int, world: int, how: str, signal_dir: str) -> tuple:
+    full = {k: arange_tensor((2 * 129, 263), start=100 * i) for i, k in enumerate("abcd")}
+    state = {k: shard_dim(v, 0, rank, world) for k, v in full.items()}
+    mapping = [f"{k}^T -> {k}" for k in full]  # each target pushed, each rank writing half of it
+    names: list[str] = []
+    start = time.monotonic()
+    try:
+        for name, _ in full_params(state, mapping, strategy="broadcast"):
+            names.append(name)
+            if rank == 1 and how == "dies":
+                os._exit(3)
+            if rank == 1 and how == "raises":  # its next step reads a shard it no longer holds
+                state["c"].local = state["c"].local[:0]
+    except DistributedError as exc:
+        seconds = time.monotonic() - start
+        if rank == 0:
+            open(os.path.join(signal_dir, "told"), "w").close()
+        else:  # alive, and in no collective, until rank 0 has its error
+            for _ in range(LONG_TIMEOUT * 10):
+                if os.path.exists(os.path.join(signal_dir, "told")):
+                    break
+                time.sleep(0.1)
+        return ("DistributedError", exc.phase, exc.failures, names, seconds)
+    return ("finished", names)
+
+
+@pytest.mark.parametrize("how", ["dies", "raises"])
+def test_a_rank_that_dies_or_fails_while_others_wait_for_its_pieces_is_named_at_once(how: str, tmp_path: Any) -> None:
+    args = (how, str(tmp_path))
+    if how == "dies":
+        with pytest.raises(RankFailure) as err:
+            run_ranks(_failing, 2, *args, timeout=90, group_timeout=LONG_TIMEOUT)
+        out = err.value.outcomes
+        assert out[1][:2] == ("error", "Died")
+        kind, phase, failures, names, seconds = out[0][1]
+        assert failures == {1: "entered phase 'stream' and then its process ended (it died or exited)"}
+    else:
+        out = dict(enumerate(run_ranks(_failing, 2, *args, timeout=90, group_timeout=LONG_TIMEOUT)))
+        kind, phase, failures, names, seconds = out[0]
+        assert list(failures) == [1] and "LayoutError: 'c': this rank holds no shard containing" in failures[1]
+        assert out[1][:3] == (kind, phase, failures)
+    assert (kind, phase, names[:1]) == ("DistributedError", "stream", ["a"])
+    assert seconds < LONG_TIMEOUT / 4, seconds  # found, not waited out
+
+
+def _leaves(rank: int, world: int) -> dict:
+    full = {k: arange_tensor((2 * 129, 263), start=100 * i) for i, k in enumerate("abc")}
+    state = {k: shard_dim(v, 0, rank, world) for k, v in full.items()}
+    mapping = [f"{k}^T -> {k}" for k in full]
+    got = {}
+    for name, t in full_params(state, mapping):
+        got[name] = torch.equal(t, full[name].T)
+        if rank == 1:
+            break  # rank 1 leaves: it still writes its pieces of every target into rank 0's
+    again = {name: torch.equal(t, full[name].T) for name, t in full_params(state, mapping)}
+    return {"got": got, "again": again}
+
+
+def test_a_rank_that_leaves_early_still_writes_its_pieces() -> None:
+    records = run_ranks(_leaves, 2)
+    assert records[0]["got"] == {"a": True, "b": True, "c": True} and records[1]["got"] == {"a": True}
+    assert all(rec["again"] == {"a": True, "b": True, "c": True} for rec in records)
+
+
+# -- pure parts ----------------------------------------------------------------------------------------
+
+
+def _plan(sizes: list[int], opens: list[list[int]]) -> Plan:
+    targets = tuple(TargetPlan(f"t{i}", (n,), "uint8", (0,), ()) for i, n in enumerate(sizes))
+    steps = tuple(Step("broadcast", (), tuple(o), tuple(o)) for o in opens)
+    return Plan("broadcast", 1, targets, (), steps, 0, Costs((0,), (0,), (0,), (0,)))
+
+
+def test_consumers_allocate_pushed_targets_up_to_the_window_ahead_of_their_step() -> None:
+    plan = _plan([10, 20, 30, 40, 50], [[0], [1, 2], [], [3], [4]])
+    mine = {0, 1, 2, 3, 4}
+    assert push.allocations(plan, mine, 0) == ([[0], [1, 2], [], [3], [4]], 0)
+    # window 50: step 1's 50 bytes ahead from step 0; step 3's 40 once step 1's are no longer ahead
+    assert push.allocations(plan, mine, 50) == ([[0, 1, 2], [3], [], [4], []], 50)
+    assert push.allocations(plan, mine, 1000) == ([[0, 1, 2, 3, 4], [], [], [], []], 140)
+    # only the targets this rank allocates count: t4 (50) waits until t1 (20) is no longer ahead
+    assert push.allocations(plan, {1, 4}, 60) == ([[1], [4], [], [], []], 50)
+    assert push.allocations(plan, {1, 4}, 70) == ([[1, 4], [], [], [], []], 70)
+
+
+def _pusher(world: int, gen: int, timeout: float, records: list[ProcessRecord | None]) -> push.Pusher:
+    plan = _plan([4], [[0]])
+    p = push.Pusher(GroupRanks(None, 0, world, tuple(range(world))), plan, push.Pushing())
+    boards = [push.Board(torch.zeros(push.Board.nbytes(1, world), dtype=torch.uint8), 1, world) for _ in range(world)]
+    p.attach(gen, boards, records, {}, lambda h: torch.zeros(0, dtype=torch.uint8), timeout)
+    return p
+
+
+def test_a_wait_ends_when_the_awaited_rank_failed_ended_or_timed_out() -> None:
+    gone = ProcessRecord(this_process().machine, 2**22 + 17, 1)  # no such pid
+    p = _pusher(3, 5, 60.0, [this_process(), this_process(), gone])
+    p.boards[1].words[1] = 5  # rank 1 failed in this stream
+    with pytest.raises(TransportFailure, match=r"rank 1 failed, while waiting for the end"):
+        p._await(lambda: False, (1,), "the end")
+    p.boards[1].words[1] = 4  # an earlier stream's failure is not this one's
+    with pytest.raises(TransportFailure, match=r"rank 2 ended: its process is gone, while waiting for x"):
+        p._await(lambda: False, (1, 2), "x")
+    p = _pusher(2, 5, 0.2, [this_process(), this_process()])
+    start = time.monotonic()
+    with pytest.raises(TransportFailure, match=r"Timed out after 0 s waiting for rank 1: y"):
+        p._await(lambda: False, (1,), "y")
+    assert time.monotonic() - start < 5
+
+
+def test_the_end_waits_for_every_rank_to_close_this_stream_or_a_later_one() -> None:
+    p = _pusher(3, 7, 0.3, [this_process()] * 3)
+    p.boards[1].words[0], p.boards[2].words[0] = 7, 8  # rank 2 is in a later stream already
+    p.close()
+    assert int(p.boards[0].words[0]) == 7
+    p.boards[2].words[0] = 6
+    with pytest.raises(TransportFailure, match="waiting for rank 1, rank 2: the end"):
+        p.close()
+
+
+def test_a_board_posts_where_a_target_lies_before_its_flag() -> None:
+    b = push.Board(torch.zeros(push.Board.nbytes(3, 2), dtype=torch.uint8), 3, 2)
+    b.post(2, BlockHandle(11, 5, 2**40 + 3, 4096), gen=9)
+    assert b.posted.tolist() == [0, 0, 9] and b.where[2].tolist() == [5, 2**40 + 3, 4096]
+    b.done[2, 1] = 9
+    assert b.done.tolist() == [[0, 0], [0, 0], [0, 9]]
+    assert np.shares_memory(b.done, b.memory.numpy()) and b.memory.numel() == push.Board.nbytes(3, 2)
