@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from shardsync.exec.shm import SHM_DIR, _bytes, _map
+from shardsync.exec.shm_segments import SHM_DIR, as_bytes, map_file
 
 sys.path.insert(0, str(Path(__file__).parent))
 import busy  # noqa: E402
@@ -82,11 +82,11 @@ def _rank(rank: int, store: str, nbytes: int, rounds: int, chunk: int, out: str)
     mine = torch.full((nbytes,), rank + 1, dtype=torch.uint8)  # a private shard, as a trainer holds it
     target = torch.zeros(nbytes, dtype=torch.uint8)
     path = os.path.join(SHM_DIR, f"bench-cma-{os.getpid()}")
-    segment = _bytes(_map(path, nbytes, create=True))  # made as the transport makes its segment
+    segment = as_bytes(map_file(path, nbytes, create=True))  # made as the transport makes its segment
     where: list[Any] = [None, None]
     dist.all_gather_object(where, (os.getpid(), mine.data_ptr(), path))
     pid, addr, peer_path = where[1 - rank]
-    peer_segment = _bytes(_map(peer_path, nbytes, create=False))
+    peer_segment = as_bytes(map_file(peer_path, nbytes, create=False))
     dist.barrier()
     os.unlink(path)  # both mapped: the names go
     peer_segment.numpy()[:] = 0  # touched, as the transport's kept segments are

@@ -20,17 +20,17 @@ numpy reference once, then times ``--repeats`` passes and keeps the best:
   ``full_param`` (``--mode single``), and the memcpy ceiling: every target's bytes copied once into
   memory already touched (and, for reference, into fresh memory);
 * two gloo processes spawned by ``torch.multiprocessing``: shardsync through shared memory
-  (``transport="auto"``; also with the shards moved to shared memory once with ``share_memory_()``, so
-  that they are published in place) and through gloo (``transport="backend"``), torch DCP's
+  (``transport="auto"``: each sender writes its pieces into the targets of every consumer; also with
+  no target pushed, every read published by its sender and copied out by its receivers, as the
+  transport worked before; and with the shards moved to shared memory once with ``share_memory_()``)
+  and through gloo (``transport="backend"``), torch DCP's
   consolidation routes (``_gather_state_dict``: DTensor ``full_tensor`` per weight, as
   ``get_state_dict(full_state_dict=True)`` does; ``dcp.save`` to a tmpfs directory then
   ``dcp_to_torch_save`` and ``torch.load`` on rank 0 - only rank 0 gets targets), a naive
   ``all_gather``; and the ceilings: bytes each rank must receive over gloo's broadcast bandwidth (64
   MiB, same run), and the memcpy of every target's bytes on both ranks at once (every memcpy ceiling
   is the better of torch's default threads and one thread: next to a busy process one thread is
-  faster); and, as a bound of the shared-memory transport's design rather than of the job, the memcpy
-  of every byte it copies (each rank's shards into its segment, then every target: 1.5x the bytes of
-  the memcpy ceiling on 2 ranks), both ranks at once;
+  faster);
 * the same two spawned processes, each calling ``os.setsid()`` first (a session of its own, as torchrun
   and Paddle's launcher start their workers: the report's notes say why it matters next to a busy
   process): shardsync through shared memory and the memcpy ceiling;
@@ -196,6 +196,19 @@ def _dcp_files(dstate: dict, rank: int, tmp: str) -> Iterator[tuple[str, torch.T
     return _map_full(torch.load(os.path.join(tmp, "full.pt")))
 
 
+def _pulled(state: dict) -> Iterator[tuple[str, torch.Tensor]]:
+    """The shared-memory stream with no target pushed: every read published by its sender and copied
+    out by its receivers (how the transport worked before its senders wrote into the targets)."""
+    import shardsync.exec.push_schedule as push
+    from shardsync.stream import full_params
+
+    default, push.PUSH_MIN_BYTES = push.PUSH_MIN_BYTES, 1 << 62
+    try:
+        yield from full_params(state, W.MAPPING)
+    finally:
+        push.PUSH_MIN_BYTES = default
+
+
 def _variants(rank: int, world: int, tmp: str, layers: int) -> dict[str, Callable[[], Iterator]]:
     from torch.distributed._state_dict_utils import _gather_state_dict
 
@@ -213,6 +226,7 @@ def _variants(rank: int, world: int, tmp: str, layers: int) -> dict[str, Callabl
     }
     return {
         "shardsync shm": lambda: full_params(state, W.MAPPING),
+        peers_report.PULLED: lambda: _pulled(state),
         "shardsync shm, shards in shared memory": lambda: full_params(shared, W.MAPPING),
         "shardsync gloo": lambda: full_params(state, W.MAPPING, transport="backend"),
         "torch DCP _gather_state_dict": lambda: _map_full(_gather_state_dict(dstate)),
@@ -221,7 +235,7 @@ def _variants(rank: int, world: int, tmp: str, layers: int) -> dict[str, Callabl
     }
 
 
-def _ceilings(ref: dict, world: int, shards: list[torch.Tensor]) -> dict[str, float]:
+def _ceilings(ref: dict, world: int) -> dict[str, float]:
     buf = torch.ones(64 * MIB, dtype=torch.uint8)
     best = float("inf")
     for _ in range(3):
@@ -236,9 +250,6 @@ def _ceilings(ref: dict, world: int, shards: list[torch.Tensor]) -> dict[str, fl
         for w in ref.values()
     ]
     warm = [torch.empty_like(s) for s in srcs]
-    # what the shared-memory transport copies: this rank's shards once (published), then every target
-    published = [s.reshape(-1) for s in shards]
-    segment = [torch.empty_like(s) for s in published]
 
     def copy_all(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
         copy = float("inf")
@@ -255,7 +266,6 @@ def _ceilings(ref: dict, world: int, shards: list[torch.Tensor]) -> dict[str, fl
     return {
         "ceiling: gloo broadcast of the received bytes": receive / (64 * MIB / best),
         "ceiling: memcpy of every target, both ranks at once": _fastest(lambda: copy_all(targets)),
-        peers_report.DESIGN_BOUND: _fastest(lambda: copy_all(list(zip(segment, published)) + targets)),
     }
 
 
@@ -284,8 +294,7 @@ def _pair(
     variants = _variants(rank, world, tmp, layers)
     if only is not None:
         variants = {only: variants[only]}
-    shards = [torch.from_numpy(W.local_shard(w, k, rank, world)[0]) for k, w in W.full_weights(layers).items()]
-    res = _timed_passes(variants, rank, ref, repeats) | _ceilings(ref, world, shards)
+    res = _timed_passes(variants, rank, ref, repeats) | _ceilings(ref, world)
     res = {f"{k}{suffix}": v for k, v in res.items()}
     if rank == 0:
         Path(out).write_text(json.dumps({"seconds": res, "threads": busy.threads()}))

@@ -15,7 +15,7 @@ import torch.distributed as dist
 import shardsync
 from multiproc import new_group, run_ranks
 from shardsync import LayoutError, PlanError, full_params, pipeline, reshard, shard_dim
-from shardsync.exec import multicast, registry, shm
+from shardsync.exec import multicast, registry, shm_segments
 
 
 def _source(rank: int) -> dict:
@@ -61,7 +61,7 @@ def _fast_path_and_caches(rank: int, world: int, store: str) -> dict:
     out["released"] = (
         len(pipeline._last),
         len(multicast._subgroups),
-        len(shm._caches),
+        len(shm_segments._caches),
         len(registry._shm_plans),
         pipeline._planned.cache_info().currsize,
     )

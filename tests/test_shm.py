@@ -19,6 +19,8 @@ import torch
 import torch.distributed as dist
 
 import shardsync.exec.shm as shm
+import shardsync.exec.shm_plan as shm_plan
+import shardsync.exec.shm_segments as segments
 from multiproc import RankFailure, run_ranks
 from reference import arange_tensor
 from shardsync.errors import DistributedError, PlanError
@@ -69,7 +71,7 @@ def both(state: dict, mapping: Any, ref: dict, **kw: Any) -> tuple[dict, dict]:
 
 
 def leftovers(pid0: int) -> list[str]:
-    return sorted(n for n in os.listdir(shm.SHM_DIR) if n.startswith(f"{shm.SHM_PREFIX}{pid0}-"))
+    return sorted(n for n in os.listdir(segments.SHM_DIR) if n.startswith(f"{segments.SHM_PREFIX}{pid0}-"))
 
 
 def _errors(rank: int, world: int) -> dict[str, str]:
@@ -118,22 +120,25 @@ def worker_w2(rank: int, world: int) -> dict:
     out["consumers=[1,0]"] = both(state, None, ref, consumers=[1, 0], strategy="p2p", split_by="bytes")
     out["copy=False"] = both(state, None, ref, copy=False)
     # the next stream writes into the segment the last one made; release() drops it
-    shm.release()
+    segments.release()
     kept = []
     for _ in range(2):
         got = stream(state, None, ref, transport="shm")
-        own = shm._kept_by_name()[shm.group_name(None)].own
+        own = segments.kept_by_name()[segments.group_name(None)].own
         kept.append((got["bad"], got["stats"][2], None if own is None else own[2].data_ptr()))
-    shm.release()
+    segments.release()
     stream(state, None, ref, transport="shm")
-    out["kept"] = (kept, shm._kept_by_name()[shm.group_name(None)].own[2].data_ptr())
+    out["kept"] = (kept, segments.kept_by_name()[segments.group_name(None)].own[2].data_ptr())
     # shards already in shared memory are published in place: no segment, nothing copied to publish
     shared = {k: (v.share_memory_() if isinstance(v, torch.Tensor) else v) for k, v in state.items()}
     for v in shared.values():
         if hasattr(v, "local"):  # column shards are views of the full tensor: contiguous first
             v.local = v.local.contiguous().share_memory_()
-    shm.release()
-    out["in place"] = (stream(shared, None, ref, transport="shm"), shm._kept_by_name()[shm.group_name(None)].own)
+    segments.release()
+    out["in place"] = (
+        stream(shared, None, ref, transport="shm"),
+        segments.kept_by_name()[segments.group_name(None)].own,
+    )
     out["errors"] = _errors(rank, world)
     out["two hosts"] = _two_hosts(rank, world)
     budget = stream(state, None, ref, memory_budget=1000)  # auto: over budget with shm, so gloo
@@ -240,14 +245,14 @@ def test_segment_of_a_dead_process_is_swept() -> None:
     dead = subprocess.run(
         [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True, check=True
     ).stdout.strip()
-    path = os.path.join(shm.SHM_DIR, f"{shm.SHM_PREFIX}{dead}-0-0-{dead}")
+    path = os.path.join(segments.SHM_DIR, f"{segments.SHM_PREFIX}{dead}-0-0-{dead}")
     with open(path, "wb") as fh:
         fh.write(b"x" * 64)
-    mine = os.path.join(shm.SHM_DIR, f"{shm.SHM_PREFIX}{os.getpid()}-0-0-{os.getpid()}")
+    mine = os.path.join(segments.SHM_DIR, f"{segments.SHM_PREFIX}{os.getpid()}-0-0-{os.getpid()}")
     with open(mine, "wb") as fh:
         fh.write(b"y")
     try:
-        shm._sweep()
+        segments.sweep()
         assert not os.path.exists(path) and os.path.exists(mine)  # only the dead creator's
     finally:
         for p in (path, mine):
@@ -323,10 +328,10 @@ def test_ranks_with_targets_off_cpu_make_every_rank_use_the_backend() -> None:
     plan = shardsync.plan({"w": torch.zeros(3)})
     plan = dataclasses.replace(plan, reads=tuple(dataclasses.replace(r, receivers=(1,)) for r in plan.reads))
     cpu, gpu = host_info(), host_info(data_device="cuda")
-    assert shm.use_shm(plan, [(cpu, "auto")] * 2, None)  # both on cpu: shared memory
-    assert not shm.use_shm(plan, [(cpu, "auto"), (gpu, "auto")], None)  # the same answer on both ranks
+    assert shm_plan.use_shm(plan, [(cpu, "auto")] * 2, None)  # both on cpu: shared memory
+    assert not shm_plan.use_shm(plan, [(cpu, "auto"), (gpu, "auto")], None)  # the same answer on both ranks
     with pytest.raises(PlanError, match="targets of some ranks are on cuda, not cpu"):
-        shm.use_shm(plan, [(gpu, "shm"), (cpu, "shm")], None)
+        shm_plan.use_shm(plan, [(gpu, "shm"), (cpu, "shm")], None)
 
 
 def _arranged_case(rank: int, world: int) -> tuple[dict, list[str], dict]:
@@ -372,9 +377,9 @@ def _arranged_case(rank: int, world: int) -> tuple[dict, list[str], dict]:
 
 def _arranged(rank: int, world: int) -> dict:
     import shardsync.exec.copies as copies
-    import shardsync.exec.push as push
+    import shardsync.exec.push_schedule as push_schedule
 
-    push.PUSH_MIN_BYTES = 1 << 62  # this forked rank only: every read published (test_push pushes them)
+    push_schedule.PUSH_MIN_BYTES = 1 << 62  # this forked rank only: every read published (test_push pushes them)
     moved = [0]  # elements this rank transposed (every transposed copy goes through this kernel)
     real = copies.transpose_into
 
@@ -384,7 +389,7 @@ def _arranged(rank: int, world: int) -> dict:
 
     copies.transpose_into = counted  # type: ignore[assignment]  # this forked rank only
     state, mapping, ref = _arranged_case(rank, world)
-    shm.release()
+    segments.release()
     out = {}
     for transport in ("shm", "backend"):
         moved[0] = 0
@@ -392,12 +397,12 @@ def _arranged(rank: int, world: int) -> dict:
         out[transport]["moved"] = moved[0]
     s = full_params(state, mapping, transport="shm", strategy="broadcast")
     list(s)
-    arranged = shm.arranged_pieces(s.plan)
+    arranged = shm_plan.arranged_pieces(s.plan)
     sent = [i for i in arranged if s.plan.reads[i].sender == rank]
     out["arranged"] = sorted((s.plan.reads[i].source, len(arranged[i])) for i in sent)
     half = {"c", "q"}  # published narrowed to bfloat16: half of each read's bytes
     out["segment"] = (
-        shm._kept_by_name()[shm.group_name(None)].own[2].numel(),
+        segments.kept_by_name()[segments.group_name(None)].own[2].numel(),
         sum(
             aligned(r.nbytes // 2 if r.source in half else r.nbytes)
             for r in s.plan.reads

@@ -27,7 +27,7 @@ def release() -> None:
     from .exec.memory import release_memory
     from .exec.multicast import release_subgroups
     from .exec.registry import release_shm_plans
-    from .exec.shm import release_all
+    from .exec.shm_segments import release_all
     from .pipeline import release_plans
 
     release_plans()

@@ -86,6 +86,9 @@ def _stat(pid: int) -> tuple[str, int] | None:
     return fields[0], int(fields[19])
 
 
+_mine: dict[int, ProcessRecord] = {}  # by pid: a forked child has a record of its own
+
+
 def this_process() -> ProcessRecord:
     """This process's record (start time 0 where ``/proc`` is missing: then peers cannot check it).
 
@@ -93,8 +96,12 @@ def this_process() -> ProcessRecord:
         >>> this_process().pid == os.getpid()
         True
     """
-    stat = _stat(os.getpid())
-    return ProcessRecord(_machine(), os.getpid(), stat[1] if stat else 0)
+    pid = os.getpid()
+    record = _mine.get(pid)
+    if record is None:
+        stat = _stat(pid)
+        record = _mine[pid] = ProcessRecord(_machine(), pid, stat[1] if stat else 0)
+    return record
 
 
 def is_gone(record: ProcessRecord) -> bool | None:

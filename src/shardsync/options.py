@@ -18,7 +18,7 @@ import torch.distributed as dist
 from .dist import group_size, is_distributed
 from .errors import PlanError
 from .exec.memory import REUSE_MODES, Reuse
-from .exec.shm import TransportChoice, check_transport
+from .exec.shm_plan import TransportChoice, check_transport
 from .planning import PlanOptions, check_options
 from .quant.fp8 import DEFAULT_BLOCK, Fp8Quantize
 from .sizes import sizes_in

@@ -41,7 +41,8 @@ from .errors import PlanError
 from .exec import MeshGroups, MeshPlace, Stats, Transport, choose_transport, execute, local_mesh_info, run_device
 from .exec.copies import copy_threads
 from .exec.hosts import host_info, neighbours
-from .exec.shm import HostChoice, cached_token
+from .exec.shm_plan import HostChoice
+from .exec.shm_segments import cached_token
 from .layout import GlobalLayout
 from .layout.box import Box
 from .layout.meta import LayoutEntry, check_replicas, without_values

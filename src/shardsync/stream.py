@@ -23,7 +23,7 @@ from .errors import LayoutError, PlanError, ShardsyncError
 from .exec import MeshLike, Stats, mesh_groups
 from .exec.digests import checked, plan_digests
 from .exec.memory import Reuse
-from .exec.shm import TransportChoice
+from .exec.shm_plan import TransportChoice
 from .layout import GlobalLayout
 from .layout.meta import LayoutEntry
 from .mapping import Mapping as ParsedMapping

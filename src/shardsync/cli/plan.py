@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from ..exec.hosts import host_info
-from ..exec.shm import pushes, shm_costs, use_shm
+from ..exec.shm_plan import pushes, shm_costs, use_shm
 from ..layout.box import Box
 from ..layout.meta import GlobalLayout, LayoutEntry
 from ..planning import Plan, PlanOptions, build_plan

@@ -22,7 +22,7 @@ from .. import phases
 from ..dist import abandon, is_distributed
 from ..errors import PlanError, ShardsyncError
 from ..exec import Stats
-from ..exec.shm import TransportChoice
+from ..exec.shm_plan import TransportChoice
 from ..layout.box import Box
 from ..layout.meta import GlobalLayout, LayoutEntry
 from ..mapping import Mapping, MappingLike

@@ -38,6 +38,7 @@ from .assemble import copy_piece
 from .copies import Copies, Lane, no_grad
 from .memory import BlockPool, Reuse, process_pool, shm_block
 from .push import Pusher
+from .push_schedule import Push
 from .stats import Stats
 from .transport import Pending, Received, Transport, unpack
 
@@ -103,8 +104,8 @@ class _Run:
         self.open: dict[int, torch.Tensor] = {}
         self.lane = Lane(threads)  # copies under way on the copy threads
         self.ahead: dict[int, int] = {}  # target built from local data -> its copies' ticket
-        # step -> tickets of the copies of its opened targets' own pieces, and of the pieces it pushes
-        self.local: dict[int, list[int]] = {}
+        self.local: dict[int, list[int]] = {}  # step -> ticket of the copies of its targets' own pieces
+        self.pushing: dict[int, list[int]] = {}  # step -> ticket of the copies of the pieces it pushes
         self.direct: set[int] = set()  # reads received straight into their target
         self.posting = 0  # the step being started: its buffers are held under its tag
         # remote[i]: (target, piece) pairs this rank builds from read i, which it receives
@@ -209,6 +210,7 @@ class _Run:
         """Wait for every copy started ahead (the stream ends or is left): nothing writes after."""
         self.ahead.clear()
         self.local.clear()
+        self.pushing.clear()
         self.lane.settle()
 
     def buffer(self, nbytes: int) -> torch.Tensor:
@@ -267,8 +269,8 @@ class _Run:
         ticket = self.ahead.pop(t, None)
         if ticket is not None:
             self.lane.wait(ticket)
-        if self.push is not None and self.push.mine(t):
-            self.push.await_target(t, self.stats)  # the pieces other ranks write into it
+        if self.push is not None and self.push.mine(t):  # the pieces other ranks write into it
+            self.push.await_target(t, self.stats, self.push_ahead)
         if t in self.open:
             tensor = self.open.pop(t)
             self.stats.release(tag=t)
@@ -297,34 +299,48 @@ class _Run:
             self.copy_local(t, batch)
         # runs while packets are on the wire and the caller has the targets of earlier steps
         self.local[k] = [self.lane.start(batch)]
-        if self.push is not None and self.push.steps[k]:
-            self.local[k].append(self.push_pieces(k, self.push))
+        push = self.push
+        if push is not None:  # this rank's pieces of other consumers' targets, up to this step
+            while push.ahead <= k:
+                push.ahead += 1
+                self.push_pieces(push.ahead - 1, push.direct[push.ahead - 1], push)
+            self.push_pieces(k, push.relayed[k], push)
         return pending
 
     @no_grad
-    def push_pieces(self, k: int, push: Pusher) -> int:
-        """Write this rank's pieces of other consumers' targets of step ``k`` into them (their memory
-        waited for: their consumers open them now); returns the copies' ticket. A piece that casts or
-        permutes and that this rank also builds into its own target is copied from there once built:
-        cast and permuted once, not once per consumer."""
-        batch, relays = Copies(), []
-        for out, p in push.outbound(k, self.stats):
-            piece, i = p.copy.piece, p.copy.read
-            own = self.open.get(p.target) if (piece.permutes or piece.casts) and self.mine(p.target) else None
-            if own is not None:
-                self._skip(i)
-                relays.append((out[piece.target_box.slices()], own[piece.target_box.slices()]))
+    def push_pieces(self, k: int, pushes: list[Push], push: Pusher) -> None:
+        """Write ``pushes`` (pieces of step ``k``) into other consumers' targets (their memory waited
+        for: their consumers show it by the time they start the step); :meth:`finish` waits for the
+        copies. Relayed pieces are copied from this rank's own target once the step's own copies are
+        written: cast and permuted once, not once per consumer."""
+        if not pushes:
+            return
+        batch = Copies()
+        relayed = False
+        for out, p in push.outbound(pushes, self.stats):
+            box, i = p.copy.piece.target_box.slices(), p.copy.read
+            if push.relays(p):
+                if not relayed:
+                    self.lane.wait(self.local[k][0])  # this rank's own pieces, relayed from its targets
+                    relayed = True
+                batch.add(out[box], self.open[p.target][box])
             else:
-                copy_piece(out, self.read(i), self.plan.reads[i].box, piece, batch)
-        if relays:
-            self.lane.wait(self.local[k][0])  # this rank's own pieces, relayed from its targets
-            for dst, src in relays:
-                batch.add(dst, src)
-        return self.lane.start(batch, then=lambda: push.mark(k))
+                copy_piece(out, self.read(i), self.plan.reads[i].box, p.copy.piece, batch)
+        self.pushing.setdefault(k, []).append(self.lane.start(batch, then=lambda: push.mark(pushes)))
+
+    def push_ahead(self) -> bool:
+        """While this rank waits for others: write the direct pieces of the next step if their
+        consumers have shown where (returns whether it moved on)."""
+        push = self.push
+        if push is None or push.ahead >= len(self.plan.steps) or not push.placed(push.direct[push.ahead]):
+            return False
+        push.ahead += 1
+        self.push_pieces(push.ahead - 1, push.direct[push.ahead - 1], push)
+        return True
 
     def finish(self, k: int, step: Step, pending: Pending) -> Iterator[tuple[str, torch.Tensor]]:
         received = pending.wait()
-        for ticket in self.local.pop(k):
+        for ticket in self.local.pop(k) + self.pushing.pop(k, []):
             self.lane.wait(ticket)
         self.deliver(received)
         self.stats.release(tag=_step_tag(k))

@@ -1,18 +1,20 @@
 """Senders write their pieces straight into their consumers' targets (the same-host transport).
 
-Through shared memory as :mod:`shardsync.exec.shm` first built it, a sender copies each read it sends
-into its segment and every receiver copies it from there into its targets: on two ranks that are both
-consumers of every target, each rank copies 1.5 times its targets' bytes. When a consumer's targets
+Through shared memory as :mod:`shardsync.exec.shm` first built it, a sender copied each read it sends
+into its segment and every receiver copied it from there into its targets: on two ranks that are both
+consumers of every target, each rank copied 1.5 times its targets' bytes. When a consumer's targets
 lie in shared memory themselves, a sender can write its pieces straight into them: every rank then
 copies its own pieces into its own targets and into every other consumer's, and nothing else - as
 many bytes as the targets hold, the memcpy ceiling's volume.
 
-That is what this module does, for each *pushed* target (:func:`pushed_targets`: a target of
-:data:`PUSH_MIN_BYTES` or more that some consumer builds from other ranks' data, when the destination
-gives targets fresh memory). Its consumers allocate it in a block of shared memory
-(:func:`shardsync.exec.memory.shm_block`) when the target opens; the ranks that send its pieces
-write them there in the same step, each piece cast and permuted on the way. The ranks agree through
-a *board* per rank, a small block of shared memory every peer maps, and no collective:
+This module is the runtime side of that, for the *pushed* targets
+(:mod:`~shardsync.exec.push_schedule` says which, and who writes and allocates what when). A consumer
+allocates a pushed target in a block of shared memory (:func:`shardsync.exec.memory.shm_block`, from
+a pool that recycles them like private ones) up to a window ahead of the step it opens in; the
+ranks that send its pieces write them there, each piece cast and permuted on the way - or, when the
+sender builds the same target itself, copied from its own copy once built, so that each piece is
+cast and permuted once. The ranks agree through a *board* per rank, a small block of shared memory
+every peer maps, and no collective:
 
 * ``posted[t]``: the number of the stream once this rank, a consumer of target ``t``, has its memory
   (and where: descriptor, inode, bytes - a peer maps it through ``/proc/<pid>/fd/<fd>``);
@@ -20,11 +22,15 @@ a *board* per rank, a small block of shared memory every peer maps, and no colle
 * ``closed``: the last stream this rank finished; ``failed``: a stream in which it failed.
 
 A sender waits for ``posted`` before it writes; a consumer waits for every sender's ``done`` before it
-yields a target; at the end every rank waits for every other's ``closed`` (no rank starts the next
-stream's writes while another still reads this one's data). Waits sleep between looks (they spin no
-core) and end with a :class:`~shardsync.roll_call.TransportFailure` naming the rank they wait for
-when its process ended, when it failed (its ``failed`` word), or after the group's timeout; the data
-phase then names the rank at fault on every rank.
+yields a target - and meanwhile writes its own pieces of later steps into other consumers' targets
+already posted, so that ranks whose work differs from step to step do not wait for each other at
+every step; at the end every rank waits for every other's ``closed`` (no rank starts the next
+stream's writes while another still reads this one's data). A wait sleeps in the kernel until the
+word it waits for is written (:mod:`~shardsync.exec.futex`: no core spins), looks every
+:data:`LOOK_SECONDS` at the ranks it waits for, and ends with a
+:class:`~shardsync.roll_call.TransportFailure` naming one when its process ended or it failed (its
+``failed`` word), or after the group's timeout; the data phase then names the rank at fault on every
+rank.
 
 A rank failing while others write into its memory loses nothing: every mapping keeps the memory it
 maps alive, and the kernel frees a block when its last mapping goes.
@@ -36,8 +42,7 @@ import math
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Collection, Sequence
-from typing import NamedTuple
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
@@ -45,181 +50,19 @@ import torch
 from ..dist import GroupRanks
 from ..layout.dtypes import itemsize, to_torch_dtype
 from ..liveness import ProcessRecord, is_gone
-from ..planning.model import Copy, Plan
+from ..planning.model import Plan
 from ..roll_call import TransportFailure
-from .memory import POOL_MIN_BYTES, BlockHandle, handle
+from . import futex, push_schedule
+from .memory import BlockHandle, handle
+from .push_schedule import Push, Pushing, Schedule, per_plan, piece_bytes
 from .stats import Stats
 
-__all__ = [
-    "PUSH_MIN_BYTES",
-    "PUSH_AHEAD_BYTES",
-    "Pushing",
-    "NO_PUSHING",
-    "Push",
-    "Board",
-    "Pusher",
-    "pushed_targets",
-    "pushed_bytes",
-    "schedule",
-    "allocations",
-    "LOOK_SECONDS",
-]
+__all__ = ["Board", "Pusher", "LOOK_SECONDS"]
 
-#: Smallest target pushed: smaller ones come from the process's heap (warm, private) and their
-#: senders publish their reads for the consumers to copy.
-PUSH_MIN_BYTES = POOL_MIN_BYTES
-#: Most bytes of pushed targets a consumer allocates (and shows its writers) before the step they
-#: open in: ranks whose work differs from step to step (one writes all of ``q``, the other all of
-#: ``v``) then each go at their own pace instead of waiting for each other at every step. Less under
-#: a ``memory_budget`` that has no room for it.
-PUSH_AHEAD_BYTES = 64 << 20
 #: How often a wait checks the ranks it waits for (process gone, failed) and the timeout.
 LOOK_SECONDS = 0.05
 _WORDS = 16  # the board's header: int32 words, then the arrays
 _CLOSED, _FAILED = 0, 1
-
-
-class Pushing(NamedTuple):
-    """The targets senders write straight into, and the bytes their consumers allocate ahead
-    (:data:`PUSH_AHEAD_BYTES`, or less): the same on every rank.
-
-    Example:
-        >>> Pushing().targets
-        frozenset()
-    """
-
-    targets: frozenset[int] = frozenset()
-    window: int = 0
-
-
-#: Nothing pushed.
-NO_PUSHING = Pushing()
-
-
-class Push(NamedTuple):
-    """One piece a sender writes into one consumer's target (``copy`` restricted to the sender's read)."""
-
-    target: int
-    consumer: int
-    copy: Copy
-
-
-def pushed_targets(plan: Plan) -> frozenset[int]:
-    """The targets whose consumers allocate them in shared memory and whose senders write their
-    pieces into them: those of :data:`PUSH_MIN_BYTES` or more that some consumer builds from data it
-    does not hold.
-
-    Example:
-        >>> import torch, shardsync
-        >>> pushed_targets(shardsync.plan({"w": torch.zeros(256, 256)}))   # one process: none
-        frozenset()
-    """
-    out = set()
-    for t, tp in enumerate(plan.targets):
-        if tp.nbytes >= PUSH_MIN_BYTES and any(
-            c in plan.reads[cp.read].receivers for c in tp.consumers for cp in tp.copies
-        ):
-            out.add(t)
-    return frozenset(out)
-
-
-def _piece_bytes(plan: Plan, p: Push) -> int:
-    return p.copy.piece.target_box.numel * itemsize(plan.targets[p.target].dtype)
-
-
-def schedule(plan: Plan, pushed: frozenset[int], rank: int) -> list[list[Push]]:
-    """What ``rank`` writes into other consumers' targets, per step: the pieces of each pushed target
-    that opens in that step, whose read ``rank`` sends and the consumer does not hold.
-
-    Example:
-        >>> import torch, shardsync
-        >>> schedule(shardsync.plan({"w": torch.zeros(3)}), frozenset(), 0)
-        [[]]
-    """
-    out: list[list[Push]] = []
-    for step in plan.steps:
-        pushes = []
-        for t in step.opens:
-            if t not in pushed:
-                continue
-            tp = plan.targets[t]
-            for c in tp.consumers:
-                if c == rank:
-                    continue
-                for cp in tp.copies:
-                    r = plan.reads[cp.read]
-                    if r.sender == rank and c in r.receivers:
-                        pushes.append(Push(t, c, cp))
-        out.append(pushes)
-    return out
-
-
-def pushed_bytes(plan: Plan, pushed: frozenset[int]) -> tuple[list[int], list[int]]:
-    """Bytes each rank writes into other ranks' targets, and bytes written into each rank's targets
-    by other ranks (pieces in target form), by group rank.
-
-    Example:
-        >>> import torch, shardsync
-        >>> pushed_bytes(shardsync.plan({"w": torch.zeros(3)}), frozenset())
-        ([0], [0])
-    """
-    sent, received = [0] * plan.world_size, [0] * plan.world_size
-    for rank in range(plan.world_size):
-        for pushes in schedule(plan, pushed, rank):
-            for p in pushes:
-                n = _piece_bytes(plan, p)
-                sent[rank] += n
-                received[p.consumer] += n
-    return sent, received
-
-
-def writers(plan: Plan, pushed: frozenset[int], rank: int) -> dict[int, tuple[int, ...]]:
-    """Pushed target ``rank`` consumes -> the ranks that write pieces of it into ``rank``'s memory.
-
-    Example:
-        >>> import torch, shardsync
-        >>> writers(shardsync.plan({"w": torch.zeros(3)}), frozenset(), 0)
-        {}
-    """
-    out = {}
-    for t in sorted(pushed):
-        tp = plan.targets[t]
-        if rank in tp.consumers:
-            reads = [plan.reads[cp.read] for cp in tp.copies]
-            out[t] = tuple(sorted({r.sender for r in reads if rank in r.receivers and r.sender is not None}))
-    return out
-
-
-def allocations(plan: Plan, mine: Collection[int], window: int) -> tuple[list[list[int]], int]:
-    """The targets of ``mine`` (pushed ones a consumer allocates) it allocates when it starts each
-    step: those that open in it, and those of the next steps while all that is allocated before its
-    step holds at most ``window`` bytes; and the most bytes so held at once.
-
-    Example:
-        >>> import torch, shardsync
-        >>> allocations(shardsync.plan({"w": torch.zeros(3)}), (), 1 << 20)
-        ([[]], 0)
-    """
-    opening = [[t for t in step.opens if t in mine] for step in plan.steps]
-    out: list[list[int]] = [[] for _ in plan.steps]
-    early = [0] * (len(plan.steps) + 1)  # bytes allocated before step k, for step k
-    ahead = most = 0
-    j = -1  # the last step whose targets are allocated
-    for k in range(len(plan.steps)):
-        ahead -= early[k]
-        if j < k:
-            j = k
-            out[k] += opening[k]
-        while j + 1 < len(plan.steps):
-            need = sum(plan.targets[t].nbytes for t in opening[j + 1])
-            if ahead + need > window:
-                break
-            j += 1
-            out[k] += opening[j]
-            early[j] += need
-            ahead += need
-            most = max(most, ahead)
-    return out, most
 
 
 def _aligned8(n: int) -> int:
@@ -250,6 +93,9 @@ class Board:
         self.where = raw[off : off + 24 * targets].view(np.int64).reshape(targets, 3)  # fd, inode, bytes
         off += 24 * targets
         self.done = raw[off : off + 4 * targets * world].view(np.int32).reshape(targets, world)
+        # where the words are (futexes sleep on addresses)
+        self.at_words, self.at_posted = futex.address(self.words), futex.address(self.posted)
+        self.at_done = futex.address(self.done)
 
     @staticmethod
     def nbytes(targets: int, world: int) -> int:
@@ -261,6 +107,7 @@ class Board:
         self.where[t] = (block.fd, block.inode, block.nbytes)
         _fence()
         self.posted[t] = gen
+        futex.wake(self.at_posted + 4 * t)
 
 
 _lock = threading.Lock()
@@ -276,12 +123,18 @@ def _fence() -> None:
 class Pusher:
     """One rank's side of pushing, for one stream (see the module doc).
 
+    The pieces this rank writes in each step are ``direct[k]`` (copied from its source) and
+    ``relayed[k]`` (cast or permuted pieces of targets it builds too: copied from its own target once
+    built, so that each is cast and permuted once).
+
     Call sequence, on every rank of the group, after :meth:`attach` (the transport's setup):
     :meth:`post` for each pushed target this rank allocates (``allocations[k]`` when it starts step
-    ``k``: up to ``window`` bytes ahead of their step); :meth:`outbound` per step
-    (in step order: the consumers' memory of what this rank writes in it, waited for), then
-    :meth:`mark` once those copies are written; :meth:`await_target` before yielding a pushed
-    target; :meth:`close` after the last step; :meth:`fail` instead on a rank whose stream failed.
+    ``k``: up to ``window`` bytes ahead of their step); :meth:`outbound` for ``direct[k]`` of every
+    step in step order, by the time the step starts or earlier, while waiting for other ranks
+    (``ahead`` counts the steps done; :meth:`placed` says whether it would wait), and for
+    ``relayed[k]`` when step ``k`` starts; :meth:`mark` once the copies of what it returned are
+    written; :meth:`await_target` before yielding a pushed target; :meth:`close` after the last step;
+    :meth:`fail` instead on a rank whose stream failed.
 
     Args:
         ranks: the stream's group and this rank's place in it.
@@ -292,14 +145,11 @@ class Pusher:
     def __init__(self, ranks: GroupRanks, plan: Plan, pushing: Pushing) -> None:
         self.ranks, self.plan, self.window = ranks, plan, pushing.window
         self.shape = (len(plan.targets), ranks.world)  # of every board
-        me = ranks.rank
-        self.steps = schedule(plan, pushing.targets, me)
-        # takes[i]: pieces of read i this rank writes into other consumers' targets
-        self.takes: Counter[int] = Counter(p.copy.read for pushes in self.steps for p in pushes)
-        # writers[t]: the ranks that write pieces of pushed target t into this rank's memory
-        self.writers = writers(plan, pushing.targets, me)
-        # allocations[k]: the pushed targets this rank allocates when it starts step k
-        self.allocations = allocations(plan, self.writers, self.window)[0]
+        mine = per_plan(plan, ("pusher", pushing, ranks.rank), lambda: Schedule.of(plan, pushing, ranks.rank))
+        self.direct, self.relayed, self.takes = mine.direct, mine.relayed, mine.takes
+        self.writers, self.allocations = mine.writers, mine.allocations
+        self.left = Counter(mine.pieces)  # written as the stream goes
+        self.ahead = 0  # steps whose direct pieces this rank has started to write (in order)
         self.gen = 0
         self.boards: list[Board] = []
         self.records: list[ProcessRecord | None] = []
@@ -311,6 +161,11 @@ class Pusher:
     def mine(self, t: int) -> bool:
         """Whether this rank allocates target ``t`` in shared memory (others write into it)."""
         return t in self.writers
+
+    def relays(self, p: Push) -> bool:
+        """Whether pushed piece ``p`` casts or permutes and this rank builds its target too (then it
+        is copied from there)."""
+        return push_schedule.relays(self.plan, p, self.ranks.rank)
 
     def attach(
         self,
@@ -338,7 +193,12 @@ class Pusher:
     def _target(self, t: int, c: int) -> torch.Tensor:
         """Consumer ``c``'s memory for target ``t`` in this stream (waits until it has some)."""
         board = self.boards[c]
-        self._await(lambda: int(board.posted[t]) == self.gen, (c,), f"its memory for target {self._name(t)}")
+        word = board.at_posted + 4 * t
+        self._await(
+            lambda: (word, int(board.posted[t])) if int(board.posted[t]) != self.gen else None,
+            (c,),
+            f"its memory for {self._name(t)}",
+        )
         fd, inode, nbytes = (int(x) for x in board.where[t])
         key = (c, fd, inode)
         self.used.add(key)
@@ -357,26 +217,48 @@ class Pusher:
         dtype = to_torch_dtype(tp.dtype)
         return data[: math.prod(tp.shape) * dtype.itemsize].view(dtype).view(tp.shape)
 
-    def outbound(self, k: int, stats: Stats) -> list[tuple[torch.Tensor, Push]]:
-        """The pieces this rank writes into other consumers' targets in step ``k``, each with the
-        consumer's target (waited for: its consumer allocates it by the time it starts the step)."""
+    def outbound(self, pushes: Sequence[Push], stats: Stats) -> list[tuple[torch.Tensor, Push]]:
+        """Each of ``pushes`` with the consumer's target it is written into (waited for: a consumer
+        allocates a target by the time it starts the step it opens in)."""
         out = []
-        for p in self.steps[k]:
+        for p in pushes:
             out.append((self._target(p.target, p.consumer), p))
-            stats.bytes_sent += _piece_bytes(self.plan, p)
+            stats.bytes_sent += piece_bytes(self.plan, p)
         return out
 
-    def mark(self, k: int) -> None:
-        """Step ``k``'s pieces are written: tell their consumers (after the data: a fence first)."""
+    def mark(self, pushes: Sequence[Push]) -> None:
+        """``pushes`` are written: tell each consumer whose target has all of this rank's pieces now
+        (after the data: a fence first)."""
         _fence()
-        for p in self.steps[k]:
-            self.boards[p.consumer].done[p.target, self.ranks.rank] = self.gen
+        me, world = self.ranks.rank, self.ranks.world
+        for p in pushes:
+            key = (p.target, p.consumer)
+            self.left[key] -= 1
+            if not self.left[key]:
+                board = self.boards[p.consumer]
+                board.done[p.target, me] = self.gen
+                futex.wake(board.at_done + 4 * (p.target * world + me))
 
-    def await_target(self, t: int, stats: Stats) -> None:
-        """Wait until every rank that writes pieces of target ``t`` into this rank's memory did."""
-        writers = self.writers[t]
-        done = self.boards[self.ranks.rank].done[t]
-        self._await(lambda: all(int(done[w]) == self.gen for w in writers), writers, f"target {self._name(t)}")
+    def placed(self, pushes: Sequence[Push]) -> bool:
+        """Whether the consumers of every one of ``pushes`` have shown where it goes."""
+        return all(int(self.boards[p.consumer].posted[p.target]) == self.gen for p in pushes)
+
+    def await_target(self, t: int, stats: Stats, idle: Callable[[], bool] | None = None) -> None:
+        """Wait until every rank that writes pieces of target ``t`` into this rank's memory did;
+        ``idle()`` meanwhile, as long as it finds work (it returns whether it did some)."""
+        writers, board = self.writers[t], self.boards[self.ranks.rank]
+        done, at = board.done[t], board.at_done + 4 * t * self.ranks.world
+
+        def pending() -> tuple[int, int] | None:
+            w = next((w for w in writers if int(done[w]) != self.gen), None)
+            return None if w is None else (at + 4 * w, int(done[w]))
+
+        self._await(
+            pending,
+            writers,
+            f"target {self._name(t)}",
+            idle,
+        )
         _fence()
         tp = self.plan.targets[t]
         for cp in tp.copies:
@@ -387,8 +269,14 @@ class Pusher:
         """After the last step: this rank is done with the stream; wait until every rank is."""
         me = self.ranks.rank
         self.boards[me].words[_CLOSED] = self.gen
+        futex.wake(self.boards[me].at_words + 4 * _CLOSED)
         others = tuple(r for r in range(self.ranks.world) if r != me)
-        self._await(lambda: all(int(self.boards[r].words[_CLOSED]) >= self.gen for r in others), others, "the end")
+
+        def pending() -> tuple[int, int] | None:
+            r = next((r for r in others if int(self.boards[r].words[_CLOSED]) < self.gen), None)
+            return None if r is None else (self.boards[r].at_words + 4 * _CLOSED, int(self.boards[r].words[_CLOSED]))
+
+        self._await(pending, others, "the end")
         for key in [k for k in self.blocks if k not in self.used]:  # blocks this stream did not write
             del self.blocks[key]
 
@@ -400,29 +288,39 @@ class Pusher:
     def _name(self, t: int) -> str:
         return repr(self.plan.targets[t].name)
 
-    def _await(self, ready: Callable[[], bool], ranks: Sequence[int], what: str) -> None:
-        """Return once ``ready()``; raise :class:`TransportFailure` when a rank of ``ranks`` (the ones
-        that make it true) failed or its process ended, or after the group's timeout."""
-        if ready():
+    def _await(
+        self,
+        pending: Callable[[], tuple[int, int] | None],
+        ranks: Sequence[int],
+        what: str,
+        idle: Callable[[], bool] | None = None,
+    ) -> None:
+        """Return once ``pending()`` - a word of a board not yet as awaited (its address, and what it
+        holds) - is None; raise :class:`TransportFailure` when a rank of ``ranks`` (the ones that write those
+        words) failed or its process ended, or after the group's timeout. Meanwhile ``idle()``, while
+        it finds work; else sleep until the word changes (:func:`~shardsync.exec.futex.wait`)."""
+        word = pending()
+        if word is None:
             return
         start = time.monotonic()
-        look, pause = start + LOOK_SECONDS, 20e-6
-        while not ready():
-            time.sleep(pause)
-            pause = min(2 * pause, 1e-3)
+        look, pause = start + LOOK_SECONDS, 20e-6  # pause: where there are no futexes
+        while word is not None:
+            if idle is None or not idle():
+                futex.wait(*word, LOOK_SECONDS, fallback=pause)
+                pause = min(2 * pause, 1e-3)
             now = time.monotonic()
-            if now < look:
-                continue
-            look = now + LOOK_SECONDS
-            for r in ranks:
-                why = self._lost(r)
-                if why:
-                    raise TransportFailure(f"{self.ranks.label(r)} {why}, while waiting for {what}", now - start)
-            if now - start > self.timeout:
-                labels = ", ".join(self.ranks.label(r) for r in ranks)
-                raise TransportFailure(
-                    f"Timed out after {self.timeout:.0f} s waiting for {labels}: {what}", now - start
-                )
+            if now >= look:
+                look = now + LOOK_SECONDS
+                for r in ranks:
+                    why = self._lost(r)
+                    if why:
+                        raise TransportFailure(f"{self.ranks.label(r)} {why}, while waiting for {what}", now - start)
+                if now - start > self.timeout:
+                    labels = ", ".join(self.ranks.label(r) for r in ranks)
+                    raise TransportFailure(
+                        f"Timed out after {self.timeout:.0f} s waiting for {labels}: {what}", now - start
+                    )
+            word = pending()
 
     def _lost(self, rank: int) -> str:
         """Why ``rank`` will not make progress: it failed, or its process ended ("" when neither)."""

@@ -14,8 +14,9 @@ from ..planning import STRATEGIES, Plan
 from ..sources import Source
 from .mesh import MeshGroups, MeshTransport
 from .multicast import MulticastTransport
-from .push import Pushing
-from .shm import HostChoice, ShmTransport, pushes, shm_costs, use_shm
+from .push_schedule import Pushing
+from .shm import ShmTransport
+from .shm_plan import HostChoice, pushes, shm_costs, use_shm
 from .transport import BroadcastTransport, LocalTransport, P2PTransport, Transport
 
 __all__ = ["TRANSPORTS", "transport_for", "Chosen", "choose_transport", "run_device"]
@@ -83,14 +84,14 @@ def choose_transport(
     fresh: bool = True,
 ) -> Chosen:
     """Shared memory where every rank is on one host and ``transport=`` allows it (see
-    :func:`~shardsync.exec.shm.use_shm`), else the strategy's transport on the group's ``backend``.
+    :func:`~shardsync.exec.shm_plan.use_shm`), else the strategy's transport on the group's ``backend``.
 
     ``hosts`` is every rank's host (with the device type of its targets) and choice, gathered with the
     layout: every rank decides the same.
     ``budget`` is the stream's ``memory_budget`` (segments count against it).
     ``fresh``: the destination gives targets fresh memory (not memory of its own): through shared
     memory, senders then write pieces of large targets straight into them
-    (:func:`~shardsync.exec.shm.pushes`).
+    (:func:`~shardsync.exec.shm_plan.pushes`).
 
     Example:
         >>> import torch, shardsync

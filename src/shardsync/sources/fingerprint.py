@@ -17,7 +17,9 @@ chunk by chunk), and ``"off"`` reports no fingerprint at all. Only digests trave
 
 from __future__ import annotations
 
+import functools
 import hashlib
+import math
 from collections.abc import Sequence
 from typing import Literal
 
@@ -72,17 +74,21 @@ def sample_positions(numel: int) -> list[int]:
     return sorted(spread | {0, numel - 1})
 
 
+@functools.lru_cache(maxsize=256)
+def _index(shape: tuple[int, ...], device: torch.device) -> tuple[torch.Tensor, ...]:
+    """One index tensor per dim picking :func:`sample_positions` of a tensor of ``shape`` (cached:
+    a model's shards come in a few shapes, and a stream samples them on every call)."""
+    flat = sample_positions(math.prod(shape))
+    index = []
+    for size in reversed(shape):  # unravel the flat positions into one index per dim
+        index.append([p % size for p in flat])
+        flat = [p // size for p in flat]
+    return tuple(torch.tensor(i, dtype=torch.long, device=device) for i in reversed(index))
+
+
 def _sample(t: torch.Tensor) -> torch.Tensor:
     """The sampled elements of ``t`` as raw bytes (uint8), on ``t``'s device; only they are read."""
-    if t.dim() == 0:
-        picked = t.reshape(1)
-    else:
-        flat = sample_positions(t.numel())
-        index = []
-        for size in reversed(t.shape):  # unravel the flat positions into one index per dim
-            index.append([p % size for p in flat])
-            flat = [p // size for p in flat]
-        picked = t[tuple(torch.tensor(i, dtype=torch.long, device=t.device) for i in reversed(index))]
+    picked = t.reshape(1) if t.dim() == 0 else t[_index(tuple(t.shape), t.device)]
     picked = picked.contiguous()
     if picked.dtype == torch.bool:
         picked = picked.to(torch.uint8)
