@@ -28,7 +28,7 @@ from multiproc import RankFailure, run_ranks
 from reference import arange_tensor
 from shardsync.dist import GroupRanks
 from shardsync.errors import DistributedError
-from shardsync.exec.memory import BlockHandle, handle
+from shardsync.exec.shm_blocks import BlockHandle
 from shardsync.layout import shard_dim
 from shardsync.liveness import ProcessRecord, this_process
 from shardsync.planning.model import Costs, Plan, Step, TargetPlan
@@ -60,8 +60,17 @@ def counting() -> Iterator[dict[str, int]]:
         push.Pusher.mark, shm.ShmTransport._fill = mark, fill  # type: ignore[method-assign]
 
 
+#: Targets of these tests are small: pushed from this size on, in the forked ranks only.
+SMALL = 128 << 10
+
+
+def _push_from(nbytes: int) -> None:
+    """In this forked rank: push targets of ``nbytes`` or more (the tests' targets are small)."""
+    push_schedule.PUSH_MIN_BYTES = nbytes
+
+
 def _every_case(rank: int, world: int, cases: tuple) -> dict:
-    push_schedule.PUSH_MIN_BYTES = 0  # this forked rank only: every target with pieces from elsewhere
+    _push_from(0)  # every target with pieces from elsewhere
     out: dict = {}
     with counting() as counts:
         for case in cases:
@@ -103,6 +112,7 @@ def test_four_ranks_pushing_every_target_matches_broadcast() -> None:
 
 def _transposed(rank: int, world: int) -> dict:
     """The cast and transposed pieces of test_shm's case, at the real threshold (they are large)."""
+    _push_from(SMALL)
     import shardsync.exec.copies as copies
 
     moved = [0]  # elements this rank transposed (every transposed copy goes through this kernel)
@@ -134,7 +144,7 @@ def test_pieces_are_cast_and_transposed_once_by_their_sender() -> None:
     world = 2
     records = run_ranks(_transposed, world)
     full = _arranged_case(0, world)[2]
-    large = sorted(k for k, v in full.items() if v.numel() * v.element_size() >= push_schedule.PUSH_MIN_BYTES)
+    large = sorted(k for k, v in full.items() if v.numel() * v.element_size() >= SMALL)
     for rank, rec in enumerate(records):
         got, via_gloo = rec["shm"], rec["backend"]
         assert got["transport"] == "shm" and got["bad"] == [] == via_gloo["bad"], rank
@@ -150,6 +160,7 @@ def test_pieces_are_cast_and_transposed_once_by_their_sender() -> None:
 
 def _kept_and_private(rank: int, world: int) -> dict:
     """Targets the caller keeps, and targets it writes into, while more streams run."""
+    _push_from(SMALL)
     full = arange_tensor((2 * 131, 257))  # 269 KB: pushed at the real threshold
     state = {"w": shard_dim(full.clone(), 0, rank, world), "v": shard_dim(full + 0.5, 1, rank, world)}
     mapping = ["w^T -> wt", "v -> v"]
@@ -166,7 +177,7 @@ def _kept_and_private(rank: int, world: int) -> dict:
         "third": all(torch.equal(third[n], ref[n] + 1000) for n in ref),
         "mine": torch.equal(kept[0]["wt"], ref["wt"] + rank + 1),
         "other": torch.equal(kept[1]["wt"], ref["wt"]),
-        "shared": handle(kept[0]["wt"]) is not None and kept[0]["wt"].untyped_storage().nbytes() == full.numel() * 4,
+        "own": kept[0]["wt"].untyped_storage().nbytes() == full.numel() * 4,
         "blocks": len({t.untyped_storage().data_ptr() for k in (*kept, third) for t in k.values()}),
     }
 
@@ -175,10 +186,11 @@ def test_targets_kept_by_the_caller_are_never_written_again_nor_shared() -> None
     records = run_ranks(_kept_and_private, 2)
     for rec in records:
         assert rec["kept"] == [True, True] and rec["third"] and rec["mine"] and rec["other"], rec
-        assert rec["shared"] and rec["blocks"] == 6, rec  # each target its own block, owning its bytes
+        assert rec["own"] and rec["blocks"] == 6, rec  # each target its own block, owning its bytes
 
 
 def _export(rank: int, world: int) -> dict:
+    _push_from(SMALL)
     full = arange_tensor((4 * 97, 2 * 181), start=-7)  # every target pushed (b in bfloat16 too)
     state = {"w": shard_dim(full, 1, rank, world)}
     ref = {"a": full[:, :181], "b": full[:, 181:].T.to(torch.bfloat16), "w": full}
@@ -214,6 +226,7 @@ LONG_TIMEOUT = 120
 
 
 def _failing(rank: int, world: int, how: str, signal_dir: str) -> tuple:
+    _push_from(SMALL)
     full = {k: arange_tensor((2 * 129, 263), start=100 * i) for i, k in enumerate("abcd")}
     state = {k: shard_dim(v, 0, rank, world) for k, v in full.items()}
     mapping = [f"{k}^T -> {k}" for k in full]  # each target pushed, each rank writing half of it
@@ -261,6 +274,7 @@ def test_a_rank_that_dies_or_fails_while_others_wait_for_its_pieces_is_named_at_
 
 
 def _leaves(rank: int, world: int) -> dict:
+    _push_from(SMALL)
     full = {k: arange_tensor((2 * 129, 263), start=100 * i) for i, k in enumerate("abc")}
     state = {k: shard_dim(v, 0, rank, world) for k, v in full.items()}
     mapping = [f"{k}^T -> {k}" for k in full]
@@ -334,10 +348,116 @@ def test_the_end_waits_for_every_rank_to_close_this_stream_or_a_later_one() -> N
         p.close()
 
 
-def test_a_board_posts_where_a_target_lies_before_its_flag() -> None:
+def test_a_board_posts_where_a_target_lies_before_its_flag_and_seals_it() -> None:
     b = push.Board(torch.zeros(push.Board.nbytes(3, 2), dtype=torch.uint8), 3, 2)
-    b.post(2, BlockHandle(11, 5, 2**40 + 3, 4096), gen=9)
-    assert b.posted.tolist() == [0, 0, 9] and b.where[2].tolist() == [5, 2**40 + 3, 4096]
+    assert b.lies(2, 9) is None
+    b.post(2, BlockHandle(11, 5, 2**40 + 3, 4096), kept=True, gen=9)
+    assert b.posted.tolist() == [0, 0, 9] and b.where[2, :4].tolist() == [5, 2**40 + 3, 4096, 1]
+    assert b.lies(2, 9) == (BlockHandle(0, 5, 2**40 + 3, 4096), True) and b.lies(2, 10) is None
+    b.where[2, 2] = 8192  # seen half written: the seal no longer matches
+    assert b.lies(2, 9) is None
     b.done[2, 1] = 9
     assert b.done.tolist() == [[0, 0], [0, 0], [0, 9]]
     assert np.shares_memory(b.done, b.memory.numpy()) and b.memory.numel() == push.Board.nbytes(3, 2)
+
+
+# -- what the review found: descriptors, mappings kept by writers, failed streams, pid namespaces --
+
+
+def _fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def _descriptors(rank: int, world: int) -> dict:
+    """A caller that keeps 300 pushed targets, one that drops each (reuse="never"), one that drops each
+    (the default): descriptors and the peers' blocks writers keep mapped."""
+    _push_from(0)  # every target, however small
+    import shardsync.exec.memory as memory
+    import shardsync.exec.shm_segments as segments
+
+    full = {f"w{i}": arange_tensor((2 * 64, 257), start=i) for i in range(300)}  # 128.5 KiB each
+    state = {k: shard_dim(v, 0, rank, world) for k, v in full.items()}
+    mapping = [f"{k}^T -> {k}" for k in full]
+    before = _fds()
+    kept = dict(full_params(state, mapping))
+    grown = _fds() - before
+    ok = all(torch.equal(kept[k], v.T) for k, v in full.items())
+    del kept
+    never = all(torch.equal(t, full[n].T) for n, t in full_params(state, mapping, reuse="never"))
+    mapped_never = len(segments.kept_by_name()[segments.group_name(None)].blocks)
+    dropped = all(torch.equal(t, full[n].T) for n, t in full_params(state, mapping))
+    mapped = len(segments.kept_by_name()[segments.group_name(None)].blocks)
+    return {
+        "ok": (ok, never, dropped),
+        "grown": grown,
+        "never": mapped_never,
+        "mapped": mapped,
+        "limit": memory.SHM_POOL_BLOCKS + push_schedule.PUSH_AHEAD_TARGETS,
+    }
+
+
+def test_descriptors_stay_bounded_and_writers_map_only_blocks_handed_out_again() -> None:
+    for rec in run_ranks(_descriptors, 2, timeout=240):
+        assert rec["ok"] == (True, True, True), rec
+        # 300 targets kept, opened in one step: at most PUSH_OPEN_TARGETS of them pushed at once, and
+        # descriptors only for the pool's blocks and the blocks still being written
+        assert rec["grown"] <= rec["limit"] < 300, rec
+        assert rec["never"] == 0, rec  # blocks nobody hands out again are unmapped once written
+        assert 0 < rec["mapped"] <= 128, rec  # the pool's blocks, kept mapped for the next stream
+
+
+def _after_failure(rank: int, world: int, signal_dir: str) -> dict:
+    """Rank 1 fails mid-stream while rank 0 has targets open: none of their blocks is handed out again
+    (rank 1 might still be writing into them)."""
+    _push_from(SMALL)
+    import shardsync.exec.memory as memory
+
+    full = {k: arange_tensor((2 * 129, 263), start=100 * i) for i, k in enumerate("abcdefgh")}
+    state = {k: shard_dim(v, 0, rank, world) for k, v in full.items()}
+    mapping = [f"{k}^T -> {k}" for k in full]
+    yielded = []
+    try:
+        for name, t in full_params(state, mapping, strategy="broadcast"):
+            yielded.append(t.untyped_storage().data_ptr())
+            if rank == 1 and name == "b":
+                state["e"].local = state["e"].local[:0]  # its next reads fail
+    except DistributedError:
+        pass
+    pool = memory._pools.get(True)
+    blocks = [] if pool is None else [b.ctypes.data for b in pool._blocks.values()]
+    return {"strays": sorted(set(blocks) - set(yielded)), "yielded": len(yielded)}
+
+
+def test_blocks_of_a_failed_stream_are_never_handed_out_again(tmp_path: Any) -> None:
+    records = run_ranks(_after_failure, 2, str(tmp_path), timeout=120, group_timeout=LONG_TIMEOUT)
+    for rec in records:
+        assert rec["strays"] == [] and 0 < rec["yielded"] < 8, rec
+
+
+def _other_pid_namespace(rank: int, world: int) -> dict:
+    """Rank 1 says it runs in another pid namespace (two containers sharing /dev/shm): nothing is
+    pushed (peers could not open its blocks through /proc), everything moves through shared memory."""
+    _push_from(SMALL)
+    import shardsync.pipeline as pipeline
+
+    real = pipeline.host_info
+    pipeline.host_info = lambda *a, **k: real(*a, **k)._replace(pid_ns=rank)
+    full = arange_tensor((2 * 129, 263))
+    state = {"w": shard_dim(full, 0, rank, world)}
+    with counting() as counts:
+        s = full_params(state, "w^T -> wt")
+        ok = [torch.equal(t, full.T) for _, t in s]
+    c = s.plan.costs
+    return {
+        "ok": ok,
+        "transport": s.stats.transport,
+        "counts": counts,
+        "stats": (s.stats.bytes_sent, s.stats.bytes_received),
+        "costs": (c.bytes_sent[rank], c.bytes_received[rank]),
+    }
+
+
+def test_ranks_in_different_pid_namespaces_publish_instead_of_pushing() -> None:
+    for rec in run_ranks(_other_pid_namespace, 2):
+        assert rec["ok"] == [True] and rec["transport"] == "shm" and rec["stats"] == rec["costs"], rec
+        assert rec["counts"] == {"marks": 0, "fills": 1}, rec

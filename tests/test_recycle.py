@@ -143,19 +143,16 @@ def test_two_ranks_keep_targets_while_recycling() -> None:
 
 def test_a_shm_block_is_mapped_by_its_handle_and_its_descriptor_closes_with_it() -> None:
     import gc
-    import mmap
     import os
 
+    from shardsync.exec import shm_blocks
+
     t = memory.shm_block((3, 5), torch.float32)
-    h = memory.handle(t)
-    assert h is not None and (h.pid, h.nbytes) == (os.getpid(), 60) and memory.handle(torch.zeros(3)) is None
-    fd = os.open(f"/proc/{h.pid}/fd/{h.fd}", os.O_RDWR)  # as a peer process opens it
-    try:
-        assert os.fstat(fd).st_ino == h.inode
-        peer = torch.frombuffer(mmap.mmap(fd, h.nbytes), dtype=torch.float32).view(3, 5)
-    finally:
-        os.close(fd)
-    peer.copy_(arange_tensor((3, 5)))  # written through the peer's mapping, seen in the tensor
+    h = shm_blocks.handle(t)
+    assert h is not None and (h.pid, h.nbytes) == (os.getpid(), 4096) and shm_blocks.handle(torch.zeros(3)) is None
+    assert t.untyped_storage().nbytes() == 60  # the tensor owns exactly its bytes
+    peer = shm_blocks.open_block(h)  # as a peer process maps it (keeping no descriptor)
+    peer[:60].view(torch.float32).view(3, 5).copy_(arange_tensor((3, 5)))  # seen in the tensor
     assert torch.equal(t, arange_tensor((3, 5)))
     view = t[1:]
     del t
@@ -165,32 +162,73 @@ def test_a_shm_block_is_mapped_by_its_handle_and_its_descriptor_closes_with_it()
     gc.collect()
     with pytest.raises(OSError):
         os.fstat(h.fd)  # closed with the block (nothing else has opened a descriptor since)
+    assert torch.equal(peer[:60].view(torch.float32).view(3, 5), arange_tensor((3, 5)))  # the peer's stays
 
 
-def test_a_pool_of_shared_memory_reuses_only_blocks_nobody_holds() -> None:
-    pool = BlockPool(1 << 20, shm=True)
+def test_a_sealed_block_keeps_its_memory_and_no_descriptor() -> None:
+    import os
+
+    from shardsync.exec import shm_blocks
+
+    t = memory.shm_block((4,), torch.float32)
+    fd = shm_blocks.handle(t).fd  # type: ignore[union-attr]
+    shm_blocks.seal(t)
+    t.fill_(2.5)
+    assert shm_blocks.handle(t) is None and t.tolist() == [2.5] * 4
+    with pytest.raises(OSError):
+        os.fstat(fd)
+
+
+def test_a_pool_of_shared_memory_reuses_only_blocks_nobody_holds_and_seals_what_leaves_it() -> None:
+    from shardsync.exec import shm_blocks
+
+    pool = BlockPool(100, shm=True)
     a = pool.empty((4, 3), torch.float32)  # any size: shared even under POOL_MIN_BYTES
-    handle, ptr = memory.handle(a), a.data_ptr()
-    assert handle is not None and memory.handle(pool.empty((4, 3), torch.float32)) != handle
+    handle, ptr = shm_blocks.handle(a), a.data_ptr()
+    assert handle is not None and pool.holds(a)
+    other = pool.empty((4, 3), torch.float32)
+    assert shm_blocks.handle(other) != handle
+    pool.written(a)  # complete, and still the pool's: peers may open it in a later stream
     del a
     b = pool.empty((2, 6), torch.float32)
-    assert (b.data_ptr(), memory.handle(b)) == (ptr, handle) and pool.reused == 1
+    assert (b.data_ptr(), shm_blocks.handle(b)) == (ptr, handle) and pool.reused == 1
+    big = pool.empty((30,), torch.float32)  # 120 B: over the capacity, so the oldest leave the pool
+    assert not pool.holds(b) and shm_blocks.handle(b) == handle  # still being written: stays open
+    pool.written(b)
+    assert shm_blocks.handle(b) is None  # written and out of the pool: sealed
+    assert shm_blocks.handle(other) is not None  # left the pool while being written
+    pool.written(big)
+    assert shm_blocks.handle(big) is None  # never in the pool (too large): sealed once written
+    kept = pool.empty((2, 2), torch.float32)
+    pool.discard(kept)  # a failed stream: never handed out again, open for late writers
+    assert not pool.holds(kept) and shm_blocks.handle(kept) is not None
 
 
 @pytest.mark.skipif(not hasattr(__import__("os"), "fork"), reason="fork only")
-def test_a_forked_child_never_hands_out_its_parents_shared_blocks() -> None:
+def test_a_forked_child_holds_private_copies_of_its_parents_shared_blocks() -> None:
     import os
 
+    from shardsync.exec import shm_blocks
+
     parent = memory.process_pool(1 << 20, shm=True)
-    block = parent.empty((8,), torch.float32)
-    del block  # idle in the parent's pool: a child must not write into it (it is the parent's memory)
+    held = parent.empty((8,), torch.float32)
+    held.copy_(arange_tensor((8,)))
+    idle = parent.empty((8,), torch.float32)
+    del idle  # idle in the parent's pool: a child must not hand it out (it is the parent's memory)
     r, w = os.pipe()
+    r2, w2 = os.pipe()
     pid = os.fork()
-    if pid == 0:  # the child
+    if pid == 0:  # the child: its pool is its own, its copy of ``held`` private
         child = memory.process_pool(1 << 20, shm=True)
-        os.write(w, b"1" if child is not parent and not child._sizes else b"0")
+        ok = child is not parent and not child._sizes and shm_blocks.handle(held) is None
+        held.add_(100)  # not seen by the parent
+        os.read(r2, 1)  # the parent has written into its block: not seen here
+        ok = ok and torch.equal(held, arange_tensor((8,)) + 100)
+        os.write(w, b"1" if ok else b"0")
         os._exit(0)
-    os.close(w)
+    held.mul_(-1)
+    os.write(w2, b"x")
     assert os.read(r, 1) == b"1"
     os.waitpid(pid, 0)
+    assert torch.equal(held, -arange_tensor((8,))) and shm_blocks.handle(held) is not None
     assert memory.process_pool(0, shm=True) is parent

@@ -71,7 +71,7 @@ def dry_run(cfg: PlanConfig) -> Plan:
     plan = build_plan(targets, layout, options)
     # the workers start on this host: where they move data through shared memory, so do the costs
     here = [(host_info(), "auto")] * cfg.nproc
-    pushing = pushes(plan, True, cfg.memory_budget)  # the workers stream targets into files: fresh memory
+    pushing = pushes(plan, True, [h for h, _ in here], cfg.memory_budget)  # workers stream into files: fresh memory
     if cfg.nproc > 1 and use_shm(plan, here, cfg.memory_budget, pushing):
         plan = dataclasses.replace(plan, costs=shm_costs(plan, pushing))
     return plan

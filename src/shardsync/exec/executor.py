@@ -39,6 +39,7 @@ from .copies import Copies, Lane, no_grad
 from .memory import BlockPool, Reuse, process_pool, shm_block
 from .push import Pusher
 from .push_schedule import Push
+from .shm_blocks import seal
 from .stats import Stats
 from .transport import Pending, Received, Transport, unpack
 
@@ -167,9 +168,9 @@ class _Run:
             self.open[t] = self.into(t)
             return
         if self.push is not None and self.push.mine(t):
-            shape, dtype = tp.shape, to_torch_dtype(tp.dtype)
-            self.open[t] = self.shm_pool.empty(shape, dtype) if self.shm_pool is not None else shm_block(shape, dtype)
-            self.push.post(t, self.open[t])
+            shape, dtype, pool = tp.shape, to_torch_dtype(tp.dtype), self.shm_pool
+            self.open[t] = pool.empty(shape, dtype) if pool is not None else shm_block(shape, dtype)
+            self.push.post(t, self.open[t], kept=pool is not None and pool.holds(self.open[t]))
             self.stats.hold(tp.nbytes, tag=t)
         elif not is_zero_copy(tp, self.plan.reads, self.rank, self.plan.copy):
             self.open[t] = self.empty(tp.shape, to_torch_dtype(tp.dtype))
@@ -191,6 +192,21 @@ class _Run:
             else:
                 self._skip(c.read)
                 batch.add(out[c.piece.target_box.slices()], arranged)
+
+    def written(self, tensor: torch.Tensor) -> None:
+        """No rank writes into pushed target ``tensor`` any more: its block's descriptor may close."""
+        if self.shm_pool is not None:
+            self.shm_pool.written(tensor)
+        else:
+            seal(tensor)
+
+    def abandon(self) -> None:
+        """The stream failed: other ranks may still write into this rank's open pushed targets, so
+        their blocks are never handed out again."""
+        if self.push is not None and self.shm_pool is not None:
+            for t, tensor in self.open.items():
+                if self.push.mine(t):
+                    self.shm_pool.discard(tensor)
 
     def build(self, t: int) -> None:
         """Allocate target ``t`` (built from this rank's own data) and start its copies on the pool."""
@@ -271,6 +287,7 @@ class _Run:
             self.lane.wait(ticket)
         if self.push is not None and self.push.mine(t):  # the pieces other ranks write into it
             self.push.await_target(t, self.stats, self.push_ahead)
+            self.written(self.open[t])
         if t in self.open:
             tensor = self.open.pop(t)
             self.stats.release(tag=t)
@@ -421,6 +438,7 @@ def execute(
         except BaseException:
             if transport.push is not None:
                 transport.push.fail()  # ranks waiting for this one stop waiting
+            run.abandon()
             raise
         finally:
             run.settle()

@@ -61,12 +61,12 @@ def address(words: np.ndarray) -> int:
 
     Example:
         >>> w = np.zeros(2, dtype=np.int32)
-        >>> address(w) == w.ctypes.data
+        >>> address(w) == w.__array_interface__["data"][0]
         True
     """
     if words.dtype != np.int32 or not words.flags.c_contiguous:
         raise ValueError("futex words are contiguous int32 arrays")
-    return int(words.ctypes.data)
+    return int(words.__array_interface__["data"][0])
 
 
 def wait(word: int, seen: int, timeout: float, fallback: float = 1e-3) -> None:

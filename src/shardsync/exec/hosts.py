@@ -1,7 +1,8 @@
 """Which ranks share a machine: what each rank tells the others when the layout is gathered.
 
 The same-host transport (:mod:`shardsync.exec.shm`) applies when every rank of the group reports the
-same hostname, boot id and ``/dev/shm`` device.
+same hostname, boot id and ``/dev/shm`` device; its senders write into their consumers' targets only
+when every rank is also in the same pid namespace (they open the targets' blocks through ``/proc``).
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import socket
 from collections.abc import Sequence
 from typing import NamedTuple
 
-__all__ = ["HostInfo", "host_info", "same_host", "describe_hosts", "neighbours", "SHM_DIR"]
+__all__ = ["HostInfo", "host_info", "same_host", "same_processes", "describe_hosts", "neighbours", "SHM_DIR"]
 
 #: Where shared-memory segments live (a tmpfs on Linux).
 SHM_DIR = "/dev/shm"
@@ -34,6 +35,7 @@ class HostInfo(NamedTuple):
     stream: int  # this process's stream counter: names this stream's segments (rank 0's is used)
     segments: str  # token of the segments kept for the group ("" if none, see :func:`release`)
     data_device: str = "cpu"  # where this rank's targets live ("cpu", "cuda")
+    pid_ns: int = -1  # the inode of its pid namespace (-1: unknown): peers in another cannot see its /proc
 
     @property
     def machine(self) -> tuple[str, str, int]:
@@ -59,7 +61,12 @@ def host_info(segments: str = "", data_device: str = "cpu") -> HostInfo:
         dev, free = st.st_dev, vfs.f_bavail * vfs.f_frsize if os.access(SHM_DIR, os.W_OK) else 0
     except OSError:
         dev, free = -1, 0
-    return HostInfo(socket.gethostname(), boot, dev, free, os.getpid(), next(_streams), segments, data_device)
+    try:
+        pid_ns = os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        pid_ns = -1
+    stream = next(_streams)
+    return HostInfo(socket.gethostname(), boot, dev, free, os.getpid(), stream, segments, data_device, pid_ns)
 
 
 def describe_hosts(hosts: Sequence[HostInfo]) -> str:
@@ -80,6 +87,18 @@ def same_host(hosts: Sequence[HostInfo]) -> bool:
         True
     """
     return len({h.machine for h in hosts}) == 1 and hosts[0].shm_device >= 0
+
+
+def same_processes(hosts: Sequence[HostInfo]) -> bool:
+    """Whether every rank runs on one machine in one pid namespace: each can reach the others'
+    descriptors through ``/proc/<pid>/fd`` (two containers that share ``/dev/shm`` may not).
+
+    Example:
+        >>> a = HostInfo("a", "x", 1, 0, 7, 0, "", "cpu", 4026531836)
+        >>> same_processes([a, a._replace(pid=8)]), same_processes([a, a._replace(pid_ns=42)])
+        (True, False)
+    """
+    return same_host(hosts) and len({h.pid_ns for h in hosts}) == 1 and hosts[0].pid_ns >= 0
 
 
 def neighbours(hosts: Sequence[HostInfo], rank: int) -> int:

@@ -15,10 +15,11 @@ target is then valid only until the next one is requested.
 :func:`tune_allocator` is for a process that owns its allocator (the ``shardsync`` command): it tells
 glibc to keep freed memory instead of returning it to the system.
 
-A pool made with ``shm=True`` hands out blocks of shared memory instead (:func:`shm_block`: a
-``memfd``, no name in any file system): a peer process on the same machine maps a block by its
-:func:`handle` and writes into it (the same-host transport's senders write their pieces straight
-into their consumers' targets, :mod:`shardsync.exec.push`).
+A pool made with ``shm=True`` hands out blocks of shared memory instead
+(:mod:`~shardsync.exec.shm_blocks`): a peer process on the same machine maps a block and writes into
+it (the same-host transport's senders write their pieces straight into their consumers' targets,
+:mod:`shardsync.exec.push`). Such a pool also says when a block's descriptor may close: once its
+target is written (:meth:`BlockPool.written`) and the pool no longer hands it out.
 """
 
 from __future__ import annotations
@@ -27,29 +28,28 @@ import ctypes
 import ctypes.util
 import logging
 import math
-import mmap
 import os
 import sys
-import weakref
 from collections import OrderedDict
-from typing import Literal, NamedTuple
+from typing import Literal
 
 import numpy as np
 import torch
+
+from . import shm_blocks
 
 __all__ = [
     "Reuse",
     "REUSE_MODES",
     "BlockPool",
-    "BlockHandle",
     "process_pool",
     "shm_block",
-    "shm_blocks_supported",
-    "handle",
+    "over",
     "release_memory",
     "tune_allocator",
     "MMAP_THRESHOLD_BYTES",
     "POOL_MIN_BYTES",
+    "SHM_POOL_BLOCKS",
 ]
 
 log = logging.getLogger(__name__)
@@ -65,6 +65,9 @@ REUSE_MODES: tuple[str, ...] = ("dropped", "until-next", "never")
 #: against 0.06 s steadily from the pool (the warm memcpy ceiling), and 0.54 GB of 16-64 MiB targets
 #: 0.28 s against 0.13 s.
 POOL_MIN_BYTES = 128 << 10
+#: Most blocks a pool of shared memory keeps: each keeps a descriptor open (peers open it to write
+#: into it), and a process may have only so many (often 1024).
+SHM_POOL_BLOCKS = 128
 #: What :func:`tune_allocator` sets glibc's mmap and trim thresholds to.
 MMAP_THRESHOLD_BYTES = 1 << 30
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # from glibc's malloc.h
@@ -75,9 +78,12 @@ class BlockPool:
 
     Args:
         capacity: most bytes of blocks the pool keeps references to; a block that does not fit is
-            allocated outside the pool (and freed as usual), the oldest blocks make room first.
+            allocated outside the pool (and freed as usual), the oldest blocks make room first (a
+            pool of shared memory also keeps at most :data:`SHM_POOL_BLOCKS` blocks).
         shm: blocks of shared memory (:func:`shm_block`), of any size; else tensors under
-            :data:`POOL_MIN_BYTES` are plain ``torch.empty`` ones.
+            :data:`POOL_MIN_BYTES` are plain ``torch.empty`` ones. A block handed out is being
+            written until :meth:`written`; its descriptor closes once it is written and out of the
+            pool (peers open a block only to write it).
 
     Example:
         >>> import shardsync.exec.memory as memory
@@ -101,6 +107,7 @@ class BlockPool:
         self._blocks: dict[int, np.ndarray] = {}  # id(block) -> block
         self._sizes: OrderedDict[int, int] = OrderedDict()  # id(block) -> bytes, oldest first
         self._released: set[int] = set()  # "until-next": yielded, busy blocks the caller gave up
+        self._writing: set[int] = set()  # shm: data pointers of blocks handed out, not yet written
 
     def _idle(self, key: int) -> bool:
         # The pool's dict and getrefcount's argument are the only references: no tensor, view,
@@ -119,12 +126,10 @@ class BlockPool:
     def _admit(self, nbytes: int) -> np.ndarray:
         # torch's allocator aligns to 64 B (numpy's large arrays sit 16 B past a page: slower copies);
         # the numpy view is what tensors handed out refer to, so its reference count tells use.
-        block = _shm_array(nbytes) if self.shm else torch.empty(nbytes, dtype=torch.uint8).numpy()
-        while self._sizes and self.held + nbytes > self.capacity:  # oldest out (busy: the caller's)
-            key, size = self._sizes.popitem(last=False)
-            del self._blocks[key]
-            self._released.discard(key)
-            self.held -= size
+        block = shm_blocks.new_array(nbytes) if self.shm else torch.empty(nbytes, dtype=torch.uint8).numpy()
+        most = SHM_POOL_BLOCKS if self.shm else len(self._sizes) + 1
+        while self._sizes and (self.held + nbytes > self.capacity or len(self._sizes) >= most):
+            self._drop(next(iter(self._sizes)))  # oldest out (busy: the caller's)
         if self.held + nbytes <= self.capacity:
             self._blocks[id(block)] = block
             self._sizes[id(block)] = nbytes
@@ -142,7 +147,40 @@ class BlockPool:
         block = self._find(nbytes)
         if block is None:
             block = self._admit(nbytes)
-        return _over(block, shape, dtype)
+        if self.shm:
+            self._writing.add(_address(block))
+        return over(block, shape, dtype)
+
+    def _drop(self, key: int, seal: bool = True) -> None:
+        """Block ``key`` leaves the pool (it is freed once nothing else refers to it)."""
+        block = self._blocks.pop(key)
+        self.held -= self._sizes.pop(key)
+        self._released.discard(key)
+        if self.shm and seal and _address(block) not in self._writing:
+            shm_blocks.seal_at(_address(block))  # never handed out again: no peer opens it
+
+    def _key(self, tensor: torch.Tensor) -> int | None:
+        ptr = tensor.untyped_storage().data_ptr()
+        return next((key for key, b in self._blocks.items() if _address(b) == ptr), None)
+
+    def holds(self, tensor: torch.Tensor) -> bool:
+        """Whether ``tensor``'s memory is a block of this pool (handed out again once dropped)."""
+        return self._key(tensor) is not None
+
+    def written(self, tensor: torch.Tensor) -> None:
+        """shm: ``tensor`` (handed out by :meth:`empty`) is complete, no peer writes it any more; its
+        block's descriptor closes unless the pool hands the block out again."""
+        ptr = tensor.untyped_storage().data_ptr()
+        self._writing.discard(ptr)
+        if self._key(tensor) is None:
+            shm_blocks.seal_at(ptr)
+
+    def discard(self, tensor: torch.Tensor) -> None:
+        """Never hand ``tensor``'s block out again (peers may still write into it: a failed stream)."""
+        self._writing.discard(tensor.untyped_storage().data_ptr())
+        key = self._key(tensor)
+        if key is not None:
+            self._drop(key, seal=False)  # its descriptor stays open for them, until it is freed
 
     def release(self, tensor: torch.Tensor) -> None:
         """``reuse="until-next"``: the caller is done with ``tensor`` (it asked for the next target);
@@ -151,9 +189,15 @@ class BlockPool:
             return
         ptr = tensor.untyped_storage().data_ptr()
         for key in self._sizes:
-            if self._blocks[key].ctypes.data == ptr:
+            if _address(self._blocks[key]) == ptr:
                 self._released.add(key)
                 return
+
+
+def _address(block: np.ndarray) -> int:
+    # not ``block.ctypes.data``: that object refers back to the array in a cycle, which keeps the
+    # array's reference count up until the garbage collector runs - a block looks busy meanwhile
+    return int(block.__array_interface__["data"][0])
 
 
 def _strides(shape: tuple[int, ...]) -> tuple[int, ...]:
@@ -164,85 +208,32 @@ def _strides(shape: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(reversed(out))
 
 
-def _over(block: np.ndarray, shape: tuple[int, ...] | torch.Size, dtype: torch.dtype) -> torch.Tensor:
-    """A tensor of ``shape`` and ``dtype`` over ``block``'s memory, keeping ``block`` alive."""
+def over(block: np.ndarray, shape: tuple[int, ...] | torch.Size, dtype: torch.dtype) -> torch.Tensor:
+    """A tensor of ``shape`` and ``dtype`` over ``block``'s memory (its first bytes), keeping ``block``
+    alive; its storage is exactly its bytes.
+
+    Example:
+        >>> over(np.zeros(16, dtype=np.uint8), (2, 2), torch.float32).shape
+        torch.Size([2, 2])
+    """
     storage = torch.from_numpy(block).untyped_storage()
     return torch.empty(0, dtype=dtype).set_(storage, 0, tuple(shape), _strides(tuple(shape)))
 
 
-class BlockHandle(NamedTuple):
-    """Where a peer process on this machine maps a block of shared memory: ``/proc/<pid>/fd/<fd>``,
-    which must still be the file of inode ``inode``, ``nbytes`` long."""
-
-    pid: int
-    fd: int
-    inode: int
-    nbytes: int
-
-
-#: data pointer of each live shared block -> its handle (dropped, and its descriptor closed, with it)
-_handles: dict[int, BlockHandle] = {}
-
-
-def shm_blocks_supported() -> bool:
-    """Whether this system makes shared-memory blocks (``memfd_create``: Linux).
-
-    Example:
-        >>> shm_blocks_supported() in (True, False)
-        True
-    """
-    return hasattr(os, "memfd_create")
-
-
-def _forget(ptr: int, fd: int) -> None:
-    _handles.pop(ptr, None)
-    os.close(fd)
-
-
-def _shm_array(nbytes: int) -> np.ndarray:
-    """``nbytes`` of shared memory as a numpy array: a memfd (no name in any file system, so nothing
-    is left behind whatever happens to this process), its pages reserved and mapped now (a full
-    memory cgroup is an error here, not a ``SIGBUS`` later), open for peers until the array is freed."""
-    fd = os.memfd_create("shardsync-block", os.MFD_CLOEXEC)
-    size = max(nbytes, 1)  # a mapping is never empty
-    try:
-        os.posix_fallocate(fd, 0, size)
-        mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
-    except BaseException:
-        os.close(fd)
-        raise
-    block = np.frombuffer(mm, dtype=np.uint8)[:nbytes]
-    ptr = block.ctypes.data if nbytes else id(block)
-    _handles[ptr] = BlockHandle(os.getpid(), fd, os.fstat(fd).st_ino, size)
-    weakref.finalize(block, _forget, ptr, fd)
-    return block
-
-
 def shm_block(shape: tuple[int, ...] | torch.Size, dtype: torch.dtype) -> torch.Tensor:
-    """A fresh CPU tensor in shared memory that peers on this machine can map (:func:`handle`); it
-    owns exactly its bytes.
+    """A fresh CPU tensor in a block of shared memory that peers on this machine can map
+    (:mod:`~shardsync.exec.shm_blocks`); it owns exactly its bytes.
 
     Raises:
         OSError: no memory left to reserve it.
 
     Example:
+        >>> from shardsync.exec.shm_blocks import handle
         >>> t = shm_block((2, 3), torch.float32)
-        >>> h = handle(t)
-        >>> (h.pid, h.nbytes) == (os.getpid(), 24)
-        True
+        >>> t.untyped_storage().nbytes(), handle(t) is not None
+        (24, True)
     """
-    return _over(_shm_array(math.prod(shape) * dtype.itemsize), shape, dtype)
-
-
-def handle(tensor: torch.Tensor) -> BlockHandle | None:
-    """The handle of the shared-memory block ``tensor``'s storage is (from :func:`shm_block` or a
-    pool with ``shm``), or None for any other tensor.
-
-    Example:
-        >>> handle(torch.zeros(3)) is None
-        True
-    """
-    return _handles.get(tensor.untyped_storage().data_ptr()) if tensor.device.type == "cpu" else None
+    return over(shm_blocks.new_array(math.prod(shape) * dtype.itemsize), shape, dtype)
 
 
 _pools: dict[bool, BlockPool] = {}

@@ -53,8 +53,8 @@ from ..liveness import ProcessRecord, is_gone
 from ..planning.model import Plan
 from ..roll_call import TransportFailure
 from . import futex, push_schedule
-from .memory import BlockHandle, handle
 from .push_schedule import Push, Pushing, Schedule, per_plan, piece_bytes
+from .shm_blocks import BlockHandle, handle
 from .stats import Stats
 
 __all__ = ["Board", "Pusher", "LOOK_SECONDS"]
@@ -62,6 +62,7 @@ __all__ = ["Board", "Pusher", "LOOK_SECONDS"]
 #: How often a wait checks the ranks it waits for (process gone, failed) and the timeout.
 LOOK_SECONDS = 0.05
 _WORDS = 16  # the board's header: int32 words, then the arrays
+_WHERE = 5  # int64 fields of where a target lies
 _CLOSED, _FAILED = 0, 1
 
 
@@ -90,8 +91,9 @@ class Board:
         self.words = raw[:off].view(np.int32)
         self.posted = raw[off : off + 4 * targets].view(np.int32)
         off = _aligned8(off + 4 * targets)
-        self.where = raw[off : off + 24 * targets].view(np.int64).reshape(targets, 3)  # fd, inode, bytes
-        off += 24 * targets
+        # fd, inode, bytes, kept (its owner's pool hands it out again), seal (see :meth:`lies`)
+        self.where = raw[off : off + 8 * _WHERE * targets].view(np.int64).reshape(targets, _WHERE)
+        off += 8 * _WHERE * targets
         self.done = raw[off : off + 4 * targets * world].view(np.int32).reshape(targets, world)
         # where the words are (futexes sleep on addresses)
         self.at_words, self.at_posted = futex.address(self.words), futex.address(self.posted)
@@ -100,14 +102,31 @@ class Board:
     @staticmethod
     def nbytes(targets: int, world: int) -> int:
         """Bytes of a board for ``targets`` targets and ``world`` ranks."""
-        return _aligned8(4 * _WORDS + 4 * targets) + 24 * targets + 4 * targets * world
+        return _aligned8(4 * _WORDS + 4 * targets) + 8 * _WHERE * targets + 4 * targets * world
 
-    def post(self, t: int, block: BlockHandle, gen: int) -> None:
-        """Target ``t``'s memory is ``block``, for stream ``gen`` (where first, then the flag)."""
-        self.where[t] = (block.fd, block.inode, block.nbytes)
+    def post(self, t: int, block: BlockHandle, kept: bool, gen: int) -> None:
+        """Target ``t``'s memory is ``block`` (``kept``: its owner hands the block out again, so peers
+        keep their mapping of it), for stream ``gen`` - where first, then the flag."""
+        self.where[t] = (block.fd, block.inode, block.nbytes, int(kept), _seal(gen, block, kept))
         _fence()
         self.posted[t] = gen
         futex.wake(self.at_posted + 4 * t)
+
+    def lies(self, t: int, gen: int) -> tuple[BlockHandle, bool] | None:
+        """Where target ``t`` lies in stream ``gen`` (its block, pid 0, and whether it is kept), or
+        None until it is posted. The record is sealed with a checksum of its fields and ``gen``: a
+        record seen half written (a processor that makes stores visible out of order) does not pass."""
+        if int(self.posted[t]) != gen:
+            return None
+        _fence()
+        fd, inode, nbytes, kept, seal = (int(x) for x in self.where[t])
+        block = BlockHandle(0, fd, inode, nbytes)
+        return (block, bool(kept)) if seal == _seal(gen, block, bool(kept)) else None
+
+
+def _seal(gen: int, block: BlockHandle, kept: bool) -> int:
+    h = (gen * 0x9E3779B97F4A7C15) ^ (block.fd << 48) ^ block.inode ^ (block.nbytes << 7) ^ int(kept)
+    return (h & (2**63 - 1)) or 1
 
 
 _lock = threading.Lock()
@@ -153,10 +172,10 @@ class Pusher:
         self.gen = 0
         self.boards: list[Board] = []
         self.records: list[ProcessRecord | None] = []
-        self.blocks: dict[tuple[int, int, int], torch.Tensor] = {}  # (rank, fd, inode) -> mapped bytes
+        self.blocks: dict[tuple[int, int], torch.Tensor] = {}  # (rank, inode) -> mapped bytes
         self.opener: Callable[[BlockHandle], torch.Tensor] | None = None
         self.timeout = 1800.0
-        self.used: set[tuple[int, int, int]] = set()
+        self.used: set[tuple[int, int]] = set()
 
     def mine(self, t: int) -> bool:
         """Whether this rank allocates target ``t`` in shared memory (others write into it)."""
@@ -172,47 +191,54 @@ class Pusher:
         gen: int,
         boards: Sequence[Board],
         records: Sequence[ProcessRecord | None],
-        blocks: dict[tuple[int, int, int], torch.Tensor],
+        blocks: dict[tuple[int, int], torch.Tensor],
         opener: Callable[[BlockHandle], torch.Tensor],
         timeout: float,
     ) -> None:
         """Set up (by the transport, every board mapped): ``gen`` numbers this stream (the same on
         every rank, larger than any earlier stream's of the group), ``boards`` and ``records`` are
-        every rank's, ``blocks`` the peers' blocks mapped so far (kept between streams), ``opener``
-        maps a peer's block, ``timeout`` is the group's."""
+        every rank's, ``blocks`` the peers' blocks mapped so far that their owners hand out again
+        (kept between streams; those no piece was written into in a stream are unmapped at its end),
+        ``opener`` maps a peer's block, ``timeout`` is the group's."""
         self.gen, self.boards, self.records = gen, list(boards), list(records)
         self.blocks, self.opener, self.timeout = blocks, opener, timeout
 
-    def post(self, t: int, tensor: torch.Tensor) -> None:
-        """This rank's memory for pushed target ``t`` is ``tensor`` (a block of shared memory)."""
+    def post(self, t: int, tensor: torch.Tensor, kept: bool) -> None:
+        """This rank's memory for pushed target ``t`` is ``tensor`` (a block of shared memory;
+        ``kept``: the block is handed out again, so writers may keep their mapping of it)."""
         block = handle(tensor)
         if block is None:
             raise RuntimeError(f"target {self._name(t)} is not in a block of shared memory; this is a bug")
-        self.boards[self.ranks.rank].post(t, block, self.gen)
+        self.boards[self.ranks.rank].post(t, block, kept, self.gen)
 
     def _target(self, t: int, c: int) -> torch.Tensor:
         """Consumer ``c``'s memory for target ``t`` in this stream (waits until it has some)."""
         board = self.boards[c]
         word = board.at_posted + 4 * t
         self._await(
-            lambda: (word, int(board.posted[t])) if int(board.posted[t]) != self.gen else None,
+            lambda: (word, int(board.posted[t])) if board.lies(t, self.gen) is None else None,
             (c,),
             f"its memory for {self._name(t)}",
         )
-        fd, inode, nbytes = (int(x) for x in board.where[t])
-        key = (c, fd, inode)
-        self.used.add(key)
+        found = board.lies(t, self.gen)
+        assert found is not None
+        block, kept = found
+        key = (c, block.inode)
         data = self.blocks.get(key)
         if data is None:
             record = self.records[c]
             assert self.opener is not None and record is not None
             try:
-                data = self.blocks[key] = self.opener(BlockHandle(record.pid, fd, inode, nbytes))
+                data = self.opener(block._replace(pid=record.pid))
             except (OSError, RuntimeError) as exc:
                 why = self._lost(c)
                 if why:  # it died (or failed) since it showed its memory: name it, not this rank
                     raise TransportFailure(f"{self.ranks.label(c)} {why}, while opening its memory") from exc
                 raise
+            if kept:  # its owner hands it out again: mapped once for every stream
+                self.blocks[key] = data
+        if kept:
+            self.used.add(key)
         tp = self.plan.targets[t]
         dtype = to_torch_dtype(tp.dtype)
         return data[: math.prod(tp.shape) * dtype.itemsize].view(dtype).view(tp.shape)
@@ -241,7 +267,7 @@ class Pusher:
 
     def placed(self, pushes: Sequence[Push]) -> bool:
         """Whether the consumers of every one of ``pushes`` have shown where it goes."""
-        return all(int(self.boards[p.consumer].posted[p.target]) == self.gen for p in pushes)
+        return all(self.boards[p.consumer].lies(p.target, self.gen) is not None for p in pushes)
 
     def await_target(self, t: int, stats: Stats, idle: Callable[[], bool] | None = None) -> None:
         """Wait until every rank that writes pieces of target ``t`` into this rank's memory did;

@@ -17,11 +17,12 @@ from typing import Any, NamedTuple, TypeVar
 
 from ..layout.dtypes import itemsize
 from ..planning.model import Copy, Plan
-from .memory import POOL_MIN_BYTES
 
 __all__ = [
     "PUSH_MIN_BYTES",
     "PUSH_AHEAD_BYTES",
+    "PUSH_AHEAD_TARGETS",
+    "PUSH_OPEN_TARGETS",
     "Pushing",
     "NO_PUSHING",
     "Push",
@@ -38,13 +39,20 @@ __all__ = [
 ]
 
 #: Smallest target pushed: smaller ones come from the process's heap (warm, private) and their
-#: senders publish their reads for the consumers to copy.
-PUSH_MIN_BYTES = POOL_MIN_BYTES
+#: senders publish their reads for the consumers to copy (for them the copies cost less than the
+#: blocks: one descriptor each while open).
+PUSH_MIN_BYTES = 1 << 20
+#: Most pushed targets a consumer has open at once in their steps (each block keeps a descriptor open
+#: until its target is written): a step that opens more pushes the first ones and publishes the rest.
+PUSH_OPEN_TARGETS = 64
 #: Most bytes of pushed targets a consumer allocates (and shows its writers) before the step they
 #: open in: ranks whose work differs from step to step (one writes all of ``q``, the other all of
 #: ``v``) then each go at their own pace instead of waiting for each other at every step. Less under
 #: a ``memory_budget`` that has no room for it.
 PUSH_AHEAD_BYTES = 64 << 20
+#: Most pushed targets a consumer allocates ahead of their step (each block keeps a descriptor open
+#: until its target is written).
+PUSH_AHEAD_TARGETS = 64
 T = TypeVar("T")
 
 
@@ -111,19 +119,32 @@ def forget_plans() -> None:
 def pushed_targets(plan: Plan) -> frozenset[int]:
     """The targets whose consumers allocate them in shared memory and whose senders write their
     pieces into them: those of :data:`PUSH_MIN_BYTES` or more that some consumer builds from data it
-    does not hold.
+    does not hold, in step order while no such consumer has :data:`PUSH_OPEN_TARGETS` of them open.
 
     Example:
         >>> import torch, shardsync
-        >>> pushed_targets(shardsync.plan({"w": torch.zeros(256, 256)}))   # one process: none
+        >>> pushed_targets(shardsync.plan({"w": torch.zeros(1024, 1024)}))   # one process: none
         frozenset()
     """
+    ready = {t: k for k, step in enumerate(plan.steps) for t in step.ready}
+    closing: list[list[int]] = [[] for _ in plan.steps]  # step -> pushed targets yielded in it
+    open_ = [0] * plan.world_size  # pushed targets open on each rank
     out = set()
-    for t, tp in enumerate(plan.targets):
-        if tp.nbytes >= PUSH_MIN_BYTES and any(
-            c in plan.reads[cp.read].receivers for c in tp.consumers for cp in tp.copies
-        ):
-            out.add(t)
+    for k, step in enumerate(plan.steps):
+        for t in step.opens:
+            tp = plan.targets[t]
+            if tp.nbytes < PUSH_MIN_BYTES:
+                continue
+            receivers = {c for c in tp.consumers for cp in tp.copies if c in plan.reads[cp.read].receivers}
+            if receivers and all(open_[c] < PUSH_OPEN_TARGETS for c in receivers):
+                out.add(t)
+                for c in receivers:
+                    open_[c] += 1
+                closing[ready.get(t, k)].append(t)
+        for t in closing[k]:
+            tp = plan.targets[t]
+            for c in {c for c in tp.consumers for cp in tp.copies if c in plan.reads[cp.read].receivers}:
+                open_[c] -= 1
     return frozenset(out)
 
 
@@ -207,7 +228,8 @@ def writers(plan: Plan, pushed: frozenset[int], rank: int) -> dict[int, tuple[in
 def allocations(plan: Plan, mine: Collection[int], window: int) -> tuple[list[list[int]], int]:
     """The targets of ``mine`` (pushed ones a consumer allocates) it allocates when it starts each
     step: those that open in it, and those of the next steps while all that is allocated before its
-    step holds at most ``window`` bytes; and the most bytes so held at once.
+    step holds at most ``window`` bytes and :data:`PUSH_AHEAD_TARGETS` targets; and the most bytes so
+    held at once.
 
     Example:
         >>> import torch, shardsync
@@ -216,22 +238,22 @@ def allocations(plan: Plan, mine: Collection[int], window: int) -> tuple[list[li
     """
     opening = [[t for t in step.opens if t in mine] for step in plan.steps]
     out: list[list[int]] = [[] for _ in plan.steps]
-    early = [0] * (len(plan.steps) + 1)  # bytes allocated before step k, for step k
-    ahead = most = 0
+    early = [(0, 0)] * (len(plan.steps) + 1)  # (bytes, targets) allocated before step k, for step k
+    ahead = count = most = 0
     j = -1  # the last step whose targets are allocated
     for k in range(len(plan.steps)):
-        ahead -= early[k]
+        ahead, count = ahead - early[k][0], count - early[k][1]
         if j < k:
             j = k
             out[k] += opening[k]
         while j + 1 < len(plan.steps):
-            need = sum(plan.targets[t].nbytes for t in opening[j + 1])
-            if ahead + need > window:
+            need, n = sum(plan.targets[t].nbytes for t in opening[j + 1]), len(opening[j + 1])
+            if ahead + need > window or count + n > PUSH_AHEAD_TARGETS:
                 break
             j += 1
             out[k] += opening[j]
-            early[j] += need
-            ahead += need
+            early[j] = (need, n)
+            ahead, count = ahead + need, count + n
             most = max(most, ahead)
     return out, most
 

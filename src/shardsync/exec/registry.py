@@ -101,10 +101,11 @@ def choose_transport(
     """
     if ranks is None:
         return Chosen(LocalTransport(), plan, "local")
-    pushing = pushes(plan, fresh, budget)
+    infos = [h for h, _ in hosts]
+    pushing = pushes(plan, fresh, infos, budget)
     if use_shm(plan, hosts, budget, pushing):
         shm_plan = _with_shm_costs(plan, pushing)
-        return Chosen(ShmTransport(ranks, shm_plan, [h for h, _ in hosts], pushing), shm_plan, "shm")
+        return Chosen(ShmTransport(ranks, shm_plan, infos, pushing), shm_plan, "shm")
     return Chosen(transport_for(plan, ranks, groups), plan, backend)
 
 

@@ -42,6 +42,7 @@ every rank waiting for it raise (the ``data_phase`` guarantee), within a fractio
 from __future__ import annotations
 
 import contextlib
+import mmap
 import os
 import weakref
 from collections import Counter
@@ -60,9 +61,9 @@ from ..roll_call import group_timeout
 from .assemble import cast_into, piece_view
 from .copies import Copies
 from .hosts import SHM_DIR, HostInfo
-from .memory import handle, shm_block
 from .push import Board, Pusher
 from .push_schedule import NO_PUSHING, Pushing, per_plan
+from .shm_blocks import open_block
 from .shm_plan import SETUP_COLLECTIVES, arranged_pieces, piece_dtype, pulls, regions
 from .shm_segments import (
     SHM_PREFIX,
@@ -72,7 +73,6 @@ from .shm_segments import (
     idle,
     kept_by_name,
     map_file,
-    open_block,
     open_handle,
     owner_gone,
     storage_handle,
@@ -87,6 +87,16 @@ __all__ = ["ShmTransport"]
 #: What a rank shows its peers at setup: where each read it publishes lies (handle, byte offset,
 #: whether in target form), its board's handle, and where its process runs.
 _Published = tuple[dict[int, tuple[tuple, int, bool]], tuple, ProcessRecord]
+
+
+def _create(path: str, size: int) -> mmap.mmap:
+    try:
+        return map_file(path, size, create=True)
+    except OSError as exc:
+        raise RuntimeError(
+            f"cannot create a {size} B shared-memory segment {path} ({exc.strerror}); "
+            f"free space in {SHM_DIR} (docker: --shm-size) or pass transport='backend'"
+        ) from exc
 
 
 class ShmTransport:
@@ -105,13 +115,14 @@ class ShmTransport:
         pushing: the targets senders write straight into, and how far ahead (:func:`pushes`).
 
     Example:
-        >>> transport = ShmTransport(GroupRanks.of(None), plan, hosts, pushes(plan, True))  # doctest: +SKIP
+        >>> transport = ShmTransport(GroupRanks.of(None), plan, hosts, pushes(plan, True, hosts))  # doctest: +SKIP
     """
 
     def __init__(self, ranks: GroupRanks, plan: Plan, hosts: Sequence[HostInfo], pushing: Pushing = NO_PUSHING) -> None:
         self.ranks, self.plan = ranks, plan
         token = f"{hosts[0].pid}-{hosts[0].stream}"
         self.paths = [os.path.join(SHM_DIR, f"{SHM_PREFIX}{token}-{r}-{h.pid}") for r, h in enumerate(hosts)]
+        self.boards = [os.path.join(SHM_DIR, f"{SHM_PREFIX}{token}-{r}b-{h.pid}") for r, h in enumerate(hosts)]
         self.token, self.tokens = token, {h.segments for h in hosts}
         self.gen = hosts[0].stream % (2**31 - 2) + 1  # numbers the stream on every board (rank 0's count)
         self.kept = Kept()  # until setup takes what is kept for the group
@@ -175,19 +186,19 @@ class ShmTransport:
             agree(phases.SHM_OPEN, lambda: self._open(tables.all, io), self.ranks.group)
             self.kept.token = self.token
         finally:
-            for path in self.paths:  # mapped by every reader, or failed on every rank: names go
+            for path in self.paths + self.boards:  # mapped by every reader, or failed on every rank: names go
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(path)
 
     def _board(self) -> tuple:
-        """This rank's board (the kept one when it fits this plan), as its handle."""
+        """This rank's board (the kept one when it fits this plan), as its handle: a segment of its
+        own, reached by name during setup like the others (no ``/proc`` needed)."""
         size = Board.nbytes(len(self.plan.targets), self.ranks.world)
         kept = self.kept.board
-        if kept is None or kept[1].numel() != size:
-            memory = shm_block((size,), torch.uint8)
-            block = handle(memory)
-            assert block is not None
-            kept = self.kept.board = (("fd", *block), memory)
+        if kept is None or kept[1].numel() != size or not self.reuse_own:
+            path = self.boards[self.ranks.rank]
+            memory = as_bytes(_create(path, size))
+            kept = self.kept.board = (("board", self.ranks.rank, path, size), memory)
         return kept[0]
 
     @torch.no_grad()
@@ -235,14 +246,7 @@ class ShmTransport:
         own = self.kept.own
         if own is None or own[0] != layout or not self.reuse_own:
             path = self.paths[self.ranks.rank]
-            try:
-                own = (layout, ("seg", self.ranks.rank, path, size), as_bytes(map_file(path, size, create=True)))
-            except OSError as exc:
-                raise RuntimeError(
-                    f"cannot create a {size} B shared-memory segment {path} ({exc.strerror}); "
-                    f"free space in {SHM_DIR} (docker: --shm-size) or pass "
-                    "transport='backend'"
-                ) from exc
+            own = (layout, ("seg", self.ranks.rank, path, size), as_bytes(_create(path, size)))
             self.kept.own = own
         self.held = size
         stats.hold(size)
@@ -272,10 +276,10 @@ class ShmTransport:
                 if owner_gone(handle_, records):  # died since it published: this phase names it
                     return
                 raise
-        # Unmap storages not read any more, and a peer's segment once it published another; keep
-        # the others: their owners write the next stream into them (their names are gone).
-        owners = {h[1] for h in used if h[0] == "seg"}
-        for handle_ in [h for h in maps if h not in used and (h[0] != "seg" or h[1] in owners)]:
+        # Unmap storages not read any more, and a peer's segment (or board) once it made another;
+        # keep the others: their owners write the next stream into them (their names are gone).
+        made = {(h[0], h[1]) for h in used if h[0] != "fd"}
+        for handle_ in [h for h in maps if h not in used and (h[0] == "fd" or (h[0], h[1]) in made)]:
             del maps[handle_]
         for i, (handle_, off, arranged) in needed.items():
             if arranged:

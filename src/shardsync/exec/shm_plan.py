@@ -18,8 +18,8 @@ from ..layout.dtypes import itemsize
 from ..mapping.pieces import Piece
 from ..planning.model import Costs, Plan
 from ..planning.schedule import aligned
-from .hosts import HostInfo, describe_hosts, same_host
-from .memory import shm_blocks_supported
+from . import shm_blocks
+from .hosts import HostInfo, describe_hosts, same_host, same_processes
 from .push_schedule import (
     NO_PUSHING,
     PUSH_AHEAD_BYTES,
@@ -69,18 +69,21 @@ def check_transport(value: object) -> None:
         raise PlanError(f"transport={value!r}: use one of {list(TRANSPORT_CHOICES)}")
 
 
-def pushes(plan: Plan, fresh: bool, budget: int | None = None) -> Pushing:
-    """The targets senders write straight into (:func:`~shardsync.exec.push_schedule.pushed_targets`) when
-    the destination gives targets fresh memory (``fresh``) and this system has shared-memory blocks,
-    and how far ahead their consumers allocate them: :data:`~shardsync.exec.push_schedule.PUSH_AHEAD_BYTES`,
-    or what is left of ``budget`` (``memory_budget``); the same on every rank.
+def pushes(plan: Plan, fresh: bool, hosts: Sequence[HostInfo], budget: int | None = None) -> Pushing:
+    """The targets senders write straight into (:func:`~shardsync.exec.push_schedule.pushed_targets`)
+    when the destination gives targets fresh memory (``fresh``), every rank runs in one pid namespace
+    (``hosts``, gathered with the layout: they open each other's blocks through ``/proc``) and this
+    system has shared-memory blocks, and how far ahead their consumers allocate them:
+    :data:`~shardsync.exec.push_schedule.PUSH_AHEAD_BYTES`, or what is left of ``budget``
+    (``memory_budget``); the same on every rank.
 
     Example:
         >>> import torch, shardsync
-        >>> pushes(shardsync.plan({"w": torch.zeros(3)}), fresh=True)
+        >>> from shardsync.exec.hosts import host_info
+        >>> pushes(shardsync.plan({"w": torch.zeros(3)}), True, [host_info()])
         Pushing(targets=frozenset(), window=0)
     """
-    if not (fresh and shm_blocks_supported()):
+    if not (fresh and shm_blocks.supported() and same_processes(hosts)):
         return NO_PUSHING
     pushed = per_plan(plan, "pushed", lambda: pushed_targets(plan))
     if not pushed:

@@ -26,7 +26,6 @@ import torch.distributed as dist
 
 from ..liveness import ProcessRecord, is_gone
 from .hosts import SHM_DIR
-from .memory import BlockHandle
 from .push_schedule import forget_plans
 
 __all__ = [
@@ -43,7 +42,6 @@ __all__ = [
     "release_all",
     "storage_handle",
     "open_handle",
-    "open_block",
     "owner_gone",
     "idle",
 ]
@@ -86,14 +84,13 @@ def sweep() -> None:
                     log.warning("removed %s/%s, left by a process that died", SHM_DIR, name)
 
 
-def map_file(path: str, size: int, create: bool, populate: bool = False) -> mmap.mmap:
+def map_file(path: str, size: int, create: bool) -> mmap.mmap:
     flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
     fd = os.open(path, flags, 0o600)
     try:
         if create:
             os.posix_fallocate(fd, 0, size)  # ENOSPC here, not SIGBUS on first touch
-        # populate: the pages mapped now, in one call, rather than faulted in one by one on first write
-        return mmap.mmap(fd, size, flags=mmap.MAP_SHARED | (getattr(mmap, "MAP_POPULATE", 0) if populate else 0))
+        return mmap.mmap(fd, size)
     finally:
         os.close(fd)
 
@@ -114,7 +111,7 @@ class Kept:
         self.own: tuple[tuple, tuple, torch.Tensor] | None = None  # (reads and sizes, handle, bytes)
         self.board: tuple[tuple, torch.Tensor] | None = None  # (handle, bytes)
         self.maps: dict[tuple, torch.Tensor] = {}  # handle -> mapped bytes
-        self.blocks: dict[tuple[int, int, int], torch.Tensor] = {}  # (rank, fd, inode) -> mapped bytes
+        self.blocks: dict[tuple[int, int], torch.Tensor] = {}  # (rank, inode) -> mapped bytes
         self.busy = False  # a stream is using them: another one works on its own
 
 
@@ -184,7 +181,8 @@ def storage_handle(view: torch.Tensor) -> tuple[tuple, int] | None:
     return ("fd", os.getpid(), fd, os.fstat(fd).st_ino, size), offset
 
 
-def open_handle(handle: tuple, populate: bool = False) -> torch.Tensor:
+def open_handle(handle: tuple) -> torch.Tensor:
+    """The bytes of a segment, board or shared storage a peer published, mapped here."""
     if handle[0] == "fd":  # the owner's descriptor, reached through /proc (same user)
         _, pid, fd, ino, size = handle
         path = f"/proc/{pid}/fd/{fd}"
@@ -200,18 +198,13 @@ def open_handle(handle: tuple, populate: bool = False) -> torch.Tensor:
             raise RuntimeError(f"{path} is no longer the shared storage published by process {pid}")
     else:
         path, size = handle[-2:]
-    return as_bytes(map_file(path, size, create=False, populate=populate))
+    return as_bytes(map_file(path, size, create=False))
 
 
 def owner_gone(handle_: tuple, records: Sequence[ProcessRecord]) -> bool:
     """Whether the process that published ``handle_`` has ended (its segment's rank, or its pid)."""
-    owner = records[handle_[1]] if handle_[0] == "seg" else next((r for r in records if r.pid == handle_[1]), None)
+    owner = records[handle_[1]] if handle_[0] != "fd" else next((r for r in records if r.pid == handle_[1]), None)
     return owner is not None and bool(is_gone(owner))
-
-
-def open_block(block: BlockHandle) -> torch.Tensor:
-    """A peer's block of shared memory (a target it receives pieces in), mapped with its pages."""
-    return open_handle(("fd", *block), populate=True)
 
 
 def idle(kept: Kept) -> None:
