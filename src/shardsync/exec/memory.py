@@ -104,8 +104,8 @@ class BlockPool:
         self.shm = shm
         self.held = 0  # bytes of the blocks in the pool, busy or idle
         self.reused = 0  # blocks handed out again (for stats and tests)
-        self._blocks: dict[int, np.ndarray] = {}  # id(block) -> block
-        self._sizes: OrderedDict[int, int] = OrderedDict()  # id(block) -> bytes, oldest first
+        self._blocks: dict[int, np.ndarray] = {}  # address -> block
+        self._sizes: OrderedDict[int, int] = OrderedDict()  # address -> bytes, oldest first
         self._released: set[int] = set()  # "until-next": yielded, busy blocks the caller gave up
         self._writing: set[int] = set()  # shm: data pointers of blocks handed out, not yet written
 
@@ -131,8 +131,8 @@ class BlockPool:
         while self._sizes and (self.held + nbytes > self.capacity or len(self._sizes) >= most):
             self._drop(next(iter(self._sizes)))  # oldest out (busy: the caller's)
         if self.held + nbytes <= self.capacity:
-            self._blocks[id(block)] = block
-            self._sizes[id(block)] = nbytes
+            self._blocks[_address(block)] = block
+            self._sizes[_address(block)] = nbytes
             self.held += nbytes
         return block
 
@@ -156,12 +156,12 @@ class BlockPool:
         block = self._blocks.pop(key)
         self.held -= self._sizes.pop(key)
         self._released.discard(key)
-        if self.shm and seal and _address(block) not in self._writing:
-            shm_blocks.seal_at(_address(block))  # never handed out again: no peer opens it
+        if self.shm and seal and key not in self._writing:
+            shm_blocks.seal_at(key)  # never handed out again: no peer opens it
 
     def _key(self, tensor: torch.Tensor) -> int | None:
         ptr = tensor.untyped_storage().data_ptr()
-        return next((key for key, b in self._blocks.items() if _address(b) == ptr), None)
+        return ptr if ptr in self._blocks else None
 
     def holds(self, tensor: torch.Tensor) -> bool:
         """Whether ``tensor``'s memory is a block of this pool (handed out again once dropped)."""
@@ -187,11 +187,9 @@ class BlockPool:
         its block may be reused although references to it remain."""
         if tensor.device.type != "cpu":
             return
-        ptr = tensor.untyped_storage().data_ptr()
-        for key in self._sizes:
-            if _address(self._blocks[key]) == ptr:
-                self._released.add(key)
-                return
+        key = self._key(tensor)
+        if key is not None:
+            self._released.add(key)
 
 
 def _address(block: np.ndarray) -> int:

@@ -18,7 +18,7 @@ from ..layout.dtypes import itemsize
 from ..mapping.pieces import Piece
 from ..planning.model import Costs, Plan
 from ..planning.schedule import aligned
-from . import shm_blocks
+from . import push_schedule, shm_blocks
 from .hosts import HostInfo, describe_hosts, same_host, same_processes
 from .push_schedule import (
     NO_PUSHING,
@@ -85,7 +85,8 @@ def pushes(plan: Plan, fresh: bool, hosts: Sequence[HostInfo], budget: int | Non
     """
     if not (fresh and shm_blocks.supported() and same_processes(hosts)):
         return NO_PUSHING
-    pushed = per_plan(plan, "pushed", lambda: pushed_targets(plan))
+    limits = (push_schedule.PUSH_MIN_BYTES, push_schedule.PUSH_OPEN_TARGETS)  # read now: tests change them
+    pushed = per_plan(plan, ("pushed", limits), lambda: pushed_targets(plan))
     if not pushed:
         return NO_PUSHING
     window = PUSH_AHEAD_BYTES
