@@ -153,7 +153,7 @@ class BlockPool:
 
     def _drop(self, key: int, seal: bool = True) -> None:
         """Block ``key`` leaves the pool (it is freed once nothing else refers to it)."""
-        block = self._blocks.pop(key)
+        self._blocks.pop(key)
         self.held -= self._sizes.pop(key)
         self._released.discard(key)
         if self.shm and seal and key not in self._writing:
