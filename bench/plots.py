@@ -83,7 +83,7 @@ def plot_peers(doc: dict[str, Any], out: Path) -> Path:
     ax.set_xlabel("seconds (median over rounds); green: shardsync, blue: peers, gray: ceilings")
     ax.set_title(f"shardsync vs peers ({doc['date'][:10]})\n{doc['workload']}", fontsize=9)
     fig.tight_layout()
-    fig.savefig(out / "peers.png", dpi=110)
+    fig.savefig(out / "peers.png", dpi=110, bbox_inches="tight")  # the long labels whole
     plt.close(fig)
     return out / "peers.png"
 
