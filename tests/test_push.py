@@ -34,7 +34,16 @@ from shardsync.liveness import ProcessRecord, this_process
 from shardsync.planning.model import Costs, Plan, Step, TargetPlan
 from shardsync.roll_call import TransportFailure
 from shardsync.stream import full_params
-from test_shm import CASES, STRATEGIES, _arranged_case, both, check_pair, stream
+from test_shm import (
+    CASES,
+    STRATEGIES,
+    _arranged_case,
+    both,
+    both_counted,
+    check_pair,
+    count_transposes,
+    scenarios,
+)
 from test_stream_dist import case_tp
 from test_stream_dist4 import case_replicas, case_tp_pp
 
@@ -71,16 +80,9 @@ def _push_from(nbytes: int) -> None:
 
 def _every_case(rank: int, world: int, cases: tuple) -> dict:
     _push_from(0)  # every target with pieces from elsewhere
-    out: dict = {}
     with counting() as counts:
-        for case in cases:
-            state, mapping, ref = case(rank, world)
-            for name, kw in STRATEGIES:
-                out[(case.__name__, name)] = both(state, mapping, ref, strategy=name, **kw)
+        out = scenarios(rank, world, cases)
         state, _, ref = case_tp(rank, world)
-        out["consumers=1"] = both(state, None, ref, consumers=1, strategy="p2p")
-        out["consumers=[1,0]"] = both(state, None, ref, consumers=[1, 0], strategy="p2p", split_by="bytes")
-        out["copy=False"] = both(state, None, ref, copy=False)
         out["num_splits"] = both(state, None, ref, num_splits=2, split_index=1)
         for reuse in ("until-next", "never"):
             out[reuse] = both(state, None, ref, reuse=reuse)
@@ -113,27 +115,11 @@ def test_four_ranks_pushing_every_target_matches_broadcast() -> None:
 def _transposed(rank: int, world: int) -> dict:
     """The cast and transposed pieces of test_shm's case, at the real threshold (they are large)."""
     _push_from(SMALL)
-    import shardsync.exec.copies as copies
-
-    moved = [0]  # elements this rank transposed (every transposed copy goes through this kernel)
-    real = copies.transpose_into
-
-    def counted(dst: torch.Tensor, src: torch.Tensor) -> None:
-        moved[0] += dst.numel()
-        real(dst, src)
-
-    copies.transpose_into = counted  # type: ignore[assignment]  # this forked rank only
+    moved = count_transposes()
     state, mapping, ref = _arranged_case(rank, world)
-    out = {}
     with counting() as counts:
-        for transport in ("shm", "backend"):
-            moved[0] = 0
-            out[transport] = stream(state, mapping, ref, transport=transport, strategy="broadcast")
-            out[transport]["moved"] = moved[0]
-    s = full_params(state, mapping, transport="shm", strategy="broadcast")
-    list(s)
-    pushed = push_schedule.pushed_targets(s.plan)
-    out["pushed"] = sorted(s.plan.targets[t].name for t in pushed)
+        out, plan = both_counted(state, mapping, ref, moved)
+    out["pushed"] = sorted(plan.targets[t].name for t in push_schedule.pushed_targets(plan))
     out["counts"] = counts
     return out
 
@@ -154,8 +140,9 @@ def test_pieces_are_cast_and_transposed_once_by_their_sender() -> None:
         every = sum(full[k].numel() for k in ("pt", "y1", "y2", "wt"))
         assert via_gloo["moved"] == every, rank
         assert got["moved"] == every // world, rank  # its own halves, once
-        # the small targets (c16, e, h32) are still published: one segment per stream
-        assert rec["counts"]["fills"] == 1 and rec["counts"]["marks"] > 0, rank
+        # the small targets (c16, e, h32) are still published: one segment per stream (the counted
+        # one and the one that gives the plan)
+        assert rec["counts"]["fills"] == 2 and rec["counts"]["marks"] > 0, rank
 
 
 def _kept_and_private(rank: int, world: int) -> dict:

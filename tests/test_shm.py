@@ -109,9 +109,11 @@ def _two_hosts(rank: int, world: int) -> tuple:
     return auto["transport"], auto["bad"], err
 
 
-def worker_w2(rank: int, world: int) -> dict:
-    out: dict = {"pid0": os.getpid() if rank == 0 else None}
-    for case in CASES:
+def scenarios(rank: int, world: int, cases: tuple) -> dict:
+    """Every case with every strategy, consumers of part of the targets, and zero copy, each through
+    shared memory and through gloo's broadcasts (:func:`both`)."""
+    out: dict = {}
+    for case in cases:
         state, mapping, ref = case(rank, world)
         for name, kw in STRATEGIES:
             out[(case.__name__, name)] = both(state, mapping, ref, strategy=name, **kw)
@@ -119,6 +121,12 @@ def worker_w2(rank: int, world: int) -> dict:
     out["consumers=1"] = both(state, None, ref, consumers=1, strategy="p2p")
     out["consumers=[1,0]"] = both(state, None, ref, consumers=[1, 0], strategy="p2p", split_by="bytes")
     out["copy=False"] = both(state, None, ref, copy=False)
+    return out
+
+
+def worker_w2(rank: int, world: int) -> dict:
+    out: dict = {"pid0": os.getpid() if rank == 0 else None} | scenarios(rank, world, CASES)
+    state, _, ref = case_tp(rank, world)
     # the next stream writes into the segment the last one made; release() drops it
     segments.release()
     kept = []
@@ -375,21 +383,25 @@ def _arranged_case(rank: int, world: int) -> tuple[dict, list[str], dict]:
     return state, mapping, ref
 
 
-def _arranged(rank: int, world: int) -> dict:
+def count_transposes() -> list[int]:
+    """From now on in this forked rank, count the elements it transposes (every transposed copy goes
+    through this kernel) in the returned one-element list."""
     import shardsync.exec.copies as copies
-    import shardsync.exec.push_schedule as push_schedule
 
-    push_schedule.PUSH_MIN_BYTES = 1 << 62  # this forked rank only: every read published (test_push pushes them)
-    moved = [0]  # elements this rank transposed (every transposed copy goes through this kernel)
+    moved = [0]
     real = copies.transpose_into
 
     def counted(dst: torch.Tensor, src: torch.Tensor) -> None:
         moved[0] += dst.numel()
         real(dst, src)
 
-    copies.transpose_into = counted  # type: ignore[assignment]  # this forked rank only
-    state, mapping, ref = _arranged_case(rank, world)
-    segments.release()
+    copies.transpose_into = counted  # type: ignore[assignment]
+    return moved
+
+
+def both_counted(state: dict, mapping: Any, ref: dict, moved: list[int]) -> tuple[dict, Any]:
+    """The case through shared memory and through gloo, each with the elements this rank transposed
+    (``moved``, from :func:`count_transposes`); and the plan of the shared-memory stream."""
     out = {}
     for transport in ("shm", "backend"):
         moved[0] = 0
@@ -397,15 +409,26 @@ def _arranged(rank: int, world: int) -> dict:
         out[transport]["moved"] = moved[0]
     s = full_params(state, mapping, transport="shm", strategy="broadcast")
     list(s)
-    arranged = shm_plan.arranged_pieces(s.plan)
-    sent = [i for i in arranged if s.plan.reads[i].sender == rank]
-    out["arranged"] = sorted((s.plan.reads[i].source, len(arranged[i])) for i in sent)
+    return out, s.plan
+
+
+def _arranged(rank: int, world: int) -> dict:
+    import shardsync.exec.push_schedule as push_schedule
+
+    push_schedule.PUSH_MIN_BYTES = 1 << 62  # this forked rank only: every read published (test_push pushes them)
+    moved = count_transposes()
+    state, mapping, ref = _arranged_case(rank, world)
+    segments.release()
+    out, plan = both_counted(state, mapping, ref, moved)
+    arranged = shm_plan.arranged_pieces(plan)
+    sent = [i for i in arranged if plan.reads[i].sender == rank]
+    out["arranged"] = sorted((plan.reads[i].source, len(arranged[i])) for i in sent)
     half = {"c", "q"}  # published narrowed to bfloat16: half of each read's bytes
     out["segment"] = (
         segments.kept_by_name()[segments.group_name(None)].own[2].numel(),
         sum(
             aligned(r.nbytes // 2 if r.source in half else r.nbytes)
-            for r in s.plan.reads
+            for r in plan.reads
             if r.sender == rank and r.receivers
         ),
     )
