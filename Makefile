@@ -27,8 +27,8 @@ demo: $(STAMP)
 
 # Every benchmark with torch's default threads (nothing sets OMP_NUM_THREADS): on the machine as it is,
 # then with --busy next to one other busy process (bench/busy.py; results in bench/results/*_busy.*).
-# bench_threads measures both itself. bench_replicas exits 1 when its targets are missed ("-": the rest
-# still run).
+# bench_threads and bench_startup measure both themselves. bench_replicas exits 1 when its targets
+# are missed ("-": the rest still run).
 bench: $(STAMP)
 	$(PY) -m pip install -q "$(TORCH)" -e ".[bench]"
 	$(PY) bench/bench_export.py
@@ -52,6 +52,7 @@ bench: $(STAMP)
 	$(PY) bench/bench_scaling.py --busy
 	$(PY) bench/bench_cma.py
 	$(PY) bench/bench_cma.py --busy
+	$(PY) bench/bench_startup.py
 	$(PY) bench/plots.py
 
 # The peers run in their own venv (Paddle is never a dependency of shardsync).

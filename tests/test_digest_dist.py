@@ -136,7 +136,7 @@ def test_digests_agree_across_layouts_formats_and_rank_counts(tmp_path: Path) ->
         assert {k: r[k] for k in ("live", "hf", "verify", "stream", "load")} == dict.fromkeys(
             ("live", "hf", "verify", "stream", "load"), True
         )
-        assert r["collectives"] == {"all_gather_object": 2}  # the layout, then one integer per tensor
+        assert r["collectives"] == {"all_gather": 2}  # the layout, then one integer per tensor: small, one each
         assert r["mappings"].startswith("PlanError: ranks passed different mappings to digest")
         assert r["module"].startswith("DistributedError: phase 'digest: gather layout' failed on rank(s) [1]")
         assert "got a module (Linear)" in r["module"]

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from multiproc import new_group, run_ranks_one_dies, short_wait_group
-from shardsync.dist import Agreed, abandon, agree, data_phase, transport_errors
+from shardsync.dist import GATHER_BYTES, Agreed, abandon, agree, data_phase, transport_errors
 from shardsync.errors import DistributedError, PlanError
 from shardsync.roll_call import TransportFailure, is_transport_failure
 
@@ -44,12 +44,39 @@ def _moving(group: Any, rank: int, fail: str | None = None) -> None:
                 dist.broadcast(t, src=src, group=group)
 
 
+def _part(rank: int, n: int) -> bytes:
+    return bytes((rank * 7 + i) % 251 for i in range(n))
+
+
+def _all_gathers(fn: Any) -> tuple[Any, int]:
+    """``fn()`` and the number of ``dist.all_gather`` calls it made."""
+    real, calls = dist.all_gather, [0]
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        calls[0] += 1
+        return real(*args, **kwargs)
+
+    dist.all_gather = counted  # type: ignore[assignment]  # this spawned rank only
+    try:
+        return fn(), calls[0]
+    finally:
+        dist.all_gather = real
+
+
 def _scenarios(rank: int, world: int) -> dict[str, Any]:
     out: dict[str, Any] = {}
     mine = [rank] * (rank + 1)
     agreed = agree("sizes", lambda: mine, share=len)
     out["agreed"] = (agreed.mine is mine, agreed.all)
     out["plain"] = agree("ranks", lambda: rank * 10).all
+    out["gathers"] = {
+        "small": _all_gathers(lambda: agree("small", lambda: bytes(range(rank + 1))).all),
+        # rank 1's part pickles to more than GATHER_BYTES: every rank takes the second gather
+        "large": _all_gathers(lambda: agree("large", lambda: _part(rank, GATHER_BYTES if rank == 1 else 3)).all),
+        "every rank large": _all_gathers(lambda: agree("larger", lambda: _part(rank, 3 * GATHER_BYTES + rank)).all),
+    }
+    # a part that cannot be pickled is that rank's failure, raised on every rank (it used to hang)
+    out["unpicklable"] = _caught(lambda: agree("share", lambda: (lambda: rank) if rank == 3 else rank))
 
     def bad() -> int:
         if rank == 2:
@@ -95,6 +122,21 @@ def test_agree_returns_this_ranks_object_and_what_everyone_shared(outcomes: dict
     for o in outcomes.values():
         assert o["agreed"] == (True, [1, 2, 3, 4])
         assert o["plain"] == [0, 10, 20, 30]
+
+
+def test_agree_gathers_in_one_all_gather_unless_a_part_is_large(outcomes: dict) -> None:
+    for o in outcomes.values():
+        got = o["gathers"]
+        assert got["small"] == ([bytes(range(r + 1)) for r in range(4)], 1)
+        assert got["large"] == ([_part(r, GATHER_BYTES if r == 1 else 3) for r in range(4)], 2)
+        assert got["every rank large"] == ([_part(r, 3 * GATHER_BYTES + r) for r in range(4)], 2)
+
+
+def test_a_part_that_cannot_be_pickled_fails_every_rank(outcomes: dict) -> None:
+    for o in outcomes.values():
+        kind, phase, failures, _ = o["unpicklable"]
+        assert (kind, phase, list(failures)) == ("DistributedError", "share", [3])
+        assert "pickle" in failures[3], failures
 
 
 def test_agree_raises_everywhere(outcomes: dict) -> None:

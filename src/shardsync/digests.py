@@ -1,9 +1,9 @@
 """Layout-independent digests: :func:`digest` and :func:`verify`.
 
 The protocol, on every rank of the group: open the source and gather the layout, with each rank's
-mapping (one ``all_gather_object``) -> resolve the mapping into targets and cut them into reads (the
+mapping (one gather) -> resolve the mapping into targets and cut them into reads (the
 planner's, so replicas are read once) -> every read goes to one of its holders -> each rank hashes the
-boxes it was given, where they lie, and one ``all_gather_object`` of one integer per target adds the
+boxes it was given, where they lie, and one gather of one integer per target adds the
 sums (:mod:`shardsync.exec.digests`). No tensor data moves. The digest of a target depends only on its
 shape, dtype and values (:mod:`shardsync.exec.box_hash`; docs/digests.md).
 """

@@ -4,10 +4,10 @@ Every other layer that talks to other ranks (``exec``, ``replicas``, the verbs) 
 
 Two kinds of phase:
 
-* :func:`agree` - local work followed by one ``all_gather_object`` that carries either the result or
-  the error of every rank. Every rank reaches that collective, so a failure on any rank is raised on
-  all of them as one :class:`DistributedError` naming the phase and each failing rank. Use it for
-  everything before data moves (layout, plan, preflight).
+* :func:`agree` - local work followed by one gather (an ``all_gather`` of pickles, two for a large
+  one) that carries either the result or the error of every rank. Every rank reaches that gather, so
+  a failure on any rank is raised on all of them as one :class:`DistributedError` naming the phase
+  and each failing rank. Use it for everything before data moves (layout, plan, preflight).
 * :func:`data_phase` - a context manager around collectives that move data. A local exception is
   published to the group's store (so peers can name it) and raised at once; a peer that is left
   waiting fails with the group timeout and raises a :class:`DistributedError` naming the phase and
@@ -26,10 +26,12 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import pickle
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Generic, TypeVar, overload
 
+import torch
 import torch.distributed as dist
 
 from .errors import DistributedError, ShardsyncError
@@ -45,6 +47,7 @@ __all__ = [
     "GroupRanks",
     "Agreed",
     "agree",
+    "GATHER_BYTES",
     "data_phase",
     "abandon",
     "abort_group",
@@ -192,18 +195,18 @@ def agree(
     mine, local_exc = None, None
     try:
         mine = fn()
-        payload: tuple[bool, Any, str] = (True, mine if share is None else share(mine), phase)
-    except Exception as exc:  # gathered below, raised on every rank
-        payload, local_exc = (False, describe(exc), phase), exc
-        roll.record_failure(payload[1])  # found by peers if the gather itself fails
-    gathered: list[Any] = [None] * roll.ranks.world
+        data = _pickled((True, mine if share is None else share(mine), phase))
+    except Exception as exc:  # gathered below, raised on every rank (a share that cannot be pickled too)
+        local_exc = exc
+        roll.record_failure(describe(exc))  # found by peers if the gather itself fails
+        data = _pickled((False, describe(exc), phase))
     try:
         with transport_errors():
-            dist.all_gather_object(gathered, payload, group=group)
+            gathered = [pickle.loads(share) for share in _gather_pickled(data, group)]
     except TransportFailure as exc:
         failures = roll.blame(exc)
         if local_exc is not None:
-            failures[roll.ranks.rank] = payload[1]
+            failures[roll.ranks.rank] = describe(local_exc)
         raise _error(roll, failures) from exc
     elsewhere = {r: other for r, (_, _, other) in enumerate(gathered) if other != phase}
     if elsewhere:  # out of step: e.g. shardsync.release() called on some ranks only
@@ -215,6 +218,46 @@ def agree(
             raise local_exc
         raise _error(roll, failures) from local_exc
     return Agreed(mine, [value for _, value, _ in gathered])
+
+
+#: Pickled bytes a rank's part of an agreed phase may have for the phase to take one ``all_gather``:
+#: the layout checks, plan ids and segment tables of a stream that runs again are a few hundred bytes.
+GATHER_BYTES = 4096
+_SIZE = 8  # bytes of the length in front of each rank's share
+
+
+def _pickled(obj: Any) -> bytes:
+    return pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+
+
+def _gather_pickled(data: bytes, group: ProcessGroup | None) -> list[Any]:
+    """Every rank's ``data`` (a pickle), by group rank, as bytes-like objects: ``all_gather_object``
+    in one ``all_gather`` where every rank's pickle has at most :data:`GATHER_BYTES` bytes, else two
+    (the first tells every rank every size, the second carries the pickles padded to the largest).
+    ``all_gather_object`` always takes two and goes through pickled tensors: on 2 gloo processes here
+    it takes 1.0-1.2 ms where this takes 0.4 ms, and every stream that runs again makes three."""
+    first = bytearray(_SIZE + GATHER_BYTES)
+    first[:_SIZE] = len(data).to_bytes(_SIZE, "little")
+    if len(data) <= GATHER_BYTES:
+        first[_SIZE : _SIZE + len(data)] = data
+    got = _all_gather(first, group)
+    sizes = [int.from_bytes(g[:_SIZE].tobytes(), "little") for g in got]
+    if max(sizes) <= GATHER_BYTES:
+        return [g[_SIZE : _SIZE + n] for g, n in zip(got, sizes)]
+    second = bytearray(max(sizes))  # every rank saw the same sizes: the same second gather
+    second[: len(data)] = data
+    return [g[:n] for g, n in zip(_all_gather(second, group), sizes)]
+
+
+def _all_gather(buf: bytearray, group: ProcessGroup | None) -> list[Any]:
+    """Every rank's ``buf`` (the same length on every rank) as numpy byte arrays, by group rank; on
+    the GPU under NCCL (its collectives move nothing else), as ``all_gather_object`` does."""
+    cuda = dist.get_backend(group) == "nccl"
+    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    mine = torch.frombuffer(buf, dtype=torch.uint8).to(device)
+    out = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(out, mine, group=group)
+    return [t.cpu().numpy() for t in out]
 
 
 def _out_of_step(other: str) -> str:

@@ -2,7 +2,7 @@
 
 After the transfer, each rank hashes the destination boxes it holds (every replica: each holder checks
 its own copy), and the source side hashes the copies that built them, each read by one of its holders
-(:mod:`shardsync.exec.digests`); one ``all_gather_object`` carries both. A copy whose source this rank
+(:mod:`shardsync.exec.digests`); one gather carries both. A copy whose source this rank
 hashes and whose destination box only this rank holds (a local copy) is compared bit for bit instead,
 and left out of both sums when equal (when not, both sides hash it, and the sums differ). Both are taken in the frame
 of the destination box, so no global shape is needed and no tensor data moves. A mismatch raises

@@ -3,7 +3,7 @@
 A plan's copies tile each target exactly, and each copy lies in a read that some ranks hold (replicas).
 :func:`owners` gives every read to exactly one of its holders (balanced by bytes), so every element of
 every target is hashed by exactly one rank, where its bytes lie: nothing moves but one integer per
-target per rank, in one ``all_gather_object`` (:func:`combine`, an agreed phase: a failure on any rank
+target per rank, in one gather (:func:`combine`, an agreed phase: a failure on any rank
 is raised on every rank).
 
 Used by :func:`shardsync.digest` (a plan without consumers), ``full_params(..., verify=True)`` (the
@@ -128,7 +128,7 @@ def local_sums(
 
 def combine(fn: Callable[[], list[int]], group: ProcessGroup | None, phase: str = DIGEST_PHASE) -> list[int]:
     """Run ``fn`` (this rank's sums) on every rank and add the sums of all ranks, mod 2^64: one
-    ``all_gather_object`` of one integer per target; a failure on any rank raises on every rank.
+    gather of one integer per target; a failure on any rank raises on every rank.
 
     Example:
         >>> combine(lambda: [1, 2], None)

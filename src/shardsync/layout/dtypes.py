@@ -90,9 +90,18 @@ def dtype_name(dtype: torch.dtype | str) -> str:
     return name
 
 
+# every known name, alias and torch dtype -> torch dtype: the executor asks per piece
+_TORCH: dict[str | torch.dtype, torch.dtype] = {
+    **{name: d for name, d in DTYPES.items()},
+    **{alias: DTYPES[name] for alias, name in _ALIASES.items()},
+    **{d: d for d in DTYPES.values()},
+}
+
+
 def to_torch_dtype(name: str | torch.dtype) -> torch.dtype:
     """The torch dtype for a name (or the dtype itself)."""
-    return DTYPES[dtype_name(name)]
+    found = _TORCH.get(name)
+    return found if found is not None else DTYPES[dtype_name(name)]  # an unknown name raises there
 
 
 def itemsize(name: str | torch.dtype) -> int:

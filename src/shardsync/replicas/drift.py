@@ -3,7 +3,7 @@
 Call sequence (every rank of the group calls :func:`detect_drift` together):
 
 1. Every rank fingerprints its tensors (two position-weighted integer sums of the raw bits, on the
-   tensor's device) and one ``all_gather_object`` carries the layout and fingerprints of all ranks.
+   tensor's device) and one gather carries the layout and fingerprints of all ranks.
 2. For the tensors whose fingerprints differ, and only those, the exact max abs diff across ranks is
    computed with coalesced ``all_reduce`` MAX and MIN (one pair per communication dtype).
 3. The report is the same on every rank, so ``on_drift="raise"`` raises on every rank together, and

@@ -2,7 +2,7 @@
 
 Call sequence (every rank of ``group`` makes the same calls, in the same order)::
 
-    sync = ReplicaSync(model, optimizer, group)   # preflight: one all_gather_object of the layout
+    sync = ReplicaSync(model, optimizer, group)   # preflight: one gather of the layout
     sync.broadcast_now()                           # after init or checkpoint load
     handle = sync.attach()                         # optimizer hooks, every `interval` steps:
         # pre-step:  grads (mean / sum / broadcast), unless sync_grads() already ran this step
@@ -12,7 +12,7 @@ Call sequence (every rank of ``group`` makes the same calls, in the same order):
 
 Each sync first checks whether the optimizer's parameter groups or ``_master_weights`` changed since
 the ranks agreed, and that every rank's did the same (one ``all_reduce`` of two integers); if they
-changed the ranks agree again (one more all_gather_object), so masters added after ``attach()`` have
+changed the ranks agree again (one more gather), so masters added after ``attach()`` have
 their grads and states synced. A group added on some ranks only is an error on every rank.
 
 Three operations are kept apart (see the design notes): summing partial grads (correctness, every
