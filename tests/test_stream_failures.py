@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import time
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -13,17 +15,17 @@ from shardsync.errors import DistributedError, PlanError
 from shardsync.stream import full_params
 from test_stream_dist import case_tp
 
-#: Seconds rank 0 waits in a collective for the rank whose shard vanished (it has recorded why by then:
-#: it raises as soon as it finds the shard gone, while rank 0 waits).
-SHORT_WAIT_STREAM = 5
+#: A group timeout no failure below waits out: each must be found well within it.
+LONG_TIMEOUT = 120
 
 
-def _outcome(rank: int, world: int, fail: str) -> tuple:
+def _outcome(rank: int, world: int, fail: str, signal_dir: str = "") -> tuple:
     state, _, _ = case_tp(rank, world)
     names = []
     # a shard that vanishes mid-stream fails a send; shared memory published every shard at setup
     transport = "backend" if fail == "shard vanishes" else "auto"
     stream = iter(full_params(state, strategy="broadcast", transport=transport))
+    start = time.monotonic()
     try:
         for name, _tensor in stream:
             names.append(name)
@@ -32,16 +34,28 @@ def _outcome(rank: int, world: int, fail: str) -> tuple:
             if rank == 1 and fail == "shard vanishes":  # after "a": "h" is read two steps later
                 state["h"].local = state["h"].local[:0]  # this rank can no longer read its shard
     except DistributedError as exc:
-        return ("DistributedError", exc.phase, sorted(exc.failures), str(exc), names)
+        seconds = time.monotonic() - start
+        if signal_dir and rank == 0:
+            open(os.path.join(signal_dir, "told"), "w").close()
+        elif signal_dir:  # alive, its group open, in no collective, until rank 0 has its error
+            for _ in range(LONG_TIMEOUT * 10):
+                if os.path.exists(os.path.join(signal_dir, "told")):
+                    break
+                time.sleep(0.1)
+        return ("DistributedError", exc.phase, sorted(exc.failures), str(exc), names, seconds)
     return ("finished", names)
 
 
-def test_exception_inside_the_stream_is_raised_on_every_rank() -> None:
-    out = run_ranks(_outcome, 2, "shard vanishes", timeout=90, group_timeout=SHORT_WAIT_STREAM)
+def test_exception_inside_the_stream_is_raised_on_every_rank(tmp_path: Path) -> None:
+    """Over gloo, a rank whose stream fails keeps running (its group open): its peer, waiting in a
+    broadcast that rank will never join, finds its report in the roll call and raises, naming it and
+    what went wrong, instead of waiting out the group's timeout."""
+    out = run_ranks(_outcome, 2, "shard vanishes", str(tmp_path), timeout=90, group_timeout=LONG_TIMEOUT)
     for rank in (0, 1):
-        kind, phase, failed, text, _ = out[rank]
+        kind, phase, failed, text, _, seconds = out[rank]
         assert (kind, phase, failed) == ("DistributedError", "stream", [1]), rank
         assert "LayoutError: 'h': this rank holds no shard containing" in text, rank
+        assert seconds < LONG_TIMEOUT / 4, (rank, seconds)  # found, not waited out
 
 
 def test_rank_that_dies_is_named() -> None:
@@ -49,7 +63,7 @@ def test_rank_that_dies_is_named() -> None:
         run_ranks(_outcome, 2, "rank dies", timeout=90)  # found gone: no timeout to wait out
     out = err.value.outcomes
     assert out[1][:2] == ("error", "Died")
-    kind, phase, failed, _, names = out[0][1]
+    kind, phase, failed, _, names, _ = out[0][1]
     assert (kind, phase, failed) == ("DistributedError", "stream", [1]) and names[0] == "a"
 
 

@@ -10,8 +10,8 @@ Two kinds of phase:
   and each failing rank. Use it for everything before data moves (layout, plan, preflight).
 * :func:`data_phase` - a context manager around collectives that move data. A local exception is
   published to the group's store (so peers can name it) and raised at once; a peer that is left
-  waiting fails with the group timeout and raises a :class:`DistributedError` naming the phase and
-  the rank the store says is to blame.
+  waiting finds the report (:func:`wait_for`, under gloo) or fails with the group timeout, and
+  raises a :class:`DistributedError` naming the phase and the rank the store says is to blame.
 
 Both kinds keep a roll call in the group's store (:mod:`shardsync.roll_call`): each rank notes the
 phase it enters, and what went wrong when it fails. When a collective fails (a peer died, hangs, or
@@ -27,8 +27,10 @@ from __future__ import annotations
 import contextlib
 import logging
 import pickle
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Generic, TypeVar, overload
 
 import torch
@@ -49,6 +51,8 @@ __all__ = [
     "agree",
     "GATHER_BYTES",
     "data_phase",
+    "wait_for",
+    "WATCH_SECONDS",
     "abandon",
     "abort_group",
     "transport_errors",
@@ -278,7 +282,8 @@ def data_phase(phase: str, group: ProcessGroup | None = None) -> Iterator[None]:
     local failure this rank's collectives are out of step with its peers' (they wait in one it will
     never join), so the group is aborted (:func:`abort_group`) and not used again: this rank's pending
     collectives are released, so its program can exit, and the peers fail and name this rank when
-    its process exits (or, if it keeps running, after the group's timeout). A
+    its process exits or, if it keeps running, when their waits (:func:`wait_for`: every
+    :data:`WATCH_SECONDS` under gloo) find its report; on other backends after the group's timeout. A
     generator suspended inside the phase that is closed early (its caller stopped iterating)
     publishes that, so the peers left waiting can name it.
 
@@ -291,6 +296,8 @@ def data_phase(phase: str, group: ProcessGroup | None = None) -> Iterator[None]:
         yield
         return
     roll = RollCall.enter(phase, GroupRanks.of(group))
+    outer = _watched.get(roll.pg)
+    _watched[roll.pg] = roll
     try:
         yield
     except GeneratorExit:
@@ -307,6 +314,48 @@ def data_phase(phase: str, group: ProcessGroup | None = None) -> Iterator[None]:
             abort_group(group)
         log.error("phase %r failed on %s: %s", phase, roll.ranks.label(roll.ranks.rank), exc)
         raise _error(roll, failures) from exc
+    finally:
+        if outer is None:
+            del _watched[roll.pg]
+        else:
+            _watched[roll.pg] = outer
+
+
+#: Seconds between looks at the roll call while :func:`wait_for` waits for a gloo collective.
+WATCH_SECONDS = 1.0
+_watched: dict[Any, RollCall] = {}  # process group -> the roll call of the data phase it is in here
+_POLL_TIMED_OUT = "Operation timed out!"  # what gloo's Work.wait(timeout) raises when it only timed out
+
+
+def wait_for(work: dist.Work, ranks: GroupRanks | None) -> None:
+    """``work.wait()`` for a collective of a data phase of ``ranks.group`` (or of one of its
+    subgroups; None: wait plainly). Under gloo the wait looks at the phase's roll call every
+    :data:`WATCH_SECONDS`: a peer that reported a failure of its own there (it raised, or its caller
+    stopped iterating) never posts its part, even if its process keeps running, so this rank raises
+    :class:`TransportFailure` at once - and the phase names that peer - instead of waiting out the
+    group's timeout. Other backends wait plainly (an NCCL wait with a timeout aborts the communicator).
+
+    Example:
+        >>> import torch, torch.distributed as dist
+        >>> work = dist.broadcast(torch.zeros(2), src=0, async_op=True)   # doctest: +SKIP
+        >>> wait_for(work, GroupRanks.of(None))   # doctest: +SKIP
+    """
+    group = ranks.group if ranks is not None else None
+    roll = _watched.get(group if group is not None else dist.group.WORLD) if ranks is not None else None
+    if roll is None or dist.get_backend(group) != "gloo":
+        work.wait()
+        return
+    while True:
+        try:
+            work.wait(timeout=timedelta(seconds=WATCH_SECONDS))
+            return
+        except RuntimeError as exc:
+            if str(exc) != _POLL_TIMED_OUT:
+                raise
+        culprits = roll.culprits()
+        if culprits:
+            r, why = min(culprits.items())
+            raise TransportFailure(f"{roll.ranks.label(r)} will not take part: {why}", time.monotonic() - roll.started)
 
 
 def abort_group(group: ProcessGroup | None) -> None:

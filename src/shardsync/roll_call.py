@@ -284,7 +284,7 @@ class RollCall:
         grace = min(timeout, MAX_GRACE_SECONDS)
         closed = peer_left(exc)
         short, long = now + grace, now + max(0.0, timeout - waited) + grace
-        if waited < timeout:
+        if waited < timeout and not self.culprits():  # (a culprit that reported: named below at once)
             log.warning(
                 "phase %r: a collective failed on %s (%s); waiting up to %.0f s for the other "
                 "ranks to report, to name the one at fault",

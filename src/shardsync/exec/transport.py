@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 import torch
 import torch.distributed as dist
 
-from ..dist import GroupRanks, transport_errors
+from ..dist import GroupRanks, transport_errors, wait_for
 from ..layout.dtypes import to_torch_dtype
 from ..mapping.pieces import Piece
 from ..planning.model import Packet, Read, Step
@@ -113,6 +113,7 @@ class Posted:
     """
 
     works: list[dist.Work] = field(default_factory=list)
+    ranks: GroupRanks | None = None  # the data phase's group, whose roll call the waits look at
     got: list[Received] = field(default_factory=list)
     # (host buffer on the wire, the GPU buffer it is copied into after the wait, or None for a send):
     # gloo's send and recv move host memory only
@@ -121,7 +122,7 @@ class Posted:
     def wait(self) -> list[Received]:
         with transport_errors():
             for work in self.works:
-                work.wait()
+                wait_for(work, self.ranks)
         for host, device in self.staged:
             if device is not None:
                 device.copy_(host)
@@ -246,7 +247,7 @@ class BroadcastTransport(Plain):
         self.ranks = ranks
 
     def start(self, step: Step, io: PacketIO, stats: Stats) -> Pending:
-        posted = Posted()
+        posted = Posted(ranks=self.ranks)
         for pk in step.packets:
             broadcast_packet(pk, io, stats, posted, self.ranks, self.ranks.group)
         return posted
@@ -296,7 +297,7 @@ class P2PTransport(Plain):
 
     def start(self, step: Step, io: PacketIO, stats: Stats) -> Pending:
         me, group = self.ranks.rank, self.ranks.group
-        ops, posted = [], Posted()
+        ops, posted = [], Posted(ranks=self.ranks)
         for pk in step.packets:
             if pk.src == me:
                 wire = self._wire(io.fill(pk), posted, receive=False)
