@@ -8,10 +8,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 import torch.distributed as dist
 
 from multiproc import RankFailure, new_group, run_ranks, run_ranks_one_dies, short_wait_group
+from reference import arange_tensor
+from shardsync.dist import WATCH_SECONDS
 from shardsync.errors import DistributedError, PlanError
+from shardsync.layout import shard_dim
 from shardsync.stream import full_params
 from test_stream_dist import case_tp
 
@@ -56,6 +60,28 @@ def test_exception_inside_the_stream_is_raised_on_every_rank(tmp_path: Path) -> 
         assert (kind, phase, failed) == ("DistributedError", "stream", [1]), rank
         assert "LayoutError: 'h': this rank holds no shard containing" in text, rank
         assert seconds < LONG_TIMEOUT / 4, (rank, seconds)  # found, not waited out
+
+
+def _slow_peer(rank: int, world: int) -> dict[str, Any]:
+    """Rank 1 takes longer than a look at the roll call between two of its targets: waited for, not
+    blamed (a broadcast's wait looks again; a send's or receive's is never cut short)."""
+    full = {f"w{i}": arange_tensor((2 * 257, 1031 + i), start=100 * i) for i in range(12)}  # 1 MiB each
+    state = {k: shard_dim(v, 0, rank, world) for k, v in full.items()}
+    out = {}
+    for strategy in ("broadcast", "p2p"):
+        got = {}
+        for name, tensor in full_params(state, strategy=strategy, transport="backend", memory_budget=3 << 20):
+            got[name] = torch.equal(tensor, full[name])
+            if rank == 1 and len(got) == 1:  # rank 0 waits for this rank's next steps meanwhile
+                time.sleep(WATCH_SECONDS * 2.5)
+        out[strategy] = got
+    return out
+
+
+def test_a_slow_peer_is_waited_for_not_blamed() -> None:
+    for rank, got in enumerate(run_ranks(_slow_peer, 2, timeout=90, group_timeout=LONG_TIMEOUT)):
+        for strategy in ("broadcast", "p2p"):
+            assert got[strategy] == {f"w{i}": True for i in range(12)}, (rank, strategy)
 
 
 def test_rank_that_dies_is_named() -> None:

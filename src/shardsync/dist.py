@@ -206,12 +206,13 @@ def agree(
         data = _pickled((False, describe(exc), phase))
     try:
         with transport_errors():
-            gathered = [pickle.loads(share) for share in _gather_pickled(data, group)]
+            shares = _gather_pickled(data, group)
     except TransportFailure as exc:
         failures = roll.blame(exc)
         if local_exc is not None:
             failures[roll.ranks.rank] = describe(local_exc)
         raise _error(roll, failures) from exc
+    gathered = [pickle.loads(share) for share in shares]
     elsewhere = {r: other for r, (_, _, other) in enumerate(gathered) if other != phase}
     if elsewhere:  # out of step: e.g. shardsync.release() called on some ranks only
         raise _error(roll, {r: _out_of_step(other) for r, other in elsewhere.items()})
@@ -255,9 +256,9 @@ def _gather_pickled(data: bytes, group: ProcessGroup | None) -> list[Any]:
 
 def _all_gather(buf: bytearray, group: ProcessGroup | None) -> list[Any]:
     """Every rank's ``buf`` (the same length on every rank) as numpy byte arrays, by group rank; on
-    the GPU under NCCL (its collectives move nothing else), as ``all_gather_object`` does."""
-    cuda = dist.get_backend(group) == "nccl"
-    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    the device ``all_gather_object`` uses for the group (the current GPU under NCCL, whose
+    collectives move nothing else; the CPU where the group has a CPU backend)."""
+    device = dist.distributed_c10d._get_object_coll_device(group)
     mine = torch.frombuffer(buf, dtype=torch.uint8).to(device)
     out = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
     dist.all_gather(out, mine, group=group)
@@ -272,7 +273,7 @@ def _out_of_step(other: str) -> str:
 
 
 @contextlib.contextmanager
-def data_phase(phase: str, group: ProcessGroup | None = None) -> Iterator[None]:
+def data_phase(phase: str, group: ProcessGroup | None = None) -> Iterator[RollCall | None]:
     """Wrap collectives that move data so that no failure is silent and no rank waits forever.
 
     Mark the torch.distributed calls inside with :func:`transport_errors`: a failure there is a
@@ -282,10 +283,10 @@ def data_phase(phase: str, group: ProcessGroup | None = None) -> Iterator[None]:
     local failure this rank's collectives are out of step with its peers' (they wait in one it will
     never join), so the group is aborted (:func:`abort_group`) and not used again: this rank's pending
     collectives are released, so its program can exit, and the peers fail and name this rank when
-    its process exits or, if it keeps running, when their waits (:func:`wait_for`: every
-    :data:`WATCH_SECONDS` under gloo) find its report; on other backends after the group's timeout. A
-    generator suspended inside the phase that is closed early (its caller stopped iterating)
-    publishes that, so the peers left waiting can name it.
+    its process exits or, if it keeps running, when their waits for its broadcasts find its report
+    (:func:`wait_for`, given the roll call this yields; None when not distributed); else after the
+    group's timeout. A generator suspended inside the phase that is closed early (its caller stopped
+    iterating) publishes that, so the peers left waiting can name it.
 
     Example:
         >>> import torch
@@ -293,13 +294,11 @@ def data_phase(phase: str, group: ProcessGroup | None = None) -> Iterator[None]:
         ...     t = torch.zeros(2)
     """
     if not is_distributed(group):
-        yield
+        yield None
         return
     roll = RollCall.enter(phase, GroupRanks.of(group))
-    outer = _watched.get(roll.pg)
-    _watched[roll.pg] = roll
     try:
-        yield
+        yield roll
     except GeneratorExit:
         roll.record(STOPPED, f"stopped iterating during phase {phase!r} (the caller left the loop or raised)")
         raise
@@ -314,35 +313,30 @@ def data_phase(phase: str, group: ProcessGroup | None = None) -> Iterator[None]:
             abort_group(group)
         log.error("phase %r failed on %s: %s", phase, roll.ranks.label(roll.ranks.rank), exc)
         raise _error(roll, failures) from exc
-    finally:
-        if outer is None:
-            del _watched[roll.pg]
-        else:
-            _watched[roll.pg] = outer
 
 
-#: Seconds between looks at the roll call while :func:`wait_for` waits for a gloo collective.
+#: Seconds between looks at the roll call while :func:`wait_for` waits for a gloo broadcast.
 WATCH_SECONDS = 1.0
-_watched: dict[Any, RollCall] = {}  # process group -> the roll call of the data phase it is in here
-_POLL_TIMED_OUT = "Operation timed out!"  # what gloo's Work.wait(timeout) raises when it only timed out
+_POLL_TIMED_OUT = "Operation timed out!"  # how gloo's Work.wait(timeout) starts when it only timed out
 
 
-def wait_for(work: dist.Work, ranks: GroupRanks | None) -> None:
-    """``work.wait()`` for a collective of a data phase of ``ranks.group`` (or of one of its
-    subgroups; None: wait plainly). Under gloo the wait looks at the phase's roll call every
-    :data:`WATCH_SECONDS`: a peer that reported a failure of its own there (it raised, or its caller
-    stopped iterating) never posts its part, even if its process keeps running, so this rank raises
-    :class:`TransportFailure` at once - and the phase names that peer - instead of waiting out the
-    group's timeout. Other backends wait plainly (an NCCL wait with a timeout aborts the communicator).
+def wait_for(work: dist.Work, roll: RollCall | None) -> None:
+    """``work.wait()`` for a broadcast (or another collective, not a send or receive) posted in the
+    data phase whose roll call is ``roll`` (None: wait plainly). Under gloo the wait looks at the roll
+    call every :data:`WATCH_SECONDS`: a peer that reported a failure of its own there (it raised, or
+    its caller stopped iterating) never posts its part, even if its process keeps running, so this
+    rank raises :class:`TransportFailure` at once - and the phase names that peer - instead of waiting
+    out the group's timeout. The group cannot be used again, as after any failure in a data phase
+    (its collectives still posted end with the group's timeout). Other backends wait plainly (an NCCL
+    wait with a timeout aborts the communicator), and so do gloo's sends and receives (a timed-out
+    wait closes the group's connections).
 
     Example:
         >>> import torch, torch.distributed as dist
-        >>> work = dist.broadcast(torch.zeros(2), src=0, async_op=True)   # doctest: +SKIP
-        >>> wait_for(work, GroupRanks.of(None))   # doctest: +SKIP
+        >>> with data_phase("stream") as roll:   # doctest: +SKIP
+        ...     wait_for(dist.broadcast(torch.zeros(2), src=0, async_op=True), roll)
     """
-    group = ranks.group if ranks is not None else None
-    roll = _watched.get(group if group is not None else dist.group.WORLD) if ranks is not None else None
-    if roll is None or dist.get_backend(group) != "gloo":
+    if roll is None or dist.get_backend(roll.ranks.group) != "gloo":
         work.wait()
         return
     while True:
@@ -350,9 +344,12 @@ def wait_for(work: dist.Work, ranks: GroupRanks | None) -> None:
             work.wait(timeout=timedelta(seconds=WATCH_SECONDS))
             return
         except RuntimeError as exc:
-            if str(exc) != _POLL_TIMED_OUT:
+            if not str(exc).startswith(_POLL_TIMED_OUT):
                 raise
-        culprits = roll.culprits()
+        if roll.store_down:  # nobody can report: wait as a plain wait would
+            work.wait()
+            return
+        culprits = roll.culprits() if roll.failed() else {}
         if culprits:
             r, why = min(culprits.items())
             raise TransportFailure(f"{roll.ranks.label(r)} will not take part: {why}", time.monotonic() - roll.started)

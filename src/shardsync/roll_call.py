@@ -232,8 +232,23 @@ class RollCall:
         return is_gone(record) if record is not None else None
 
     def record(self, kind: str, message: str) -> None:
-        """Publish that this rank failed in this phase (``kind``: FAILED, STOPPED or TRANSPORT)."""
+        """Publish that this rank failed in this phase (``kind``: FAILED, STOPPED or TRANSPORT); a
+        failure of its own (not TRANSPORT) is also counted, for :meth:`failed`."""
         self._set(f"{self.seq}/{self.ranks.rank}", f"{kind}|{message}")
+        if kind != TRANSPORT and self.store is not None:
+            with contextlib.suppress(Exception):
+                self.store.add(f"{_PREFIX}/{self.seq}/failed", 1)
+
+    def failed(self) -> bool:
+        """Whether a rank reported a failure of its own in this phase: one request to the store (the
+        waits of a data phase ask every second; :meth:`culprits` reads every rank's report)."""
+        if self.store is None:
+            return False
+        try:
+            return int(self.store.add(f"{_PREFIX}/{self.seq}/failed", 0)) > 0
+        except Exception:  # the store's host is gone: nobody can report
+            self.store_down = True
+            return False
 
     def record_failure(self, message: str) -> None:
         """Publish that this rank's own work failed in this phase."""

@@ -46,6 +46,8 @@ from .transport import Pending, Received, Transport, unpack
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
 
+    from ..roll_call import RollCall
+
 __all__ = ["execute", "STREAM_PHASE"]
 
 log = logging.getLogger(__name__)
@@ -109,6 +111,7 @@ class _Run:
         self.pushing: dict[int, list[int]] = {}  # step -> ticket of the copies of the pieces it pushes
         self.direct: set[int] = set()  # reads received straight into their target
         self.posting = 0  # the step being started: its buffers are held under its tag
+        self.roll: RollCall | None = None  # the data phase's roll call (its waits look at it)
         # remote[i]: (target, piece) pairs this rank builds from read i, which it receives
         self.remote: dict[int, list[tuple[int, Piece]]] = {}
         for t, tp in enumerate(plan.targets):
@@ -356,7 +359,7 @@ class _Run:
         return True
 
     def finish(self, k: int, step: Step, pending: Pending) -> Iterator[tuple[str, torch.Tensor]]:
-        received = pending.wait()
+        received = pending.wait(self.roll)
         for ticket in self.local.pop(k) + self.pushing.pop(k, []):
             self.lane.wait(ticket)
         self.deliver(received)
@@ -422,7 +425,7 @@ def execute(
     inflight: deque[tuple[int, Step, Pending]] = deque()
     start = time.perf_counter()
     transport.setup(run, stats)
-    with data_phase(phase, group):
+    with data_phase(phase, group) as run.roll:
         try:
             for k, step in enumerate(plan.steps):
                 inflight.append((k, step, run.start(k, step, transport)))

@@ -87,7 +87,7 @@ class MulticastTransport(Plain):
             self.groups = self._create_groups()
         if step.kind != "multicast":
             return self.p2p.start(step, io, stats)
-        posted, me = Posted(ranks=self.ranks), self.ranks.rank
+        posted, me = Posted(watched=True), self.ranks.rank
         for pk in step.packets:
             members = multicast_members(self.plan, pk)
             if me not in members:

@@ -28,6 +28,7 @@ from .copies import Copies
 from .stats import Stats
 
 if TYPE_CHECKING:
+    from ..roll_call import RollCall
     from .push import Pusher
 
 __all__ = [
@@ -94,13 +95,14 @@ class PacketIO(Protocol):
 
 
 class Pending(Protocol):
-    """A started step. ``wait()`` blocks until its collectives finish; returns what this rank got.
+    """A started step. ``wait(roll)`` blocks until its collectives finish; returns what this rank
+    got. ``roll``: the roll call of the data phase it runs in (:func:`shardsync.dist.wait_for`).
 
     Example:
         >>> received = transport.start(step, io, stats).wait()   # doctest: +SKIP
     """
 
-    def wait(self) -> list[Received]: ...
+    def wait(self, roll: RollCall | None = None) -> list[Received]: ...
 
 
 @dataclass
@@ -113,16 +115,16 @@ class Posted:
     """
 
     works: list[dist.Work] = field(default_factory=list)
-    ranks: GroupRanks | None = None  # the data phase's group, whose roll call the waits look at
+    watched: bool = False  # the works are broadcasts: their waits may look at the roll call
     got: list[Received] = field(default_factory=list)
     # (host buffer on the wire, the GPU buffer it is copied into after the wait, or None for a send):
     # gloo's send and recv move host memory only
     staged: list[tuple[torch.Tensor, torch.Tensor | None]] = field(default_factory=list)
 
-    def wait(self) -> list[Received]:
+    def wait(self, roll: RollCall | None = None) -> list[Received]:
         with transport_errors():
             for work in self.works:
-                wait_for(work, self.ranks)
+                wait_for(work, roll if self.watched else None)
         for host, device in self.staged:
             if device is not None:
                 device.copy_(host)
@@ -247,7 +249,7 @@ class BroadcastTransport(Plain):
         self.ranks = ranks
 
     def start(self, step: Step, io: PacketIO, stats: Stats) -> Pending:
-        posted = Posted(ranks=self.ranks)
+        posted = Posted(watched=True)
         for pk in step.packets:
             broadcast_packet(pk, io, stats, posted, self.ranks, self.ranks.group)
         return posted
@@ -297,7 +299,7 @@ class P2PTransport(Plain):
 
     def start(self, step: Step, io: PacketIO, stats: Stats) -> Pending:
         me, group = self.ranks.rank, self.ranks.group
-        ops, posted = [], Posted(ranks=self.ranks)
+        ops, posted = [], Posted()
         for pk in step.packets:
             if pk.src == me:
                 wire = self._wire(io.fill(pk), posted, receive=False)
