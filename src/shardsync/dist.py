@@ -201,9 +201,9 @@ def agree(
         mine = fn()
         data = _pickled((True, mine if share is None else share(mine), phase))
     except Exception as exc:  # gathered below, raised on every rank (a share that cannot be pickled too)
-        local_exc = exc
-        roll.record_failure(describe(exc))  # found by peers if the gather itself fails
-        data = _pickled((False, describe(exc), phase))
+        local_exc, why = exc, describe(exc)
+        roll.record_failure(why)  # found by peers if the gather itself fails
+        data = _pickled((False, why, phase))
     try:
         with transport_errors():
             shares = _gather_pickled(data, group)
@@ -282,11 +282,12 @@ def data_phase(phase: str, group: ProcessGroup | None = None) -> Iterator[RollCa
     that already reported a failure); a transport failure names the culprit the roll call finds. After a
     local failure this rank's collectives are out of step with its peers' (they wait in one it will
     never join), so the group is aborted (:func:`abort_group`) and not used again: this rank's pending
-    collectives are released, so its program can exit, and the peers fail and name this rank when
-    its process exits or, if it keeps running, when their waits for its broadcasts find its report
-    (:func:`wait_for`, given the roll call this yields; None when not distributed); else after the
-    group's timeout. A generator suspended inside the phase that is closed early (its caller stopped
-    iterating) publishes that, so the peers left waiting can name it.
+    collectives are released, so its program can exit, and the peers fail and name this rank when its
+    process exits or, if it keeps running, when their waits for its broadcasts find its report
+    (:func:`wait_for`, given the roll call this yields for a gloo group; None for another backend or
+    when not distributed); else after the group's timeout. A generator suspended inside the phase that
+    is closed early (its caller stopped iterating) publishes that, so the peers left waiting can name
+    it.
 
     Example:
         >>> import torch
@@ -298,7 +299,7 @@ def data_phase(phase: str, group: ProcessGroup | None = None) -> Iterator[RollCa
         return
     roll = RollCall.enter(phase, GroupRanks.of(group))
     try:
-        yield roll
+        yield roll if dist.get_backend(group) == "gloo" else None
     except GeneratorExit:
         roll.record(STOPPED, f"stopped iterating during phase {phase!r} (the caller left the loop or raised)")
         raise
@@ -321,22 +322,22 @@ _POLL_TIMED_OUT = "Operation timed out!"  # how gloo's Work.wait(timeout) starts
 
 
 def wait_for(work: dist.Work, roll: RollCall | None) -> None:
-    """``work.wait()`` for a broadcast (or another collective, not a send or receive) posted in the
-    data phase whose roll call is ``roll`` (None: wait plainly). Under gloo the wait looks at the roll
-    call every :data:`WATCH_SECONDS`: a peer that reported a failure of its own there (it raised, or
-    its caller stopped iterating) never posts its part, even if its process keeps running, so this
-    rank raises :class:`TransportFailure` at once - and the phase names that peer - instead of waiting
-    out the group's timeout. The group cannot be used again, as after any failure in a data phase
-    (its collectives still posted end with the group's timeout). Other backends wait plainly (an NCCL
-    wait with a timeout aborts the communicator), and so do gloo's sends and receives (a timed-out
-    wait closes the group's connections).
+    """``work.wait()`` for a broadcast (or another collective, not a send or receive) posted in the gloo
+    data phase whose roll call is ``roll`` (:func:`data_phase` yields it; None: wait plainly). The wait
+    looks at the roll call every :data:`WATCH_SECONDS`: a peer that reported a failure of its own there
+    (it raised, or its caller stopped iterating) never posts its part, even if its process keeps
+    running, so this rank raises :class:`TransportFailure` at once - and the phase names that peer -
+    instead of waiting out the group's timeout. The group cannot be used again, as after any failure in
+    a data phase (its collectives still posted end with the group's timeout). Other backends wait
+    plainly (an NCCL wait with a timeout aborts the communicator), and so do gloo's sends and receives
+    (a timed-out wait closes the group's connections).
 
     Example:
         >>> import torch, torch.distributed as dist
         >>> with data_phase("stream") as roll:   # doctest: +SKIP
         ...     wait_for(dist.broadcast(torch.zeros(2), src=0, async_op=True), roll)
     """
-    if roll is None or dist.get_backend(roll.ranks.group) != "gloo":
+    if roll is None:
         work.wait()
         return
     while True:

@@ -299,20 +299,22 @@ class RollCall:
         grace = min(timeout, MAX_GRACE_SECONDS)
         closed = peer_left(exc)
         short, long = now + grace, now + max(0.0, timeout - waited) + grace
-        if waited < timeout and not self.culprits():  # (a culprit that reported: named below at once)
-            log.warning(
-                "phase %r: a collective failed on %s (%s); waiting up to %.0f s for the other "
-                "ranks to report, to name the one at fault",
-                self.phase,
-                self.ranks.label(self.ranks.rank),
-                exc,
-                (short if closed else long) - now,
-            )
+        warn = waited < timeout  # once, unless a peer's report already names the one at fault
         while True:
             reports = self._reports()
             causes = {r: rep.message for r, rep in reports.items() if rep.kind != TRANSPORT}
             if causes:
                 return causes
+            if warn:
+                warn = False
+                log.warning(
+                    "phase %r: a collective failed on %s (%s); waiting up to %.0f s for the other "
+                    "ranks to report, to name the one at fault",
+                    self.phase,
+                    self.ranks.label(self.ranks.rank),
+                    exc,
+                    (short if closed else long) - now,
+                )
             silent = self._silent(reports)
             gone = {r: pos for r, pos in silent.items() if self._gone(r)}
             if gone:
