@@ -318,6 +318,9 @@ def test_a_wait_ends_when_the_awaited_rank_failed_ended_or_timed_out() -> None:
     p.boards[1].words[1] = 4  # an earlier stream's failure is not this one's
     with pytest.raises(TransportFailure, match=r"rank 2 ended: its process is gone, while waiting for x"):
         p._await(lambda: (p.boards[1].at_words, 0), (1, 2), "x")
+    # rank 2 wrote the word and then ended, between this rank's look at the word and at rank 2: done
+    looks = iter([(p.boards[1].at_words, 0)] * 2)
+    p._await(lambda: next(looks, None), (1, 2), "z")
     p = _pusher(2, 5, 0.2, [this_process(), this_process()])
     start = time.monotonic()
     with pytest.raises(TransportFailure, match=r"Timed out after 0 s waiting for rank 1: y"):

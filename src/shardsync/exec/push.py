@@ -334,19 +334,19 @@ class Pusher:
             if idle is None or not idle():
                 futex.wait(*word, LOOK_SECONDS, fallback=pause)
                 pause = min(2 * pause, 1e-3)
+            word = pending()  # first: a rank may write the word and then end (or fail) at once
             now = time.monotonic()
-            if now >= look:
+            if word is not None and now >= look:
                 look = now + LOOK_SECONDS
                 for r in ranks:
                     why = self._lost(r)
-                    if why:
+                    if why and pending() is not None:  # (it may have written the word just before)
                         raise TransportFailure(f"{self.ranks.label(r)} {why}, while waiting for {what}", now - start)
                 if now - start > self.timeout:
                     labels = ", ".join(self.ranks.label(r) for r in ranks)
                     raise TransportFailure(
                         f"Timed out after {self.timeout:.0f} s waiting for {labels}: {what}", now - start
                     )
-            word = pending()
 
     def _lost(self, rank: int) -> str:
         """Why ``rank`` will not make progress: it failed, or its process ended ("" when neither)."""
