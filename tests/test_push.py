@@ -29,11 +29,13 @@ from reference import arange_tensor
 from shardsync.dist import GroupRanks
 from shardsync.errors import DistributedError
 from shardsync.exec.shm_blocks import BlockHandle
+from shardsync.exec.shm_segments import release
 from shardsync.layout import shard_dim
 from shardsync.liveness import ProcessRecord, this_process
 from shardsync.planning.model import Costs, Plan, Step, TargetPlan
 from shardsync.roll_call import TransportFailure
 from shardsync.stream import full_params
+from test_phases import _all_gathers
 from test_shm import (
     CASES,
     STRATEGIES,
@@ -415,13 +417,19 @@ def _after_failure(rank: int, world: int, signal_dir: str) -> dict:
         pass
     pool = memory._pools.get(True)
     blocks = [] if pool is None else [b.ctypes.data for b in pool._blocks.values()]
-    return {"strays": sorted(set(blocks) - set(yielded)), "yielded": len(yielded)}
+    out = {"strays": sorted(set(blocks) - set(yielded)), "yielded": len(yielded)}
+    state["e"] = shard_dim(full["e"], 0, rank, world)  # mended: the same layout as before
+    for label in ("next", "after"):  # the boards of the failed stream serve the next ones
+        got = {n: t.clone() for n, t in full_params(state, mapping, strategy="broadcast")}
+        out[label] = sorted(got) == sorted(full) and all(torch.equal(got[k], full[k].T) for k in full)
+    return out
 
 
 def test_blocks_of_a_failed_stream_are_never_handed_out_again(tmp_path: Any) -> None:
     records = run_ranks(_after_failure, 2, str(tmp_path), timeout=120, group_timeout=LONG_TIMEOUT)
     for rec in records:
         assert rec["strays"] == [] and 0 < rec["yielded"] < 8, rec
+        assert rec["next"] and rec["after"], rec
 
 
 def _other_pid_namespace(rank: int, world: int) -> dict:
@@ -451,3 +459,55 @@ def test_ranks_in_different_pid_namespaces_publish_instead_of_pushing() -> None:
     for rec in run_ranks(_other_pid_namespace, 2):
         assert rec["ok"] == [True] and rec["transport"] == "shm" and rec["stats"] == rec["costs"], rec
         assert rec["counts"] == {"marks": 0, "fills": 1}, rec
+
+
+def _repeated(rank: int, world: int) -> dict:
+    """Streams of one group one after another: those that publish nothing, after one that set up,
+    skip setup; a stream while another is live, one after ``release()`` and ones that publish do not."""
+    _push_from(SMALL)
+    full = arange_tensor((2 * 131, 257))  # 269 KB: pushed
+    state = {"w": shard_dim(full.clone(), 0, rank, world), "v": shard_dim(full + 0.5, 1, rank, world)}
+    mapping = ["w^T -> wt", "v -> v"]
+    ref = {"wt": full.T, "v": full + 0.5}
+    out: dict[str, Any] = {}
+
+    def exact(got: dict) -> bool:
+        return sorted(got) == sorted(ref) and all(torch.equal(got[n], ref[n]) for n in ref)
+
+    def run(label: str) -> None:
+        s = full_params(state, mapping, transport="shm")
+        got, gathers = _all_gathers(lambda: {n: t.clone() for n, t in s})
+        out[label] = (exact(got), s.stats.collectives, gathers)
+
+    run("first")
+    run("second")
+    run("third")
+    live = full_params(state, mapping, transport="shm")
+    it = iter(live)
+    taken = dict([next(it)])  # this stream is live (between two of its targets) while another runs
+    run("while another is live")
+    taken |= dict(it)
+    out["the live one"] = (exact(taken), live.stats.collectives)
+    run("after both")
+    release()  # on every rank
+    run("released")
+    run("after release")
+    _push_from(1 << 40)  # nothing pushed: every read is published in a segment
+    run("published")
+    run("published again")
+    return out
+
+
+def test_a_repeated_stream_that_publishes_nothing_sets_up_without_a_collective() -> None:
+    """(exact, setup collectives, all_gathers) of each stream: the first gathers the layout, agrees
+    on the plan and sets up (2); a repeated one only checks the layout - the last stream's boards
+    serve, and the plan is the cached one."""
+    for rec in run_ranks(_repeated, 2):
+        assert rec["first"] == (True, 2, 4), rec
+        assert rec["second"] == rec["third"] == (True, 0, 1), rec
+        # the live stream holds the kept boards: the other sets up fresh memory of its own
+        assert rec["while another is live"] == (True, 2, 3), rec
+        assert rec["the live one"] == (True, 0), rec
+        assert rec["after both"] == (True, 0, 1), rec
+        assert rec["released"] == (True, 2, 3) and rec["after release"] == (True, 0, 1), rec
+        assert rec["published"] == rec["published again"] == (True, 2, 3), rec

@@ -162,7 +162,10 @@ def check_pair(records: list[dict], key: Any, names: list[str] | None = None) ->
         assert got["transport"] == "shm" and via_broadcast["transport"] == "gloo", (key, rank)
         assert got["bad"] == [] == via_broadcast["bad"], (key, rank, got["bad"], via_broadcast["bad"])
         assert got["targets"] == via_broadcast["targets"], (key, rank)  # same names, dtypes, bytes
-        assert got["stats"] == got["costs"], (key, rank, got["stats"], got["costs"])
+        assert got["stats"][:2] == got["costs"][:2], (key, rank, got["stats"], got["costs"])
+        # the setup's collectives, or none: a stream that publishes nothing after one that set up
+        # (test_push.py::test_a_repeated_stream_that_publishes_nothing_sets_up_without_a_collective)
+        assert got["stats"][2] in (got["costs"][2], 0), (key, rank, got["stats"], got["costs"])
         assert got["peak"] <= got["plan_peak"], (key, rank)
         if names is not None:
             assert sorted(got["targets"]) == sorted(names), (key, rank)

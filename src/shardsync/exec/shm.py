@@ -13,7 +13,7 @@ packing, no socket, no receive buffer. A read copied into the segment whose piec
 sender too - copies them plainly, instead of each transposing or casting on its own.
 
 Setup is two agreed phases (:func:`shardsync.dist.agree`, so a failure on any rank is raised on all of
-them):
+them), or none (below):
 
 1. ``shm publish``: each rank fills its segment - created with ``O_EXCL`` and its space reserved with
    ``posix_fallocate``, so a full ``/dev/shm`` is an error, never a ``SIGBUS`` - and says where each
@@ -31,7 +31,11 @@ them killed during setup) is removed by the next stream on the host.
 
 Fresh shared memory fills at about a third of the speed of memory already touched, so a rank keeps its
 segment, and its mappings of its peers' ones, for the next stream of the group (:func:`release` drops
-them); the next stream writes into them when every rank still has them (agreed with the layout).
+them); the next stream writes into them when every rank still has them (agreed with the layout). A
+stream that publishes no read (every target pushed, as in a training loop's repeated sync) and
+finds every rank still holding the boards of the last one (the same tokens, gathered with the
+layout, and a plan of as many targets) has nothing to publish nor to open: it skips both phases and
+starts writing at once, on every rank alike (each decides from what all of them gathered).
 
 After setup ranks wait for each other only through their boards: for pushed targets, and at
 :meth:`ShmTransport.close`, after the last step, until every rank is done (no rank writes the next
@@ -67,6 +71,7 @@ from .shm_blocks import open_block
 from .shm_plan import SETUP_COLLECTIVES, arranged_pieces, piece_dtype, pulls, regions
 from .shm_segments import (
     SHM_PREFIX,
+    Boards,
     Kept,
     as_bytes,
     group_name,
@@ -168,17 +173,23 @@ class ShmTransport:
     def setup(self, io: PacketIO, stats: Stats) -> None:
         """Before the first step, on every rank, in two agreed phases of their own (before the data
         phase): publish the reads this rank sends and show its board, map the reads it pulls and
-        every peer's board."""
+        every peer's board. None when nothing is published and every rank still has the last
+        stream's boards (see the module doc)."""
         kept = kept_by_name().setdefault(group_name(self.ranks.group), Kept())
         if kept.busy:  # another stream of this group is live: work on fresh memory of its own
             kept = Kept()
         # every rank still has what the last stream left (their tokens were gathered with the layout)
         self.reuse_own = len(self.tokens) == 1 and kept.token in self.tokens and kept.token != ""
         if not self.reuse_own:
-            kept.own, kept.board, kept.maps, kept.blocks = None, None, {}, {}
+            kept.own, kept.board, kept.maps, kept.blocks, kept.last = None, None, {}, {}, None
         self.kept = kept
         kept.busy = True
         weakref.finalize(self, idle, kept)  # an abandoned stream frees them for the next
+        last = kept.last if self.reuse_own else None
+        if not self.pulls and last is not None and last.targets == len(self.plan.targets):
+            kept.token = self.token  # nothing to publish or open: the last stream's boards serve
+            self._attach(last.boards, last.records)
+            return
         stats.collectives += SETUP_COLLECTIVES
         self.kept.token = ""  # until every rank has set up
         try:
@@ -287,10 +298,15 @@ class ShmTransport:
                 io.prearranged(i, self._pieces(self.views[i], i))
             else:
                 self.views[i] = maps[handle_][off : off + self.plan.reads[i].nbytes]
-        size = Board.nbytes(len(self.plan.targets), self.ranks.world)
         own = self.kept.board
         assert own is not None
         memories = [own[1] if r == me else maps[b] for r, b in enumerate(boards)]
+        self.kept.last = Boards(len(self.plan.targets), memories, records)
+        self._attach(memories, records)
+
+    def _attach(self, memories: Sequence[torch.Tensor], records: Sequence[ProcessRecord | None]) -> None:
+        """Hand every rank's board (its bytes, by group rank) and process record to the pusher."""
+        size = Board.nbytes(len(self.plan.targets), self.ranks.world)
         self.push.attach(
             self.gen,
             [Board(m[:size], *self.push.shape) for m in memories],

@@ -19,7 +19,7 @@ import os
 import warnings
 import weakref
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -101,6 +101,15 @@ def as_bytes(mm: mmap.mmap) -> torch.Tensor:
         return torch.frombuffer(mm, dtype=torch.uint8)
 
 
+class Boards(NamedTuple):
+    """Every rank's board as the last stream that set up mapped them: for a plan of ``targets``
+    targets, their bytes and the ranks' process records, by group rank."""
+
+    targets: int
+    boards: Sequence[torch.Tensor]
+    records: Sequence[ProcessRecord | None]
+
+
 class Kept:
     """What a rank keeps for its group between streams: its own segment (by the reads it holds) and
     board, its mappings of peers' segments, boards and shared storages (by handle), and of the
@@ -112,6 +121,7 @@ class Kept:
         self.board: tuple[tuple, torch.Tensor] | None = None  # (handle, bytes)
         self.maps: dict[tuple, torch.Tensor] = {}  # handle -> mapped bytes
         self.blocks: dict[tuple[int, int], torch.Tensor] = {}  # (rank, inode) -> mapped bytes
+        self.last: Boards | None = None  # the boards as the stream of ``token`` mapped them
         self.busy = False  # a stream is using them: another one works on its own
 
 
