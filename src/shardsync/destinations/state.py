@@ -89,7 +89,7 @@ class Shards:
             if s.box == box:
                 return s.local.detach()
             if s.box.contains(box):  # the part of a shard that a shorter (padded) target fills
-                return s.local.detach()[box.relative_to(s.box).slices()]
+                return s.local.detach()[box.slices_in(s.box)]
         raise LayoutError(
             f"{key!r}: this rank holds no destination shard {box}; the destination "
             "changed after its layout was gathered"

@@ -79,7 +79,7 @@ def piece_view(data: torch.Tensor, origin: Box, piece: Piece) -> torch.Tensor:
         >>> piece_view(torch.arange(6).reshape(2, 3), Box((0, 0), (2, 3)), piece).tolist()
         [[1, 4], [2, 5]]
     """
-    view = data[piece.source_box.relative_to(origin).slices()]
+    view = data[piece.source_box.slices_in(origin)]
     return arrange(view, piece) if piece.perm is not None else view
 
 

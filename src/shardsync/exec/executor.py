@@ -38,7 +38,7 @@ from .assemble import copy_piece
 from .copies import Copies, Lane, no_grad
 from .memory import BlockPool, Reuse, process_pool, shm_block
 from .push import Pusher
-from .push_schedule import Push
+from .push_schedule import Push, per_plan
 from .shm_blocks import seal
 from .stats import Stats
 from .transport import Pending, Received, Transport, unpack
@@ -84,6 +84,17 @@ def _read_uses(plan: Plan, rank: int, sends: Counter[int]) -> Counter[int]:
     return uses
 
 
+def _remote(plan: Plan, rank: int, push: Pusher | None) -> dict[int, list[tuple[int, Piece]]]:
+    """Read -> the (target, piece) pairs ``rank`` builds from it and receives it for (not pushed)."""
+    remote: dict[int, list[tuple[int, Piece]]] = {}
+    for t, tp in enumerate(plan.targets):
+        if rank in tp.consumers and not (push is not None and push.mine(t)):
+            for c in tp.copies:
+                if rank not in plan.reads[c.read].holders:
+                    remote.setdefault(c.read, []).append((t, c.piece))
+    return remote
+
+
 class _Run:
     """One rank's state while executing a plan; also the :class:`PacketIO` its transport uses."""
 
@@ -113,12 +124,8 @@ class _Run:
         self.posting = 0  # the step being started: its buffers are held under its tag
         self.roll: RollCall | None = None  # the data phase's roll call (its waits look at it)
         # remote[i]: (target, piece) pairs this rank builds from read i, which it receives
-        self.remote: dict[int, list[tuple[int, Piece]]] = {}
-        for t, tp in enumerate(plan.targets):
-            if rank in tp.consumers and not (self.push is not None and self.push.mine(t)):
-                for c in tp.copies:
-                    if rank not in plan.reads[c.read].holders:
-                        self.remote.setdefault(c.read, []).append((t, c.piece))
+        pushed = self.push.pushing.targets if self.push is not None else None
+        self.remote = per_plan(plan, ("remote", rank, pushed), lambda: _remote(plan, rank, self.push))
         # A read is taken from the source once (a file source loads it) and kept until its last use.
         sends = transport.sends if transport is not None else None
         self.uses = _read_uses(plan, rank, sends if sends is not None else _sends(plan, rank))
@@ -299,7 +306,7 @@ class _Run:
             box = self.plan.reads[c.read].box
             tensor = self.read(c.read)
             if c.piece.source_box != box:
-                tensor = tensor[c.piece.source_box.relative_to(box).slices()]
+                tensor = tensor[c.piece.source_box.slices_in(box)]
         self.stats.targets += 1
         self.stats.bytes_yielded += tp.nbytes
         return tp.name, tensor

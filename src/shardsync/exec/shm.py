@@ -136,6 +136,7 @@ class ShmTransport:
         self.pulls = pulls(plan, pushing.targets)
         self.mine = frozenset(i for i, ranks_ in self.pulls.items() if me in ranks_)  # reads this rank pulls
         self.views: dict[int, torch.Tensor] = {}  # read this rank pulls -> its bytes
+        self.got: dict[tuple[int, int], Packet] = per_plan(plan, ("pulled", me), dict)  # (read, sender) -> packet
         # read -> its pieces, their offsets and bytes, when published in target form (if copied)
         self.arrange = per_plan(
             plan,
@@ -157,9 +158,11 @@ class ShmTransport:
         for pk in step.packets:
             for i in pk.reads:
                 if i in self.mine and pk.src != me and pk.dst in (-1, me) and i in self.views:
-                    r = self.plan.reads[i]
-                    posted.got.append(Received(Packet(pk.src, me, (i,), (0,), r.nbytes), self.views[i]))
-                    stats.bytes_received += r.nbytes
+                    got = self.got.get((i, pk.src))
+                    if got is None:  # one packet per read and sender, made on a plan's first stream
+                        got = self.got[i, pk.src] = Packet(pk.src, me, (i,), (0,), self.plan.reads[i].nbytes)
+                    posted.got.append(Received(got, self.views[i]))
+                    stats.bytes_received += got.nbytes
         return posted
 
     def close(self, stats: Stats) -> None:

@@ -84,5 +84,15 @@ class Box:
         """Index with these to cut the box out of a tensor."""
         return tuple(slice(o, o + s) for o, s in zip(self.offsets, self.sizes))
 
+    def slices_in(self, outer: Box) -> tuple[slice, ...]:
+        """``self.relative_to(outer).slices()``: index a tensor holding ``outer`` with these to cut
+        this box out of it.
+
+        Example:
+            >>> Box((3, 1), (2, 2)).slices_in(Box((2, 0), (4, 4)))
+            (slice(1, 3, None), slice(1, 3, None))
+        """
+        return tuple(slice(o - p, o - p + s) for o, p, s in zip(self.offsets, outer.offsets, self.sizes))
+
     def __str__(self) -> str:
         return "[" + ", ".join(f"{o}:{o + s}" for o, s in zip(self.offsets, self.sizes)) + "]"

@@ -104,6 +104,10 @@ def to_torch_dtype(name: str | torch.dtype) -> torch.dtype:
     return found if found is not None else DTYPES[dtype_name(name)]  # an unknown name raises there
 
 
+_ITEMSIZE = {key: d.itemsize for key, d in _TORCH.items()}
+
+
 def itemsize(name: str | torch.dtype) -> int:
     """Bytes per element."""
-    return to_torch_dtype(name).itemsize
+    found = _ITEMSIZE.get(name)
+    return found if found is not None else to_torch_dtype(name).itemsize

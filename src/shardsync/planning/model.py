@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import hashlib
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 from ..layout.box import Box
@@ -76,10 +76,11 @@ class Read:
     readers: tuple[int, ...]
     receivers: tuple[int, ...]
     sender: int | None
+    #: bytes of the box, computed once (the executor asks per piece, every stream)
+    nbytes: int = field(init=False, repr=False, compare=False)
 
-    @property
-    def nbytes(self) -> int:
-        return self.box.numel * itemsize(self.dtype)
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "nbytes", self.box.numel * itemsize(self.dtype))
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,10 +110,11 @@ class TargetPlan:
     dtype: str
     consumers: tuple[int, ...]
     copies: tuple[Copy, ...]
+    #: bytes of the target, computed once
+    nbytes: int = field(init=False, repr=False, compare=False)
 
-    @property
-    def nbytes(self) -> int:
-        return math.prod(self.shape) * itemsize(self.dtype)
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "nbytes", math.prod(self.shape) * itemsize(self.dtype))
 
 
 @dataclass(frozen=True, slots=True)

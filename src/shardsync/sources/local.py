@@ -47,8 +47,10 @@ class LocalSource:
 
     def find(self, key: str, box: Box) -> LocalShard | None:
         """A local shard of ``key`` containing ``box``, or None."""
-        for s in self.shards.get(key, ()):
-            if s.box.contains(box):
+        for s in self.shards.get(key, ()):  # s.box.contains(box), without making the box
+            if all(
+                o <= b and b + n <= o + m for o, m, b, n in zip(s.global_offset, s.local.shape, box.offsets, box.sizes)
+            ):
                 return s
         return None
 
@@ -65,9 +67,11 @@ class LocalSource:
                 "rank reported does not match its state (was the state changed after "
                 "the stream started?)"
             )
-        if box == shard.box:
+        if box.offsets == shard.global_offset and box.sizes == tuple(shard.local.shape):
             return shard.local
-        return shard.local[box.relative_to(shard.box).slices()]
+        return shard.local[
+            tuple(slice(b - o, b - o + n) for b, o, n in zip(box.offsets, shard.global_offset, box.sizes))
+        ]
 
     def device(self) -> torch.device:
         """Device of the first local tensor (cpu when there is none)."""
