@@ -135,3 +135,39 @@ def test_exact_stops_full_params_load_and_reshard_on_every_rank(outcomes: list[d
                 "differ)" in message
             ), message
         assert o["load_untouched"] and o["reshard_untouched"]
+
+
+def _fingerprinted(rank: int, world: int) -> dict:
+    """Count the shards each call fingerprints: a first call (the layout gathered) every one, a call
+    on the fast path only the replicated one, whose drift it still catches."""
+    import shardsync.sources.local as local
+
+    counted: list[int] = []
+    real = local.fingerprints
+
+    def counting(tensors: list, mode: str = "sampled") -> list:
+        counted.append(len(tensors) if mode != "off" else 0)  # "off": no fingerprint made
+        return real(tensors, mode)
+
+    local.fingerprints = counting  # type: ignore[assignment]  # this spawned rank only
+    full = {k: arange_tensor((6, 5), start=100 * i) for i, k in enumerate("abc")}
+    state: dict = {k: shardsync.shard_dim(v, 0, rank, world) for k, v in full.items()}
+    state["norm"] = arange_tensor((7,))  # every rank holds all of it: a replica
+    out: dict = {}
+    for label in ("first", "again"):
+        counted.clear()
+        got = dict(shardsync.full_params(state))
+        out[label] = (sum(counted), all(torch.equal(got[k], v) for k, v in full.items()))
+    state["norm"] = state["norm"] + rank  # rank 1's replica drifts
+    try:
+        list(shardsync.full_params(state))
+        out["drift"] = "no error"
+    except LayoutError as exc:
+        out["drift"] = str(exc).splitlines()[0]
+    return out
+
+
+def test_a_repeated_call_fingerprints_only_the_replicated_shards() -> None:
+    for o in run_ranks(_fingerprinted, 2):
+        assert o["first"] == (4, True) and o["again"] == (1, True), o
+        assert o["drift"] == "replicas differ:", o

@@ -52,7 +52,7 @@ from .options import Options
 from .planning import Plan, PlanOptions
 from .planning.mesh import Topology, build_topology
 from .quant.fp8 import DEFAULT_BLOCK, Block, check_fp8_casts
-from .sources import FileSource, Source, SourceLike, open_path, open_source, spread
+from .sources import FileSource, LocalSource, Source, SourceLike, open_path, open_source, spread
 from .sources.fp8 import fp8_block
 
 if TYPE_CHECKING:
@@ -238,6 +238,12 @@ class _Opened(NamedTuple):
     source: Source
     layout: _RankLayout
     files: FileSource | None  # opened here from a path: closed when the call ends
+    live: LocalSource | None = None  # the live state read, whose entries are fingerprinted on demand
+
+    def fingerprinted(self, entries: Sequence[LayoutEntry]) -> tuple[LayoutEntry, ...]:
+        """``entries`` with the fingerprints of the live shards they are (for the replica check):
+        all of them when the layout is gathered, the replicated ones on the fast path."""
+        return self.live.fingerprinted(entries) if self.live is not None else tuple(entries)
 
     def close(self) -> None:
         if self.files is not None:
@@ -283,7 +289,9 @@ def release_plans() -> None:
 def _open(call: Call, ranks: GroupRanks | None) -> _Opened:
     files = open_path(call.source) if isinstance(call.source, (str, os.PathLike)) else None
     # replicas are compared across ranks: a single process has none to sample
-    opened = files or open_source(call.source, call.options.replica_check if ranks is not None else "off")
+    opened = files or open_source(
+        call.source, call.options.replica_check if ranks is not None else "off", deferred=True
+    )
     block = fp8_block(opened)  # before adapt: a source read as values hides its blocks
     source = call.destination.adapt(opened)
     if ranks is not None and call.destination.spreads:
@@ -296,7 +304,7 @@ def _open(call: Call, ranks: GroupRanks | None) -> _Opened:
     if call.groups is not None:  # a single process is a 1 x 1 mesh
         place = local_mesh_info(call.groups, ranks) if ranks is not None else MeshPlace((0,), (0,))
     layout = _RankLayout(tuple(source.entries()), tuple(call.destination.entries()), place, block, host)
-    return _Opened(source, layout, files)
+    return _Opened(source, layout, files, opened if isinstance(opened, LocalSource) and opened.deferred else None)
 
 
 def _inputs(call: Call, layout: _RankLayout) -> Any:
@@ -312,6 +320,8 @@ def _fast_path(
     changed = inputs is None or last.inputs != inputs
     entries = opened.layout.entries if opened is not None else ()
     replicas = tuple(e for e in entries if (e.key, e.box) in last.replicated)
+    if opened is not None:
+        replicas = opened.fingerprinted(replicas)  # only theirs: the others' values are not compared
     host = (host_info(cached_token(ranks.group), device), call.options.transport)
     agreed = agree(phases.CHECK, lambda: (changed, host, replicas), ranks.group)
     hosts = [h for _, h, _ in agreed.all]
@@ -419,7 +429,7 @@ def prepare(call: Call) -> Prepared:
                 phases.GATHER,
                 lambda: opened if opened is not None else _open(call, ranks),
                 call.group,
-                share=lambda o: o.layout,
+                share=lambda o: o.layout._replace(entries=o.fingerprinted(o.layout.entries)),
                 unanimous=True,
             )
             opened = gathered.mine

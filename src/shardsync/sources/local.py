@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 import torch
 
@@ -23,6 +23,8 @@ class LocalSource:
         state: the state dict (values: tensor, LocalShard, DTensor or list of LocalShard).
         replica_check: how :meth:`entries` fingerprints each shard for the replica check:
             ``"sampled"`` (16 elements), ``"exact"`` (every byte) or ``"off"``.
+        deferred: :meth:`entries` leaves the fingerprints out; :meth:`fingerprinted` adds them to
+            the entries that need them (the ones several ranks hold, once the layout is known).
 
     Example:
         >>> src = LocalSource({"w": torch.arange(6.).reshape(2, 3)})
@@ -30,9 +32,12 @@ class LocalSource:
         tensor([[3., 4.]])
     """
 
-    def __init__(self, state: Mapping[str, StateValue], replica_check: ReplicaCheck = "sampled") -> None:
+    def __init__(
+        self, state: Mapping[str, StateValue], replica_check: ReplicaCheck = "sampled", *, deferred: bool = False
+    ) -> None:
         check_replica_mode(replica_check)
         self.replica_check: ReplicaCheck = replica_check
+        self.deferred = deferred
         #: key -> this rank's shards, normalised once (also what the layout is gathered from)
         self.shards: dict[str, list[LocalShard]] = {k: local_shards(k, v) for k, v in state.items()}
 
@@ -40,10 +45,27 @@ class LocalSource:
         """This rank's layout entries, sorted by key, each with the fingerprint of its shard (checked
         across the ranks that hold the same box, see :mod:`shardsync.sources.fingerprint`)."""
         shards = [(key, s) for key in sorted(self.shards) for s in self.shards[key]]
-        prints = fingerprints([s.local for _, s in shards], self.replica_check)
+        prints = fingerprints([s.local for _, s in shards], "off" if self.deferred else self.replica_check)
         return [
             LayoutEntry(key, s.global_shape, dtype_name(s.dtype), s.box, fp) for (key, s), fp in zip(shards, prints)
         ]
+
+    def fingerprinted(self, entries: Sequence[LayoutEntry]) -> tuple[LayoutEntry, ...]:
+        """``entries`` (of this source, or of a source wrapping it), each of a shard of this source
+        (the same key and box) with that shard's fingerprint; any other as it is.
+
+        Example:
+            >>> src = LocalSource({"w": torch.zeros(2)}, deferred=True)
+            >>> [e.fingerprint is None for e in src.entries() + list(src.fingerprinted(src.entries()))]
+            [True, False]
+        """
+        shards = [self.find(e.key, e.box) for e in entries]
+        mine = [i for i, (e, s) in enumerate(zip(entries, shards)) if s is not None and s.box == e.box]
+        prints = fingerprints([shards[i].local for i in mine], self.replica_check)  # type: ignore[union-attr]
+        out = list(entries)
+        for i, fp in zip(mine, prints):
+            out[i] = out[i]._replace(fingerprint=fp)
+        return tuple(out)
 
     def find(self, key: str, box: Box) -> LocalShard | None:
         """A local shard of ``key`` containing ``box``, or None."""

@@ -42,11 +42,11 @@ _WHAT = (
 )
 
 
-def open_source(x: SourceLike, replica_check: ReplicaCheck = "sampled") -> Source:
+def open_source(x: SourceLike, replica_check: ReplicaCheck = "sampled", *, deferred: bool = False) -> Source:
     """The Source for ``x``: a state dict becomes a :class:`LocalSource` (fingerprinting its shards
-    per ``replica_check``), and so do a module (its tensors, read in place; see
-    :func:`~shardsync.sources.modules.module_state`) and None (nothing on this rank); a Source is
-    kept, a path is opened by its format (a Megatron
+    per ``replica_check``; ``deferred``: on demand, see :meth:`LocalSource.fingerprinted`), and so
+    do a module (its tensors, read in place; see :func:`~shardsync.sources.modules.module_state`) and
+    None (nothing on this rank); a Source is kept, a path is opened by its format (a Megatron
     ``dist_checkpointing`` directory has ``metadata.json`` and ``common.pt``, read per layer by
     :class:`~shardsync.sources.MegatronDistSource`; a DCP directory has ``.metadata``; else
     safetensors).
@@ -62,7 +62,7 @@ def open_source(x: SourceLike, replica_check: ReplicaCheck = "sampled") -> Sourc
     if isinstance(x, (str, os.PathLike)):
         return open_path(x)
     if x is None or isinstance(x, (Mapping, torch.nn.Module)):
-        return LocalSource(state_of(x, "the source"), replica_check)
+        return LocalSource(state_of(x, "the source"), replica_check, deferred=deferred)
     if isinstance(x, Source):
         return x
     raise LayoutError(
