@@ -180,9 +180,11 @@ def release_all() -> None:
 def storage_handle(view: torch.Tensor) -> tuple[tuple, int] | None:
     """For a contiguous CPU view inside a storage in shared memory (``share_memory_()``): a handle a
     peer can map it by, and the view's byte offset in it. None for any other tensor."""
-    if view.device.type != "cpu" or not view.is_contiguous() or not view.is_shared():
+    if view.device.type != "cpu" or not view.is_contiguous():
         return None
     storage = view.untyped_storage()
+    if not storage.is_shared():  # (``view.is_shared()`` goes through a TypedStorage: 5x slower)
+        return None
     offset = view.data_ptr() - storage.data_ptr()
     if torch.multiprocessing.get_sharing_strategy() == "file_system":
         _, name, size = storage._share_filename_cpu_()
