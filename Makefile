@@ -36,6 +36,8 @@ bench: $(STAMP)
 	$(PY) bench/bench_threads.py
 	$(PY) bench/bench_stream.py
 	$(PY) bench/bench_stream.py --busy
+	$(PY) bench/bench_targets.py
+	$(PY) bench/bench_targets.py --busy
 	-$(PY) bench/bench_replicas.py
 	-$(PY) bench/bench_replicas.py --busy
 	$(PY) bench/bench_reshard.py
