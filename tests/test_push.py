@@ -511,3 +511,44 @@ def test_a_repeated_stream_that_publishes_nothing_sets_up_without_a_collective()
         assert rec["after both"] == (True, 0, 1), rec
         assert rec["released"] == (True, 2, 3) and rec["after release"] == (True, 0, 1), rec
         assert rec["published"] == rec["published again"] == (True, 2, 3), rec
+
+
+def _fails_before_setup(rank: int, world: int) -> dict:
+    """A repeated stream whose setup needs no collective; rank 1 fails after the layout check and
+    before its data phase (its memory pool cannot be made), catches the error and goes on."""
+    import shardsync.exec.executor as executor
+
+    _push_from(SMALL)
+    full = arange_tensor((2 * 131, 257))
+    state = {"w": shard_dim(full.clone(), 0, rank, world)}
+    out: dict[str, Any] = {}
+    for label in ("first", "second"):
+        s = full_params(state, transport="shm")
+        out[label] = (all(torch.equal(t, full) for _, t in s), s.stats.collectives)
+    real = executor._pool
+    if rank == 1:
+
+        def failing(*args: Any, **kwargs: Any) -> Any:
+            executor._pool = real
+            raise MemoryError("no memory for the pool (simulated)")
+
+        executor._pool = failing  # type: ignore[assignment]  # this spawned rank only
+    t0 = time.monotonic()
+    try:
+        list(full_params(state, transport="shm"))
+        out["failed"] = ("no error", 0.0)
+    except DistributedError as exc:
+        out["failed"] = (str(exc).splitlines()[0], time.monotonic() - t0)
+    s = full_params(state, transport="shm")  # the caller goes on: the next stream sets up again
+    out["next"] = (all(torch.equal(t, full) for _, t in s), s.stats.collectives)
+    return out
+
+
+def test_a_rank_failing_before_a_stream_without_setup_is_named_at_once() -> None:
+    """Its peers start the data phase without a collective and wait on its board: it marks the board
+    failed and reports in the stream phase, so they raise in well under the 120 s group timeout."""
+    for rec in run_ranks(_fails_before_setup, 2, timeout=90, group_timeout=LONG_TIMEOUT):
+        assert rec["first"] == (True, 2) and rec["second"] == (True, 0), rec
+        message, took = rec["failed"]
+        assert message == "phase 'stream' failed on rank(s) [1]:" and took < 20, rec
+        assert rec["next"] == (True, 2), rec

@@ -171,3 +171,41 @@ def test_a_repeated_call_fingerprints_only_the_replicated_shards() -> None:
     for o in run_ranks(_fingerprinted, 2):
         assert o["first"] == (4, True) and o["again"] == (1, True), o
         assert o["drift"] == "replicas differ:", o
+
+
+def _unreadable_replica(rank: int, world: int) -> tuple[str, float]:
+    """A repeated call whose replica cannot be sampled on rank 1 (its storage was freed, as FSDP
+    frees unsharded parameters): the layout is unchanged, so the ranks are on the fast path."""
+    import time
+
+    state = {"r": arange_tensor((64,)), "s": shardsync.shard_dim(arange_tensor((8, 8)), 0, rank, world)}
+    list(shardsync.full_params(state))
+    if rank == 1:
+        state["r"].untyped_storage().resize_(0)
+    t0 = time.monotonic()
+    try:
+        list(shardsync.full_params(state))
+        return "no error", time.monotonic() - t0
+    except Exception as exc:  # noqa: BLE001 - the test compares what each rank raised
+        return f"{type(exc).__name__}: {str(exc).splitlines()[0]}", time.monotonic() - t0
+
+
+def test_a_replica_that_cannot_be_sampled_fails_the_check_on_every_rank() -> None:
+    for message, took in run_ranks(_unreadable_replica, 2, group_timeout=120):
+        assert message == "DistributedError: phase 'check layout' failed on rank(s) [1]:", message
+        assert took < 20, took
+
+
+def test_deferred_fingerprints_are_each_shards_own() -> None:
+    """Fingerprinted on demand, every entry gets its own shard's fingerprint, as when every shard is
+    fingerprinted at once: a box held twice (different values) and boxes nested in one another."""
+    full = arange_tensor((16,))
+    for shards in (
+        [LocalShard(full[:8], (16,), (0,)), LocalShard(full[:8] + 1, (16,), (0,))],
+        [LocalShard(full, (16,), (0,)), LocalShard(full[:8] + 1, (16,), (0,))],
+    ):
+        eager = LocalSource({"w": shards}).entries()
+        live = LocalSource({"w": shards}, deferred=True)
+        assert all(e.fingerprint is None for e in live.entries())
+        assert list(live.fingerprinted(live.entries())) == eager
+        assert len({e.fingerprint for e in eager}) == 2

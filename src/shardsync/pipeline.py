@@ -320,10 +320,14 @@ def _fast_path(
     changed = inputs is None or last.inputs != inputs
     entries = opened.layout.entries if opened is not None else ()
     replicas = tuple(e for e in entries if (e.key, e.box) in last.replicated)
-    if opened is not None:
-        replicas = opened.fingerprinted(replicas)  # only theirs: the others' values are not compared
     host = (host_info(cached_token(ranks.group), device), call.options.transport)
-    agreed = agree(phases.CHECK, lambda: (changed, host, replicas), ranks.group)
+
+    def mine() -> tuple[bool, HostChoice, tuple[LayoutEntry, ...]]:
+        # only the replicas' values are compared: only theirs are sampled, inside the phase (a
+        # shard that cannot be read is this rank's failure, raised on every rank)
+        return changed, host, opened.fingerprinted(replicas) if opened is not None else replicas
+
+    agreed = agree(phases.CHECK, mine, ranks.group)
     hosts = [h for _, h, _ in agreed.all]
     if any(c for c, _, _ in agreed.all):
         return None, hosts

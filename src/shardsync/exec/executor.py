@@ -422,16 +422,24 @@ def execute(
         >>> for name, tensor in execute(plan, LocalSource(state), transport, rank, Stats()):  # doctest: +SKIP
         ...     save(name, tensor)
     """
-    device = device or source.device()
-    pool = _pool(plan, rank, device, reuse)  # targets and buffers, or buffers only with ``into``
-    push = transport.push
-    # targets others write into, allocated up to the push window ahead of their step
-    shm_pool = _pool(plan, rank, device, reuse, push.window) if push is not None and push.writers else None
-    run = _Run(plan, source, rank, stats, device, into, pool, threads, transport, shm_pool)
-    reused = (pool.reused if pool is not None else 0) + (shm_pool.reused if shm_pool is not None else 0)
-    inflight: deque[tuple[int, Step, Pending]] = deque()
-    start = time.perf_counter()
-    transport.setup(run, stats)
+    try:
+        device = device or source.device()
+        pool = _pool(plan, rank, device, reuse)  # targets and buffers, or buffers only with ``into``
+        push = transport.push
+        # targets others write into, allocated up to the push window ahead of their step
+        shm_pool = _pool(plan, rank, device, reuse, push.window) if push is not None and push.writers else None
+        run = _Run(plan, source, rank, stats, device, into, pool, threads, transport, shm_pool)
+        reused = (pool.reused if pool is not None else 0) + (shm_pool.reused if shm_pool is not None else 0)
+        inflight: deque[tuple[int, Step, Pending]] = deque()
+        start = time.perf_counter()
+        transport.setup(run, stats)
+    except BaseException:
+        if not transport.abandon():
+            raise
+        # its peers started the data phase without a collective: this is its failure in that phase
+        # (its report names it to them, and its group is given up, as for a failure inside)
+        with data_phase(phase, group):
+            raise
     with data_phase(phase, group) as run.roll:
         try:
             for k, step in enumerate(plan.steps):

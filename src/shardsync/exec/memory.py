@@ -87,7 +87,7 @@ class BlockPool:
 
     Example:
         >>> import shardsync.exec.memory as memory
-        >>> memory.POOL_MIN_BYTES = 0   # pool even tiny tensors, for the example
+        >>> saved, memory.POOL_MIN_BYTES = memory.POOL_MIN_BYTES, 0   # pool even tiny tensors, for the example
         >>> pool = BlockPool(1 << 20)
         >>> a = pool.empty((4, 4), torch.float32)
         >>> ptr = a.data_ptr()
@@ -96,7 +96,7 @@ class BlockPool:
         >>> del a
         >>> pool.empty((2, 8), torch.float32).data_ptr() == ptr   # nothing refers to it: reused
         True
-        >>> memory.POOL_MIN_BYTES = 32 << 20
+        >>> memory.POOL_MIN_BYTES = saved
     """
 
     def __init__(self, capacity: int, shm: bool = False) -> None:

@@ -35,7 +35,10 @@ them); the next stream writes into them when every rank still has them (agreed w
 stream that publishes no read (every target pushed, as in a training loop's repeated sync) and
 finds every rank still holding the boards of the last one (the same tokens, gathered with the
 layout, and a plan of as many targets) has nothing to publish nor to open: it skips both phases and
-starts writing at once, on every rank alike (each decides from what all of them gathered).
+starts writing at once, on every rank alike (each decides from what all of them gathered). Its peers
+then wait for a rank that fails before its data phase on its board, not in a collective: it marks
+the board failed (:meth:`ShmTransport.abandon`) and reports the failure in the data phase, so they
+raise naming it at once.
 
 After setup ranks wait for each other only through their boards: for pushed targets, and at
 :meth:`ShmTransport.close`, after the last step, until every rank is done (no rank writes the next
@@ -188,8 +191,8 @@ class ShmTransport:
         self.kept = kept
         kept.busy = True
         weakref.finalize(self, idle, kept)  # an abandoned stream frees them for the next
-        last = kept.last if self.reuse_own else None
-        if not self.pulls and last is not None and last.targets == len(self.plan.targets):
+        last = self._reusable(kept)
+        if last is not None:
             kept.token = self.token  # nothing to publish or open: the last stream's boards serve
             self._attach(last.boards, last.records)
             return
@@ -203,6 +206,27 @@ class ShmTransport:
             for path in self.paths + self.boards:  # mapped by every reader, or failed on every rank: names go
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(path)
+
+    def _reusable(self, kept: Kept) -> Boards | None:
+        """The boards of the last stream, when this one sets up without an agreed phase: it publishes
+        nothing and every rank gathered the token of ``kept`` with the layout (the same decision on
+        every rank, from what they all gathered and the agreed plan)."""
+        if self.pulls or kept.last is None or kept.last.targets != len(self.plan.targets):
+            return None
+        return kept.last if len(self.tokens) == 1 and kept.token in self.tokens and kept.token != "" else None
+
+    def abandon(self) -> bool:
+        """This rank failed before its data phase: where its peers start this stream without setting
+        up (returns True), they wait for its board; mark it failed there, so that they stop waiting
+        within :data:`~shardsync.exec.push.LOOK_SECONDS` instead of the group timeout."""
+        if not self.push.boards:  # setup did not attach them: find the boards peers would use
+            kept = kept_by_name().get(group_name(self.ranks.group))
+            last = self._reusable(kept) if kept is not None and not kept.busy else None
+            if last is None:  # peers set up with an agreed phase, which this rank's next call meets
+                return False
+            self._attach(last.boards, last.records)
+        self.push.fail()
+        return True
 
     def _board(self) -> tuple:
         """This rank's board (the kept one when it fits this plan), as its handle: a segment of its

@@ -193,6 +193,12 @@ class Transport(Protocol):
         """After the last step, on every rank."""
         ...
 
+    def abandon(self) -> bool:
+        """This rank's stream failed before its data phase (between ``prepare`` and the end of
+        :meth:`setup`): tell peers that may already wait for it without a collective; returns
+        whether they do (they started the data phase: the failure is this rank's in it)."""
+        ...
+
     @property
     def push(self) -> Pusher | None: ...
 
@@ -205,8 +211,8 @@ class Plain:
     last step, pushes nothing and sends each packet it fills.
 
     Example:
-        >>> Plain().setup(None, None), Plain().close(None), Plain().push
-        (None, None, None)
+        >>> Plain().setup(None, None), Plain().close(None), Plain().abandon(), Plain().push
+        (None, None, False, None)
     """
 
     push: Pusher | None = None
@@ -217,6 +223,10 @@ class Plain:
 
     def close(self, stats: Stats) -> None:
         """Nothing to release."""
+
+    def abandon(self) -> bool:
+        """Nothing to tell: every wait of a peer is a collective this rank's next call meets."""
+        return False
 
 
 def broadcast_packet(pk: Packet, io: PacketIO, stats: Stats, posted: Posted, ranks: GroupRanks, group: Any) -> None:

@@ -59,11 +59,21 @@ class LocalSource:
             >>> [e.fingerprint is None for e in src.entries() + list(src.fingerprinted(src.entries()))]
             [True, False]
         """
-        shards = [self.find(e.key, e.box) for e in entries]
-        mine = [i for i, (e, s) in enumerate(zip(entries, shards)) if s is not None and s.box == e.box]
-        prints = fingerprints([shards[i].local for i in mine], self.replica_check)  # type: ignore[union-attr]
+        taken: dict[tuple[str, Box], int] = {}  # shards of that exact box given out so far, in order
+        mine: list[tuple[int, torch.Tensor]] = []
+        for i, e in enumerate(entries):
+            same = [
+                s
+                for s in self.shards.get(e.key, ())
+                if s.global_offset == e.box.offsets and tuple(s.local.shape) == e.box.sizes
+            ]
+            n = taken.get((e.key, e.box), 0)
+            if n < len(same):  # a box this rank holds twice is two entries, each with its own shard
+                taken[e.key, e.box] = n + 1
+                mine.append((i, same[n].local))
+        prints = fingerprints([t for _, t in mine], self.replica_check)
         out = list(entries)
-        for i, fp in zip(mine, prints):
+        for (i, _), fp in zip(mine, prints):
             out[i] = out[i]._replace(fingerprint=fp)
         return tuple(out)
 
