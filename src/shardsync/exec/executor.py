@@ -427,7 +427,7 @@ def execute(
         pool = _pool(plan, rank, device, reuse)  # targets and buffers, or buffers only with ``into``
         push = transport.push
         # targets others write into, allocated up to the push window ahead of their step
-        shm_pool = _pool(plan, rank, device, reuse, push.window) if push is not None and push.writers else None
+        shm_pool = _pool(plan, rank, device, reuse, push.pushing.window) if push is not None and push.writers else None
         run = _Run(plan, source, rank, stats, device, into, pool, threads, transport, shm_pool)
         reused = (pool.reused if pool is not None else 0) + (shm_pool.reused if shm_pool is not None else 0)
         inflight: deque[tuple[int, Step, Pending]] = deque()
@@ -454,8 +454,7 @@ def execute(
                                 if p is not None:
                                     p.release(item[1])
         except BaseException:
-            if transport.push is not None:
-                transport.push.fail()  # ranks waiting for this one stop waiting
+            transport.abandon()  # ranks waiting for this one without a collective stop waiting
             run.abandon()
             raise
         finally:

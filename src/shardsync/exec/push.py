@@ -162,7 +162,7 @@ class Pusher:
     """
 
     def __init__(self, ranks: GroupRanks, plan: Plan, pushing: Pushing) -> None:
-        self.ranks, self.plan, self.pushing, self.window = ranks, plan, pushing, pushing.window
+        self.ranks, self.plan, self.pushing = ranks, plan, pushing
         self.shape = (len(plan.targets), ranks.world)  # of every board
         mine = per_plan(plan, ("pusher", pushing, ranks.rank), lambda: Schedule.of(plan, pushing, ranks.rank))
         self.direct, self.relayed, self.takes = mine.direct, mine.relayed, mine.takes

@@ -184,8 +184,7 @@ class ShmTransport:
         kept = kept_by_name().setdefault(group_name(self.ranks.group), Kept())
         if kept.busy:  # another stream of this group is live: work on fresh memory of its own
             kept = Kept()
-        # every rank still has what the last stream left (their tokens were gathered with the layout)
-        self.reuse_own = len(self.tokens) == 1 and kept.token in self.tokens and kept.token != ""
+        self.reuse_own = self._kept_by_all(kept)
         if not self.reuse_own:
             kept.own, kept.board, kept.maps, kept.blocks, kept.last = None, None, {}, {}, None
         self.kept = kept
@@ -207,18 +206,24 @@ class ShmTransport:
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(path)
 
+    def _kept_by_all(self, kept: Kept) -> bool:
+        """Whether every rank still has what the stream of ``kept`` left (their tokens were gathered
+        with the layout)."""
+        return len(self.tokens) == 1 and kept.token in self.tokens and kept.token != ""
+
     def _reusable(self, kept: Kept) -> Boards | None:
         """The boards of the last stream, when this one sets up without an agreed phase: it publishes
-        nothing and every rank gathered the token of ``kept`` with the layout (the same decision on
-        every rank, from what they all gathered and the agreed plan)."""
-        if self.pulls or kept.last is None or kept.last.targets != len(self.plan.targets):
+        nothing and every rank kept them (the same decision on every rank, from what they all
+        gathered and the agreed plan)."""
+        last = kept.last
+        if self.pulls or last is None or last.targets != len(self.plan.targets) or not self._kept_by_all(kept):
             return None
-        return kept.last if len(self.tokens) == 1 and kept.token in self.tokens and kept.token != "" else None
+        return last
 
     def abandon(self) -> bool:
-        """This rank failed before its data phase: where its peers start this stream without setting
-        up (returns True), they wait for its board; mark it failed there, so that they stop waiting
-        within :data:`~shardsync.exec.push.LOOK_SECONDS` instead of the group timeout."""
+        """This rank's stream failed: peers waiting for its board stop within
+        :data:`~shardsync.exec.push.LOOK_SECONDS` (its failed word). Before its data phase, where its
+        peers start this stream without setting up (returns True), it marks the board they wait on."""
         if not self.push.boards:  # setup did not attach them: find the boards peers would use
             kept = kept_by_name().get(group_name(self.ranks.group))
             last = self._reusable(kept) if kept is not None and not kept.busy else None

@@ -194,9 +194,9 @@ class Transport(Protocol):
         ...
 
     def abandon(self) -> bool:
-        """This rank's stream failed before its data phase (between ``prepare`` and the end of
-        :meth:`setup`): tell peers that may already wait for it without a collective; returns
-        whether they do (they started the data phase: the failure is this rank's in it)."""
+        """This rank's stream failed: tell peers that wait for it without a collective; returns
+        whether they do. Before the data phase (between ``prepare`` and the end of :meth:`setup`),
+        True means they started the data phase: the failure is this rank's in it."""
         ...
 
     @property

@@ -62,11 +62,7 @@ class LocalSource:
         taken: dict[tuple[str, Box], int] = {}  # shards of that exact box given out so far, in order
         mine: list[tuple[int, torch.Tensor]] = []
         for i, e in enumerate(entries):
-            same = [
-                s
-                for s in self.shards.get(e.key, ())
-                if s.global_offset == e.box.offsets and tuple(s.local.shape) == e.box.sizes
-            ]
+            same = [s for s in self.shards.get(e.key, ()) if s.box == e.box]
             n = taken.get((e.key, e.box), 0)
             if n < len(same):  # a box this rank holds twice is two entries, each with its own shard
                 taken[e.key, e.box] = n + 1
@@ -77,14 +73,17 @@ class LocalSource:
             out[i] = out[i]._replace(fingerprint=fp)
         return tuple(out)
 
+    def _find(self, key: str, box: Box) -> tuple[LocalShard, Box] | None:
+        for s in self.shards.get(key, ()):
+            shard_box = s.box
+            if shard_box.contains(box):
+                return s, shard_box
+        return None
+
     def find(self, key: str, box: Box) -> LocalShard | None:
         """A local shard of ``key`` containing ``box``, or None."""
-        for s in self.shards.get(key, ()):  # s.box.contains(box), without making the box
-            if all(
-                o <= b and b + n <= o + m for o, m, b, n in zip(s.global_offset, s.local.shape, box.offsets, box.sizes)
-            ):
-                return s
-        return None
+        found = self._find(key, box)
+        return found[0] if found is not None else None
 
     def read(self, key: str, box: Box) -> torch.Tensor:
         """A view of ``box`` (global coordinates) of ``key``.
@@ -92,18 +91,15 @@ class LocalSource:
         Raises:
             LayoutError: no local shard contains the box (the plan says this rank holds it).
         """
-        shard = self.find(key, box)
-        if shard is None:
+        found = self._find(key, box)
+        if found is None:
             raise LayoutError(
                 f"{key!r}: this rank holds no shard containing {box}; the layout this "
                 "rank reported does not match its state (was the state changed after "
                 "the stream started?)"
             )
-        if box.offsets == shard.global_offset and box.sizes == tuple(shard.local.shape):
-            return shard.local
-        return shard.local[
-            tuple(slice(b - o, b - o + n) for b, o, n in zip(box.offsets, shard.global_offset, box.sizes))
-        ]
+        shard, shard_box = found
+        return shard.local if box == shard_box else shard.local[box.slices_in(shard_box)]
 
     def device(self) -> torch.device:
         """Device of the first local tensor (cpu when there is none)."""
