@@ -75,3 +75,24 @@ def test_stats_hold_release_and_peak() -> None:
     s.release(tag=1)
     s.release(10)
     assert (s.held_bytes, s.peak_bytes) == (0, 175)
+
+
+def test_a_stream_of_parameters_turns_autograd_off_only_while_it_works() -> None:
+    """The executor turns autograd off once per step and per target (not once per piece): the
+    targets it builds from parameters that require grad are plain tensors with the exact values,
+    and the caller's own code between targets runs with its own setting (grad on)."""
+    from shardsync.stream import full_params
+
+    model = torch.nn.Module()
+    model.w = torch.nn.Parameter(arange_tensor((301, 257), start=-3.0))  # 309 KB: built in its own step
+    model.b = torch.nn.Parameter(arange_tensor((263,), start=0.5))
+    state = {k: p for k, p in model.named_parameters()}  # the parameters themselves, requiring grad
+    seen = []
+    for name, t in full_params(state, ["w^T -> wt", "w -> w3, dtype='float64'", "b -> b"]):
+        seen.append((name, torch.is_grad_enabled()))
+        want = {"wt": model.w.detach().T, "w3": model.w.detach().double(), "b": model.b.detach()}[name]
+        assert torch.equal(t, want) and t.dtype == want.dtype, name
+        if name != "b":  # built by the executor (b is the parameter itself: zero copy)
+            assert not t.requires_grad and t.grad_fn is None, name
+    assert sorted(seen) == [("b", True), ("w3", True), ("wt", True)]
+    assert torch.is_grad_enabled()

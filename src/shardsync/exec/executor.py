@@ -23,7 +23,7 @@ import logging
 import time
 from collections import Counter, deque
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 import torch
 
@@ -35,7 +35,7 @@ from ..planning.costs import builds_ahead, is_zero_copy
 from ..planning.model import Packet, Plan, Step
 from ..sources import Source
 from .assemble import copy_piece
-from .copies import Copies, Lane, no_grad
+from .copies import Copies, Lane
 from .memory import BlockPool, Reuse, process_pool, shm_block
 from .push import Pusher
 from .push_schedule import Push, per_plan
@@ -51,6 +51,7 @@ if TYPE_CHECKING:
 __all__ = ["execute", "STREAM_PHASE"]
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 #: Name of the data phase, as it appears in errors.
 STREAM_PHASE = phases.STREAM
@@ -96,7 +97,9 @@ def _remote(plan: Plan, rank: int, push: Pusher | None) -> dict[int, list[tuple[
 
 
 class _Run:
-    """One rank's state while executing a plan; also the :class:`PacketIO` its transport uses."""
+    """One rank's state while executing a plan; also the :class:`PacketIO` its transport uses. Its
+    steps run with autograd off (:func:`execute` turns it off once per step and per target, not once
+    per piece)."""
 
     def __init__(
         self,
@@ -186,7 +189,6 @@ class _Run:
             self.open[t] = self.empty(tp.shape, to_torch_dtype(tp.dtype))
             self.stats.hold(tp.nbytes, tag=t)
 
-    @no_grad
     def copy_local(self, t: int, batch: Copies) -> None:
         """Add to ``batch`` a copy into target ``t`` of every piece whose data this rank holds."""
         if t not in self.open:
@@ -243,7 +245,6 @@ class _Run:
         self.stats.hold(nbytes, _step_tag(self.posting))
         return self.empty((nbytes,), torch.uint8)
 
-    @no_grad
     def fill(self, pk: Packet) -> torch.Tensor:
         """The bytes of a packet this rank sends: the shard itself when it is one contiguous read."""
         only = self.read(pk.reads[0]) if len(pk.reads) == 1 else None
@@ -271,7 +272,6 @@ class _Run:
         self.direct.add(i)
         return region.reshape(-1).view(torch.uint8)
 
-    @no_grad
     def deliver(self, received: list[Received]) -> None:
         """Copy every received read into the targets that read it (unless it landed there)."""
         batch = Copies()
@@ -334,7 +334,6 @@ class _Run:
             self.push_pieces(k, push.relayed[k], push)
         return pending
 
-    @no_grad
     def push_pieces(self, k: int, pushes: list[Push], push: Pusher) -> None:
         """Write ``pushes`` (pieces of step ``k``) into other consumers' targets (their memory waited
         for: their consumers show it by the time they start the step); :meth:`finish` waits for the
@@ -377,6 +376,19 @@ class _Run:
             if j + 1 < len(ready) and builds_ahead(self.plan.targets[ready[j + 1]], self.plan.depth):
                 self.build(ready[j + 1])  # copied while the caller has target t
             yield self.take(t)
+
+
+def _without_grad(items: Iterator[T]) -> Iterator[T]:
+    """``items``, each one made with autograd off; the caller's own setting holds while it has it."""
+    if not torch.is_grad_enabled():
+        yield from items
+        return
+    while True:
+        with torch.no_grad():
+            item = next(items, None)
+        if item is None:
+            return
+        yield item
 
 
 def _pool(plan: Plan, rank: int, device: torch.device, reuse: Reuse, window: int | None = None) -> BlockPool | None:
@@ -443,9 +455,10 @@ def execute(
     with data_phase(phase, group) as run.roll:
         try:
             for k, step in enumerate(plan.steps):
-                inflight.append((k, step, run.start(k, step, transport)))
+                with torch.no_grad():  # one switch for the step's copies, not one per piece
+                    inflight.append((k, step, run.start(k, step, transport)))
                 while len(inflight) >= plan.depth or (inflight and k == len(plan.steps) - 1):
-                    for item in run.finish(*inflight.popleft()):
+                    for item in _without_grad(run.finish(*inflight.popleft())):
                         stats.seconds = time.perf_counter() - start
                         yield item
                         start = time.perf_counter() - stats.seconds  # time spent in the caller not counted
