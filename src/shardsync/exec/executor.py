@@ -98,8 +98,7 @@ def _remote(plan: Plan, rank: int, push: Pusher | None) -> dict[int, list[tuple[
 
 class _Run:
     """One rank's state while executing a plan; also the :class:`PacketIO` its transport uses. Its
-    steps run with autograd off (:func:`execute` turns it off once per step and per target, not once
-    per piece)."""
+    steps run with autograd off (:func:`execute` turns it off once per target, not once per piece)."""
 
     def __init__(
         self,
@@ -377,9 +376,19 @@ class _Run:
                 self.build(ready[j + 1])  # copied while the caller has target t
             yield self.take(t)
 
+    def steps(self, transport: Transport) -> Iterator[tuple[str, torch.Tensor]]:
+        """Every step, started ``plan.depth`` ahead of its finish; the targets this rank consumes."""
+        inflight: deque[tuple[int, Step, Pending]] = deque()
+        last = len(self.plan.steps) - 1
+        for k, step in enumerate(self.plan.steps):
+            inflight.append((k, step, self.start(k, step, transport)))
+            while len(inflight) >= self.plan.depth or (inflight and k == last):
+                yield from self.finish(*inflight.popleft())
+
 
 def _without_grad(items: Iterator[T]) -> Iterator[T]:
-    """``items``, each one made with autograd off; the caller's own setting holds while it has it."""
+    """``items``, made with autograd off (one switch per item, not one per piece copied); the
+    caller's own setting holds while it has an item."""
     if not torch.is_grad_enabled():
         yield from items
         return
@@ -442,7 +451,6 @@ def execute(
         shm_pool = _pool(plan, rank, device, reuse, push.pushing.window) if push is not None and push.writers else None
         run = _Run(plan, source, rank, stats, device, into, pool, threads, transport, shm_pool)
         reused = (pool.reused if pool is not None else 0) + (shm_pool.reused if shm_pool is not None else 0)
-        inflight: deque[tuple[int, Step, Pending]] = deque()
         start = time.perf_counter()
         transport.setup(run, stats)
     except BaseException:
@@ -454,18 +462,14 @@ def execute(
             raise
     with data_phase(phase, group) as run.roll:
         try:
-            for k, step in enumerate(plan.steps):
-                with torch.no_grad():  # one switch for the step's copies, not one per piece
-                    inflight.append((k, step, run.start(k, step, transport)))
-                while len(inflight) >= plan.depth or (inflight and k == len(plan.steps) - 1):
-                    for item in _without_grad(run.finish(*inflight.popleft())):
-                        stats.seconds = time.perf_counter() - start
-                        yield item
-                        start = time.perf_counter() - stats.seconds  # time spent in the caller not counted
-                        if reuse == "until-next" and into is None:
-                            for p in (pool, shm_pool):
-                                if p is not None:
-                                    p.release(item[1])
+            for item in _without_grad(run.steps(transport)):
+                stats.seconds = time.perf_counter() - start
+                yield item
+                start = time.perf_counter() - stats.seconds  # time spent in the caller not counted
+                if reuse == "until-next" and into is None:
+                    for p in (pool, shm_pool):
+                        if p is not None:
+                            p.release(item[1])
         except BaseException:
             transport.abandon()  # ranks waiting for this one without a collective stop waiting
             run.abandon()
