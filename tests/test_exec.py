@@ -78,21 +78,37 @@ def test_stats_hold_release_and_peak() -> None:
 
 
 def test_a_stream_of_parameters_turns_autograd_off_only_while_it_works() -> None:
-    """The executor turns autograd off once per step and per target (not once per piece): the
-    targets it builds from parameters that require grad are plain tensors with the exact values,
-    and the caller's own code between targets runs with its own setting (grad on)."""
+    """The executor turns autograd off once per target (not once per piece), looking at the caller's
+    setting for every target: the targets it makes from parameters that require grad - copies, and
+    views of a parameter (zero copy) - carry no autograd history and hold the exact values, and the
+    caller's own code between targets runs with its own setting, which it may change as it goes."""
     from shardsync.stream import full_params
 
     model = torch.nn.Module()
-    model.w = torch.nn.Parameter(arange_tensor((301, 257), start=-3.0))  # 309 KB: built in its own step
+    model.w = torch.nn.Parameter(arange_tensor((2 * 151, 257), start=-3.0))  # 310 KB
     model.b = torch.nn.Parameter(arange_tensor((263,), start=0.5))
     state = {k: p for k, p in model.named_parameters()}  # the parameters themselves, requiring grad
-    seen = []
-    for name, t in full_params(state, ["w^T -> wt", "w -> w3, dtype='float64'", "b -> b"]):
-        seen.append((name, torch.is_grad_enabled()))
-        want = {"wt": model.w.detach().T, "w3": model.w.detach().double(), "b": model.b.detach()}[name]
-        assert torch.equal(t, want) and t.dtype == want.dtype, name
-        if name != "b":  # built by the executor (b is the parameter itself: zero copy)
-            assert not t.requires_grad and t.grad_fn is None, name
-    assert sorted(seen) == [("b", True), ("w3", True), ("wt", True)]
+    mapping = ["w^T -> wt", "w -> w3, dtype='float64'", "w -> wa, wb, axis=0", "b -> b"]
+    w = model.w.detach()
+    want = {"wt": w.T, "w3": w.double(), "wa": w[:151], "wb": w[151:], "b": model.b.detach()}
+    views = {"wa", "wb", "b"}  # row halves of a parameter, and a whole one: zero copy (copy=False)
+    for grad in (True, False):  # the caller starts with grad on, or off, and flips it every target
+        seen = []
+        torch.set_grad_enabled(grad)
+        try:
+            for name, t in full_params(state, mapping, copy=False):
+                seen.append(torch.is_grad_enabled())
+                torch.set_grad_enabled(not torch.is_grad_enabled())
+                assert torch.equal(t, want[name]) and t.dtype == want[name].dtype, name
+                source = model.b if name == "b" else model.w
+                assert (t.untyped_storage().data_ptr() == source.untyped_storage().data_ptr()) == (name in views), name
+                if name == "b":  # the parameter itself, as it is
+                    assert t is model.b
+                elif name in views:  # a view of a leaf made under no_grad: torch keeps requires_grad
+                    assert t.grad_fn is None and t._is_view(), name
+                else:
+                    assert not t.requires_grad and t.grad_fn is None, name
+        finally:
+            torch.set_grad_enabled(True)
+        assert seen == [grad, not grad] * 2 + [grad], seen
     assert torch.is_grad_enabled()

@@ -389,11 +389,11 @@ class _Run:
 def _without_grad(items: Iterator[T]) -> Iterator[T]:
     """``items``, made with autograd off (one switch per item, not one per piece copied); the
     caller's own setting holds while it has an item."""
-    if not torch.is_grad_enabled():
-        yield from items
-        return
     while True:
-        with torch.no_grad():
+        if torch.is_grad_enabled():  # the caller's setting, looked at for every item
+            with torch.no_grad():
+                item = next(items, None)
+        else:
             item = next(items, None)
         if item is None:
             return
