@@ -35,7 +35,7 @@ from ..planning.costs import builds_ahead, is_zero_copy
 from ..planning.model import Packet, Plan, Step
 from ..sources import Source
 from .assemble import copy_piece
-from .copies import Copies, Lane
+from .copies import Copies, Lane, no_grad
 from .memory import BlockPool, Reuse, process_pool, shm_block
 from .push import Pusher
 from .push_schedule import Push, per_plan
@@ -387,17 +387,14 @@ class _Run:
 
 
 def _without_grad(items: Iterator[T]) -> Iterator[T]:
-    """``items``, made with autograd off (one switch per item, not one per piece copied); the
-    caller's own setting holds while it has an item."""
-    while True:
-        if torch.is_grad_enabled():  # the caller's setting, looked at for every item
-            with torch.no_grad():
-                item = next(items, None)
-        else:
-            item = next(items, None)
-        if item is None:
-            return
+    """``items``, each made with autograd off where the caller has it on (:func:`no_grad` around
+    ``next``: one switch per item, not one per piece copied); the caller's own setting holds while it
+    has an item."""
+    while (item := _next_without_grad(items, None)) is not None:
         yield item
+
+
+_next_without_grad = no_grad(next)
 
 
 def _pool(plan: Plan, rank: int, device: torch.device, reuse: Reuse, window: int | None = None) -> BlockPool | None:
