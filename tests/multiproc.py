@@ -152,6 +152,7 @@ def _entry(
     args: tuple,
     out_dir: str,
     where: tuple[dict[str, str], str],
+    init_method: str | None = None,
 ) -> None:
     import torch
     import torch.distributed as dist
@@ -167,7 +168,7 @@ def _entry(
             connect = max(group_timeout, CONNECT_TIMEOUT.total_seconds())  # a busy machine connects slowly
             dist.init_process_group(
                 BACKEND,
-                init_method=f"file://{store_dir}/store",
+                init_method=init_method or f"file://{store_dir}/store",
                 rank=rank,
                 world_size=world,
                 timeout=datetime.timedelta(seconds=connect),
@@ -195,13 +196,19 @@ INIT_FAILED = ".init-failed"
 
 
 def run_ranks(
-    fn: Callable[..., Any], world: int, *args: Any, timeout: float = 120.0, group_timeout: float = 60.0
+    fn: Callable[..., Any],
+    world: int,
+    *args: Any,
+    timeout: float = 120.0,
+    group_timeout: float = 60.0,
+    init_method: str | None = None,
 ) -> list[Any]:
     """Run ``fn(rank, world, *args)`` on ``world`` ranks; return results by rank.
 
     ``timeout`` bounds the whole run (every rank shares one deadline); ``group_timeout`` is the
     process group's timeout, how long a collective waits for a peer (the group connects under at least
-    :data:`CONNECT_TIMEOUT`, and is shortened to ``group_timeout`` after).
+    :data:`CONNECT_TIMEOUT`, and is shortened to ``group_timeout`` after). ``init_method``: the
+    group's rendezvous (default: a file store in a fresh folder; ``tcp://...``: rank 0 hosts the store).
     """
     if BACKEND == "nccl":
         import pytest
@@ -211,9 +218,9 @@ def run_ranks(
         if have < world:
             pytest.skip(f"SHARDSYNC_TEST_BACKEND=nccl: {world} ranks need {world} GPUs, {have} present")
     deadline = time.monotonic() + timeout
-    outcomes = _spawn(fn, world, args, deadline, group_timeout)
+    outcomes = _spawn(fn, world, args, deadline, group_timeout, init_method)
     if outcomes is None:  # gloo failed to connect the ranks (a loopback flake): once more, fresh store
-        outcomes = _spawn(fn, world, args, deadline, group_timeout)
+        outcomes = _spawn(fn, world, args, deadline, group_timeout, init_method)
     if outcomes is None:
         raise RankFailure({r: ("error", "InitFailed", "init_process_group failed twice") for r in range(world)})
     if any(o[0] != "ok" for o in outcomes.values()):
@@ -222,7 +229,7 @@ def run_ranks(
 
 
 def _spawn(
-    fn: Callable[..., Any], world: int, args: tuple, deadline: float, group_timeout: float
+    fn: Callable[..., Any], world: int, args: tuple, deadline: float, group_timeout: float, init_method: str | None
 ) -> dict[int, tuple] | None:
     """Every rank's outcome, or None when a rank failed to join the process group (the others,
     left waiting to connect, are killed)."""
@@ -230,7 +237,11 @@ def _spawn(
     where = (dict(os.environ), os.getcwd())
     with tempfile.TemporaryDirectory() as store_dir, tempfile.TemporaryDirectory() as out_dir:
         procs = [
-            ctx.Process(target=_entry, args=(r, world, store_dir, group_timeout, fn, args, out_dir, where), daemon=True)
+            ctx.Process(
+                target=_entry,
+                args=(r, world, store_dir, group_timeout, fn, args, out_dir, where, init_method),
+                daemon=True,
+            )
             for r in range(world)
         ]
         for p in procs:
@@ -264,12 +275,18 @@ def _spawn(
 
 
 def run_ranks_one_dies(
-    fn: Callable[..., Any], world: int, dead: int, *args: Any, timeout: float = 120.0, group_timeout: float = 60.0
+    fn: Callable[..., Any],
+    world: int,
+    dead: int,
+    *args: Any,
+    timeout: float = 120.0,
+    group_timeout: float = 60.0,
+    init_method: str | None = None,
 ) -> dict[int, Any]:
     """Run ``fn`` on ``world`` ranks where rank ``dead`` exits the process (its last scenario);
     check that it died and return the other ranks' results by rank."""
     try:
-        run_ranks(fn, world, *args, timeout=timeout, group_timeout=group_timeout)
+        run_ranks(fn, world, *args, timeout=timeout, group_timeout=group_timeout, init_method=init_method)
     except RankFailure as err:
         got = err.outcomes
     else:

@@ -8,13 +8,16 @@ test would fail with "Hang". No test measures a time: the deadline is the assert
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
+import time
+from pathlib import Path
 
 import pytest
 import torch
 
-from multiproc import RankFailure, run_ranks
+from multiproc import RankFailure, run_ranks, run_ranks_one_dies
 from shardsync.errors import DistributedError
 from shardsync.layout import shard_dim
 from shardsync.liveness import ProcessRecord, is_gone, peer_left, this_process
@@ -124,3 +127,79 @@ def test_a_rank_that_dies_mid_stream_is_named(transport: str) -> None:
     phase, failures, names = _survivor("mid-stream", transport)
     assert (phase, failures) == ("stream", {1: "entered phase 'stream' and then its process ended (it died or exited)"})
     assert names[:1] == ["b"]
+
+
+def _carries_on(rank: int, world: int, marks: str) -> tuple:
+    """Rank ``world - 1`` exits between two streams; the others catch the error and carry on, alive,
+    until every one of them has raised (or a minute has passed)."""
+    state = {"w": shard_dim(torch.arange(23 * 3.0).reshape(23, 3), 0, rank, world)}
+    _ = [n for n, _ in full_params(state)]
+    if rank == world - 1:
+        os._exit(0)
+    try:
+        _ = [n for n, _ in full_params(state)]
+    except DistributedError as exc:
+        open(os.path.join(marks, str(rank)), "w").close()
+        end = time.monotonic() + 60
+        while len(os.listdir(marks)) < world - 1 and time.monotonic() < end:
+            time.sleep(0.05)
+        return (exc.phase, exc.failures, sorted(os.listdir(marks)))
+    return ("finished",)
+
+
+def test_survivors_that_carry_on_do_not_leave_a_rank_waiting_in_the_ring(tmp_path: Path) -> None:
+    # gloo's all_gather is a ring: only the dead rank's neighbours (0 and 2 of 4) see its connection
+    # close; rank 1 waits on them. They catch the error and stay alive: rank 1 must still raise (it
+    # sees their transport failures in the roll call), not wait for them to exit or for the timeout.
+    got = run_ranks_one_dies(_carries_on, 4, 3, str(tmp_path), timeout=DEADLINE, group_timeout=DEFAULT_TIMEOUT)
+    why = (
+        "its process ended (it died or exited) before it entered phase 'check layout' (the last phase it "
+        "entered was 'stream')"
+    )
+    assert got == {r: ("check layout", {3: why}, ["0", "1", "2"]) for r in range(3)}
+
+
+def _store_host_dies(rank: int, world: int, when: str) -> tuple:
+    state = _state(rank)
+    if rank == 0 and when == "first":
+        os._exit(0)
+    names = []
+    try:
+        for name, _ in full_params(state, transport="shm"):
+            names.append(name)
+            if rank == 0:
+                os._exit(3)
+    except DistributedError as exc:
+        return (exc.phase, exc.failures)
+    return ("finished", names)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.mark.parametrize("when", ["first", "mid-stream"])
+def test_the_rank_that_hosts_the_store_is_named_when_it_dies(when: str) -> None:
+    # tcp:// : rank 0's process hosts the group's store, so when it dies nobody can be asked; the
+    # survivor names rank 0 (from its shared-memory wait, or as the store's host), not itself
+    got = run_ranks_one_dies(
+        _store_host_dies,
+        2,
+        0,
+        when,
+        timeout=DEADLINE,
+        group_timeout=DEFAULT_TIMEOUT,
+        init_method=f"tcp://127.0.0.1:{_free_port()}",
+    )
+    phase, failures = got[1]
+    assert list(failures) == [0], failures
+    if when == "first":
+        assert phase == "gather layout"
+        assert failures[0].startswith(
+            "its process hosts the group's store (the TCP store init_process_group makes), which "
+            "stopped answering: it has probably died or exited (a collective failed with: TransportFailure:"
+        )
+    else:
+        assert phase == "stream" and failures[0].startswith("ended: its process is gone, while rank 1 waited for ")

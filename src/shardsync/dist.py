@@ -206,7 +206,7 @@ def agree(
         data = _pickled((False, why, phase))
     try:
         with transport_errors():
-            shares = _gather_pickled(data, group)
+            shares = _gather_pickled(data, group, roll)
     except TransportFailure as exc:
         failures = roll.blame(exc)
         if local_exc is not None:
@@ -235,33 +235,34 @@ def _pickled(obj: Any) -> bytes:
     return pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
 
 
-def _gather_pickled(data: bytes, group: ProcessGroup | None) -> list[Any]:
+def _gather_pickled(data: bytes, group: ProcessGroup | None, roll: RollCall) -> list[Any]:
     """Every rank's ``data`` (a pickle), by group rank, as bytes-like objects: ``all_gather_object``
     in one ``all_gather`` where every rank's pickle has at most :data:`GATHER_BYTES` bytes, else two
     (the first tells every rank every size, the second carries the pickles padded to the largest).
     ``all_gather_object`` always takes two and goes through pickled tensors; a stream that runs again
-    makes three of these gathers."""
+    makes three of these gathers. A gloo gather is waited for with :func:`wait_for` (``agreed``)."""
     first = bytearray(_SIZE + GATHER_BYTES)
     first[:_SIZE] = len(data).to_bytes(_SIZE, "little")
     if len(data) <= GATHER_BYTES:
         first[_SIZE : _SIZE + len(data)] = data
-    got = _all_gather(first, group)
+    got = _all_gather(first, group, roll)
     sizes = [int.from_bytes(g[:_SIZE].tobytes(), "little") for g in got]
     if max(sizes) <= GATHER_BYTES:
         return [g[_SIZE : _SIZE + n] for g, n in zip(got, sizes)]
     second = bytearray(max(sizes))  # every rank saw the same sizes: the same second gather
     second[: len(data)] = data
-    return [g[:n] for g, n in zip(_all_gather(second, group), sizes)]
+    return [g[:n] for g, n in zip(_all_gather(second, group, roll), sizes)]
 
 
-def _all_gather(buf: bytearray, group: ProcessGroup | None) -> list[Any]:
+def _all_gather(buf: bytearray, group: ProcessGroup | None, roll: RollCall) -> list[Any]:
     """Every rank's ``buf`` (the same length on every rank) as numpy byte arrays, by group rank; on
     the device ``all_gather_object`` uses for the group (the current GPU under NCCL, whose
     collectives move nothing else; the CPU where the group has a CPU backend)."""
     device = dist.distributed_c10d._get_object_coll_device(group)
     mine = torch.frombuffer(buf, dtype=torch.uint8).to(device)
     out = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(out, mine, group=group)
+    work = dist.all_gather(out, mine, group=group, async_op=True)
+    wait_for(work, roll if dist.get_backend(group) == "gloo" else None, agreed=True)
     return [t.cpu().numpy() for t in out]
 
 
@@ -321,7 +322,7 @@ WATCH_SECONDS = 1.0
 _POLL_TIMED_OUT = "Operation timed out!"  # how gloo's Work.wait(timeout) starts when it only timed out
 
 
-def wait_for(work: dist.Work, roll: RollCall | None) -> None:
+def wait_for(work: dist.Work, roll: RollCall | None, *, agreed: bool = False) -> None:
     """``work.wait()`` for a broadcast (or another collective, not a send or receive) posted in the gloo
     data phase whose roll call is ``roll`` (:func:`data_phase` yields it; None: wait plainly). The wait
     looks at the roll call every :data:`WATCH_SECONDS`: a peer that reported a failure of its own there
@@ -331,6 +332,13 @@ def wait_for(work: dist.Work, roll: RollCall | None) -> None:
     a data phase (its collectives still posted end with the group's timeout). Other backends wait
     plainly (an NCCL wait with a timeout aborts the communicator), and so do gloo's sends and receives
     (a timed-out wait closes the group's connections).
+
+    ``agreed``: the gathers of :func:`agree`, where a rank whose own work failed still takes part (its
+    failure is what it shares); the wait stops instead when a peer reported a transport failure: it
+    raises, so it has left the gather. Gloo's ``all_gather`` passes the parts around a ring, and only
+    a dead rank's neighbours in the ring see its connection close; without this the others would wait
+    for those neighbours - alive, if their programs catch the error and carry on - until the group's
+    timeout.
 
     Example:
         >>> import torch, torch.distributed as dist
@@ -347,13 +355,16 @@ def wait_for(work: dist.Work, roll: RollCall | None) -> None:
         except RuntimeError as exc:
             if not str(exc).startswith(_POLL_TIMED_OUT):
                 raise
+        if agreed:
+            away, how = (roll.departed() if roll.left() else {}), "left the phase"
+        else:
+            away, how = (roll.culprits() if roll.failed() else {}), "will not take part"
         if roll.store_down:  # nobody can report: wait as a plain wait would
             work.wait()
             return
-        culprits = roll.culprits() if roll.failed() else {}
-        if culprits:
-            r, why = min(culprits.items())
-            raise TransportFailure(f"{roll.ranks.label(r)} will not take part: {why}", time.monotonic() - roll.started)
+        if away:
+            r, why = min(away.items())
+            raise TransportFailure(f"{roll.ranks.label(r)} {how}: {why}", time.monotonic() - roll.started)
 
 
 def abort_group(group: ProcessGroup | None) -> None:

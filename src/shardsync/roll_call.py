@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import time
 import traceback
 import weakref
@@ -72,11 +73,15 @@ class TransportFailure(RuntimeError):
     Attributes:
         waited: seconds the failing call ran (a timeout waited the whole group timeout; a peer that
             closed its connection fails the call at once).
+        culprit: ``(group rank, why)`` when the code that raised it knows the peer at fault without
+            the group's store (shared memory checks its peers' processes itself): what
+            :meth:`RollCall.blame` names when the store is gone.
     """
 
-    def __init__(self, message: str, waited: float = 0.0) -> None:
+    def __init__(self, message: str, waited: float = 0.0, culprit: tuple[int, str] | None = None) -> None:
         super().__init__(message)
         self.waited = waited
+        self.culprit = culprit
 
 
 @contextlib.contextmanager
@@ -168,6 +173,18 @@ def _publish_process() -> None:
             _published[world] = True
 
 
+def _store_host() -> int | None:
+    """The global rank whose process hosts the default group's store, where that is known: rank 0
+    for the TCP store ``init_process_group`` makes itself (``tcp://``, ``env://``); None for a file
+    store, a store the caller made, and torchrun's (its launcher hosts it)."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true":
+        return None
+    store = _default_store()
+    while isinstance(store, dist.PrefixStore):
+        store = store.underlying_store
+    return 0 if isinstance(store, dist.TCPStore) else None
+
+
 class _Report(NamedTuple):
     kind: str  # FAILED, STOPPED or TRANSPORT
     message: str
@@ -232,23 +249,31 @@ class RollCall:
         return is_gone(record) if record is not None else None
 
     def record(self, kind: str, message: str) -> None:
-        """Publish that this rank failed in this phase (``kind``: FAILED, STOPPED or TRANSPORT); a
-        failure of its own (not TRANSPORT) is also counted, for :meth:`failed`."""
+        """Publish that this rank failed in this phase (``kind``: FAILED, STOPPED or TRANSPORT), and
+        count it, for :meth:`failed` (a failure of its own) or :meth:`left` (a transport failure)."""
         self._set(f"{self.seq}/{self.ranks.rank}", f"{kind}|{message}")
-        if kind != TRANSPORT and self.store is not None:
+        if self.store is not None:
             with contextlib.suppress(Exception):
-                self.store.add(f"{_PREFIX}/{self.seq}/failed", 1)
+                self.store.add(f"{_PREFIX}/{self.seq}/{'left' if kind == TRANSPORT else 'failed'}", 1)
+
+    def _count(self, name: str) -> bool:
+        if self.store is None:
+            return False
+        try:
+            return int(self.store.add(f"{_PREFIX}/{self.seq}/{name}", 0)) > 0
+        except Exception:  # the store's host is gone: nobody can report
+            self.store_down = True
+            return False
 
     def failed(self) -> bool:
         """Whether a rank reported a failure of its own in this phase: one request to the store (the
         waits of a data phase ask every second; :meth:`culprits` reads every rank's report)."""
-        if self.store is None:
-            return False
-        try:
-            return int(self.store.add(f"{_PREFIX}/{self.seq}/failed", 0)) > 0
-        except Exception:  # the store's host is gone: nobody can report
-            self.store_down = True
-            return False
+        return self._count("failed")
+
+    def left(self) -> bool:
+        """Whether a rank reported a transport failure in this phase - it raises, so it has left the
+        phase's collectives: one request to the store (:meth:`departed` reads the reports)."""
+        return self._count("left")
 
     def record_failure(self, message: str) -> None:
         """Publish that this rank's own work failed in this phase."""
@@ -274,6 +299,10 @@ class RollCall:
     def culprits(self) -> dict[int, str]:
         """Peers that reported a failure of their own (not a transport failure) in this phase."""
         return {r: rep.message for r, rep in self._reports().items() if rep.kind != TRANSPORT}
+
+    def departed(self) -> dict[int, str]:
+        """Peers that reported a transport failure in this phase (and so left it), with it."""
+        return {r: rep.message for r, rep in self._reports().items() if rep.kind == TRANSPORT}
 
     def blame(self, exc: BaseException) -> dict[int, str]:
         """After a transport failure here: ``{group rank: why}`` for the ranks at fault.
@@ -305,16 +334,6 @@ class RollCall:
             causes = {r: rep.message for r, rep in reports.items() if rep.kind != TRANSPORT}
             if causes:
                 return causes
-            if warn:
-                warn = False
-                log.warning(
-                    "phase %r: a collective failed on %s (%s); waiting up to %.0f s for the other "
-                    "ranks to report, to name the one at fault",
-                    self.phase,
-                    self.ranks.label(self.ranks.rank),
-                    exc,
-                    (short if closed else long) - now,
-                )
             silent = self._silent(reports)
             gone = {r: pos for r, pos in silent.items() if self._gone(r)}
             if gone:
@@ -327,13 +346,19 @@ class RollCall:
             waiting = [r for r, pos in silent.items() if pos.seq == self.seq or not overdue]
             if not waiting or self.store_down or time.monotonic() >= deadline:
                 break
+            if warn:
+                warn = False
+                log.warning(
+                    "phase %r: a collective failed on %s (%s); waiting up to %.0f s for the other "
+                    "ranks to report, to name the one at fault",
+                    self.phase,
+                    self.ranks.label(self.ranks.rank),
+                    exc,
+                    deadline - now,
+                )
             time.sleep(POLL_SECONDS)
         if self.store_down:
-            return {
-                self.ranks.rank: f"transport failure: {mine}; the group's store stopped answering, "
-                "so the other ranks cannot be asked (the process that hosts it, "
-                "rank 0 or the launcher, has probably died)"
-            }
+            return self._without_store(exc, mine)
         if silent:
             if left:  # live peers on this machine are victims; name the ones that may be gone
                 suspects = {r: pos for r, pos in silent.items() if self._gone(r) is None}
@@ -342,6 +367,28 @@ class RollCall:
         return {
             self.ranks.rank: f"transport failure: {mine}",
             **{r: f"transport failure: {rep.message}" for r, rep in reports.items()},
+        }
+
+    def _without_store(self, exc: BaseException, mine: str) -> dict[int, str]:
+        """``{rank: why}`` when the group's store stopped answering, so no peer can be asked: the peer
+        the failure itself names (:attr:`TransportFailure.culprit`), else the rank whose process hosts
+        the store (rank 0, for the store ``init_process_group`` makes; its end took the store with it),
+        else this rank with what it saw."""
+        culprit = getattr(exc, "culprit", None)
+        if culprit is not None:
+            return {culprit[0]: culprit[1]}
+        host = _store_host()
+        me = self.ranks.to_global(self.ranks.rank)
+        if host is not None and host != me and host in self.ranks.global_ranks:
+            return {
+                self.ranks.global_ranks.index(host): "its process hosts the group's store (the TCP store "
+                "init_process_group makes), which stopped answering: it has probably died or exited (a "
+                f"collective failed with: {mine})"
+            }
+        return {
+            self.ranks.rank: f"transport failure: {mine}; the group's store stopped answering, "
+            "so the other ranks cannot be asked (the process that hosts it, "
+            "rank 0 or the launcher, has probably died)"
         }
 
     def _departed(self, gone: dict[int, _Position]) -> dict[int, str]:

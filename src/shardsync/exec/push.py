@@ -233,7 +233,10 @@ class Pusher:
             except (OSError, RuntimeError) as exc:
                 why = self._lost(c)
                 if why:  # it died (or failed) since it showed its memory: name it, not this rank
-                    raise TransportFailure(f"{self.ranks.label(c)} {why}, while opening its memory") from exc
+                    raise TransportFailure(
+                        f"{self.ranks.label(c)} {why}, while opening its memory",
+                        culprit=(c, f"{why}, while {self.ranks.label(self.ranks.rank)} opened its memory"),
+                    ) from exc
                 raise
             if kept:  # its owner hands it out again: mapped once for every stream
                 self.blocks[key] = data
@@ -341,7 +344,11 @@ class Pusher:
                 for r in ranks:
                     why = self._lost(r)
                     if why and pending() is not None:  # (it may have written the word just before)
-                        raise TransportFailure(f"{self.ranks.label(r)} {why}, while waiting for {what}", now - start)
+                        raise TransportFailure(
+                            f"{self.ranks.label(r)} {why}, while waiting for {what}",
+                            now - start,
+                            culprit=(r, f"{why}, while {self.ranks.label(self.ranks.rank)} waited for {what}"),
+                        )
                 if now - start > self.timeout:
                     labels = ", ".join(self.ranks.label(r) for r in ranks)
                     raise TransportFailure(
