@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch.distributed.device_mesh import init_device_mesh
 
 from multiproc import RankFailure, run_ranks, run_ranks_one_dies
 from shardsync.errors import DistributedError
@@ -129,15 +130,20 @@ def test_a_rank_that_dies_mid_stream_is_named(transport: str) -> None:
     assert names[:1] == ["b"]
 
 
-def _carries_on(rank: int, world: int, marks: str) -> tuple:
-    """Rank ``world - 1`` exits between two streams; the others catch the error and carry on, alive,
-    until every one of them has raised (or a minute has passed)."""
-    state = {"w": shard_dim(torch.arange(23 * 3.0).reshape(23, 3), 0, rank, world)}
-    _ = [n for n, _ in full_params(state)]
-    if rank == world - 1:
-        os._exit(0)
-    try:
+def _carries_on(rank: int, world: int, marks: str, where: str) -> tuple:
+    """Rank ``world - 1`` exits between two streams (``where="check layout"``) or after the first target
+    of a 2 x 2 mesh stream (``"mesh2d"``); the others catch the error and carry on, alive, until every
+    one of them has raised (or a minute has passed)."""
+    state = {f"w{i}": shard_dim(torch.arange(4099 * 3.0).reshape(4099, 3) + i, 0, rank, world) for i in range(6)}
+    if where == "check layout":
         _ = [n for n, _ in full_params(state)]
+        if rank == world - 1:
+            os._exit(0)
+    options = {} if where == "check layout" else {"strategy": "mesh2d", "mesh": init_device_mesh("cpu", (2, 2))}
+    try:
+        for _ in full_params(state, **options):
+            if rank == world - 1:
+                os._exit(0)
     except DistributedError as exc:
         open(os.path.join(marks, str(rank)), "w").close()
         end = time.monotonic() + 60
@@ -147,16 +153,21 @@ def _carries_on(rank: int, world: int, marks: str) -> tuple:
     return ("finished",)
 
 
-def test_survivors_that_carry_on_do_not_leave_a_rank_waiting_in_the_ring(tmp_path: Path) -> None:
+@pytest.mark.parametrize("where", ["check layout", "mesh2d"])
+def test_survivors_that_carry_on_do_not_leave_a_rank_waiting_in_the_ring(tmp_path: Path, where: str) -> None:
     # gloo's all_gather is a ring: only the dead rank's neighbours (0 and 2 of 4) see its connection
-    # close; rank 1 waits on them. They catch the error and stay alive: rank 1 must still raise (it
-    # sees their transport failures in the roll call), not wait for them to exit or for the timeout.
-    got = run_ranks_one_dies(_carries_on, 4, 3, str(tmp_path), timeout=DEADLINE, group_timeout=DEFAULT_TIMEOUT)
-    why = (
-        "its process ended (it died or exited) before it entered phase 'check layout' (the last phase it "
-        "entered was 'stream')"
-    )
-    assert got == {r: ("check layout", {3: why}, ["0", "1", "2"]) for r in range(3)}
+    # close; rank 1 waits on them (in an agreed phase's gather; in a 2 x 2 mesh, rank 0 in its row's
+    # all_gather with rank 1). They catch the error and stay alive: the others must still raise (they
+    # see the transport failures in the roll call), not wait for them to exit or for the timeout.
+    got = run_ranks_one_dies(_carries_on, 4, 3, str(tmp_path), where, timeout=DEADLINE, group_timeout=DEFAULT_TIMEOUT)
+    if where == "check layout":
+        why = (
+            "its process ended (it died or exited) before it entered phase 'check layout' (the last phase it "
+            "entered was 'stream')"
+        )
+    else:
+        why = "entered phase 'stream' and then its process ended (it died or exited)"
+    assert got == {r: (where if where == "check layout" else "stream", {3: why}, ["0", "1", "2"]) for r in range(3)}
 
 
 def _store_host_dies(rank: int, world: int, when: str) -> tuple:

@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 
 from .errors import DistributedError, ShardsyncError
-from .roll_call import STOPPED, RollCall, TransportFailure, describe, is_transport_failure, transport_errors
+from .roll_call import STOPPED, TRANSPORT, RollCall, TransportFailure, describe, is_transport_failure, transport_errors
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -325,20 +325,19 @@ _POLL_TIMED_OUT = "Operation timed out!"  # how gloo's Work.wait(timeout) starts
 def wait_for(work: dist.Work, roll: RollCall | None, *, agreed: bool = False) -> None:
     """``work.wait()`` for a broadcast (or another collective, not a send or receive) posted in the gloo
     data phase whose roll call is ``roll`` (:func:`data_phase` yields it; None: wait plainly). The wait
-    looks at the roll call every :data:`WATCH_SECONDS`: a peer that reported a failure of its own there
-    (it raised, or its caller stopped iterating) never posts its part, even if its process keeps
-    running, so this rank raises :class:`TransportFailure` at once - and the phase names that peer -
-    instead of waiting out the group's timeout. The group cannot be used again, as after any failure in
-    a data phase (its collectives still posted end with the group's timeout). Other backends wait
-    plainly (an NCCL wait with a timeout aborts the communicator), and so do gloo's sends and receives
-    (a timed-out wait closes the group's connections).
+    looks at the roll call every :data:`WATCH_SECONDS`: a peer that reported a failure there - of its
+    own (it raised, or its caller stopped iterating), or of a collective under it (a peer of its died)
+    - has left the phase and never posts its part, even if its process keeps running, so this rank
+    raises :class:`TransportFailure` at once - and the phase names the rank at fault - instead of
+    waiting out the group's timeout. (Gloo's ``all_gather`` passes the parts around a ring: only a dead
+    rank's neighbours see its connection close, and the others wait on those neighbours.) The group
+    cannot be used again, as after any failure in a data phase (its collectives still posted end with
+    the group's timeout). Other backends wait plainly (an NCCL wait with a timeout aborts the
+    communicator), and so do gloo's sends and receives (a timed-out wait closes the group's
+    connections).
 
     ``agreed``: the gathers of :func:`agree`, where a rank whose own work failed still takes part (its
-    failure is what it shares); the wait stops instead when a peer reported a transport failure: it
-    raises, so it has left the gather. Gloo's ``all_gather`` passes the parts around a ring, and only
-    a dead rank's neighbours in the ring see its connection close; without this the others would wait
-    for those neighbours - alive, if their programs catch the error and carry on - until the group's
-    timeout.
+    failure is what it shares): only a peer's transport failure stops the wait.
 
     Example:
         >>> import torch, torch.distributed as dist
@@ -355,16 +354,15 @@ def wait_for(work: dist.Work, roll: RollCall | None, *, agreed: bool = False) ->
         except RuntimeError as exc:
             if not str(exc).startswith(_POLL_TIMED_OUT):
                 raise
-        if agreed:
-            away, how = (roll.departed() if roll.left() else {}), "left the phase"
-        else:
-            away, how = (roll.culprits() if roll.failed() else {}), "will not take part"
+        reports = roll.reports() if roll.reported() else {}
         if roll.store_down:  # nobody can report: wait as a plain wait would
             work.wait()
             return
+        away = {r: rep for r, rep in reports.items() if rep.kind == TRANSPORT or not agreed}
         if away:
-            r, why = min(away.items())
-            raise TransportFailure(f"{roll.ranks.label(r)} {how}: {why}", time.monotonic() - roll.started)
+            r, rep = min(away.items())
+            how = "left the phase" if rep.kind == TRANSPORT else "will not take part"
+            raise TransportFailure(f"{roll.ranks.label(r)} {how}: {rep.message}", time.monotonic() - roll.started)
 
 
 def abort_group(group: ProcessGroup | None) -> None:

@@ -46,6 +46,7 @@ __all__ = [
     "is_transport_failure",
     "describe",
     "RollCall",
+    "Report",
     "FAILED",
     "STOPPED",
     "TRANSPORT",
@@ -185,8 +186,10 @@ def _store_host() -> int | None:
     return 0 if isinstance(store, dist.TCPStore) else None
 
 
-class _Report(NamedTuple):
-    kind: str  # FAILED, STOPPED or TRANSPORT
+class Report(NamedTuple):
+    """A rank's failure in a phase: ``kind`` (FAILED, STOPPED or TRANSPORT) and its message."""
+
+    kind: str
     message: str
 
 
@@ -250,42 +253,35 @@ class RollCall:
 
     def record(self, kind: str, message: str) -> None:
         """Publish that this rank failed in this phase (``kind``: FAILED, STOPPED or TRANSPORT), and
-        count it, for :meth:`failed` (a failure of its own) or :meth:`left` (a transport failure)."""
+        count it, for :meth:`reported`."""
         self._set(f"{self.seq}/{self.ranks.rank}", f"{kind}|{message}")
         if self.store is not None:
             with contextlib.suppress(Exception):
-                self.store.add(f"{_PREFIX}/{self.seq}/{'left' if kind == TRANSPORT else 'failed'}", 1)
+                self.store.add(f"{_PREFIX}/{self.seq}/reported", 1)
 
-    def _count(self, name: str) -> bool:
+    def reported(self) -> bool:
+        """Whether a rank reported a failure in this phase: one request to the store (the waits of a
+        phase ask every second; :meth:`reports` reads every rank's report)."""
         if self.store is None:
             return False
         try:
-            return int(self.store.add(f"{_PREFIX}/{self.seq}/{name}", 0)) > 0
+            return int(self.store.add(f"{_PREFIX}/{self.seq}/reported", 0)) > 0
         except Exception:  # the store's host is gone: nobody can report
             self.store_down = True
             return False
-
-    def failed(self) -> bool:
-        """Whether a rank reported a failure of its own in this phase: one request to the store (the
-        waits of a data phase ask every second; :meth:`culprits` reads every rank's report)."""
-        return self._count("failed")
-
-    def left(self) -> bool:
-        """Whether a rank reported a transport failure in this phase - it raises, so it has left the
-        phase's collectives: one request to the store (:meth:`departed` reads the reports)."""
-        return self._count("left")
 
     def record_failure(self, message: str) -> None:
         """Publish that this rank's own work failed in this phase."""
         self.record(FAILED, message)
 
-    def _reports(self) -> dict[int, _Report]:
+    def reports(self) -> dict[int, Report]:
+        """What the peers reported in this phase, by group rank (this rank's own report left out)."""
         out = {}
         for r in range(self.ranks.world):
             value = self._get(f"{self.seq}/{r}") if r != self.ranks.rank else None
             if value is not None:
                 kind, _, message = value.partition("|")
-                out[r] = _Report(kind, message)
+                out[r] = Report(kind, message)
         return out
 
     def _position(self, rank: int) -> _Position:
@@ -298,11 +294,7 @@ class RollCall:
 
     def culprits(self) -> dict[int, str]:
         """Peers that reported a failure of their own (not a transport failure) in this phase."""
-        return {r: rep.message for r, rep in self._reports().items() if rep.kind != TRANSPORT}
-
-    def departed(self) -> dict[int, str]:
-        """Peers that reported a transport failure in this phase (and so left it), with it."""
-        return {r: rep.message for r, rep in self._reports().items() if rep.kind == TRANSPORT}
+        return {r: rep.message for r, rep in self.reports().items() if rep.kind != TRANSPORT}
 
     def blame(self, exc: BaseException) -> dict[int, str]:
         """After a transport failure here: ``{group rank: why}`` for the ranks at fault.
@@ -330,7 +322,7 @@ class RollCall:
         short, long = now + grace, now + max(0.0, timeout - waited) + grace
         warn = waited < timeout  # once, unless a peer's report already names the one at fault
         while True:
-            reports = self._reports()
+            reports = self.reports()
             causes = {r: rep.message for r, rep in reports.items() if rep.kind != TRANSPORT}
             if causes:
                 return causes
@@ -394,7 +386,7 @@ class RollCall:
     def _departed(self, gone: dict[int, _Position]) -> dict[int, str]:
         """``{rank: why}`` for silent peers whose process has ended (a failure one of them recorded
         just before it ended wins: it says why)."""
-        causes = {r: rep.message for r, rep in self._reports().items() if rep.kind != TRANSPORT and r in gone}
+        causes = {r: rep.message for r, rep in self.reports().items() if rep.kind != TRANSPORT and r in gone}
         if causes:
             return causes
         out = {}
@@ -407,7 +399,7 @@ class RollCall:
                 )
         return out
 
-    def _silent(self, reports: dict[int, _Report]) -> dict[int, _Position]:
+    def _silent(self, reports: dict[int, Report]) -> dict[int, _Position]:
         """Peers that reported nothing here and have not moved on to a later phase."""
         positions = {r: self._position(r) for r in range(self.ranks.world) if r != self.ranks.rank and r not in reports}
         return {r: pos for r, pos in positions.items() if pos.seq <= self.seq}

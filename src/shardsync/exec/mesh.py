@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, NamedTuple, Union
 import torch
 import torch.distributed as dist
 
-from ..dist import GroupRanks, transport_errors
+from ..dist import GroupRanks, transport_errors, wait_for
 from ..errors import PlanError
 from ..planning.mesh import Topology
 from ..planning.model import Step
@@ -128,9 +128,9 @@ class MeshTransport(Plain):
             return Posted(got=self._global(step, io, stats))
         return Posted()
 
-    def _down(self, buf: torch.Tensor, src: int, stats: Stats, group: ProcessGroup | None) -> None:
+    def _down(self, buf: torch.Tensor, src: int, stats: Stats, group: ProcessGroup | None, io: PacketIO) -> None:
         with transport_errors():
-            dist.broadcast(buf, src=self.ranks.to_global(src), group=group)
+            wait_for(dist.broadcast(buf, src=self.ranks.to_global(src), group=group, async_op=True), io.roll)
         stats.collectives += 1
         if src == self.ranks.rank:
             stats.bytes_sent += buf.numel()
@@ -142,13 +142,13 @@ class MeshTransport(Plain):
         n, ncols = pk.nbytes, len(self.topology[0])
         buf = io.fill(pk) if pk.src == me else landing(pk, io) if pk.src >= 0 else io.buffer(n)
         if pk.src >= 0 and len(self.topology) > 1:
-            self._down(buf, pk.src, stats, self.v)
+            self._down(buf, pk.src, stats, self.v, io)
         outs = [
             landing(p, io) if p.src >= 0 and c != self.col and p.src != me else io.buffer(n)
             for c, p in enumerate(step.packets)
         ]
         with transport_errors():
-            dist.all_gather(outs, buf, group=self.h)
+            wait_for(dist.all_gather(outs, buf, group=self.h, async_op=True), io.roll)
         stats.collectives += 1
         stats.bytes_sent += n
         stats.bytes_received += n * (ncols - 1)
@@ -162,7 +162,7 @@ class MeshTransport(Plain):
         src_col = next(j for row in self.topology for j, r in enumerate(row) if r == pk.src)
         buf = io.fill(pk) if pk.src == me else landing(pk, io)
         if self.col == src_col and len(self.topology) > 1:
-            self._down(buf, pk.src, stats, self.v)
+            self._down(buf, pk.src, stats, self.v, io)
         if len(self.topology[0]) > 1:
-            self._down(buf, self.topology[self.row][src_col], stats, self.h)
+            self._down(buf, self.topology[self.row][src_col], stats, self.h, io)
         return [Received(pk, buf)] if pk.src != me else []

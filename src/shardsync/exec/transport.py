@@ -60,11 +60,15 @@ class Received(NamedTuple):
 
 
 class PacketIO(Protocol):
-    """The executor's side of a transport: where packet bytes come from and where they land.
+    """The executor's side of a transport: where packet bytes come from and where they land; ``roll``
+    is the roll call of the data phase, for a transport whose collectives complete in ``start``
+    (:func:`shardsync.dist.wait_for`).
 
     Example:
         >>> pending = BroadcastTransport(ranks).start(step, io, stats)   # doctest: +SKIP
     """
+
+    roll: RollCall | None
 
     def fill(self, packet: Packet) -> torch.Tensor:
         """A sender's bytes for ``packet`` (flat uint8, contiguous)."""
