@@ -19,9 +19,10 @@ import torch
 from torch.distributed.device_mesh import init_device_mesh
 
 from multiproc import RankFailure, run_ranks, run_ranks_one_dies
-from shardsync.errors import DistributedError
+from shardsync.errors import DistributedError, ShardsyncError
 from shardsync.layout import shard_dim
 from shardsync.liveness import ProcessRecord, is_gone, peer_left, this_process
+from shardsync.replicas import ReplicaSync
 from shardsync.stream import full_params
 
 DEFAULT_TIMEOUT = 1800.0  # torch's default process group timeout
@@ -214,3 +215,49 @@ def test_the_rank_that_hosts_the_store_is_named_when_it_dies(when: str) -> None:
         )
     else:
         assert phase == "stream" and failures[0].startswith("ended: its process is gone, while rank 1 waited for ")
+
+
+def _marks_wait(marks: str, want: int) -> list[str]:
+    end = time.monotonic() + 60
+    while len(os.listdir(marks)) < want and time.monotonic() < end:
+        time.sleep(0.05)
+    return sorted(os.listdir(marks))
+
+
+def _one_refuses(rank: int, world: int, marks: str) -> tuple:
+    """Rank 1 passes a bad argument (refused before any phase) and carries on, alive."""
+    state = _state(rank)
+    try:
+        _ = [n for n, _ in full_params(state, strategy="bogus" if rank == 1 else "auto")]
+    except ShardsyncError as exc:
+        open(os.path.join(marks, str(rank)), "w").close()
+        seen = _marks_wait(marks, world)
+        return (type(exc).__name__, getattr(exc, "phase", None), dict(getattr(exc, "failures", {})), seen)
+    return ("finished",)
+
+
+def test_a_rank_that_refuses_its_arguments_and_carries_on_is_named_at_once(tmp_path: Path) -> None:
+    got = run_ranks(_one_refuses, 2, str(tmp_path), timeout=DEADLINE, group_timeout=DEFAULT_TIMEOUT)
+    assert got[1][0] == "PlanError" and got[1][3] == ["0", "1"]
+    name, phase, failures, seen = got[0]
+    assert (name, phase, list(failures), seen) == ("DistributedError", "gather layout", [1], ["0", "1"])
+    assert failures[1].startswith("PlanError: ") and "bogus" in failures[1]
+
+
+def _replicas_carry_on(rank: int, world: int, marks: str) -> tuple:
+    """Rank 3 exits before a replica broadcast; the others catch the error and carry on, alive."""
+    model = torch.nn.Sequential(torch.nn.Linear(5, 3), torch.nn.LayerNorm(3))
+    sync = ReplicaSync(model, bucket_bytes=1 << 20)
+    if rank == world - 1:
+        os._exit(0)
+    try:
+        sync.broadcast_now()
+    except DistributedError as exc:
+        open(os.path.join(marks, str(rank)), "w").close()
+        return (exc.phase, list(exc.failures), _marks_wait(marks, world - 1))
+    return ("finished",)
+
+
+def test_replica_sync_survivors_that_carry_on_do_not_leave_a_rank_waiting(tmp_path: Path) -> None:
+    got = run_ranks_one_dies(_replicas_carry_on, 4, 3, str(tmp_path), timeout=DEADLINE, group_timeout=DEFAULT_TIMEOUT)
+    assert {r: (out[1], out[2]) for r, out in got.items()} == {r: ([3], ["0", "1", "2"]) for r in range(3)}

@@ -37,7 +37,16 @@ import torch
 import torch.distributed as dist
 
 from .errors import DistributedError, ShardsyncError
-from .roll_call import STOPPED, TRANSPORT, RollCall, TransportFailure, describe, is_transport_failure, transport_errors
+from .roll_call import (
+    ABSENT,
+    STOPPED,
+    TRANSPORT,
+    RollCall,
+    TransportFailure,
+    describe,
+    is_transport_failure,
+    transport_errors,
+)
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -337,7 +346,8 @@ def wait_for(work: dist.Work, roll: RollCall | None, *, agreed: bool = False) ->
     connections).
 
     ``agreed``: the gathers of :func:`agree`, where a rank whose own work failed still takes part (its
-    failure is what it shares): only a peer's transport failure stops the wait.
+    failure is what it shares): only a peer's transport failure, or a peer that will not come
+    (:func:`abandon`), stops the wait.
 
     Example:
         >>> import torch, torch.distributed as dist
@@ -358,7 +368,7 @@ def wait_for(work: dist.Work, roll: RollCall | None, *, agreed: bool = False) ->
         if roll.store_down:  # nobody can report: wait as a plain wait would
             work.wait()
             return
-        away = {r: rep for r, rep in reports.items() if rep.kind == TRANSPORT or not agreed}
+        away = {r: rep for r, rep in reports.items() if rep.kind in (TRANSPORT, ABSENT) or not agreed}
         if away:
             r, rep = min(away.items())
             how = "left the phase" if rep.kind == TRANSPORT else "will not take part"
@@ -392,7 +402,7 @@ def abandon(phase: str, group: ProcessGroup | None, exc: BaseException) -> None:
         >>> abandon("gather layout", None, ValueError("bad strategy"))   # a plain process: no-op
     """
     if is_distributed(group):
-        RollCall.enter(phase, GroupRanks.of(group)).record_failure(describe(exc))
+        RollCall.enter(phase, GroupRanks.of(group)).record(ABSENT, describe(exc))
 
 
 def _error(roll: RollCall, failures: dict[int, str]) -> DistributedError:

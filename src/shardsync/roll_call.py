@@ -50,12 +50,14 @@ __all__ = [
     "FAILED",
     "STOPPED",
     "TRANSPORT",
+    "ABSENT",
     "MAX_GRACE_SECONDS",
     "POLL_SECONDS",
 ]
 
-#: Kinds of failure record: this rank raised; it stopped iterating; a collective failed under it.
-FAILED, STOPPED, TRANSPORT = "failed", "stopped", "transport"
+#: Kinds of failure record: this rank raised; it stopped iterating; a collective failed under it; it
+#: raised before the phase and will not come (:func:`shardsync.dist.abandon`).
+FAILED, STOPPED, TRANSPORT, ABSENT = "failed", "stopped", "transport", "absent"
 #: Longest a rank whose collective failed waits for silent peers to report before blaming them
 #: (at most the group timeout). Survivors of a dead peer see their collectives fail within about a
 #: second of each other; this covers far slower ones.
@@ -187,7 +189,7 @@ def _store_host() -> int | None:
 
 
 class Report(NamedTuple):
-    """A rank's failure in a phase: ``kind`` (FAILED, STOPPED or TRANSPORT) and its message."""
+    """A rank's failure in a phase: ``kind`` (FAILED, STOPPED, TRANSPORT or ABSENT) and its message."""
 
     kind: str
     message: str
@@ -252,7 +254,7 @@ class RollCall:
         return is_gone(record) if record is not None else None
 
     def record(self, kind: str, message: str) -> None:
-        """Publish that this rank failed in this phase (``kind``: FAILED, STOPPED or TRANSPORT), and
+        """Publish that this rank failed in this phase (``kind``: FAILED, STOPPED, TRANSPORT or ABSENT), and
         count it, for :meth:`reported`."""
         self._set(f"{self.seq}/{self.ranks.rank}", f"{kind}|{message}")
         if self.store is not None:

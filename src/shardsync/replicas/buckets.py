@@ -15,14 +15,17 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal, NamedTuple
+from typing import TYPE_CHECKING, Any, Literal, NamedTuple
 
 import torch
 import torch.distributed as dist
 
-from ..dist import transport_errors
+from ..dist import transport_errors, wait_for
 from ..errors import ReplicaError
 from ..layout import dtype_name
+
+if TYPE_CHECKING:
+    from ..roll_call import RollCall
 
 __all__ = ["Op", "Member", "Item", "Bucket", "PhasePlan", "SyncPlan", "comm_dtype", "make_buckets", "exchange"]
 
@@ -122,7 +125,13 @@ def make_buckets(items: Sequence[Item], bucket_bytes: int, *, flags: bool = Fals
 
 
 def exchange(
-    bucket: Bucket, tensors: Sequence[torch.Tensor | None], *, group: Any, src: int, world: int
+    bucket: Bucket,
+    tensors: Sequence[torch.Tensor | None],
+    *,
+    group: Any,
+    src: int,
+    world: int,
+    roll: RollCall | None = None,
 ) -> list[torch.Tensor | None]:
     """Run one bucket's collective; return each member's result as a view of the received buffer.
 
@@ -132,6 +141,8 @@ def exchange(
         group: the process group.
         src: global rank of the broadcast source.
         world: group size (mean divides by it).
+        roll: the roll call of the data phase it runs in (``data_phase`` yields it): the wait looks at
+            it (:func:`~shardsync.dist.wait_for`), so a peer that failed or lost a peer is seen.
 
     Returns:
         per member, the result (in the bucket's dtype), or None where the member is absent on every
@@ -151,9 +162,10 @@ def exchange(
         segments[n].copy_(torch.tensor([t is not None for t in tensors], dtype=bucket.dtype))
     with transport_errors():
         if bucket.op == "broadcast":
-            dist.broadcast(buf, src=src, group=group)
+            work = dist.broadcast(buf, src=src, group=group, async_op=True)
         else:
-            dist.all_reduce(buf, op=dist.ReduceOp.SUM, group=group)
+            work = dist.all_reduce(buf, op=dist.ReduceOp.SUM, group=group, async_op=True)
+        wait_for(work, roll)
     if bucket.op == "mean":
         buf[:numel].div_(world)
     present = segments[n].tolist() if bucket.flags else [1] * n

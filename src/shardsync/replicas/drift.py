@@ -23,7 +23,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .. import phases
-from ..dist import agree, data_phase, group_rank, group_size, is_distributed, transport_errors
+from ..dist import agree, data_phase, group_rank, group_size, is_distributed, transport_errors, wait_for
 from ..errors import ReplicaError
 from ..layout import to_torch_dtype
 from .buckets import Item, Member
@@ -132,7 +132,7 @@ def _exact_diffs(
         comm = torch.float64 if dt == torch.float64 or not dt.is_floating_point else torch.float32
         groups.setdefault((agreed[i].device, comm), []).append(i)
     out: dict[int, float] = {}
-    with data_phase(phases.DRIFT_EXACT, group):
+    with data_phase(phases.DRIFT_EXACT, group) as roll:
         for (device_type, comm), members in groups.items():
             local_ts = [get_tensor(by_name[agreed[i].name], agreed[i].kind, optimizer) for i in members]
             device = next((t.device for t in local_ts if t is not None), torch.device(device_type))
@@ -140,8 +140,8 @@ def _exact_diffs(
             hi = _flat(local_ts, numels, -torch.inf, comm, device)
             lo = _flat(local_ts, numels, torch.inf, comm, device)
             with transport_errors():
-                dist.all_reduce(hi, op=dist.ReduceOp.MAX, group=group)
-                dist.all_reduce(lo, op=dist.ReduceOp.MIN, group=group)
+                wait_for(dist.all_reduce(hi, op=dist.ReduceOp.MAX, group=group, async_op=True), roll)
+                wait_for(dist.all_reduce(lo, op=dist.ReduceOp.MIN, group=group, async_op=True), roll)
             spans = (hi.double() - lo.double()).split(numels)
             for i, span in zip(members, spans):
                 out[i] = float(span.max()) if span.numel() else 0.0

@@ -142,7 +142,7 @@ def run_buckets(
     """
     tensors, problems = _lookup(buckets, by_name, optimizer)
     src_global = global_src(group, src)
-    with data_phase(phase, group), torch.no_grad():  # params are leaves that require grad
+    with data_phase(phase, group) as roll, torch.no_grad():  # params are leaves that require grad
         if problems:
             raise ReplicaError(
                 f"{phase}: replicated tensors changed since the ranks agreed on them: "
@@ -150,7 +150,7 @@ def run_buckets(
                 "call broadcast_now() after loading optimizer state"
             )
         for bucket, row in zip(buckets, tensors):
-            results = exchange(bucket, row, group=group, src=src_global, world=world)
+            results = exchange(bucket, row, group=group, src=src_global, world=world, roll=roll)
             stats.collectives += 1
             stats.bytes += bucket.nbytes
             if bucket.op == "broadcast" and rank == src:

@@ -17,7 +17,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh  # imported by torch.distributed anyway
 
 from .. import phases
-from ..dist import agree, data_phase, is_distributed
+from ..dist import agree, data_phase, is_distributed, wait_for
 from ..errors import FormatError, ReplicaError
 from ..exec import run_device
 from ..roll_call import transport_errors
@@ -182,8 +182,8 @@ def check_signatures(signature: tuple[Any, ...], group: ProcessGroup | None) -> 
         return
     code = zlib.crc32(repr(signature).encode())
     both = torch.tensor([code, -code], dtype=torch.int64, device=run_device(dist.get_backend(group), None))
-    with data_phase(SIGNATURE_PHASE, group), transport_errors():
-        dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)
+    with data_phase(SIGNATURE_PHASE, group) as roll, transport_errors():
+        wait_for(dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group, async_op=True), roll)
     if (int(both[0]), -int(both[1])) == (code, code):
         return
     per_rank = agree(SIGNATURE_PHASE, lambda: signature, group).all
