@@ -29,6 +29,7 @@ import contextlib
 import datetime
 import os
 import pickle
+import socket
 import tempfile
 import time
 import traceback
@@ -129,6 +130,13 @@ def short_wait_group(seconds: float, ranks: list[int] | None = None) -> Any:
         dist.distributed_c10d._set_pg_timeout(datetime.timedelta(seconds=seconds), group)
     dist.barrier()
     return group
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on now (for a ``tcp://`` store or MASTER_PORT)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
 
 
 class RankFailure(Exception):

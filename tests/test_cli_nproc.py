@@ -16,7 +16,7 @@ import torch.distributed.checkpoint as dcp
 
 import shardsync
 from cli_checkpoints import MAPPING, Checkpoints, build, mapped
-from multiproc import run_ranks
+from multiproc import free_port, run_ranks
 from shardsync.cli import main
 from shardsync.cli.common import MappingFlags
 from shardsync.cli.plan import PlanConfig, dry_run
@@ -124,7 +124,7 @@ def test_a_worker_leaves_no_process_group_alive(ck: Checkpoints, tmp_path: Path)
         **os.environ,
         "PYTHONPATH": str(ROOT / "src"),
         "MASTER_ADDR": "127.0.0.1",
-        "MASTER_PORT": str(_free_port()),
+        "MASTER_PORT": str(free_port()),
         "RANK": "0",
         "WORLD_SIZE": "1",
     }
@@ -137,11 +137,3 @@ def test_a_worker_leaves_no_process_group_alive(ck: Checkpoints, tmp_path: Path)
     )
     assert run.returncode == 0, run.stderr
     assert run.stdout.split() == ["gone"], run.stdout
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])

@@ -26,7 +26,6 @@ import io
 import os
 import re
 import shlex
-import socket
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -34,6 +33,7 @@ from pathlib import Path
 
 import pytest
 
+from multiproc import free_port
 from rank_pool import RankPool
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -50,12 +50,6 @@ SETUP_COMMANDS = ("make", "pip", "torchrun", "python", "cd", "git")
 def _blocks(path: Path) -> list[tuple[str, str, str]]:
     """``(lang, marker, body)`` of every fenced block at the top level of the file."""
     return [(m["lang"], m["what"] or "", m["body"]) for m in FENCE.finditer(path.read_text())]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _as_torchrun(rank: int, world: int, code: str, port: int, cwd: str) -> str:
@@ -141,7 +135,7 @@ def test_examples_run(path: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatc
             if ranks:
                 world = int(ranks[1])
                 pool = pools.setdefault(world, RankPool(world))
-                outs = pool.run(_as_torchrun, body, _free_port(), str(tmp_path), timeout=240)
+                outs = pool.run(_as_torchrun, body, free_port(), str(tmp_path), timeout=240)
                 printed = outs[0]
             else:
                 out = io.StringIO()

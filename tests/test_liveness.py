@@ -8,7 +8,6 @@ test would fail with "Hang". No test measures a time: the deadline is the assert
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -18,7 +17,7 @@ import pytest
 import torch
 from torch.distributed.device_mesh import init_device_mesh
 
-from multiproc import RankFailure, run_ranks, run_ranks_one_dies
+from multiproc import RankFailure, free_port, run_ranks, run_ranks_one_dies
 from shardsync.errors import DistributedError, ShardsyncError
 from shardsync.layout import shard_dim
 from shardsync.liveness import ProcessRecord, is_gone, peer_left, this_process
@@ -147,10 +146,7 @@ def _carries_on(rank: int, world: int, marks: str, where: str) -> tuple:
                 os._exit(0)
     except DistributedError as exc:
         open(os.path.join(marks, str(rank)), "w").close()
-        end = time.monotonic() + 60
-        while len(os.listdir(marks)) < world - 1 and time.monotonic() < end:
-            time.sleep(0.05)
-        return (exc.phase, exc.failures, sorted(os.listdir(marks)))
+        return (exc.phase, exc.failures, _marks_wait(marks, world - 1))
     return ("finished",)
 
 
@@ -186,12 +182,6 @@ def _store_host_dies(rank: int, world: int, when: str) -> tuple:
     return ("finished", names)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @pytest.mark.parametrize("when", ["first", "mid-stream"])
 def test_the_rank_that_hosts_the_store_is_named_when_it_dies(when: str) -> None:
     # tcp:// : rank 0's process hosts the group's store, so when it dies nobody can be asked; the
@@ -203,7 +193,7 @@ def test_the_rank_that_hosts_the_store_is_named_when_it_dies(when: str) -> None:
         when,
         timeout=DEADLINE,
         group_timeout=DEFAULT_TIMEOUT,
-        init_method=f"tcp://127.0.0.1:{_free_port()}",
+        init_method=f"tcp://127.0.0.1:{free_port()}",
     )
     phase, failures = got[1]
     assert list(failures) == [0], failures
@@ -218,6 +208,7 @@ def test_the_rank_that_hosts_the_store_is_named_when_it_dies(when: str) -> None:
 
 
 def _marks_wait(marks: str, want: int) -> list[str]:
+    """The ranks that marked ``marks`` once ``want`` of them did, or after a minute."""
     end = time.monotonic() + 60
     while len(os.listdir(marks)) < want and time.monotonic() < end:
         time.sleep(0.05)

@@ -271,7 +271,7 @@ def _all_gather(buf: bytearray, group: ProcessGroup | None, roll: RollCall) -> l
     mine = torch.frombuffer(buf, dtype=torch.uint8).to(device)
     out = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
     work = dist.all_gather(out, mine, group=group, async_op=True)
-    wait_for(work, roll if dist.get_backend(group) == "gloo" else None, agreed=True)
+    wait_for(work, roll, agreed=True)
     return [t.cpu().numpy() for t in out]
 
 
@@ -294,8 +294,8 @@ def data_phase(phase: str, group: ProcessGroup | None = None) -> Iterator[RollCa
     never join), so the group is aborted (:func:`abort_group`) and not used again: this rank's pending
     collectives are released, so its program can exit, and the peers fail and name this rank when its
     process exits or, if it keeps running, when their waits for its broadcasts find its report
-    (:func:`wait_for`, given the roll call this yields for a gloo group; None for another backend or
-    when not distributed); else after the group's timeout. A generator suspended inside the phase that
+    (:func:`wait_for`, given the roll call this yields; None when not distributed); else after the
+    group's timeout. A generator suspended inside the phase that
     is closed early (its caller stopped iterating) publishes that, so the peers left waiting can name
     it.
 
@@ -309,7 +309,7 @@ def data_phase(phase: str, group: ProcessGroup | None = None) -> Iterator[RollCa
         return
     roll = RollCall.enter(phase, GroupRanks.of(group))
     try:
-        yield roll if dist.get_backend(group) == "gloo" else None
+        yield roll
     except GeneratorExit:
         roll.record(STOPPED, f"stopped iterating during phase {phase!r} (the caller left the loop or raised)")
         raise
@@ -332,9 +332,9 @@ _POLL_TIMED_OUT = "Operation timed out!"  # how gloo's Work.wait(timeout) starts
 
 
 def wait_for(work: dist.Work, roll: RollCall | None, *, agreed: bool = False) -> None:
-    """``work.wait()`` for a broadcast (or another collective, not a send or receive) posted in the gloo
-    data phase whose roll call is ``roll`` (:func:`data_phase` yields it; None: wait plainly). The wait
-    looks at the roll call every :data:`WATCH_SECONDS`: a peer that reported a failure there - of its
+    """``work.wait()`` for a broadcast (or another collective, not a send or receive) posted in the
+    phase whose roll call is ``roll`` (:func:`data_phase` yields it; None: wait plainly). On gloo the
+    wait looks at the roll call every :data:`WATCH_SECONDS`: a peer that reported a failure there - of its
     own (it raised, or its caller stopped iterating), or of a collective under it (a peer of its died)
     - has left the phase and never posts its part, even if its process keeps running, so this rank
     raises :class:`TransportFailure` at once - and the phase names the rank at fault - instead of
@@ -354,7 +354,7 @@ def wait_for(work: dist.Work, roll: RollCall | None, *, agreed: bool = False) ->
         >>> with data_phase("stream") as roll:   # doctest: +SKIP
         ...     wait_for(dist.broadcast(torch.zeros(2), src=0, async_op=True), roll)
     """
-    if roll is None:
+    if roll is None or dist.get_backend(roll.ranks.group) != "gloo":
         work.wait()
         return
     while True:

@@ -180,7 +180,7 @@ def _store_host() -> int | None:
     """The global rank whose process hosts the default group's store, where that is known: rank 0
     for the TCP store ``init_process_group`` makes itself (``tcp://``, ``env://``); None for a file
     store, a store the caller made, and torchrun's (its launcher hosts it)."""
-    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true":
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == str(True):  # torch.distributed.rendezvous's own test
         return None
     store = _default_store()
     while isinstance(store, dist.PrefixStore):
