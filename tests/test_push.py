@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import threading
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -328,6 +329,33 @@ def test_a_wait_ends_when_the_awaited_rank_failed_ended_or_timed_out() -> None:
     with pytest.raises(TransportFailure, match=r"Timed out after 0 s waiting for rank 1: y"):
         p._await(lambda: (p.boards[1].at_words, 0), (1,), "y")
     assert time.monotonic() - start < 5
+
+
+def test_a_change_wakes_a_sleeping_peer_and_skips_the_call_when_none_sleeps(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(push, "LOOK_SECONDS", 60.0)  # a wake-up skipped wrongly would leave rank 1 asleep
+    plan = _plan([4], [[0]])
+    boards = [push.Board(torch.zeros(push.Board.nbytes(1, 2), dtype=torch.uint8), 1, 2) for _ in range(2)]
+    p0, p1 = (push.Pusher(GroupRanks(None, r, 2, (0, 1)), plan, push_schedule.Pushing()) for r in (0, 1))
+    for p in (p0, p1):
+        p.attach(3, boards, [this_process()] * 2, {}, lambda h: torch.zeros(0, dtype=torch.uint8), 600.0)
+    wakes: list[int] = []
+    real_wake = push.futex.wake
+    monkeypatch.setattr(push.futex, "wake", lambda word: (wakes.append(word), real_wake(word)))
+    if push._SKIP_WAKES:  # nobody sleeps: no system call
+        p0._wake(boards[0].at_words, (1,))
+        assert wakes == []
+    closed = boards[0].at_words + 4 * push._CLOSED
+    sleeper = threading.Thread(
+        target=p1._await, args=(lambda: None if boards[0].words[0] == 3 else (closed, 0), (0,), "x")
+    )
+    sleeper.start()
+    while not boards[1].words[push._SLEEPING]:  # rank 1 counts itself before it sleeps
+        time.sleep(0.01)
+    boards[0].words[push._CLOSED] = 3
+    p0._wake(closed, (1,))
+    sleeper.join(timeout=20)
+    assert not sleeper.is_alive() and wakes == [closed]
+    assert boards[1].words[push._SLEEPING] == 0
 
 
 def test_the_end_waits_for_every_rank_to_close_this_stream_or_a_later_one() -> None:

@@ -19,7 +19,9 @@ every peer maps, and no collective:
 * ``posted[t]``: the number of the stream once this rank, a consumer of target ``t``, has its memory
   (and where: descriptor, inode, bytes - a peer maps it through ``/proc/<pid>/fd/<fd>``);
 * ``done[t, w]``: the stream's number once rank ``w`` has written all its pieces of ``t`` there;
-* ``closed``: the last stream this rank finished; ``failed``: a stream in which it failed.
+* ``closed``: the last stream this rank finished; ``failed``: a stream in which it failed;
+* ``sleeping``: how many of this rank's threads sleep in a wait (on any board) - a rank that changes a
+  word wakes the ranks that may wait for it only when one of them sleeps (a wake-up is a system call).
 
 A sender waits for ``posted`` before it writes; a consumer waits for every sender's ``done`` before it
 yields a target - and meanwhile writes its own pieces of later steps into other consumers' targets
@@ -39,6 +41,7 @@ maps alive, and the kernel frees a block when its last mapping goes.
 from __future__ import annotations
 
 import math
+import platform
 import threading
 import time
 from collections import Counter
@@ -63,7 +66,11 @@ __all__ = ["Board", "Pusher", "LOOK_SECONDS"]
 LOOK_SECONDS = 0.05
 _WORDS = 16  # the board's header: int32 words, then the arrays
 _WHERE = 5  # int64 fields of where a target lies
-_CLOSED, _FAILED = 0, 1
+_CLOSED, _FAILED, _SLEEPING = 0, 1, 2
+#: Whether a waker may skip the wake-up call when no peer sleeps (see :meth:`Pusher._wake`): where a
+#: lock is a full memory barrier (x86: a locked instruction), the waker's store of the word and its
+#: look at the sleepers are ordered; elsewhere every change wakes.
+_SKIP_WAKES = platform.machine().lower() in ("x86_64", "amd64", "i386", "i686")
 
 
 def _aligned8(n: int) -> int:
@@ -110,7 +117,6 @@ class Board:
         self.where[t] = (block.fd, block.inode, block.nbytes, int(kept), _seal(gen, block, kept))
         _fence()
         self.posted[t] = gen
-        futex.wake(self.at_posted + 4 * t)
 
     def lies(self, t: int, gen: int) -> tuple[BlockHandle, bool] | None:
         """Where target ``t`` lies in stream ``gen`` (its block, pid 0, and whether it is kept), or
@@ -130,6 +136,7 @@ def _seal(gen: int, block: BlockHandle, kept: bool) -> int:
 
 
 _lock = threading.Lock()
+_sleepers = threading.Lock()  # this process's count of sleepers on its board
 
 
 def _fence() -> None:
@@ -210,6 +217,7 @@ class Pusher:
         if block is None:
             raise RuntimeError(f"target {self._name(t)} is not in a block of shared memory; this is a bug")
         self.boards[self.ranks.rank].post(t, block, kept, self.gen)
+        self._wake(self.boards[self.ranks.rank].at_posted + 4 * t, self.writers[t])
 
     def _target(self, t: int, c: int) -> torch.Tensor:
         """Consumer ``c``'s memory for target ``t`` in this stream (waits until it has some)."""
@@ -266,7 +274,7 @@ class Pusher:
             if not self.left[key]:
                 board = self.boards[p.consumer]
                 board.done[p.target, me] = self.gen
-                futex.wake(board.at_done + 4 * (p.target * world + me))
+                self._wake(board.at_done + 4 * (p.target * world + me), (p.consumer,))
 
     def placed(self, pushes: Sequence[Push]) -> bool:
         """Whether the consumers of every one of ``pushes`` have shown where it goes."""
@@ -298,8 +306,8 @@ class Pusher:
         """After the last step: this rank is done with the stream; wait until every rank is."""
         me = self.ranks.rank
         self.boards[me].words[_CLOSED] = self.gen
-        futex.wake(self.boards[me].at_words + 4 * _CLOSED)
         others = tuple(r for r in range(self.ranks.world) if r != me)
+        self._wake(self.boards[me].at_words + 4 * _CLOSED, others)
 
         def pending() -> tuple[int, int] | None:
             r = next((r for r in others if int(self.boards[r].words[_CLOSED]) < self.gen), None)
@@ -316,6 +324,29 @@ class Pusher:
 
     def _name(self, t: int) -> str:
         return repr(self.plan.targets[t].name)
+
+    def _wake(self, word: int, ranks: Sequence[int]) -> None:
+        """Word ``word`` changed: wake whoever sleeps on it, unless none of ``ranks`` (the ranks that
+        may wait for it) has a thread asleep. The store of the word, a full barrier, then the look at
+        their ``sleeping`` words; a sleeper counts itself before the kernel compares the word (with a
+        full barrier between): one of the two sees the other's store."""
+        if _SKIP_WAKES:
+            _fence()
+            if not any(int(self.boards[r].words[_SLEEPING]) for r in ranks):
+                return
+        futex.wake(word)
+
+    def _sleep(self, word: int, seen: int, fallback: float) -> None:
+        """Sleep until ``word`` no longer holds ``seen`` (or is woken, or :data:`LOOK_SECONDS` pass),
+        counted in this rank's ``sleeping``."""
+        words = self.boards[self.ranks.rank].words
+        with _sleepers:
+            words[_SLEEPING] += 1
+        try:
+            futex.wait(word, seen, LOOK_SECONDS, fallback=fallback)
+        finally:
+            with _sleepers:
+                words[_SLEEPING] -= 1
 
     def _await(
         self,
@@ -335,7 +366,7 @@ class Pusher:
         look, pause = start + LOOK_SECONDS, 20e-6  # pause: where there are no futexes
         while word is not None:
             if idle is None or not idle():
-                futex.wait(*word, LOOK_SECONDS, fallback=pause)
+                self._sleep(*word, fallback=pause)
                 pause = min(2 * pause, 1e-3)
             word = pending()  # first: a rank may write the word and then end (or fail) at once
             now = time.monotonic()
