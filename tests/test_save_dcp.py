@@ -15,11 +15,12 @@ import torch.distributed.checkpoint as dcp
 
 import shardsync
 from crash_helpers import Crasher
-from multiproc import run_ranks
+from multiproc import run_ranks, run_ranks_one_dies
 from reference import arange_tensor
 from shardsync import LocalShard, shard_dim
 from shardsync.errors import FormatError, LayoutError
 from shardsync.io import dcp_writer
+from shardsync.sources.dcp_metadata import read_metadata
 
 
 def full_state(start: int = 0) -> dict[str, torch.Tensor]:
@@ -187,3 +188,36 @@ def test_a_target_one_rank_cannot_hold_fails_every_rank_before_writing(tmp_path:
     out = run_ranks(_take_fails_on_rank_1, 2, str(tmp_path / "dcp"), timeout=240, group_timeout=600)
     assert out == [("save_dcp: hold targets", [1], True)] * 2
     assert not (tmp_path / "dcp" / ".metadata").exists()
+
+
+def _killed_while_writing(rank: int, world: int, out: str, dead: int) -> tuple:
+    shardsync.save_dcp(full_state(), out)  # the old checkpoint
+    if rank == dead:  # killed as torch's writer syncs its data file: the files are half written
+        os.fsync = lambda fd: os.kill(os.getpid(), signal.SIGKILL)  # type: ignore[assignment]
+    try:
+        shardsync.save_dcp(full_state(1000), out, overwrite=True)
+    except shardsync.DistributedError as exc:
+        return exc.phase, sorted(exc.failures)
+    return ("no error",)
+
+
+@pytest.mark.parametrize("dead", [0, 1])
+def test_a_rank_killed_while_dcp_writes_is_named_and_the_old_checkpoint_stays(tmp_path: Path, dead: int) -> None:
+    # the survivor raised gloo's own error, naming no rank, and kept the files of the new generation
+    # when rank 0 (whose tag named them) was the one killed
+    out = tmp_path / "dcp"
+    got = run_ranks_one_dies(
+        _killed_while_writing,
+        2,
+        dead,
+        str(out),
+        dead,
+        timeout=240,
+        group_timeout=1800,  # torch's default
+    )
+    assert list(got.values()) == [("save: write (torch's DCP writer)", [dead])]
+    old = full_state()
+    assert all(torch.equal(v, old[k]) for k, v in load_full(out, old).items())  # the old one, whole
+    metadata = read_metadata(out / ".metadata")
+    named = {info.relative_path for info in metadata.storage_data.values()}
+    assert sorted(p.name for p in out.glob("*.distcp")) == sorted(named)  # nothing of the new generation

@@ -36,6 +36,7 @@ __all__ = [
     "SAVE_HF_COMMIT",
     "DCP_CHECK",
     "DCP_VALIDATE",
+    "DCP_WRITE",
     "DCP_REMOVE_OLD",
     "SAVE_DCP_CHECK",
     "SAVE_DCP_TAKE",
@@ -76,6 +77,7 @@ PHASES: Final = MappingProxyType(
         "SAVE_DCP_TAKE": "save_dcp: hold targets",
         "DCP_CHECK": "save: check",
         "DCP_VALIDATE": "save: validate layout",
+        "DCP_WRITE": "save: write (torch's DCP writer)",
         "DCP_REMOVE_OLD": "save: remove the old generation",
         # replica sync and drift checks
         "SYNC_PREFLIGHT": "replica sync: preflight",
@@ -108,6 +110,7 @@ SAVE_DCP_CHECK: Final = PHASES["SAVE_DCP_CHECK"]
 SAVE_DCP_TAKE: Final = PHASES["SAVE_DCP_TAKE"]
 DCP_CHECK: Final = PHASES["DCP_CHECK"]
 DCP_VALIDATE: Final = PHASES["DCP_VALIDATE"]
+DCP_WRITE: Final = PHASES["DCP_WRITE"]
 DCP_REMOVE_OLD: Final = PHASES["DCP_REMOVE_OLD"]
 SYNC_PREFLIGHT: Final = PHASES["SYNC_PREFLIGHT"]
 SYNC_OPTIMIZER_CHANGED: Final = PHASES["SYNC_OPTIMIZER_CHANGED"]

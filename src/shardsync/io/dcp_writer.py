@@ -30,12 +30,13 @@ from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata
 from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
 
 from .. import phases
-from ..dist import abandon, agree, group_rank, is_distributed
+from ..dist import abandon, agree, data_phase, group_rank, is_distributed
 from ..errors import FormatError, LayoutError, ShardsyncError
 from ..layout.box import Box
 from ..layout.meta import GlobalLayout
 from ..layout.sharded import LocalShard, StateValue
 from ..planning.validate import layout_problems, shard_boxes, tiling_problems
+from ..roll_call import transport_errors
 from ..sources import LocalSource
 from ..sources.dcp_metadata import read_metadata
 from ..sources.megatron import megatron_module_error
@@ -126,9 +127,11 @@ class _TaggedWriter(dcp.FileSystemWriter):
         ]
 
 
-def _check(path: Path, overwrite: bool, source: LocalSource) -> list[Any]:
+def _check(path: Path, overwrite: bool, source: LocalSource) -> tuple[list[Any], str]:
+    """This rank's entries, and a tag for the new generation (every rank takes the first rank's: the
+    files of a save that fails are removed by whichever ranks survive it)."""
     check_dcp_directory(path, overwrite)
-    return source.entries()
+    return source.entries(), new_tag()
 
 
 def _layout_problems(layout: GlobalLayout) -> list[str]:
@@ -244,14 +247,16 @@ def save(
     gathered = agree(phases.DCP_CHECK, lambda: _check(where, overwrite, source), group, unanimous=True).all
 
     def validate() -> None:
-        problems = _layout_problems(GlobalLayout.merge(gathered))
+        problems = _layout_problems(GlobalLayout.merge([entries for entries, _ in gathered]))
         if problems:
             raise LayoutError("cannot save this state as one checkpoint:\n  " + "\n  ".join(problems))
 
     agree(phases.DCP_VALIDATE, validate, group, unanimous=True)
-    writer = _TaggedWriter(where, new_tag())
+    writer = _TaggedWriter(where, gathered[0][1])
     try:
-        with warnings.catch_warnings():
+        # DCP gathers every rank's own failure into a CheckpointException (raised on every rank); what
+        # else escapes it comes from its collectives: a peer died - named by the data phase
+        with warnings.catch_warnings(), data_phase(phases.DCP_WRITE, group), transport_errors():
             warnings.filterwarnings("ignore", message=".*(torch.distributed is disabled|existing checkpoint)")
             metadata = dcp.save(
                 source.shards,
