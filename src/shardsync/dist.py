@@ -310,6 +310,7 @@ def data_phase(phase: str, group: ProcessGroup | None = None) -> Iterator[RollCa
     roll = RollCall.enter(phase, GroupRanks.of(group))
     try:
         yield roll
+        roll.leave()  # a peer still waiting for a dead rank does not blame this one when it exits
     except GeneratorExit:
         roll.record(STOPPED, f"stopped iterating during phase {phase!r} (the caller left the loop or raised)")
         raise

@@ -2,15 +2,17 @@
 
 Every rank of a group enters the same phases in the same order, so phases are numbered per group
 (``seq``). In the group's store each rank keeps one key saying the last phase it entered
-(``shardsync/at/<rank>`` = ``"<seq>|<phase>"``), and writes ``shardsync/<seq>/<rank>`` =
-``"<kind>|<message>"`` when it fails in phase ``seq`` - the store only grows on failures.
+(``shardsync/at/<rank>`` = ``"<seq>|<phase>"``, ``"<seq>|<phase>|done"`` once it finished a data
+phase), and writes ``shardsync/<seq>/<rank>`` = ``"<kind>|<message>"`` when it fails in phase ``seq``
+- the store only grows on failures.
 
 When a collective fails this rank cannot tell from the exception which peer is at fault (a timeout
 only says that someone did not come). The roll call can: a peer that recorded a failure of its own is
 the cause; a peer whose process is gone (:mod:`shardsync.liveness`: each rank publishes where its
 process runs, once, as ``shardsync/proc/<global rank>`` in the default group's store) is the culprit at
-once; a peer that never entered the phase, or entered it and then neither finished nor reported
-anything within a grace period, is the culprit; peers that recorded a transport failure are victims
+once (unless it finished the phase: a rank that has all its data may end its program while
+another still waits for a dead one); a peer that never entered the phase, or entered it and then
+neither finished nor reported anything within a grace period, is the culprit; peers that recorded a transport failure are victims
 like this rank. A live peer on another machine is waited for (up to the group timeout), unless the
 failure says a connection closed: then silent peers whose process cannot be checked are named after
 the grace period. Transport failures are classified by where they come from: ``torch.distributed``'s
@@ -65,6 +67,7 @@ MAX_GRACE_SECONDS = 10.0
 #: How often the store is read while waiting.
 POLL_SECONDS = 0.1
 _PREFIX = "shardsync"
+_DONE = "done"
 log = logging.getLogger(__name__)
 _entered: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()  # phases per group
 _published: weakref.WeakKeyDictionary[Any, bool] = weakref.WeakKeyDictionary()  # stores with our record
@@ -198,6 +201,7 @@ class Report(NamedTuple):
 class _Position(NamedTuple):
     seq: int  # -1: no phase of this group yet
     phase: str
+    done: bool = False  # it finished phase ``seq`` (a data phase; see :meth:`RollCall.leave`)
 
 
 @dataclass
@@ -230,6 +234,10 @@ class RollCall:
         roll = cls(phase, ranks, seq, pg, store, time.monotonic())
         roll._set(f"at/{ranks.rank}", f"{seq}|{phase}")
         return roll
+
+    def leave(self) -> None:
+        """This rank finished the phase: it made every collective of it (one set in the store)."""
+        self._set(f"at/{self.ranks.rank}", f"{self.seq}|{self.phase}|{_DONE}")
 
     def _set(self, key: str, value: str) -> None:
         if self.store is not None:
@@ -291,8 +299,9 @@ class RollCall:
         value = self._get(f"at/{rank}")
         if value is None:
             return _Position(-1, "")
-        seq, _, phase = value.partition("|")
-        return _Position(int(seq), phase)
+        seq, _, rest = value.partition("|")
+        phase, _, done = rest.partition("|")
+        return _Position(int(seq), phase, done == _DONE)
 
     def culprits(self) -> dict[int, str]:
         """Peers that reported a failure of their own (not a transport failure) in this phase."""
@@ -402,9 +411,10 @@ class RollCall:
         return out
 
     def _silent(self, reports: dict[int, Report]) -> dict[int, _Position]:
-        """Peers that reported nothing here and have not moved on to a later phase."""
+        """Peers that reported nothing here and have neither finished this phase nor moved on to a
+        later one."""
         positions = {r: self._position(r) for r in range(self.ranks.world) if r != self.ranks.rank and r not in reports}
-        return {r: pos for r, pos in positions.items() if pos.seq <= self.seq}
+        return {r: pos for r, pos in positions.items() if pos.seq < self.seq or (pos.seq == self.seq and not pos.done)}
 
     @staticmethod
     def _last(position: _Position) -> str:
