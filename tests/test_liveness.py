@@ -207,6 +207,37 @@ def test_the_rank_that_hosts_the_store_is_named_when_it_dies(when: str) -> None:
         assert phase == "stream" and failures[0].startswith("ended: its process is gone, while rank 1 waited for ")
 
 
+def _store_host_exits(rank: int, world: int, marks: str) -> tuple:
+    """tcp:// : rank 0 (the store's host) exits between two streams; the others catch the error and
+    carry on, alive, until every one of them has raised (or a minute has passed)."""
+    state = {f"w{i}": shard_dim(torch.arange(4099 * 3.0).reshape(4099, 3) + i, 0, rank, world) for i in range(6)}
+    _ = [n for n, _ in full_params(state)]
+    if rank == 0:
+        os._exit(0)
+    try:
+        _ = [n for n, _ in full_params(state)]
+    except DistributedError as exc:
+        open(os.path.join(marks, str(rank)), "w").close()
+        return (exc.phase, list(exc.failures), _marks_wait(marks, world - 1))
+    return ("finished",)
+
+
+def test_when_the_store_s_host_dies_survivors_away_from_it_in_the_ring_do_not_wait(tmp_path: Path) -> None:
+    # rank 0's neighbours in gloo's ring (1 and 3) see its connection close, name it and carry on;
+    # rank 2 waits on them, and with the store gone nobody can report: it must still raise, naming
+    # rank 0, not wait for them to exit or for the group timeout
+    got = run_ranks_one_dies(
+        _store_host_exits,
+        4,
+        0,
+        str(tmp_path),
+        timeout=DEADLINE,
+        group_timeout=DEFAULT_TIMEOUT,
+        init_method=f"tcp://127.0.0.1:{free_port()}",
+    )
+    assert got == {r: ("check layout", [0], ["1", "2", "3"]) for r in (1, 2, 3)}
+
+
 def _marks_wait(marks: str, want: int) -> list[str]:
     """The ranks that marked ``marks`` once ``want`` of them did, or after a minute."""
     end = time.monotonic() + 60

@@ -346,6 +346,10 @@ def wait_for(work: dist.Work, roll: RollCall | None, *, agreed: bool = False) ->
     communicator), and so do gloo's sends and receives (a timed-out wait closes the group's
     connections).
 
+    When the store stops answering (nobody can report) and its host - rank 0 for the TCP store
+    ``init_process_group`` makes - is a rank of this group, the collective can never complete: this rank
+    raises at its next look; a store hosted elsewhere leaves a plain wait.
+
     ``agreed``: the gathers of :func:`agree`, where a rank whose own work failed still takes part (its
     failure is what it shares): only a peer's transport failure, or a peer that will not come
     (:func:`abandon`), stops the wait.
@@ -366,8 +370,10 @@ def wait_for(work: dist.Work, roll: RollCall | None, *, agreed: bool = False) ->
             if not str(exc).startswith(_POLL_TIMED_OUT):
                 raise
         reports = roll.reports() if roll.reported() else {}
-        if roll.store_down:  # nobody can report: wait as a plain wait would
-            work.wait()
+        if roll.store_down:  # nobody can report
+            if roll.store_host_in_group():  # and the store's host, a rank of this collective, is gone
+                raise TransportFailure("the group's store stopped answering", time.monotonic() - roll.started)
+            work.wait()  # a store hosted elsewhere: wait as a plain wait would
             return
         away = {r: rep for r, rep in reports.items() if rep.kind in (TRANSPORT, ABSENT) or not agreed}
         if away:

@@ -7,17 +7,18 @@ phase), and writes ``shardsync/<seq>/<rank>`` = ``"<kind>|<message>"`` when it f
 - the store only grows on failures.
 
 When a collective fails this rank cannot tell from the exception which peer is at fault (a timeout
-only says that someone did not come). The roll call can: a peer that recorded a failure of its own is
-the cause; a peer whose process is gone (:mod:`shardsync.liveness`: each rank publishes where its
-process runs, once, as ``shardsync/proc/<global rank>`` in the default group's store) is the culprit at
-once (unless it finished the phase: a rank that has all its data may end its program while
+only says that someone did not come). The roll call can: a peer that recorded a failure of its own
+is the cause; a peer whose process is gone (:mod:`shardsync.liveness`: each rank publishes where its
+process runs, once, as ``shardsync/proc/<global rank>`` in the default group's store) is the culprit
+at once (unless it finished the phase: a rank that has all its data may end its program while
 another still waits for a dead one); a peer that never entered the phase, or entered it and then
-neither finished nor reported anything within a grace period, is the culprit; peers that recorded a transport failure are victims
-like this rank. A live peer on another machine is waited for (up to the group timeout), unless the
-failure says a connection closed: then silent peers whose process cannot be checked are named after
-the grace period. Transport failures are classified by where they come from: ``torch.distributed``'s
-own error classes, or any ``RuntimeError`` raised inside :func:`transport_errors` (gloo raises plain
-``RuntimeError`` for timeouts and closed connections, as a failed local copy would).
+neither finished nor reported anything within a grace period, is the culprit; peers that recorded a
+transport failure are victims like this rank. A live peer on another machine is waited for (up to
+the group timeout), unless the failure says a connection closed: then silent peers whose process
+cannot be checked are named after the grace period. Transport failures are classified by where they
+come from: ``torch.distributed``'s own error classes, or any ``RuntimeError`` raised inside
+:func:`transport_errors` (gloo raises plain ``RuntimeError`` for timeouts and closed connections, as
+a failed local copy would).
 """
 
 from __future__ import annotations
@@ -234,6 +235,13 @@ class RollCall:
         roll = cls(phase, ranks, seq, pg, store, time.monotonic())
         roll._set(f"at/{ranks.rank}", f"{seq}|{phase}")
         return roll
+
+    def store_host_in_group(self) -> bool:
+        """Whether the process that hosts the default group's store (:func:`_store_host`: rank 0 for
+        the TCP store ``init_process_group`` makes) is another rank of this group: when that store
+        stops answering, its host has died, and a collective of this group can never complete."""
+        host = _store_host()
+        return host is not None and host in self.ranks.global_ranks and host != self.ranks.to_global(self.ranks.rank)
 
     def leave(self) -> None:
         """This rank finished the phase: it made every collective of it (one set in the store)."""
