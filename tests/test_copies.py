@@ -276,6 +276,26 @@ def test_a_lane_runs_batches_in_the_background_and_wait_returns_once_written(
     assert most[0] <= 3  # two helpers and this thread: never more threads than copy_threads()
 
 
+def test_a_lane_of_one_thread_copies_each_batch_as_it_starts_without_a_lock() -> None:
+    written: list[int] = []
+    calls: list[str] = []
+    lane = copies.Lane(threads=1)
+    lane._done = None  # type: ignore[assignment]  # a lock taken would raise
+    ticket = lane.start(
+        _batch([(lambda k, _: written.append(k), k, None) for k in range(5)]), then=lambda: calls.append("then")
+    )
+    assert written == list(range(5)) and calls == ["then"]  # before any wait
+    lane.wait(ticket)
+    lane.settle()
+
+    def fail(k: int, _: object) -> None:
+        raise ValueError(f"chunk {k} failed")
+
+    with pytest.raises(ValueError, match="chunk 0 failed"):  # raised by start: nothing runs later
+        lane.start(_batch([(fail, 0, None)]), then=lambda: calls.append("never"))
+    assert calls == ["then"]
+
+
 def test_a_failed_chunk_is_raised_by_wait_of_its_batch_only(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(copies, "copy_threads", lambda: 2)
     done: list[int] = []

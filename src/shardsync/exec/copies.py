@@ -143,7 +143,12 @@ def _plain(dst: torch.Tensor, src: torch.Tensor) -> bool:
     sparse and quantized tensors (``copy_`` gives the destination the source's quantizer), other
     devices, and a copy within one storage are left to ``copy_``."""
     return (
-        all(t.device.type == "cpu" and t.layout == torch.strided and not t.is_quantized for t in (dst, src))
+        dst.device.type == "cpu"
+        and src.device.type == "cpu"
+        and dst.layout == torch.strided
+        and src.layout == torch.strided
+        and not dst.is_quantized
+        and not src.is_quantized
         and dst.untyped_storage().data_ptr() != src.untyped_storage().data_ptr()
     )
 
@@ -151,13 +156,16 @@ def _plain(dst: torch.Tensor, src: torch.Tensor) -> bool:
 def _bits(dst: torch.Tensor, src: torch.Tensor) -> bool:
     """Whether the copy moves bytes: the same dtype, and no lazily conjugated or negated view (its
     bytes are not its values)."""
-    return dst.dtype == src.dtype and not any(t.is_conj() or t.is_neg() for t in (dst, src))
+    return dst.dtype == src.dtype and not (dst.is_conj() or src.is_conj() or dst.is_neg() or src.is_neg())
 
 
 def _rows(dst: torch.Tensor, src: torch.Tensor) -> bool:
     """Whether numpy can move the bytes in row runs: the innermost dim contiguous on both sides."""
-    inner = all(t.dim() == 0 or t.stride(-1) == 1 or t.shape[-1] == 1 for t in (dst, src))
-    return inner and dst.element_size() in _INTS
+    if dst.dim() and dst.stride(-1) != 1 and dst.shape[-1] != 1:
+        return False
+    if src.dim() and src.stride(-1) != 1 and src.shape[-1] != 1:
+        return False
+    return dst.element_size() in _INTS
 
 
 def _torch_small(dst: torch.Tensor, src: torch.Tensor) -> None:
@@ -233,12 +241,20 @@ class Lane:
         """Queue ``batch``'s copies (a batch under :data:`PARALLEL_BYTES`, or with one thread: copied
         now, on this thread); returns the ticket to :meth:`wait` for. ``then`` is called once every
         copy of the batch is written, unless one failed, by the thread that wrote the last one (while
-        it holds the lane's lock: it must be short and must not use the lane)."""
+        it holds the lane's lock where helpers run: it must be short and must not use the lane). A lane
+        of one thread copies every batch in this call and takes no lock."""
         jobs, nbytes = batch.take()
+        if self.threads == 1:  # no helper ever runs: every batch is copied now, no lock to take
+            for fn, a, b in jobs:
+                fn(a, b)
+            if then is not None:
+                then()
+            self._tickets += 1
+            return self._tickets
         with self._done:
             self._tickets += 1
             ticket = self._tickets
-            if nbytes < PARALLEL_BYTES or len(jobs) == 1 or self.threads == 1:
+            if nbytes < PARALLEL_BYTES or len(jobs) == 1:
                 wanted = -1
             else:
                 self._queues[ticket] = deque(jobs)
@@ -308,6 +324,8 @@ class Lane:
     def wait(self, ticket: int) -> None:
         """Copy what is left of batch ``ticket`` on this thread too; return once every chunk of it is
         written, or raise the first error a thread met in it."""
+        if self.threads == 1:  # copied when it started
+            return
         self._work(ticket)
         with self._done:
             while ticket in self._left:
@@ -318,6 +336,8 @@ class Lane:
 
     def settle(self) -> None:
         """Wait for every batch started (nothing is written after this returns); errors are dropped."""
+        if self.threads == 1:
+            return
         self._work(None)
         with self._done:
             while self._left:
