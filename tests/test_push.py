@@ -358,6 +358,48 @@ def test_a_change_wakes_a_sleeping_peer_and_skips_the_call_when_none_sleeps(monk
     assert boards[1].words[push._SLEEPING] == 0
 
 
+class _ChangedAfterFirstLook(np.ndarray):
+    """Words of a board that the peer changes right after this rank's first look at ``at`` (``then``)."""
+
+    at: int = -1
+    then: Any = None
+
+    def __getitem__(self, i: Any) -> Any:
+        v = np.ndarray.__getitem__(self, i)
+        if i == type(self).at and type(self).then is not None:
+            then, type(self).then = type(self).then, None
+            then()
+        return v
+
+
+def test_a_word_changed_between_two_looks_is_not_slept_on(monkeypatch: pytest.MonkeyPatch) -> None:
+    # a wait reads the word once: had it slept on a value read after the peer's change (and wake-up), it
+    # would sleep until its next look (LOOK_SECONDS: 50 ms a stream, here 5 s)
+    monkeypatch.setattr(push, "LOOK_SECONDS", 5.0)
+    sleeps: list[int] = []
+    real_wait = push.futex.wait
+    monkeypatch.setattr(
+        push.futex, "wait", lambda word, seen, *a, **k: (sleeps.append(seen), real_wait(word, seen, *a, **k))
+    )
+    p = _pusher(2, 3, 600.0, [this_process()] * 2)
+    p.opener = lambda h: torch.zeros(64, dtype=torch.uint8)
+    words = p.boards[1].words.view(_ChangedAfterFirstLook)
+    p.boards[1].words = words
+    _ChangedAfterFirstLook.at, _ChangedAfterFirstLook.then = (
+        push._CLOSED,
+        lambda: words.view(np.ndarray).__setitem__(push._CLOSED, 3),
+    )
+    p.close()  # rank 1 closes stream 3 right after rank 0's first look
+    board = p.boards[1]
+    board.posted = board.posted.view(_ChangedAfterFirstLook)
+    _ChangedAfterFirstLook.at, _ChangedAfterFirstLook.then = (
+        0,
+        lambda: board.post(0, BlockHandle(0, 5, 6, 64), False, 3),
+    )
+    assert p._target(0, 1).numel() == 4  # rank 1 shows its memory for target 0 right after the first look
+    assert 3 not in sleeps, sleeps
+
+
 def test_the_end_waits_for_every_rank_to_close_this_stream_or_a_later_one() -> None:
     p = _pusher(3, 7, 0.3, [this_process()] * 3)
     p.boards[1].words[0], p.boards[2].words[0] = 7, 8  # rank 2 is in a later stream already

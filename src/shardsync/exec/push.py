@@ -223,11 +223,12 @@ class Pusher:
         """Consumer ``c``'s memory for target ``t`` in this stream (waits until it has some)."""
         board = self.boards[c]
         word = board.at_posted + 4 * t
-        self._await(
-            lambda: (word, int(board.posted[t])) if board.lies(t, self.gen) is None else None,
-            (c,),
-            f"its memory for {self._name(t)}",
-        )
+
+        def pending() -> tuple[int, int] | None:
+            seen = int(board.posted[t])  # read once: a sleep on a value read later would miss its wake-up
+            return (word, seen) if seen != self.gen or board.lies(t, self.gen) is None else None
+
+        self._await(pending, (c,), f"its memory for {self._name(t)}")
         found = board.lies(t, self.gen)
         assert found is not None
         block, kept = found
@@ -287,8 +288,11 @@ class Pusher:
         done, at = board.done[t], board.at_done + 4 * t * self.ranks.world
 
         def pending() -> tuple[int, int] | None:
-            w = next((w for w in writers if int(done[w]) != self.gen), None)
-            return None if w is None else (at + 4 * w, int(done[w]))
+            for w in writers:
+                seen = int(done[w])  # read once (see _target)
+                if seen != self.gen:
+                    return at + 4 * w, seen
+            return None
 
         self._await(
             pending,
@@ -310,8 +314,11 @@ class Pusher:
         self._wake(self.boards[me].at_words + 4 * _CLOSED, others)
 
         def pending() -> tuple[int, int] | None:
-            r = next((r for r in others if int(self.boards[r].words[_CLOSED]) < self.gen), None)
-            return None if r is None else (self.boards[r].at_words + 4 * _CLOSED, int(self.boards[r].words[_CLOSED]))
+            for r in others:
+                seen = int(self.boards[r].words[_CLOSED])  # read once (see _target)
+                if seen < self.gen:
+                    return self.boards[r].at_words + 4 * _CLOSED, seen
+            return None
 
         self._await(pending, others, "the end")
         for key in [k for k in self.blocks if k not in self.used]:  # blocks this stream did not write
@@ -356,7 +363,8 @@ class Pusher:
         idle: Callable[[], bool] | None = None,
     ) -> None:
         """Return once ``pending()`` - a word of a board not yet as awaited (its address, and what it
-        holds) - is None; raise :class:`TransportFailure` when a rank of ``ranks`` (the ones that write those
+        held when ``pending`` read it to decide: one read, else a change between two reads is slept
+        through) - is None; raise :class:`TransportFailure` when a rank of ``ranks`` (the ones that write those
         words) failed or its process ended, or after the group's timeout. Meanwhile ``idle()``, while
         it finds work; else sleep until the word changes (:func:`~shardsync.exec.futex.wait`)."""
         word = pending()
