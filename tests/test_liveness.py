@@ -238,6 +238,56 @@ def test_when_the_store_s_host_dies_survivors_away_from_it_in_the_ring_do_not_wa
     assert got == {r: ("check layout", [0], ["1", "2", "3"]) for r in (1, 2, 3)}
 
 
+_RANK_OF_A_GROUP_WITH_ITS_OWN_STORE = """
+import datetime, os, sys, time, torch
+import torch.distributed as dist
+from shardsync.dist import data_phase, wait_for
+from shardsync.roll_call import transport_errors
+rank, port, marks = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+store = dist.TCPStore("127.0.0.1", port, 3, False, timeout=datetime.timedelta(seconds=60))
+dist.init_process_group("gloo", store=store, rank=rank, world_size=2)  # torch's default timeout
+for _ in range(3):  # phases enough for rank 1 to keep rank 0's process record
+    with data_phase("stream") as roll, transport_errors():
+        wait_for(dist.broadcast(torch.zeros(2), 0, async_op=True), roll)
+t = torch.full((4,), float(rank))
+try:
+    with data_phase("stream") as roll, transport_errors():
+        open(os.path.join(marks, str(rank)), "w").close()
+        if rank == 0:
+            time.sleep(3)  # healthy, and slow: rank 1 finds the store gone meanwhile
+        wait_for(dist.broadcast(t, 0, async_op=True), roll)
+    print("completed", t.tolist(), flush=True)
+except Exception as exc:
+    print("raised", type(exc).__name__, exc, flush=True)
+os._exit(0)
+"""
+
+
+def test_a_store_that_stops_answering_while_its_host_is_not_a_rank_leaves_the_collective_running(
+    tmp_path: Path,
+) -> None:
+    # the store is the caller's, hosted by this process; it goes away while both ranks are in a
+    # broadcast: rank 0 (alive, slow) is not the store's host, so nobody is blamed and the broadcast ends
+    port = free_port()
+    store = torch.distributed.TCPStore("127.0.0.1", port, 3, True, wait_for_workers=False)
+    script = tmp_path / "rank.py"
+    script.write_text(_RANK_OF_A_GROUP_WITH_ITS_OWN_STORE)
+    ranks = [
+        subprocess.Popen(
+            [sys.executable, str(script), str(r), str(port), str(tmp_path)], stdout=subprocess.PIPE, text=True
+        )
+        for r in (0, 1)
+    ]
+    try:
+        assert _marks_wait(str(tmp_path), 3) == ["0", "1", "rank.py"]
+        del store  # its server stops
+        outs = [p.communicate(timeout=120)[0].strip() for p in ranks]
+    finally:
+        for p in ranks:
+            p.kill()
+    assert outs == ["completed [0.0, 0.0, 0.0, 0.0]"] * 2, outs
+
+
 def _marks_wait(marks: str, want: int) -> list[str]:
     """The ranks that marked ``marks`` once ``want`` of them did, or after a minute."""
     end = time.monotonic() + 60

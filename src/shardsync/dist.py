@@ -346,9 +346,10 @@ def wait_for(work: dist.Work, roll: RollCall | None, *, agreed: bool = False) ->
     communicator), and so do gloo's sends and receives (a timed-out wait closes the group's
     connections).
 
-    When the store stops answering (nobody can report) and its host - rank 0 for the TCP store
-    ``init_process_group`` makes - is a rank of this group, the collective can never complete: this rank
-    raises at its next look; a store hosted elsewhere leaves a plain wait.
+    When the store stops answering (nobody can report) because its host - rank 0 for the TCP store
+    ``init_process_group`` makes, a rank of this group - is gone (its process checked on this machine),
+    the collective can never complete: this rank raises at its next look. Otherwise (a store hosted
+    elsewhere, its host alive or on another machine) the wait goes on as a plain wait.
 
     ``agreed``: the gathers of :func:`agree`, where a rank whose own work failed still takes part (its
     failure is what it shares): only a peer's transport failure, or a peer that will not come
@@ -371,7 +372,7 @@ def wait_for(work: dist.Work, roll: RollCall | None, *, agreed: bool = False) ->
                 raise
         reports = roll.reports() if roll.reported() else {}
         if roll.store_down:  # nobody can report
-            if roll.store_host_in_group():  # and the store's host, a rank of this collective, is gone
+            if roll.store_host_gone():  # and the store's host, a rank of this collective, is gone
                 raise TransportFailure("the group's store stopped answering", time.monotonic() - roll.started)
             work.wait()  # a store hosted elsewhere: wait as a plain wait would
             return

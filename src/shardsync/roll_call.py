@@ -72,6 +72,8 @@ _DONE = "done"
 log = logging.getLogger(__name__)
 _entered: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()  # phases per group
 _published: weakref.WeakKeyDictionary[Any, bool] = weakref.WeakKeyDictionary()  # stores with our record
+# default group -> the record of the process that hosts its store (read once, while the store answers)
+_host_records: weakref.WeakKeyDictionary[Any, ProcessRecord] = weakref.WeakKeyDictionary()
 
 
 class TransportFailure(RuntimeError):
@@ -180,6 +182,31 @@ def _publish_process() -> None:
             _published[world] = True
 
 
+def _remember_store_host() -> None:
+    """Keep the record of the process that hosts the default store (:func:`_store_host`), so that a
+    rank can still tell whether that process is gone once the store stops answering. Read once per
+    default group, as soon as that process has published it (one look at the store per phase until
+    then)."""
+    world, host = dist.group.WORLD, _store_host()
+    if world is None or host is None or host == dist.get_rank() or world in _host_records:
+        return
+    store = _default_store()
+    with contextlib.suppress(Exception):
+        key = f"{_PREFIX}/proc/{host}"
+        if store is not None and store.check([key]):
+            record = ProcessRecord.parse(store.get(key).decode())
+            if record is not None:
+                _host_records[world] = record
+
+
+def _store_host_gone() -> bool | None:
+    """Whether the process that hosts the default store has ended (None: unknown - no record kept,
+    another machine)."""
+    world = dist.group.WORLD
+    record = _host_records.get(world) if world is not None else None
+    return is_gone(record) if record is not None else None
+
+
 def _store_host() -> int | None:
     """The global rank whose process hosts the default group's store, where that is known: rank 0
     for the TCP store ``init_process_group`` makes itself (``tcp://``, ``env://``); None for a file
@@ -232,16 +259,21 @@ class RollCall:
         with contextlib.suppress(Exception):  # no store behind this group: peers just time out
             store = pg.get_group_store()  # type: ignore[union-attr]
         _publish_process()
+        _remember_store_host()
         roll = cls(phase, ranks, seq, pg, store, time.monotonic())
         roll._set(f"at/{ranks.rank}", f"{seq}|{phase}")
         return roll
 
-    def store_host_in_group(self) -> bool:
-        """Whether the process that hosts the default group's store (:func:`_store_host`: rank 0 for
-        the TCP store ``init_process_group`` makes) is another rank of this group: when that store
-        stops answering, its host has died, and a collective of this group can never complete."""
+    def store_host_gone(self) -> bool:
+        """Whether the store stopped answering because its host died, that host being another rank of
+        this group (:func:`_store_host`: rank 0 for the TCP store ``init_process_group`` makes): a
+        collective of this group can then never complete. Only where this rank can check that
+        process (the same machine, its record read while the store answered): a store the caller
+        made and hosts elsewhere, or one that failed once while its host lives, is not that."""
         host = _store_host()
-        return host is not None and host in self.ranks.global_ranks and host != self.ranks.to_global(self.ranks.rank)
+        if host is None or host not in self.ranks.global_ranks or host == self.ranks.to_global(self.ranks.rank):
+            return False
+        return _store_host_gone() is True
 
     def leave(self) -> None:
         """This rank finished the phase: it made every collective of it (one set in the store)."""
@@ -390,7 +422,8 @@ class RollCall:
             return {culprit[0]: culprit[1]}
         host = _store_host()
         me = self.ranks.to_global(self.ranks.rank)
-        if host is not None and host != me and host in self.ranks.global_ranks:
+        # the host's process, where this rank can check it, is gone (not a store hosted elsewhere)
+        if host is not None and host != me and host in self.ranks.global_ranks and _store_host_gone() is not False:
             return {
                 self.ranks.global_ranks.index(host): "its process hosts the group's store (the TCP store "
                 "init_process_group makes), which stopped answering: it has probably died or exited (a "
