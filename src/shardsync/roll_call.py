@@ -72,8 +72,9 @@ _DONE = "done"
 log = logging.getLogger(__name__)
 _entered: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()  # phases per group
 _published: weakref.WeakKeyDictionary[Any, bool] = weakref.WeakKeyDictionary()  # stores with our record
-# default group -> the record of the process that hosts its store (read once, while the store answers)
-_host_records: weakref.WeakKeyDictionary[Any, ProcessRecord] = weakref.WeakKeyDictionary()
+# default group -> the record of the process that hosts its store (read once, while the store answers;
+# None: no rank of the group hosts it, or this one does)
+_host_records: weakref.WeakKeyDictionary[Any, ProcessRecord | None] = weakref.WeakKeyDictionary()
 
 
 class TransportFailure(RuntimeError):
@@ -187,8 +188,12 @@ def _remember_store_host() -> None:
     rank can still tell whether that process is gone once the store stops answering. Read once per
     default group, as soon as that process has published it (one look at the store per phase until
     then)."""
-    world, host = dist.group.WORLD, _store_host()
-    if world is None or host is None or host == dist.get_rank() or world in _host_records:
+    world = dist.group.WORLD
+    if world is None or world in _host_records:
+        return
+    host = _store_host()
+    if host is None or host == dist.get_rank():
+        _host_records[world] = None
         return
     store = _default_store()
     with contextlib.suppress(Exception):
