@@ -8,6 +8,7 @@ import time
 
 import torch.distributed as dist
 
+from shardsync import roll_call
 from shardsync.dist import GroupRanks
 from shardsync.liveness import ProcessRecord, this_process
 from shardsync.roll_call import _PREFIX, RollCall
@@ -46,3 +47,18 @@ def test_a_peer_that_finished_an_earlier_phase_is_still_silent_in_this_one() -> 
     failures = roll.blame(RuntimeError("Connection closed by peer"))
     why = "its process ended (it died or exited) before it entered phase 'stream'"
     assert failures == {1: f"{why} (the last phase it entered was 'stream')"}
+
+
+def test_leaving_a_phase_after_a_later_one_was_entered_keeps_the_later_position() -> None:
+    class Group:  # stands for a process group: the roll call numbers the phases of each
+        pass
+
+    store, group = dist.HashStore(), Group()
+    ranks = GroupRanks(None, 1, 2, (0, 1))
+    outer = RollCall("stream", ranks, 0, group, store, time.monotonic())
+    inner = RollCall("digest", ranks, 1, group, store, time.monotonic())
+    roll_call._entered[group] = 2  # both entered, in that order
+    store.set(f"{_PREFIX}/at/1", "1|digest")
+    inner.leave()
+    outer.leave()  # the outer phase ends after the inner one: its lower number must not overwrite it
+    assert store.get(f"{_PREFIX}/at/1").decode() == "1|digest|done"

@@ -281,7 +281,11 @@ class RollCall:
         return _store_host_gone() is True
 
     def leave(self) -> None:
-        """This rank finished the phase: it made every collective of it (one set in the store)."""
+        """This rank finished the phase: it made every collective of it (one set in the store). Not
+        noted when the rank entered a later phase meanwhile (a phase inside this one): its position
+        there says more, and peers count a rank in a later phase as gone on anyway."""
+        if self.pg is not None and _entered.get(self.pg, 0) != self.seq + 1:
+            return
         self._set(f"at/{self.ranks.rank}", f"{self.seq}|{self.phase}|{_DONE}")
 
     def _set(self, key: str, value: str) -> None:
