@@ -183,35 +183,6 @@ def _publish_process() -> None:
             _published[world] = True
 
 
-def _remember_store_host() -> None:
-    """Keep the record of the process that hosts the default store (:func:`_store_host`), so that a
-    rank can still tell whether that process is gone once the store stops answering. Read once per
-    default group, as soon as that process has published it (one look at the store per phase until
-    then)."""
-    world = dist.group.WORLD
-    if world is None or world in _host_records:
-        return
-    host = _store_host()
-    if host is None or host == dist.get_rank():
-        _host_records[world] = None
-        return
-    store = _default_store()
-    with contextlib.suppress(Exception):
-        key = f"{_PREFIX}/proc/{host}"
-        if store is not None and store.check([key]):
-            record = ProcessRecord.parse(store.get(key).decode())
-            if record is not None:
-                _host_records[world] = record
-
-
-def _store_host_gone() -> bool | None:
-    """Whether the process that hosts the default store has ended (None: unknown - no record kept,
-    another machine)."""
-    world = dist.group.WORLD
-    record = _host_records.get(world) if world is not None else None
-    return is_gone(record) if record is not None else None
-
-
 def _store_host() -> int | None:
     """The global rank whose process hosts the default group's store, where that is known: rank 0
     for the TCP store ``init_process_group`` makes itself (``tcp://``, ``env://``); None for a file
@@ -264,21 +235,44 @@ class RollCall:
         with contextlib.suppress(Exception):  # no store behind this group: peers just time out
             store = pg.get_group_store()  # type: ignore[union-attr]
         _publish_process()
-        _remember_store_host()
         roll = cls(phase, ranks, seq, pg, store, time.monotonic())
         roll._set(f"at/{ranks.rank}", f"{seq}|{phase}")
+        roll._remember_store_host()
         return roll
+
+    def _remember_store_host(self) -> None:
+        """Keep the record of the process that hosts the default store (:func:`_store_host`), so that
+        this rank can still tell whether that process is gone once the store stops answering. Read
+        once per default group, as soon as that process has published it (one look at the store per
+        phase until then)."""
+        world = dist.group.WORLD
+        if world is None or world in _host_records:
+            return
+        host = _store_host()
+        if host is None or host == dist.get_rank():
+            _host_records[world] = None
+            return
+        record = self._record(host)
+        if record is not None:
+            _host_records[world] = record
+
+    def _store_host_rank(self) -> tuple[int, bool | None] | None:
+        """The store's host when it is another rank of this group: its group rank, and whether its
+        process has ended (None: this rank cannot tell - no record kept, another machine)."""
+        host = _store_host()
+        if host is None or host not in self.ranks.global_ranks or host == self.ranks.to_global(self.ranks.rank):
+            return None
+        record = _host_records.get(dist.group.WORLD)
+        return self.ranks.global_ranks.index(host), is_gone(record) if record is not None else None
 
     def store_host_gone(self) -> bool:
         """Whether the store stopped answering because its host died, that host being another rank of
-        this group (:func:`_store_host`: rank 0 for the TCP store ``init_process_group`` makes): a
-        collective of this group can then never complete. Only where this rank can check that
-        process (the same machine, its record read while the store answered): a store the caller
-        made and hosts elsewhere, or one that failed once while its host lives, is not that."""
-        host = _store_host()
-        if host is None or host not in self.ranks.global_ranks or host == self.ranks.to_global(self.ranks.rank):
-            return False
-        return _store_host_gone() is True
+        this group (rank 0 for the TCP store ``init_process_group`` makes): a collective of this group
+        can then never complete. Only where this rank can check that process (the same machine, its
+        record read while the store answered): a store the caller made and hosts elsewhere, or one
+        that failed once while its host lives, is not that."""
+        host = self._store_host_rank()
+        return host is not None and host[1] is True
 
     def leave(self) -> None:
         """This rank finished the phase: it made every collective of it (one set in the store). Not
@@ -304,10 +298,14 @@ class RollCall:
             self.store_down = True
         return None
 
+    def _record(self, global_rank: int) -> ProcessRecord | None:
+        """Where the process of global rank ``global_rank`` runs, as it published it (None: not yet)."""
+        text = self._get(f"proc/{global_rank}", _default_store() or self.store)
+        return ProcessRecord.parse(text) if text is not None else None
+
     def _gone(self, rank: int) -> bool | None:
         """Whether group rank ``rank``'s process has ended (None: this process cannot tell)."""
-        text = self._get(f"proc/{self.ranks.to_global(rank)}", _default_store() or self.store)
-        record = ProcessRecord.parse(text) if text is not None else None
+        record = self._record(self.ranks.to_global(rank))
         return is_gone(record) if record is not None else None
 
     def record(self, kind: str, message: str) -> None:
@@ -429,12 +427,10 @@ class RollCall:
         culprit = getattr(exc, "culprit", None)
         if culprit is not None:
             return {culprit[0]: culprit[1]}
-        host = _store_host()
-        me = self.ranks.to_global(self.ranks.rank)
-        # the host's process, where this rank can check it, is gone (not a store hosted elsewhere)
-        if host is not None and host != me and host in self.ranks.global_ranks and _store_host_gone() is not False:
+        host = self._store_host_rank()
+        if host is not None and host[1] is not False:  # not a host this rank found alive
             return {
-                self.ranks.global_ranks.index(host): "its process hosts the group's store (the TCP store "
+                host[0]: "its process hosts the group's store (the TCP store "
                 "init_process_group makes), which stopped answering: it has probably died or exited (a "
                 f"collective failed with: {mine})"
             }
