@@ -396,7 +396,7 @@ def test_a_word_changed_between_two_looks_is_not_slept_on(monkeypatch: pytest.Mo
         0,
         lambda: board.post(0, BlockHandle(0, 5, 6, 64), False, 3),
     )
-    assert p._target(0, 1).numel() == 4  # rank 1 shows its memory for target 0 right after the first look
+    assert p._target(0, 1).nbytes == 4  # rank 1 shows its memory for target 0 right after the first look
     assert 3 not in sleeps, sleeps
 
 

@@ -110,6 +110,22 @@ def test_pool_hands_out_exact_storages() -> None:
     assert small.held == 0 and d.numel() == 85
 
 
+@pytest.mark.parametrize("shm", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.bool])
+def test_pooled_targets_own_their_bytes_and_hold_their_block(shm: bool, dtype: torch.dtype) -> None:
+    pool = BlockPool(1 << 20, shm=shm)
+    a = pool.empty((17, 5), dtype)
+    assert a._base is None and a.untyped_storage().nbytes() == 85 * dtype.itemsize and a.is_contiguous()
+    assert a.dtype == dtype and a.shape == (17, 5)
+    a.view(torch.uint8).view(-1).copy_(torch.arange(85 * dtype.itemsize, dtype=torch.uint8))
+    b = pool.empty((5, 17), dtype)  # a is alive: its block is busy
+    assert b.data_ptr() != a.data_ptr() and pool.reused == 0
+    assert a.view(torch.uint8).reshape(-1).tolist() == [i % 256 for i in range(85 * dtype.itemsize)]
+    ptr = a.data_ptr()
+    del a
+    assert pool.empty((85,), dtype).data_ptr() == ptr and pool.reused == 1
+
+
 def test_bad_reuse_is_rejected() -> None:
     with pytest.raises(ValueError, match="reuse='sometimes': use one of"):
         full_params(FULL, reuse="sometimes")  # type: ignore[arg-type]

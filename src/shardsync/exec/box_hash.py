@@ -208,7 +208,8 @@ def _bits(values: torch.Tensor) -> np.ndarray:
     elif values.dtype == torch.bool:
         values = values.view(torch.uint8)
     size = values.element_size()
-    bits = values.cpu().view(_INT[size]).numpy().view(_UINT[size])
+    # through DLPack: torch's numpy() would leave the caller's storage unresizable (FSDP resizes them)
+    bits = np.from_dlpack(values.detach().cpu().view(_INT[size])).view(_UINT[size])
     return np.bitwise_xor(bits, np.right_shift(bits, _S32)) if size == 8 else bits
 
 

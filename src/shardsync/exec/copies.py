@@ -42,6 +42,8 @@ from .transpose import transposable, transpose_into
 __all__ = [
     "no_grad",
     "copy_into",
+    "ints",
+    "int_array",
     "Copies",
     "Lane",
     "copy_threads",
@@ -89,6 +91,7 @@ MAX_THREADS = 8
 _TILE = 64
 
 _INTS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+_NP_INTS = {1: np.uint8, 2: np.int16, 4: np.int32, 8: np.int64}
 _pool: ThreadPoolExecutor | None = None
 _lock = threading.Lock()
 
@@ -134,8 +137,47 @@ if hasattr(os, "register_at_fork"):
 
 
 def _as_ints(t: torch.Tensor) -> np.ndarray:
-    """``t``'s memory as a numpy array of integers of its element size (a view)."""
-    return t.view(_INTS[t.element_size()]).numpy()
+    """``t``'s memory as a numpy array of integers of its element size (a view, through DLPack: torch's
+    ``numpy()`` would make the tensor's storage unresizable for good, and FSDP resizes the storage of
+    the parameters it gathers)."""
+    return np.from_dlpack(t.view(_INTS[t.element_size()]))
+
+
+def ints(t: torch.Tensor, dtype: torch.dtype | None = None) -> np.ndarray | None:
+    """``t``'s memory as a numpy array of integers of its element size (a view), where numpy may move
+    its bits: a dense CPU tensor (of ``dtype``, when given) whose bytes are its values (no lazily
+    conjugated or negated view), elements of 1, 2, 4 or 8 bytes; else None.
+
+    Example:
+        >>> ints(torch.tensor([1.0, -2.0], dtype=torch.bfloat16)).dtype
+        dtype('int16')
+        >>> ints(torch.zeros(2), torch.bfloat16) is None   # not of that dtype
+        True
+    """
+    if dtype is not None and t.dtype != dtype:
+        return None
+    as_int = _INTS.get(t.element_size())
+    if as_int is None or not t.is_cpu or t.layout != torch.strided or t.is_quantized or t.is_conj() or t.is_neg():
+        return None
+    return _as_ints(t.detach())
+
+
+def int_array(raw: np.ndarray, dtype: torch.dtype, shape: tuple[int, ...]) -> np.ndarray | None:
+    """The first bytes of ``raw`` (flat uint8) as a contiguous array of ``shape`` holding ``dtype``'s
+    elements as integers of their size (what :func:`ints` gives of such a tensor); None where no
+    integer has that size.
+
+    Example:
+        >>> int_array(np.zeros(16, dtype=np.uint8), torch.float32, (2, 1)).shape
+        (2, 1)
+    """
+    as_int = _NP_INTS.get(dtype.itemsize)
+    if as_int is None:
+        return None
+    count = 1
+    for n in shape:
+        count *= n
+    return raw[: count * dtype.itemsize].view(as_int).reshape(shape)
 
 
 def _plain(dst: torch.Tensor, src: torch.Tensor) -> bool:
@@ -384,6 +426,40 @@ class Copies:
             dst, src = dst.view(-1), src.view(-1)
         self.jobs += _jobs(dst, src)
         self.nbytes += dst.numel() * max(dst.element_size(), src.element_size())
+
+    def add_ints(self, dst: np.ndarray, src: np.ndarray) -> bool:
+        """Copy ``src`` into ``dst`` with the batch, as :meth:`add` copies tensors of one dtype that
+        :func:`ints` viewed, when numpy moves their bytes in row runs (the innermost dim contiguous on
+        both sides); returns False, adding nothing, where it does not. ``dst`` and ``src`` must not
+        overlap.
+
+        Example:
+            >>> src, dst = torch.arange(12.).reshape(3, 4), torch.zeros(3, 2)
+            >>> batch = Copies()
+            >>> batch.add_ints(ints(dst), ints(src)[:, 1:3]), batch.add_ints(ints(dst), ints(src.t())[:3, :2])
+            (True, False)
+            >>> batch.run()
+            >>> dst.tolist()
+            [[1.0, 2.0], [5.0, 6.0], [9.0, 10.0]]
+        """
+        if dst.shape != src.shape:
+            raise ValueError(f"copy_into: shapes differ, {dst.shape} and {src.shape}")
+        if dst.ndim and (
+            (dst.strides[-1] != dst.itemsize and dst.shape[-1] != 1)
+            or (src.strides[-1] != src.itemsize and src.shape[-1] != 1)
+        ):
+            return False
+        if dst.size == 0:
+            return True
+        if dst.ndim == 0:
+            self.jobs.append((np.copyto, dst, src))
+        else:
+            if dst.ndim > 1 and dst.flags.c_contiguous and src.flags.c_contiguous:
+                dst, src = dst.reshape(-1), src.reshape(-1)
+            rows = max(1, CHUNK_BYTES // (dst.nbytes // dst.shape[0]))
+            self.jobs += [(np.copyto, dst[i : i + rows], src[i : i + rows]) for i in range(0, dst.shape[0], rows)]
+        self.nbytes += dst.nbytes
+        return True
 
     def take(self) -> tuple[list[tuple[Any, Any, Any]], int]:
         """The chunks gathered and their bytes; the batch is empty again."""

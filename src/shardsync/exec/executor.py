@@ -25,6 +25,7 @@ from collections import Counter, deque
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, TypeVar
 
+import numpy as np
 import torch
 
 from .. import phases
@@ -34,9 +35,9 @@ from ..mapping.pieces import Piece
 from ..planning.costs import builds_ahead, is_zero_copy
 from ..planning.model import Packet, Plan, Step
 from ..sources import Source
-from .assemble import copy_piece
-from .copies import Copies, Lane, no_grad
-from .memory import BlockPool, Reuse, process_pool, shm_block
+from .assemble import copy_bits, copy_piece
+from .copies import Copies, Lane, int_array, ints, no_grad
+from .memory import BlockPool, Reuse, over, process_pool, shm_block
 from .push import Pusher
 from .push_schedule import Push, per_plan
 from .shm_blocks import seal
@@ -118,6 +119,9 @@ class _Run:
         # pushing: other ranks write their pieces of some targets straight into this rank's memory
         self.push: Pusher | None = transport.push if transport is not None else None
         self.open: dict[int, torch.Tensor] = {}
+        # the open targets shardsync allocated, as integers (copies.ints): ordinary pieces are
+        # copied into them with numpy (assemble.copy_bits)
+        self.ints: dict[int, np.ndarray] = {}
         self.lane = Lane(threads)  # copies under way on the copy threads
         self.ahead: dict[int, int] = {}  # target built from local data -> its copies' ticket
         self.local: dict[int, list[int]] = {}  # step -> ticket of the copies of its targets' own pieces
@@ -183,23 +187,27 @@ class _Run:
             shape, dtype, pool = tp.shape, to_torch_dtype(tp.dtype), self.shm_pool
             self.open[t] = pool.empty(shape, dtype) if pool is not None else shm_block(shape, dtype)
             self.push.post(t, self.open[t], kept=pool is not None and pool.holds(self.open[t]))
-            self.stats.hold(tp.nbytes, tag=t)
         elif not is_zero_copy(tp, self.plan.reads, self.rank, self.plan.copy):
             self.open[t] = self.empty(tp.shape, to_torch_dtype(tp.dtype))
-            self.stats.hold(tp.nbytes, tag=t)
+        else:
+            return
+        self.stats.hold(tp.nbytes, tag=t)
+        view = ints(self.open[t])
+        if view is not None:
+            self.ints[t] = view
 
     def copy_local(self, t: int, batch: Copies) -> None:
         """Add to ``batch`` a copy into target ``t`` of every piece whose data this rank holds."""
         if t not in self.open:
             return
-        out = self.open[t]
+        out, out_ints = self.open[t], self.ints.get(t)
         for c in self.plan.targets[t].copies:
             r = self.plan.reads[c.read]
             if self.rank not in r.holders:
                 continue
             arranged = self.arranged.get(c.read, {}).get(c.piece)
             if arranged is None:
-                copy_piece(out, self.read(c.read), r.box, c.piece, batch)
+                copy_piece(out, self.read(c.read), r.box, c.piece, batch, out_ints)
             else:
                 self._skip(c.read)
                 batch.add(out[c.piece.target_box.slices()], arranged)
@@ -284,7 +292,7 @@ class _Run:
             raw = [i for i in pk.reads if i not in self.arranged]
             for i, data in unpack(buf, pk, self.plan.reads, raw).items():
                 for t, piece in self.remote.get(i, ()):
-                    copy_piece(self.open[t], data, self.plan.reads[i].box, piece, batch)
+                    copy_piece(self.open[t], data, self.plan.reads[i].box, piece, batch, self.ints.get(t))
         self.copy(batch)
 
     def take(self, t: int) -> tuple[str, torch.Tensor]:
@@ -299,6 +307,7 @@ class _Run:
             self.written(self.open[t])
         if t in self.open:
             tensor = self.open.pop(t)
+            self.ints.pop(t, None)
             self.stats.release(tag=t)
         else:  # zero copy: a view of this rank's own source
             c = tp.copies[0]
@@ -342,15 +351,21 @@ class _Run:
             return
         batch = Copies()
         relayed = False
-        for out, p in push.outbound(pushes, self.stats):
-            box, i = p.copy.piece.target_box.slices(), p.copy.read
+        for raw, p in push.outbound(pushes, self.stats):
+            tp, i = self.plan.targets[p.target], p.copy.read
+            dtype = to_torch_dtype(tp.dtype)
+            out = int_array(raw, dtype, tp.shape)  # the consumer's target, as integers
             if push.relays(p):
                 if not relayed:
                     self.lane.wait(self.local[k][0])  # this rank's own pieces, relayed from its targets
                     relayed = True
-                batch.add(out[box], self.open[p.target][box])
+                box, own = p.copy.piece.target_box.slices(), self.ints.get(p.target)
+                if out is None or own is None or not batch.add_ints(out[box], own[box]):
+                    batch.add(over(raw, tp.shape, dtype)[box], self.open[p.target][box])
             else:
-                copy_piece(out, self.read(i), self.plan.reads[i].box, p.copy.piece, batch)
+                data, origin = self.read(i), self.plan.reads[i].box
+                if out is None or not copy_bits(out, data, dtype, origin, p.copy.piece, batch):
+                    copy_piece(over(raw, tp.shape, dtype), data, origin, p.copy.piece, batch)
         self.pushing.setdefault(k, []).append(self.lane.start(batch, then=lambda: push.mark(pushes)))
 
     def push_ahead(self) -> bool:

@@ -7,6 +7,7 @@ when every rank is also in the same pid namespace (they open the targets' blocks
 
 from __future__ import annotations
 
+import functools
 import itertools
 import os
 import socket
@@ -52,21 +53,30 @@ def host_info(segments: str = "", data_device: str = "cpu") -> HostInfo:
         True
     """
     try:
+        st, vfs = os.stat(SHM_DIR), os.statvfs(SHM_DIR)
+        dev, free = st.st_dev, vfs.f_bavail * vfs.f_frsize if os.access(SHM_DIR, os.W_OK) else 0
+    except OSError:
+        dev, free = -1, 0
+    pid = os.getpid()
+    boot, pid_ns = _fixed(pid)
+    stream = next(_streams)
+    return HostInfo(socket.gethostname(), boot, dev, free, pid, stream, segments, data_device, pid_ns)
+
+
+@functools.lru_cache(maxsize=4)
+def _fixed(pid: int) -> tuple[str, int]:
+    """What does not change while process ``pid`` runs: the boot id, the inode of its pid namespace
+    (read once per process, not once per stream: a forked child reads its own)."""
+    try:
         with open("/proc/sys/kernel/random/boot_id") as fh:
             boot = fh.read().strip()
     except OSError:
         boot = ""
     try:
-        st, vfs = os.stat(SHM_DIR), os.statvfs(SHM_DIR)
-        dev, free = st.st_dev, vfs.f_bavail * vfs.f_frsize if os.access(SHM_DIR, os.W_OK) else 0
-    except OSError:
-        dev, free = -1, 0
-    try:
         pid_ns = os.stat("/proc/self/ns/pid").st_ino
     except OSError:
         pid_ns = -1
-    stream = next(_streams)
-    return HostInfo(socket.gethostname(), boot, dev, free, os.getpid(), stream, segments, data_device, pid_ns)
+    return boot, pid_ns
 
 
 def describe_hosts(hosts: Sequence[HostInfo]) -> str:

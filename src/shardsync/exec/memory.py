@@ -114,27 +114,28 @@ class BlockPool:
         # storage or exported buffer of the block is alive.
         return key in self._released or sys.getrefcount(self._blocks[key]) <= 2
 
-    def _find(self, nbytes: int) -> np.ndarray | None:
+    def _find(self, nbytes: int) -> tuple[int, np.ndarray] | None:
         for key, size in self._sizes.items():
             if size == nbytes and self._idle(key):
                 self._released.discard(key)
                 self._sizes.move_to_end(key)
                 self.reused += 1
-                return self._blocks[key]
+                return key, self._blocks[key]
         return None
 
-    def _admit(self, nbytes: int) -> np.ndarray:
+    def _admit(self, nbytes: int) -> tuple[int, np.ndarray]:
         # torch's allocator aligns to 64 B (numpy's large arrays sit 16 B past a page: slower copies);
         # the numpy view is what tensors handed out refer to, so its reference count tells use.
         block = shm_blocks.new_array(nbytes) if self.shm else torch.empty(nbytes, dtype=torch.uint8).numpy()
         most = SHM_POOL_BLOCKS if self.shm else len(self._sizes) + 1
         while self._sizes and (self.held + nbytes > self.capacity or len(self._sizes) >= most):
             self._drop(next(iter(self._sizes)))  # oldest out (busy: the caller's)
+        key = _address(block)
         if self.held + nbytes <= self.capacity:
-            self._blocks[_address(block)] = block
-            self._sizes[_address(block)] = nbytes
+            self._blocks[key] = block
+            self._sizes[key] = nbytes
             self.held += nbytes
-        return block
+        return key, block
 
     def empty(self, shape: tuple[int, ...] | torch.Size, dtype: torch.dtype) -> torch.Tensor:
         """An uninitialised CPU tensor of ``shape`` and ``dtype``, on recycled memory if possible.
@@ -144,11 +145,10 @@ class BlockPool:
         nbytes = math.prod(shape) * dtype.itemsize
         if not self.shm and (nbytes == 0 or nbytes < POOL_MIN_BYTES):
             return torch.empty(shape, dtype=dtype)
-        block = self._find(nbytes)
-        if block is None:
-            block = self._admit(nbytes)
+        found = self._find(nbytes)
+        key, block = found if found is not None else self._admit(nbytes)
         if self.shm:
-            self._writing.add(_address(block))
+            self._writing.add(key)
         return over(block, shape, dtype)
 
     def _drop(self, key: int, seal: bool = True) -> None:
@@ -206,6 +206,25 @@ def _strides(shape: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(reversed(out))
 
 
+#: torch dtypes numpy has, for :func:`over`
+_NUMPY = {
+    t: n
+    for t, n in [
+        (torch.float64, np.float64),
+        (torch.float32, np.float32),
+        (torch.float16, np.float16),
+        (torch.int64, np.int64),
+        (torch.int32, np.int32),
+        (torch.int16, np.int16),
+        (torch.int8, np.int8),
+        (torch.uint8, np.uint8),
+        (torch.bool, np.bool_),
+        (torch.complex64, np.complex64),
+        (torch.complex128, np.complex128),
+    ]
+}
+
+
 def over(block: np.ndarray, shape: tuple[int, ...] | torch.Size, dtype: torch.dtype) -> torch.Tensor:
     """A tensor of ``shape`` and ``dtype`` over ``block``'s memory (its first bytes), keeping ``block``
     alive; its storage is exactly its bytes.
@@ -214,6 +233,10 @@ def over(block: np.ndarray, shape: tuple[int, ...] | torch.Size, dtype: torch.dt
         >>> over(np.zeros(16, dtype=np.uint8), (2, 2), torch.float32).shape
         torch.Size([2, 2])
     """
+    as_numpy = _NUMPY.get(dtype)
+    if as_numpy is not None:  # the cheaper way, where numpy has the dtype (not bf16, fp8)
+        count = math.prod(shape)
+        return torch.from_numpy(block[: count * dtype.itemsize].view(as_numpy).reshape(tuple(shape)))
     storage = torch.from_numpy(block).untyped_storage()
     return torch.empty(0, dtype=dtype).set_(storage, 0, tuple(shape), _strides(tuple(shape)))
 

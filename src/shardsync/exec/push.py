@@ -40,7 +40,6 @@ maps alive, and the kernel frees a block when its last mapping goes.
 
 from __future__ import annotations
 
-import math
 import platform
 import threading
 import time
@@ -51,7 +50,7 @@ import numpy as np
 import torch
 
 from ..dist import GroupRanks
-from ..layout.dtypes import itemsize, to_torch_dtype
+from ..layout.dtypes import itemsize
 from ..liveness import ProcessRecord, is_gone
 from ..planning.model import Plan
 from ..roll_call import TransportFailure
@@ -219,8 +218,8 @@ class Pusher:
         self.boards[self.ranks.rank].post(t, block, kept, self.gen)
         self._wake(self.boards[self.ranks.rank].at_posted + 4 * t, self.writers[t])
 
-    def _target(self, t: int, c: int) -> torch.Tensor:
-        """Consumer ``c``'s memory for target ``t`` in this stream (waits until it has some)."""
+    def _target(self, t: int, c: int) -> np.ndarray:
+        """Consumer ``c``'s memory for target ``t`` in this stream, its bytes (waits until it has some)."""
         board = self.boards[c]
         word = board.at_posted + 4 * t
 
@@ -251,13 +250,11 @@ class Pusher:
                 self.blocks[key] = data
         if kept:
             self.used.add(key)
-        tp = self.plan.targets[t]
-        dtype = to_torch_dtype(tp.dtype)
-        return data[: math.prod(tp.shape) * dtype.itemsize].view(dtype).view(tp.shape)
+        return data.numpy()[: self.plan.targets[t].nbytes]
 
-    def outbound(self, pushes: Sequence[Push], stats: Stats) -> list[tuple[torch.Tensor, Push]]:
-        """Each of ``pushes`` with the consumer's target it is written into (waited for: a consumer
-        allocates a target by the time it starts the step it opens in)."""
+    def outbound(self, pushes: Sequence[Push], stats: Stats) -> list[tuple[np.ndarray, Push]]:
+        """Each of ``pushes`` with the bytes of the consumer's target it is written into (waited for: a
+        consumer allocates a target by the time it starts the step it opens in)."""
         out = []
         for p in pushes:
             out.append((self._target(p.target, p.consumer), p))

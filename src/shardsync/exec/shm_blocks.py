@@ -105,7 +105,9 @@ def _array(m: _Mapping, nbytes: int) -> np.ndarray:
     raw = (ctypes.c_uint8 * m.size).from_address(m.address)
     raw._mapping = m  # type: ignore[attr-defined]  # the array keeps the mapping: no cycle back
     _live[m.address] = m
-    return np.frombuffer(memoryview(raw).cast("B"), dtype=np.uint8)[:nbytes]
+    # the memory view is cut, not the array: views numpy makes of the block refer to the block itself
+    # (numpy collapses a chain of views to the last array), so its reference count tells use
+    return np.frombuffer(memoryview(raw).cast("B")[:nbytes], dtype=np.uint8)
 
 
 def new_array(nbytes: int) -> np.ndarray:

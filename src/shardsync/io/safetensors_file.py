@@ -25,6 +25,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import NamedTuple
 
+import numpy as np
 import torch
 
 from ..errors import FormatError
@@ -169,7 +170,7 @@ class SafetensorsFile:
         start, end = self.ranges[name]
         if end > start:
             flat = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
-            self._pwrite(flat.numpy().data, start)
+            self._pwrite(np.from_dlpack(flat).data, start)  # numpy() would pin the caller's storage's size
         self.missing.discard(name)
         self.unkicked += end - start
         if self.unkicked >= KICK_BYTES:

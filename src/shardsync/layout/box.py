@@ -82,7 +82,7 @@ class Box:
 
     def slices(self) -> tuple[slice, ...]:
         """Index with these to cut the box out of a tensor."""
-        return tuple(slice(o, o + s) for o, s in zip(self.offsets, self.sizes))
+        return tuple(map(slice, self.offsets, self.stops))
 
     def slices_in(self, outer: Box) -> tuple[slice, ...]:
         """``self.relative_to(outer).slices()``: index a tensor holding ``outer`` with these to cut
@@ -92,7 +92,9 @@ class Box:
             >>> Box((3, 1), (2, 2)).slices_in(Box((2, 0), (4, 4)))
             (slice(1, 3, None), slice(1, 3, None))
         """
-        return tuple(slice(o - p, o - p + s) for o, p, s in zip(self.offsets, outer.offsets, self.sizes))
+        return tuple(
+            map(slice, map(operator.sub, self.offsets, outer.offsets), map(operator.sub, self.stops, outer.offsets))
+        )
 
     def __str__(self) -> str:
         return "[" + ", ".join(f"{o}:{o + s}" for o, s in zip(self.offsets, self.sizes)) + "]"

@@ -23,6 +23,7 @@ import math
 from collections.abc import Sequence
 from typing import Literal
 
+import numpy as np
 import torch
 
 from ..errors import LayoutError
@@ -126,7 +127,8 @@ def exact_digest(t: torch.Tensor) -> str:
         chunk = rows[start : start + step].contiguous()
         if chunk.dtype == torch.bool:
             chunk = chunk.to(torch.uint8)
-        h.update(chunk.reshape(-1).view(torch.uint8).cpu().numpy().data)
+        # through DLPack: numpy() would leave the caller's storage unresizable (FSDP resizes them)
+        h.update(np.from_dlpack(chunk.reshape(-1).view(torch.uint8).cpu()).data)
     return EXACT_PREFIX + h.hexdigest()
 
 
