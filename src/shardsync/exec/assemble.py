@@ -17,7 +17,7 @@ import torch
 from ..layout.box import Box
 from ..layout.dtypes import to_torch_dtype
 from ..mapping.pieces import Piece
-from .copies import Copies, copy_into, ints, no_grad
+from .copies import Copies, copy_into, no_grad
 
 __all__ = ["copy_piece", "copy_bits", "cast_into", "arrange", "piece_view", "CHAIN_CHUNK_ELEMENTS"]
 
@@ -84,21 +84,20 @@ def piece_view(data: torch.Tensor, origin: Box, piece: Piece) -> torch.Tensor:
     return arrange(view, piece) if piece.perm is not None else view
 
 
-def copy_bits(
-    out: np.ndarray, data: torch.Tensor, dtype: torch.dtype, origin: Box, piece: Piece, batch: Copies
-) -> bool:
-    """:func:`copy_piece` into a target of ``dtype`` seen as integers (``out``: what
-    :func:`~shardsync.exec.copies.ints` gives of it), added to ``batch``, where the piece moves bits in
-    row runs: no cast, no permutation, ``data`` of ``dtype`` and numpy may move its bytes. Returns
-    False, doing nothing, where it does not: then :func:`copy_piece` does it. The executor's copy of
-    an ordinary piece costs a few numpy slices this way instead of tensor views and checks (it runs
-    once per piece and stream, with caches the copies just flushed).
+def copy_bits(out: np.ndarray, src: np.ndarray, origin: Box, piece: Piece, batch: Copies) -> bool:
+    """:func:`copy_piece` between a target and data of one dtype, both seen as integers (what
+    :func:`~shardsync.exec.copies.ints` gives of them), added to ``batch``, where the piece moves bits
+    in row runs: no cast, no permutation. Returns False, doing nothing, where it does not: then
+    :func:`copy_piece` does it. The executor's copy of an ordinary piece costs a few numpy slices this
+    way instead of tensor views and checks (it runs once per piece and stream, with caches the copies
+    just flushed).
 
     Example:
-        >>> out = torch.zeros(3, 2)
+        >>> from shardsync.exec.copies import ints
+        >>> out, data = torch.zeros(3, 2), torch.arange(12.).reshape(3, 4)
         >>> piece = Piece("s", Box((0, 1), (3, 2)), Box((0, 0), (3, 2)))
         >>> batch = Copies()
-        >>> copy_bits(ints(out), torch.arange(12.).reshape(3, 4), out.dtype, Box((0, 0), (3, 4)), piece, batch)
+        >>> copy_bits(ints(out), ints(data), Box((0, 0), (3, 4)), piece, batch)
         True
         >>> batch.run()
         >>> out.tolist()
@@ -106,8 +105,7 @@ def copy_bits(
     """
     if piece.casts or piece.perm is not None:
         return False
-    src = ints(data, dtype)
-    return src is not None and batch.add_ints(out[piece.target_box.slices()], src[piece.source_box.slices_in(origin)])
+    return batch.add_ints(out[piece.target_box.slices()], src[piece.source_box.slices_in(origin)])
 
 
 @no_grad
@@ -118,6 +116,7 @@ def copy_piece(
     piece: Piece,
     batch: Copies | None = None,
     out_ints: np.ndarray | None = None,
+    data_ints: np.ndarray | None = None,
 ) -> None:
     """Write ``piece`` into target ``out``, reading its source box from ``data`` located at ``origin``
     (with ``batch``, when it runs: see :func:`cast_into`).
@@ -128,9 +127,9 @@ def copy_piece(
         origin: global box of ``data``; must contain ``piece.source_box``.
         piece: what to copy and how (permutation, casts).
         batch: the batch to add the copy to (else it runs now).
-        out_ints: ``out`` as integers (:func:`~shardsync.exec.copies.ints`), where the caller has it
-            and ``data`` cannot overlap ``out``: an ordinary piece then goes through
-            :func:`copy_bits` (with ``batch``).
+        out_ints, data_ints: ``out`` and ``data`` as integers (:func:`~shardsync.exec.copies.ints`),
+            where the caller has them, ``data`` cannot overlap ``out`` and has its dtype: an ordinary
+            piece then goes through :func:`copy_bits` (with ``batch``).
 
     Example:
         >>> out = torch.zeros(3, 2)
@@ -141,6 +140,11 @@ def copy_piece(
                 [1., 4.],
                 [2., 5.]])
     """
-    if out_ints is not None and batch is not None and copy_bits(out_ints, data, out.dtype, origin, piece, batch):
+    if (
+        out_ints is not None
+        and data_ints is not None
+        and batch is not None
+        and copy_bits(out_ints, data_ints, origin, piece, batch)
+    ):
         return
     cast_into(out[piece.target_box.slices()], piece_view(data, origin, piece), piece.casts, batch)

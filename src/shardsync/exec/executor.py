@@ -135,24 +135,31 @@ class _Run:
         # A read is taken from the source once (a file source loads it) and kept until its last use.
         sends = transport.sends if transport is not None else None
         self.uses = _read_uses(plan, rank, sends if sends is not None else _sends(plan, rank))
-        self.cache: dict[int, torch.Tensor] = {}
+        self.cache: dict[int, tuple[torch.Tensor, np.ndarray | None]] = {}  # read -> data, as integers
         # read -> its pieces already cast and permuted into target form, by the transport (see
         # :meth:`prearranged`): their copies are plain ones from there
         self.arranged: dict[int, dict[Piece, torch.Tensor]] = {}
 
     def read(self, i: int) -> torch.Tensor:
         """The data of read ``i`` from this rank's source: read on first use, dropped after the last."""
-        data = self.cache.pop(i, None)
+        return self.read_as(i, None)[0]
+
+    def read_as(self, i: int, dtype: torch.dtype | None) -> tuple[torch.Tensor, np.ndarray | None]:
+        """:meth:`read`, and the data as integers (:func:`~shardsync.exec.copies.ints`, viewed once
+        per read) when it is of ``dtype`` (None: not asked for)."""
+        data, bits = self.cache.pop(i, (None, None))
         if data is None:
             r = self.plan.reads[i]
             data = self.source.read(r.source, r.box)
             self.stats.bytes_read += r.nbytes
             if data.device != self.device:  # a file source reads into CPU memory; nccl sends from GPU
                 data = data.to(self.device)
+        if bits is None and dtype is not None and data.dtype == dtype:
+            bits = ints(data)
         self.uses[i] -= 1
         if self.uses[i] > 0:
-            self.cache[i] = data
-        return data
+            self.cache[i] = (data, bits)
+        return data, (bits if dtype is not None and data.dtype == dtype else None)
 
     def send_once(self, i: int) -> torch.Tensor:
         return self.read(i)  # counted once in the transport's ``sends``
@@ -207,7 +214,8 @@ class _Run:
                 continue
             arranged = self.arranged.get(c.read, {}).get(c.piece)
             if arranged is None:
-                copy_piece(out, self.read(c.read), r.box, c.piece, batch, out_ints)
+                data, bits = self.read_as(c.read, out.dtype if out_ints is not None else None)
+                copy_piece(out, data, r.box, c.piece, batch, out_ints, bits)
             else:
                 self._skip(c.read)
                 batch.add(out[c.piece.target_box.slices()], arranged)
@@ -291,8 +299,11 @@ class _Run:
                         batch.add(self.open[t][piece.target_box.slices()], self.arranged[i][piece])
             raw = [i for i in pk.reads if i not in self.arranged]
             for i, data in unpack(buf, pk, self.plan.reads, raw).items():
+                bits = ints(data)
                 for t, piece in self.remote.get(i, ()):
-                    copy_piece(self.open[t], data, self.plan.reads[i].box, piece, batch, self.ints.get(t))
+                    out, out_ints = self.open[t], self.ints.get(t)
+                    same = bits if out.dtype == data.dtype else None
+                    copy_piece(out, data, self.plan.reads[i].box, piece, batch, out_ints, same)
         self.copy(batch)
 
     def take(self, t: int) -> tuple[str, torch.Tensor]:
@@ -363,8 +374,8 @@ class _Run:
                 if out is None or own is None or not batch.add_ints(out[box], own[box]):
                     batch.add(over(raw, tp.shape, dtype)[box], self.open[p.target][box])
             else:
-                data, origin = self.read(i), self.plan.reads[i].box
-                if out is None or not copy_bits(out, data, dtype, origin, p.copy.piece, batch):
+                (data, bits), origin = self.read_as(i, dtype if out is not None else None), self.plan.reads[i].box
+                if out is None or bits is None or not copy_bits(out, bits, origin, p.copy.piece, batch):
                     copy_piece(over(raw, tp.shape, dtype), data, origin, p.copy.piece, batch)
         self.pushing.setdefault(k, []).append(self.lane.start(batch, then=lambda: push.mark(pushes)))
 
