@@ -12,6 +12,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from reference import arange_tensor
 from shardsync.exec import copies
 from shardsync.exec.copies import copy_into
 
@@ -385,3 +386,33 @@ def test_an_error_in_then_is_raised_by_wait(monkeypatch: pytest.MonkeyPatch) -> 
     ticket = lane.start(_batch([(lambda k, _: None, k, None) for k in range(4)]), then=then)
     with pytest.raises(RuntimeError, match="then failed"):
         lane.wait(ticket)
+
+
+def test_copy_bits_writes_scalars_and_every_layout_of_one_dtype() -> None:
+    from shardsync.exec.assemble import copy_bits
+    from shardsync.exec.copies import ints
+    from shardsync.layout.box import Box
+    from shardsync.mapping.pieces import Piece
+
+    out, batch = torch.zeros(()), copies.Copies()
+    assert copy_bits(ints(out), ints(torch.tensor(2.5)), Box((), ()), Piece("s", Box((), ()), Box((), ())), batch)
+    batch.run()
+    assert out.item() == 2.5  # a 0-d target is written, not a copy of it
+    src = arange_tensor((5, 9, 7), dtype=torch.bfloat16)[:, 1:8:3, 2:]  # strided middle dim
+    out = torch.zeros(5, 3, 5, dtype=torch.bfloat16)
+    piece = Piece("s", Box((1, 0, 0), (3, 3, 5)), Box((2, 0, 0), (3, 3, 5)))
+    assert copy_bits(ints(out), ints(src), Box((0, 0, 0), (5, 3, 5)), piece, batch)
+    batch.run()
+    assert torch.equal(out[2:], src[1:4]) and not out[:2].any()
+    transposed = Piece("s", Box((0, 0), (3, 2)), Box((0, 0), (2, 3)), perm=(1, 0))
+    assert not copy_bits(ints(torch.zeros(2, 3)), ints(torch.ones(3, 2)), Box((0, 0), (3, 2)), transposed, batch)
+
+
+def test_a_scalar_state_streams() -> None:
+    import shardsync
+
+    for dtype in (torch.float32, torch.bfloat16, torch.bool):
+        got = dict(
+            shardsync.full_params({"w": torch.tensor(1, dtype=dtype), "v": arange_tensor((300, 220))}, ["w -> r"])
+        )
+        assert torch.equal(got["r"], torch.tensor(1, dtype=dtype)) and torch.equal(got["v"], arange_tensor((300, 220)))

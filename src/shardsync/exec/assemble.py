@@ -105,7 +105,8 @@ def copy_bits(out: np.ndarray, src: np.ndarray, origin: Box, piece: Piece, batch
     """
     if piece.casts or piece.perm is not None:
         return False
-    return batch.add_ints(out[piece.target_box.slices()], src[piece.source_box.slices_in(origin)])
+    # the trailing ``...`` keeps a 0-d array a view (``a[()]`` is a numpy scalar: a copy)
+    return batch.add_ints(out[piece.target_box.slices() + (...,)], src[piece.source_box.slices_in(origin) + (...,)])
 
 
 @no_grad

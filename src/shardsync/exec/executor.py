@@ -371,7 +371,7 @@ class _Run:
                 if not relayed:
                     self.lane.wait(self.local[k][0])  # this rank's own pieces, relayed from its targets
                     relayed = True
-                box, own = p.copy.piece.target_box.slices(), self.ints.get(p.target)
+                box, own = p.copy.piece.target_box.slices() + (...,), self.ints.get(p.target)  # (copy_bits)
                 if out is None or own is None or not batch.add_ints(out[box], own[box]):
                     batch.add(over(raw, tp.shape, dtype)[box], self.open[p.target][box])
             else:
