@@ -26,6 +26,7 @@ after ``fork``.
 from __future__ import annotations
 
 import functools
+import math
 import os
 import threading
 from collections import deque
@@ -36,6 +37,7 @@ from typing import Any, TypeVar
 import numpy as np
 import torch
 
+from ..layout.dtypes import NUMPY_DTYPES
 from ..planning.costs import AHEAD_BYTES
 from .transpose import transposable, transpose_into
 
@@ -91,7 +93,7 @@ MAX_THREADS = 8
 _TILE = 64
 
 _INTS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-_NP_INTS = {1: np.uint8, 2: np.int16, 4: np.int32, 8: np.int64}
+_NP_INTS = {n: NUMPY_DTYPES[t] for n, t in _INTS.items()}
 _pool: ThreadPoolExecutor | None = None
 _lock = threading.Lock()
 
@@ -174,10 +176,7 @@ def int_array(raw: np.ndarray, dtype: torch.dtype, shape: tuple[int, ...]) -> np
     as_int = _NP_INTS.get(dtype.itemsize)
     if as_int is None:
         return None
-    count = 1
-    for n in shape:
-        count *= n
-    return raw[: count * dtype.itemsize].view(as_int).reshape(shape)
+    return raw[: math.prod(shape) * dtype.itemsize].view(as_int).reshape(shape)
 
 
 def _plain(dst: torch.Tensor, src: torch.Tensor) -> bool:
@@ -244,16 +243,12 @@ def _torch_small(dst: torch.Tensor, src: torch.Tensor) -> None:
 
 
 def _jobs(dst: torch.Tensor, src: torch.Tensor) -> list[tuple[Any, Any, Any]]:
-    """The copy cut along dim 0 into chunks of about :data:`CHUNK_BYTES`: ``(function, dst, src)``."""
+    """A copy that is not a plain move of bytes in row runs (those :meth:`Copies.add_ints` cuts) cut
+    along dim 0 into chunks of about :data:`CHUNK_BYTES`: ``(function, dst, src)``."""
     size = max(dst.element_size(), src.element_size())
     rows = max(1, CHUNK_BYTES // (max(1, dst[0].numel()) * size))
-    cuts = range(0, dst.shape[0], rows)
-    bits = _bits(dst, src)
-    if bits and _rows(dst, src):
-        d, s = _as_ints(dst), _as_ints(src)
-        return [(np.copyto, d[i : i + rows], s[i : i + rows]) for i in cuts]
-    fn = transpose_into if bits and transposable(dst, src) else _torch_small
-    return [(fn, dst[i : i + rows], src[i : i + rows]) for i in cuts]
+    fn = transpose_into if _bits(dst, src) and transposable(dst, src) else _torch_small
+    return [(fn, dst[i : i + rows], src[i : i + rows]) for i in range(0, dst.shape[0], rows)]
 
 
 class Lane:
@@ -422,6 +417,8 @@ class Copies:
             dst.copy_(src)  # torch copies this on the calling thread alone, or knows what it is
             return
         dst, src = dst.detach(), src.detach()  # the pool's threads do not share this one's no_grad
+        if _bits(dst, src) and _rows(dst, src) and self.add_ints(_as_ints(dst), _as_ints(src)):
+            return  # numpy row copies (memcpy, the GIL released)
         if dst.is_contiguous() and src.is_contiguous():  # one run of elements: chunks of any length
             dst, src = dst.view(-1), src.view(-1)
         self.jobs += _jobs(dst, src)

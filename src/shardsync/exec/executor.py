@@ -155,12 +155,13 @@ class _Run:
             self.stats.bytes_read += r.nbytes
             if data.device != self.device:  # a file source reads into CPU memory; nccl sends from GPU
                 data = data.to(self.device)
-        if bits is None and dtype is not None and data.dtype == dtype:
+        wanted = dtype is not None and data.dtype == dtype
+        if bits is None and wanted:
             bits = ints(data)
         self.uses[i] -= 1
         if self.uses[i] > 0:
             self.cache[i] = (data, bits)
-        return data, (bits if dtype is not None and data.dtype == dtype else None)
+        return data, bits if wanted else None
 
     def send_once(self, i: int) -> torch.Tensor:
         return self.read(i)  # counted once in the transport's ``sends``
@@ -300,11 +301,14 @@ class _Run:
                         batch.add(self.open[t][piece.target_box.slices()], self.arranged[i][piece])
             raw = [i for i in pk.reads if i not in self.arranged]
             for i, data in unpack(buf, pk, self.plan.reads, raw).items():
-                bits = ints(data)
+                bits = None  # the data as integers, viewed for the first target that takes them
                 for t, piece in self.remote.get(i, ()):
                     out, out_ints = self.open[t], self.ints.get(t)
-                    same = bits if out.dtype == data.dtype else None
-                    copy_piece(out, data, self.plan.reads[i].box, piece, batch, out_ints, same)
+                    if out_ints is not None and out.dtype == data.dtype:
+                        bits = ints(data) if bits is None else bits
+                        copy_piece(out, data, self.plan.reads[i].box, piece, batch, out_ints, bits)
+                    else:
+                        copy_piece(out, data, self.plan.reads[i].box, piece, batch)
         self.copy(batch)
 
     def take(self, t: int) -> tuple[str, torch.Tensor]:

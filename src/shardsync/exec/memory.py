@@ -36,6 +36,7 @@ from typing import Literal
 import numpy as np
 import torch
 
+from ..layout.dtypes import NUMPY_DTYPES
 from . import shm_blocks
 
 __all__ = [
@@ -206,25 +207,6 @@ def _strides(shape: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(reversed(out))
 
 
-#: torch dtypes numpy has, for :func:`over`
-_NUMPY = {
-    t: n
-    for t, n in [
-        (torch.float64, np.float64),
-        (torch.float32, np.float32),
-        (torch.float16, np.float16),
-        (torch.int64, np.int64),
-        (torch.int32, np.int32),
-        (torch.int16, np.int16),
-        (torch.int8, np.int8),
-        (torch.uint8, np.uint8),
-        (torch.bool, np.bool_),
-        (torch.complex64, np.complex64),
-        (torch.complex128, np.complex128),
-    ]
-}
-
-
 def over(block: np.ndarray, shape: tuple[int, ...] | torch.Size, dtype: torch.dtype) -> torch.Tensor:
     """A tensor of ``shape`` and ``dtype`` over ``block``'s memory (its first bytes), keeping ``block``
     alive; its storage is exactly its bytes.
@@ -233,7 +215,7 @@ def over(block: np.ndarray, shape: tuple[int, ...] | torch.Size, dtype: torch.dt
         >>> over(np.zeros(16, dtype=np.uint8), (2, 2), torch.float32).shape
         torch.Size([2, 2])
     """
-    as_numpy = _NUMPY.get(dtype)
+    as_numpy = NUMPY_DTYPES.get(dtype)
     if as_numpy is not None:  # the cheaper way, where numpy has the dtype (not bf16, fp8)
         count = math.prod(shape)
         return torch.from_numpy(block[: count * dtype.itemsize].view(as_numpy).reshape(tuple(shape)))

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
-__all__ = ["DTYPES", "SAFETENSORS_DTYPES", "dtype_name", "to_torch_dtype", "itemsize"]
+__all__ = ["DTYPES", "NUMPY_DTYPES", "SAFETENSORS_DTYPES", "dtype_name", "to_torch_dtype", "itemsize"]
 
 #: Name -> torch dtype, for every dtype a mapping may name or a layout may carry.
 DTYPES: dict[str, torch.dtype] = {
@@ -33,6 +34,17 @@ for _name in (
 ):
     if hasattr(torch, _name):
         DTYPES[_name] = getattr(torch, _name)
+
+
+def _numpy(name: str) -> np.dtype | None:
+    try:
+        return np.dtype(name)
+    except TypeError:  # bfloat16, the FP8 dtypes
+        return None
+
+
+#: torch dtype -> numpy dtype, for the dtypes numpy has (named alike; ``torch.from_numpy`` takes them).
+NUMPY_DTYPES: dict[torch.dtype, np.dtype] = {t: d for name, t in DTYPES.items() if (d := _numpy(name)) is not None}
 
 #: Safetensors dtype code -> dtype name, for every code the format defines. None: a sub-byte dtype
 #: (F4, F6_*) that has no torch dtype with one element per value, so boxes of it cannot be cut.
