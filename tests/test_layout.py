@@ -48,6 +48,19 @@ def test_sharded_tensor_checks_bounds_naming_the_key() -> None:
     assert issubclass(LayoutError, ValueError)
 
 
+def test_shard_box_follows_its_tensor_and_offset() -> None:
+    """The box is made once, and again when the shard's tensor or offset is replaced."""
+    s = LocalShard(torch.zeros(2, 3), (5, 3), (1, 0))
+    assert s.box is s.box and s.box == Box((1, 0), (2, 3))
+    s.local = torch.zeros(4, 3)
+    assert s.box == Box((1, 0), (4, 3))
+    s.global_offset = (0, 0)
+    assert s.box == Box((0, 0), (4, 3))
+    whole = LocalShard.whole(arange_tensor((3, 5)))
+    assert (whole.global_shape, whole.global_offset, whole.box) == ((3, 5), (0, 0), Box((0, 0), (3, 5)))
+    assert local_shards("w", torch.zeros(()))[0].box == Box((), ())
+
+
 def test_local_shards_forms_and_errors() -> None:
     t = arange_tensor((4, 2))
     assert local_shards("a", t)[0].box == Box((0, 0), (4, 2))

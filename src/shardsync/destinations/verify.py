@@ -23,7 +23,7 @@ from ..exec.assemble import piece_view
 from ..exec.box_hash import MASK, box_sum
 from ..exec.digests import Part, local_sums, owners, plan_parts
 from ..layout.box import Box
-from ..layout.dtypes import to_torch_dtype
+from ..layout.dtypes import BITS, to_torch_dtype
 from ..planning import Plan
 from ..sources import Source
 from .state import Shards
@@ -35,7 +35,6 @@ VERIFY_PHASE = phases.VERIFY
 
 #: Most mismatching boxes an error lists (it names every tensor).
 _LISTED = 20
-_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
 def _sums(
@@ -88,7 +87,7 @@ def _as_bits(t: torch.Tensor) -> torch.Tensor:
     """``t``'s bit patterns as integers of its width (NaNs compare by payload, -0.0 differs from 0.0)."""
     if t.is_complex():
         t = torch.view_as_real(t)
-    return t.view(_INT[t.element_size()]) if t.dtype != torch.bool else t.view(torch.uint8)
+    return t.view(BITS[t.element_size()]) if t.dtype != torch.bool else t.view(torch.uint8)
 
 
 def check_written(

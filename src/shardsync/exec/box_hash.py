@@ -36,7 +36,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import torch
 
-from ..layout.dtypes import dtype_name, to_torch_dtype
+from ..layout.dtypes import BITS, dtype_name, to_torch_dtype
 from .box_hash_device import DEVICE_CHUNK_ELEMENTS, run_values, runs_sum
 
 __all__ = [
@@ -75,7 +75,6 @@ NARROW, FOLD_LIMIT = 64, 1 << 16
 _C1, _C2 = np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)
 _S30, _S27, _S31, _S32 = np.uint64(30), np.uint64(27), np.uint64(31), np.uint64(32)
 _ONE = np.uint64(1)
-_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 _UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 
 #: A run of a box (target order): ``(leading indices, start, stop, first column, end column)``, the
@@ -209,7 +208,7 @@ def _bits(values: torch.Tensor) -> np.ndarray:
         values = values.view(torch.uint8)
     size = values.element_size()
     # through DLPack: torch's numpy() would leave the caller's storage unresizable (FSDP resizes them)
-    bits = np.from_dlpack(values.detach().cpu().view(_INT[size])).view(_UINT[size])
+    bits = np.from_dlpack(values.detach().cpu().view(BITS[size])).view(_UINT[size])
     return np.bitwise_xor(bits, np.right_shift(bits, _S32)) if size == 8 else bits
 
 

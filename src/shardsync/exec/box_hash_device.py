@@ -15,7 +15,7 @@ from types import EllipsisType
 import numpy as np
 import torch
 
-from ..layout.dtypes import to_torch_dtype
+from ..layout.dtypes import BITS, to_torch_dtype
 
 __all__ = ["DEVICE_CHUNK_ELEMENTS", "mix_", "run_values", "runs_sum"]
 
@@ -23,7 +23,6 @@ __all__ = ["DEVICE_CHUNK_ELEMENTS", "mix_", "run_values", "runs_sum"]
 DEVICE_CHUNK_ELEMENTS = 1 << 24
 _C1, _C2 = 0xBF58476D1CE4E5B9 - (1 << 64), 0x94D049BB133111EB - (1 << 64)
 _SEED_A = 0x243F6A8885A308D3  # box_hash.SEED_A (below 2^63: the same as an int64)
-_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 _LOW = {2: 0xFFFF, 4: 0xFFFFFFFF}
 
 
@@ -53,7 +52,7 @@ def _bits(values: torch.Tensor) -> torch.Tensor:
     elif values.dtype == torch.bool:
         values = values.view(torch.uint8)
     size = values.element_size()
-    wide = values.view(_INT[size])
+    wide = values.view(BITS[size])
     if size == 8:
         return wide.bitwise_right_shift(32).bitwise_and_(0xFFFFFFFF).bitwise_xor_(wide)
     wide = wide.to(torch.int64)

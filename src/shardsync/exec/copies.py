@@ -37,7 +37,7 @@ from typing import Any, TypeVar
 import numpy as np
 import torch
 
-from ..layout.dtypes import NUMPY_DTYPES
+from ..layout.dtypes import BITS, NUMPY_DTYPES
 from ..planning.costs import AHEAD_BYTES
 from .transpose import transposable, transpose_into
 
@@ -92,8 +92,7 @@ MAX_THREADS = 8
 #: ms, rows of 1024 90 ms; cast to bf16 (not transposed), rows of 1024 7.8 ms, 256 x 128 tiles 16.3 ms.
 _TILE = 64
 
-_INTS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-_NP_INTS = {n: NUMPY_DTYPES[t] for n, t in _INTS.items()}
+_NP_INTS = {n: NUMPY_DTYPES[t] for n, t in BITS.items()}
 _pool: ThreadPoolExecutor | None = None
 _lock = threading.Lock()
 
@@ -143,7 +142,7 @@ def _as_ints(t: torch.Tensor) -> np.ndarray:
     the storage is resizable: torch's ``numpy()`` makes it unresizable for good, and FSDP resizes the
     storage of the parameters it gathers; ``numpy()`` (half the cost) where it is not (shardsync's own
     blocks, made from numpy)."""
-    as_int = t.view(_INTS[t.element_size()])
+    as_int = t.view(BITS[t.element_size()])
     return np.from_dlpack(as_int) if t.untyped_storage().resizable() else as_int.numpy()
 
 
@@ -158,7 +157,7 @@ def ints(t: torch.Tensor) -> np.ndarray | None:
         >>> ints(torch.zeros(2, dtype=torch.complex128)) is None   # 16-byte elements
         True
     """
-    as_int = _INTS.get(t.element_size())
+    as_int = BITS.get(t.element_size())
     if as_int is None or not t.is_cpu or t.layout != torch.strided or t.is_quantized or t.is_conj() or t.is_neg():
         return None
     return _as_ints(t.detach())
@@ -206,7 +205,7 @@ def _rows(dst: torch.Tensor, src: torch.Tensor) -> bool:
         return False
     if src.dim() and src.stride(-1) != 1 and src.shape[-1] != 1:
         return False
-    return dst.element_size() in _INTS
+    return dst.element_size() in BITS
 
 
 def _torch_small(dst: torch.Tensor, src: torch.Tensor) -> None:

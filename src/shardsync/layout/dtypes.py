@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-__all__ = ["DTYPES", "NUMPY_DTYPES", "SAFETENSORS_DTYPES", "dtype_name", "to_torch_dtype", "itemsize"]
+__all__ = ["DTYPES", "BITS", "NUMPY_DTYPES", "SAFETENSORS_DTYPES", "dtype_name", "to_torch_dtype", "itemsize"]
 
 #: Name -> torch dtype, for every dtype a mapping may name or a layout may carry.
 DTYPES: dict[str, torch.dtype] = {
@@ -45,6 +45,10 @@ def _numpy(name: str) -> np.dtype | None:
 
 #: torch dtype -> numpy dtype, for the dtypes numpy has (named alike; ``torch.from_numpy`` takes them).
 NUMPY_DTYPES: dict[torch.dtype, np.dtype] = {t: d for name, t in DTYPES.items() if (d := _numpy(name)) is not None}
+
+#: Element size in bytes -> the integer dtype a tensor of any dtype of that size is viewed as to move or
+#: hash its bits (``t.view(BITS[t.element_size()])``; a view that changes no bytes).
+BITS: dict[int, torch.dtype] = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 #: Safetensors dtype code -> dtype name, for every code the format defines. None: a sub-byte dtype
 #: (F4, F6_*) that has no torch dtype with one element per value, so boxes of it cannot be cut.

@@ -38,7 +38,7 @@ class LocalShard:
         Box(offsets=(2, 0), sizes=(2, 3))
     """
 
-    __slots__ = ("local", "global_shape", "global_offset")
+    __slots__ = ("local", "global_shape", "global_offset", "_box")
 
     def __init__(
         self, local: torch.Tensor, global_shape: Sequence[int], global_offset: Sequence[int], *, key: str = "<tensor>"
@@ -63,10 +63,29 @@ class LocalShard:
         self.local = local
         self.global_shape = global_shape
         self.global_offset = global_offset
+        self._box: Box | None = None
+
+    @classmethod
+    def whole(cls, tensor: torch.Tensor) -> LocalShard:
+        """``tensor`` as the whole of a global tensor of its shape (nothing to check).
+
+        Example:
+            >>> LocalShard.whole(torch.zeros(2, 3)).box
+            Box(offsets=(0, 0), sizes=(2, 3))
+        """
+        shard = cls.__new__(cls)
+        shard.local, shard.global_shape = tensor, tuple(tensor.shape)
+        shard.global_offset, shard._box = (0,) * tensor.dim(), None
+        return shard
 
     @property
     def box(self) -> Box:
-        return Box(self.global_offset, tuple(self.local.shape))
+        """The shard's region in global coordinates (made once; again if ``local`` or the offset
+        changed since)."""
+        box = self._box
+        if box is None or box.sizes != self.local.shape or box.offsets != self.global_offset:
+            box = self._box = Box(self.global_offset, tuple(self.local.shape))
+        return box
 
     @property
     def dtype(self) -> torch.dtype:
@@ -195,7 +214,7 @@ def _normalise(key: str, value: StateValue) -> list[LocalShard]:
     if isinstance(value, LocalShard):
         return [value]
     if isinstance(value, torch.Tensor):
-        return [LocalShard(value, tuple(value.shape), (0,) * value.dim(), key=key)]
+        return [LocalShard.whole(value)]
     if isinstance(value, (list, tuple)) and value and all(isinstance(v, LocalShard) for v in value):
         shapes = {v.global_shape for v in value}
         dtypes = {v.dtype for v in value}

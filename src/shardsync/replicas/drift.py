@@ -26,6 +26,7 @@ from .. import phases
 from ..dist import agree, data_phase, group_rank, group_size, is_distributed, transport_errors, wait_for
 from ..errors import ReplicaError
 from ..layout import to_torch_dtype
+from ..layout.dtypes import BITS
 from .buckets import Item, Member
 from .engine import SyncStats, build_buckets, run_buckets
 from .preflight import GroupLike, resolve_group
@@ -53,7 +54,6 @@ log = logging.getLogger(__name__)
 DEFAULT_WHAT: tuple[str, ...] = ("param", "master", "exp_avg", "exp_avg_sq")
 OnDrift = Literal["warn", "raise", "repair"]
 
-_INTS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 _CHUNK = 1 << 20  # bounds the position-weight temporaries
 
 
@@ -70,9 +70,9 @@ def fingerprint(t: torch.Tensor) -> torch.Tensor:
         False
     """
     flat = t.detach().contiguous().view(-1)
-    if flat.dtype == torch.bool or flat.dtype.itemsize not in _INTS:
+    if flat.dtype == torch.bool or flat.dtype.itemsize not in BITS:
         flat = flat.view(torch.uint8)
-    bits = flat.view(_INTS[flat.dtype.itemsize])
+    bits = flat.view(BITS[flat.dtype.itemsize])
     out = torch.zeros(2, dtype=torch.int64, device=flat.device)
     for start in range(0, bits.numel(), _CHUNK):
         x = bits[start : start + _CHUNK].to(torch.int64)

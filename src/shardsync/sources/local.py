@@ -59,6 +59,8 @@ class LocalSource:
             >>> [e.fingerprint is None for e in src.entries() + list(src.fingerprinted(src.entries()))]
             [True, False]
         """
+        if self.replica_check == "off" and all(e.fingerprint is None for e in entries):
+            return tuple(entries)  # every fingerprint None, as it is
         taken: dict[tuple[str, Box], int] = {}  # shards of that exact box given out so far, in order
         mine: list[tuple[int, torch.Tensor]] = []
         for i, e in enumerate(entries):
