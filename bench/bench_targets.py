@@ -13,6 +13,12 @@ every rank receives every full tensor, the same call repeated as a training loop
   ``all_gather``, then every full tensor is cut and concatenated from the gathered buffers - a
   hand-written floor for one collective (no mapping, no checks);
 
+and the same full tensors in one process (the parent, before the ranks start), where no transport
+runs and what is left is shardsync's own work per tensor:
+
+* ``1 process: shardsync full_params``: ``full_params(full)`` (each tensor copied once);
+* ``1 process: clone() of every tensor``: the floor for the same copies;
+
 each at ``n`` = 1024 and 4096 tensors, ``--repeats`` interleaved rounds of one pass each after a
 warm-up pass (seconds: the slowest rank's; medians over the rounds). shardsync is also timed with
 Python's cyclic GC off (``gc.disable()`` around the pass) to show what full collections of the
@@ -53,6 +59,7 @@ __all__ = ["main", "model"]
 RESULTS = Path(__file__).parent / "results"
 ROWS, COLS = 64, 32
 SHARDSYNC = "shardsync (shared memory)"
+ONE = "1 process: shardsync full_params"
 
 
 def model(n: int) -> dict[str, torch.Tensor]:
@@ -114,6 +121,32 @@ def _pass(make: Callable[[], Iterator], ref: dict | None, no_gc: bool = False) -
     return time.perf_counter() - t0
 
 
+def _single(counts: list[int], repeats: int) -> dict[str, dict[str, list[float]]]:
+    """Seconds of each one-process variant, by ``n`` and name: a checked warm-up pass, then
+    ``repeats`` interleaved rounds."""
+    res = {}
+    for n in counts:
+        full = model(n)
+        makers: dict[str, Callable[[], Iterator]] = {
+            ONE: lambda full=full: iter(full_params(full)),
+            "1 process: clone() of every tensor": lambda full=full: ((k, v.clone()) for k, v in full.items()),
+        }
+        times: dict[str, list[float]] = {name: [] for name in makers}
+        for rep in range(repeats + 1):
+            for name, make in makers.items():
+                t0, count = time.perf_counter(), 0
+                for key, t in make():
+                    if rep == 0 and not torch.equal(t, full[key]):
+                        raise AssertionError(f"{name}: {key} differs from the reference")
+                    count += 1
+                if rep == 0 and count != n:
+                    raise AssertionError(f"{name}: {count} targets, not {n}")
+                if rep > 0:
+                    times[name].append(time.perf_counter() - t0)
+        res[str(n)] = times
+    return res
+
+
 def worker(rank: int, world: int, counts: list[int], repeats: int, store: str, out: str) -> None:
     dist.init_process_group(
         "gloo", init_method=f"file://{store}", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=600)
@@ -136,14 +169,17 @@ def worker(rank: int, world: int, counts: list[int], repeats: int, store: str, o
     dist.destroy_process_group()
 
 
-def report(per_rank: list[dict], counts: list[int]) -> list[dict[str, Any]]:
+def report(per_rank: list[dict], counts: list[int], single: dict[str, dict[str, list[float]]]) -> list[dict[str, Any]]:
     rows = []
     for n in counts:
         names = list(per_rank[0][str(n)])
         # per round: the slowest rank's time
         rounds = {k: [max(times) for times in zip(*(r[str(n)][k] for r in per_rank))] for k in names}
-        ours = rounds[SHARDSYNC]
-        for k in names:
+        for k in names + list(single[str(n)]):
+            if k in single[str(n)]:
+                rounds[k], ours = single[str(n)][k], single[str(n)][ONE]
+            else:
+                ours = rounds[SHARDSYNC]
             rows.append(
                 {
                     "tensors": n,
@@ -166,7 +202,8 @@ def markdown(doc: dict[str, Any]) -> str:
         f"{doc['conditions']}; the ranks: {doc['rank_threads']}. {doc['repeats']} interleaved rounds after "
         "a checked warm-up pass; seconds are medians over the rounds (the slowest rank's), ranges over "
         "the rounds; x = the row's time / shardsync's, median of the per-round ratios (above 1: shardsync "
-        "is faster).",
+        'is faster). The rows "1 process": the same full tensors in the parent process (no ranks), '
+        "x against the one-process shardsync row.",
         "",
         "| tensors | variant | s (median) | s (range) | us per tensor | x vs shardsync |",
         "|---|---|---|---|---|---|",
@@ -188,6 +225,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     busy.add_flag(parser)
     args = parser.parse_args(argv)
     with busy.run(args.busy) as conditions, tempfile.TemporaryDirectory() as tmp:
+        single = _single(args.counts, args.repeats)
         mp.spawn(worker, args=(2, args.counts, args.repeats, os.path.join(tmp, "store"), tmp), nprocs=2)
         per_rank = [torch.load(os.path.join(tmp, f"{r}.pt")) for r in range(2)]
     doc = {
@@ -198,7 +236,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "conditions": conditions,
         "rank_threads": per_rank[0]["threads"],
         "repeats": args.repeats,
-        "rows": report(per_rank, args.counts),
+        "rows": report(per_rank, args.counts, single),
     }
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -80,7 +80,8 @@ def piece_view(data: torch.Tensor, origin: Box, piece: Piece) -> torch.Tensor:
         >>> piece_view(torch.arange(6).reshape(2, 3), Box((0, 0), (2, 3)), piece).tolist()
         [[1, 4], [2, 5]]
     """
-    view = data[piece.source_box.slices_in(origin)]
+    box = piece.source_box
+    view = data if box == origin else data[box.slices_in(origin)]  # a whole shard: no view to make
     return arrange(view, piece) if piece.perm is not None else view
 
 
@@ -148,4 +149,6 @@ def copy_piece(
         and copy_bits(out_ints, data_ints, origin, piece, batch)
     ):
         return
-    cast_into(out[piece.target_box.slices()], piece_view(data, origin, piece), piece.casts, batch)
+    box = piece.target_box
+    region = out if box.sizes == out.shape else out[box.slices()]  # the whole target: no view to make
+    cast_into(region, piece_view(data, origin, piece), piece.casts, batch)

@@ -77,6 +77,9 @@ def without_values(entries: Iterable[EntryLike]) -> tuple[LayoutEntry, ...]:
         >>> without_values([LayoutEntry("w", (2,), "float32", Box((0,), (2,)), "01")])[0].fingerprint is None
         True
     """
+    entries = tuple(entries)
+    if all(type(e) is LayoutEntry and e.fingerprint is None for e in entries):
+        return entries  # nothing to drop (a live state's entries before they are fingerprinted)
     return tuple(LayoutEntry(*e[:4]) for e in entries)
 
 

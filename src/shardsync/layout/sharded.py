@@ -6,6 +6,7 @@ name (``torch.distributed._shard.ShardedTensor``, a tensor of all ranks' shards)
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping, Sequence
 from typing import Any, Union
 
@@ -84,7 +85,7 @@ class LocalShard:
         changed since)."""
         box = self._box
         if box is None or box.sizes != self.local.shape or box.offsets != self.global_offset:
-            box = self._box = Box(self.global_offset, tuple(self.local.shape))
+            box = self._box = _box(self.global_offset, tuple(self.local.shape))
         return box
 
     @property
@@ -178,6 +179,12 @@ def from_dtensor(dt: Any) -> LocalShard:
             f"{len(shards)} boxes, not one; use dtensor_shards(dt) for the list"
         )
     return shards[0]
+
+
+@functools.lru_cache(maxsize=4096)
+def _box(offsets: tuple[int, ...], sizes: tuple[int, ...]) -> Box:
+    """``Box(offsets, sizes)``, one object for equal arguments (a model's many shards of a few shapes)."""
+    return Box(offsets, sizes)
 
 
 def local_shards(key: str, value: StateValue) -> list[LocalShard]:
