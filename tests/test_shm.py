@@ -333,6 +333,30 @@ def test_streams_whose_receivers_change_reuse_no_segment_a_new_receiver_cannot_o
         assert rec == [("shm", [])] * 3, rank
 
 
+def _same_bytes_new_views(rank: int, world: int) -> list:
+    """Small tensors (published and pulled, not pushed) streamed again with new values in place, then
+    with the same bytes in another dtype and shape: each stream reads what the state holds then."""
+    full = {f"e.{i}": arange_tensor((6, 4), start=100 * i) for i in range(5)}
+    out = []
+    for step in range(4):
+        if step == 1:  # new values, same tensors: the kept views see them
+            full = {k: v * 3 - 1 for k, v in full.items()}
+        if step == 2:  # same bytes per read, another dtype: views of the same places, reinterpreted
+            full = {k: (v.to(torch.int32) * 7 + 5) for k, v in full.items()}
+        if step == 3:  # same bytes and dtype, another shape
+            full = {k: v.reshape(4, 6).clone() for k, v in full.items()}
+        state = {k: shard_dim(v, 0, rank, world) for k, v in full.items()}
+        s = full_params(state, transport="shm")
+        got = dict(s)
+        out.append((s.stats.transport, sorted(k for k in full if not torch.equal(got[k], full[k])), len(got)))
+    return out
+
+
+def test_kept_views_follow_new_values_dtypes_and_shapes() -> None:
+    for rank, rec in enumerate(run_ranks(_same_bytes_new_views, 2, timeout=120)):
+        assert rec == [("shm", [], 5)] * 4, rank
+
+
 def test_ranks_with_targets_off_cpu_make_every_rank_use_the_backend() -> None:
     import shardsync
 

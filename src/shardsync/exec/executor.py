@@ -292,7 +292,7 @@ class _Run:
     def deliver(self, received: list[Received]) -> None:
         """Copy every received read into the targets that read it (unless it landed there)."""
         batch = Copies()
-        for pk, buf in received:
+        for pk, buf, viewed in received:
             if all(i in self.direct for i in pk.reads):
                 continue
             for i in pk.reads:
@@ -300,7 +300,8 @@ class _Run:
                     for t, piece in self.remote.get(i, ()):
                         batch.add(self.open[t][piece.target_box.slices()], self.arranged[i][piece])
             raw = [i for i in pk.reads if i not in self.arranged]
-            for i, data in unpack(buf, pk, self.plan.reads, raw).items():
+            views = {pk.reads[0]: viewed} if viewed is not None and raw else unpack(buf, pk, self.plan.reads, raw)
+            for i, data in views.items():
                 bits = None  # the data as integers, viewed for the first target that takes them
                 for t, piece in self.remote.get(i, ()):
                     out, out_ints = self.open[t], self.ints.get(t)

@@ -139,6 +139,7 @@ class ShmTransport:
         self.pulls = pulls(plan, pushing.targets)
         self.mine = frozenset(i for i, ranks_ in self.pulls.items() if me in ranks_)  # reads this rank pulls
         self.views: dict[int, torch.Tensor] = {}  # read this rank pulls -> its bytes
+        self.typed: dict[int, torch.Tensor] = {}  # ... and the same in its dtype and shape (not arranged)
         self.got: dict[tuple[int, int], Packet] = per_plan(plan, ("pulled", me), dict)  # (read, sender) -> packet
         # read -> its pieces, their offsets and bytes, when published in target form (if copied)
         self.arrange = per_plan(
@@ -164,7 +165,7 @@ class ShmTransport:
                     got = self.got.get((i, pk.src))
                     if got is None:  # one packet per read and sender, made on a plan's first stream
                         got = self.got[i, pk.src] = Packet(pk.src, me, (i,), (0,), self.plan.reads[i].nbytes)
-                    posted.got.append(Received(got, self.views[i]))
+                    posted.got.append(Received(got, self.views[i], self.typed.get(i)))
                     stats.bytes_received += got.nbytes
         return posted
 
@@ -174,6 +175,7 @@ class ShmTransport:
         self.push.close()
         stats.release(self.held)
         self.views.clear()
+        self.typed.clear()
         self.kept.busy = False
 
     def setup(self, io: PacketIO, stats: Stats) -> None:
@@ -187,6 +189,7 @@ class ShmTransport:
         self.reuse_own = self._kept_by_all(kept)
         if not self.reuse_own:
             kept.own, kept.board, kept.maps, kept.blocks, kept.last = None, None, {}, {}, None
+            kept.own_views, kept.views = {}, {}
         self.kept = kept
         kept.busy = True
         weakref.finalize(self, idle, kept)  # an abandoned stream frees them for the next
@@ -290,7 +293,7 @@ class ShmTransport:
         if own is None or own[0] != layout or not self.reuse_own:
             path = self.paths[self.ranks.rank]
             own = (layout, ("seg", self.ranks.rank, path, size), as_bytes(_create(path, size)))
-            self.kept.own = own
+            self.kept.own, self.kept.own_views = own, {}
         self.held = size
         stats.hold(size)
         batch = Copies()  # one hand-off to this rank's copy threads for every read
@@ -302,7 +305,12 @@ class ShmTransport:
                     cast_into(region, piece_view(view, r.box, p), p.casts, batch)
                 io.prearranged(i, pieces)  # this rank's own targets copy them from here too
             else:
-                batch.add(own[2][off : off + r.nbytes].view(to_torch_dtype(r.dtype)).view(r.box.sizes), view)
+                key = (i, off, r.dtype, r.box.sizes)  # the same place in every stream of one layout
+                dst = self.kept.own_views.get(key)
+                if dst is None:
+                    dst = own[2][off : off + r.nbytes].view(to_torch_dtype(r.dtype)).view(r.box.sizes)
+                    self.kept.own_views[key] = dst
+                batch.add(dst, view)
         io.copy(batch)
         return {i: (own[1], off, i in self.arrange) for (i, _), off in zip(copied, offsets)}
 
@@ -324,12 +332,19 @@ class ShmTransport:
         made = {(h[0], h[1]) for h in used if h[0] != "fd"}
         for handle_ in [h for h in maps if h not in used and (h[0] == "fd" or (h[0], h[1]) in made)]:
             del maps[handle_]
+            self.kept.views.pop(handle_, None)
         for i, (handle_, off, arranged) in needed.items():
             if arranged:
                 self.views[i] = maps[handle_][off : off + self._published_bytes(i)]
                 io.prearranged(i, self._pieces(self.views[i], i))
             else:
-                self.views[i] = maps[handle_][off : off + self.plan.reads[i].nbytes]
+                r = self.plan.reads[i]
+                views, key = self.kept.views.setdefault(handle_, {}), (off, r.nbytes, r.dtype, r.box.sizes)
+                found = views.get(key)
+                if found is None:
+                    raw = maps[handle_][off : off + r.nbytes]
+                    found = views[key] = (raw, raw.view(to_torch_dtype(r.dtype)).view(r.box.sizes))
+                self.views[i], self.typed[i] = found
         own = self.kept.board
         assert own is not None
         memories = [own[1] if r == me else maps[b] for r, b in enumerate(boards)]

@@ -118,8 +118,13 @@ class Kept:
     def __init__(self) -> None:
         self.token = ""  # the stream that set these up; "" when none (or after a failure)
         self.own: tuple[tuple, tuple, torch.Tensor] | None = None  # (reads and sizes, handle, bytes)
+        # (read, offset, dtype, shape) -> its place in ``own``, in its dtype and shape (own's views)
+        self.own_views: dict[tuple, torch.Tensor] = {}
         self.board: tuple[tuple, torch.Tensor] | None = None  # (handle, bytes)
         self.maps: dict[tuple, torch.Tensor] = {}  # handle -> mapped bytes
+        # handle -> {(offset, bytes, dtype, shape) -> (the bytes, in that dtype and shape)}: views of
+        # reads in the mapped memory, made once while it stays mapped
+        self.views: dict[tuple, dict[tuple, tuple[torch.Tensor, torch.Tensor]]] = {}
         self.blocks: dict[tuple[int, int], torch.Tensor] = {}  # (rank, inode) -> mapped bytes
         self.last: Boards | None = None  # the boards as the stream of ``token`` mapped them
         self.busy = False  # a stream is using them: another one works on its own

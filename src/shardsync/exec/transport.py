@@ -57,6 +57,9 @@ class Received(NamedTuple):
 
     packet: Packet
     buffer: torch.Tensor
+    #: a one-read packet's read, already viewed in its dtype and box shape (a transport that keeps
+    #: such views between streams); None: :func:`unpack` views it
+    data: torch.Tensor | None = None
 
 
 class PacketIO(Protocol):

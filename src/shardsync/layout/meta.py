@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 
 from ..errors import LayoutError
 from .box import Box
@@ -78,8 +78,8 @@ def without_values(entries: Iterable[EntryLike]) -> tuple[LayoutEntry, ...]:
         True
     """
     entries = tuple(entries)
-    if all(type(e) is LayoutEntry and e.fingerprint is None for e in entries):
-        return entries  # nothing to drop (a live state's entries before they are fingerprinted)
+    if all(type(e) is LayoutEntry and e.fingerprint is None for e in entries):  # nothing to drop
+        return cast(tuple[LayoutEntry, ...], entries)  # (a live state's entries, not fingerprinted)
     return tuple(LayoutEntry(*e[:4]) for e in entries)
 
 
