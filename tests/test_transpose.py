@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from shardsync.exec import copies, transpose
 from shardsync.exec.copies import copy_into
 from shardsync.exec.transpose import kernel, transposable, transpose_into
+from shardsync.layout.dtypes import BITS
 
 x86 = pytest.mark.skipif(platform.machine() != "x86_64", reason="torch carries fbgemm on x86 only")
 
@@ -27,7 +28,6 @@ DTYPES = [
     torch.uint8,
     torch.bool,
 ]
-_INTS = copies._INTS
 
 
 def _bits(shape: tuple[int, ...], dtype: torch.dtype, seed: int) -> torch.Tensor:
@@ -37,13 +37,13 @@ def _bits(shape: tuple[int, ...], dtype: torch.dtype, seed: int) -> torch.Tensor
     raw = torch.randint(-(2 ** (8 * size - 1)), 2 ** (8 * size - 1), shape, generator=g, dtype=torch.int64)
     if dtype == torch.bool:
         return (raw % 2).bool()
-    return raw.to(_INTS[size]).view(dtype)
+    return raw.to(BITS[size]).view(dtype)
 
 
 def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     if a.dtype == torch.bool:
         return torch.equal(a, b)
-    return torch.equal(a.view(_INTS[a.element_size()]), b.view(_INTS[b.element_size()]))
+    return torch.equal(a.view(BITS[a.element_size()]), b.view(BITS[b.element_size()]))
 
 
 @x86
