@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -59,6 +60,18 @@ def test_shard_box_follows_its_tensor_and_offset() -> None:
     whole = LocalShard.whole(arange_tensor((3, 5)))
     assert (whole.global_shape, whole.global_offset, whole.box) == ((3, 5), (0, 0), Box((0, 0), (3, 5)))
     assert local_shards("w", torch.zeros(()))[0].box == Box((), ())
+
+
+def test_shard_box_without_its_cache_and_with_numpy_offsets() -> None:
+    """A shard made without ``__init__`` (unpickled from an older shardsync, a subclass that sets the
+    fields itself) has a box; numpy offsets give a box of Python ints, and no other shard gets theirs."""
+    old = LocalShard.__new__(LocalShard)
+    old.local, old.global_shape, old.global_offset = torch.zeros(2, 3), (4, 3), (2, 0)
+    assert old.box == Box((2, 0), (2, 3))
+    s = LocalShard(torch.zeros(1, 7), (5, 7), (0, 0))  # a shape no other test makes a box of
+    s.global_offset = (np.int64(3), np.int64(0))
+    assert s.box == Box((3, 0), (1, 7)) and [type(o) for o in s.box.offsets] == [int, int]
+    assert [type(o) for o in LocalShard(torch.zeros(1, 7), (5, 7), (3, 0)).box.offsets] == [int, int]
 
 
 def test_local_shards_forms_and_errors() -> None:

@@ -333,6 +333,34 @@ def test_streams_whose_receivers_change_reuse_no_segment_a_new_receiver_cannot_o
         assert rec == [("shm", [])] * 3, rank
 
 
+def _in_place_file_system(rank: int, world: int) -> tuple:
+    """Shards moved to shared memory under torch's "file_system" sharing strategy (a file whose
+    storage starts after a header of torch's), published in place: twice, with new values between."""
+    strategy = torch.multiprocessing.get_sharing_strategy()
+    torch.multiprocessing.set_sharing_strategy("file_system")
+    try:
+        state, _, ref = case_tp(rank, world)
+        ref = {k: v.clone() for k, v in ref.items()}  # the shards may be views of these
+        state = {k: (v.share_memory_() if isinstance(v, torch.Tensor) else v) for k, v in state.items()}
+        for v in state.values():
+            if hasattr(v, "local"):
+                v.local = v.local.contiguous().share_memory_()
+        segments.release()
+        first = stream(state, None, ref, transport="shm")
+        own = segments.kept_by_name()[segments.group_name(None)].own
+        for v in state.values():
+            getattr(v, "local", v).mul_(-1)  # in place: the same files
+        second = stream(state, None, {k: -v for k, v in ref.items()}, transport="shm")
+        return first["transport"], first["bad"], own is None, second["bad"], len(first["targets"])
+    finally:
+        torch.multiprocessing.set_sharing_strategy(strategy)
+
+
+def test_shards_shared_under_the_file_system_strategy_are_read_after_torchs_header() -> None:
+    for rank, rec in enumerate(run_ranks(_in_place_file_system, 2, timeout=120)):
+        assert rec[:4] == ("shm", [], True, []) and rec[4] > 0, (rank, rec)
+
+
 def _same_bytes_new_views(rank: int, world: int) -> list:
     """Small tensors (published and pulled, not pushed) streamed again with new values in place, then
     with the same bytes in another dtype and shape: each stream reads what the state holds then."""

@@ -305,12 +305,11 @@ class ShmTransport:
                     cast_into(region, piece_view(view, r.box, p), p.casts, batch)
                 io.prearranged(i, pieces)  # this rank's own targets copy them from here too
             else:
-                key = (i, off, r.dtype, r.box.sizes)  # the same place in every stream of one layout
-                dst = self.kept.own_views.get(key)
-                if dst is None:
+                kept = self.kept.own_views.get((i, off))  # the same place in every stream of one layout
+                if kept is None or kept[:2] != (r.dtype, r.box.sizes):
                     dst = own[2][off : off + r.nbytes].view(to_torch_dtype(r.dtype)).view(r.box.sizes)
-                    self.kept.own_views[key] = dst
-                batch.add(dst, view)
+                    kept = self.kept.own_views[i, off] = (r.dtype, r.box.sizes, dst)
+                batch.add(kept[2], view)
         io.copy(batch)
         return {i: (own[1], off, i in self.arrange) for (i, _), off in zip(copied, offsets)}
 
@@ -339,12 +338,17 @@ class ShmTransport:
                 io.prearranged(i, self._pieces(self.views[i], i))
             else:
                 r = self.plan.reads[i]
-                views, key = self.kept.views.setdefault(handle_, {}), (off, r.nbytes, r.dtype, r.box.sizes)
-                found = views.get(key)
-                if found is None:
+                views = self.kept.views.setdefault(handle_, {})
+                found = views.get((off, r.nbytes))
+                if found is None or found[:2] != (r.dtype, r.box.sizes):
                     raw = maps[handle_][off : off + r.nbytes]
-                    found = views[key] = (raw, raw.view(to_torch_dtype(r.dtype)).view(r.box.sizes))
-                self.views[i], self.typed[i] = found
+                    found = views[off, r.nbytes] = (
+                        r.dtype,
+                        r.box.sizes,
+                        raw,
+                        raw.view(to_torch_dtype(r.dtype)).view(r.box.sizes),
+                    )
+                self.views[i], self.typed[i] = found[2:]
         own = self.kept.board
         assert own is not None
         memories = [own[1] if r == me else maps[b] for r, b in enumerate(boards)]

@@ -118,13 +118,13 @@ class Kept:
     def __init__(self) -> None:
         self.token = ""  # the stream that set these up; "" when none (or after a failure)
         self.own: tuple[tuple, tuple, torch.Tensor] | None = None  # (reads and sizes, handle, bytes)
-        # (read, offset, dtype, shape) -> its place in ``own``, in its dtype and shape (own's views)
-        self.own_views: dict[tuple, torch.Tensor] = {}
+        # (read, offset) -> (dtype, shape, its place in ``own`` in that dtype and shape): own's views
+        self.own_views: dict[tuple, tuple[str, tuple[int, ...], torch.Tensor]] = {}
         self.board: tuple[tuple, torch.Tensor] | None = None  # (handle, bytes)
         self.maps: dict[tuple, torch.Tensor] = {}  # handle -> mapped bytes
-        # handle -> {(offset, bytes, dtype, shape) -> (the bytes, in that dtype and shape)}: views of
-        # reads in the mapped memory, made once while it stays mapped
-        self.views: dict[tuple, dict[tuple, tuple[torch.Tensor, torch.Tensor]]] = {}
+        # handle -> {(offset, bytes) -> (dtype, shape, the bytes, the same in that dtype and shape)}:
+        # views of reads in the mapped memory, made once while it stays mapped (one per place)
+        self.views: dict[tuple, dict[tuple, tuple[str, tuple[int, ...], torch.Tensor, torch.Tensor]]] = {}
         self.blocks: dict[tuple[int, int], torch.Tensor] = {}  # (rank, inode) -> mapped bytes
         self.last: Boards | None = None  # the boards as the stream of ``token`` mapped them
         self.busy = False  # a stream is using them: another one works on its own
@@ -193,7 +193,12 @@ def storage_handle(view: torch.Tensor) -> tuple[tuple, int] | None:
     offset = view.data_ptr() - storage.data_ptr()
     if torch.multiprocessing.get_sharing_strategy() == "file_system":
         _, name, size = storage._share_filename_cpu_()
-        return ("file", os.path.join(SHM_DIR, name.decode().lstrip("/")), size), offset
+        path = os.path.join(SHM_DIR, name.decode().lstrip("/"))
+        # torch's file starts with a header of its own (a reference count), the storage after it
+        header = os.stat(path).st_size - size
+        if header < 0:
+            raise RuntimeError(f"{path} holds {size + header} bytes, less than its storage's {size}")
+        return ("file", path, size + header), offset + header
     fd, size = storage._share_fd_cpu_()
     return ("fd", os.getpid(), fd, os.fstat(fd).st_ino, size), offset
 

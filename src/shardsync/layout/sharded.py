@@ -83,9 +83,9 @@ class LocalShard:
     def box(self) -> Box:
         """The shard's region in global coordinates (made once; again if ``local`` or the offset
         changed since)."""
-        box = self._box
+        box = getattr(self, "_box", None)  # absent on a shard unpickled from an older shardsync
         if box is None or box.sizes != self.local.shape or box.offsets != self.global_offset:
-            box = self._box = _box(self.global_offset, tuple(self.local.shape))
+            box = self._box = _box(tuple(map(int, self.global_offset)), tuple(self.local.shape))
         return box
 
     @property
@@ -183,7 +183,8 @@ def from_dtensor(dt: Any) -> LocalShard:
 
 @functools.lru_cache(maxsize=4096)
 def _box(offsets: tuple[int, ...], sizes: tuple[int, ...]) -> Box:
-    """``Box(offsets, sizes)``, one object for equal arguments (a model's many shards of a few shapes)."""
+    """``Box(offsets, sizes)`` of Python ints, one object for equal arguments (a model's many shards
+    of a few shapes)."""
     return Box(offsets, sizes)
 
 
