@@ -100,8 +100,13 @@ def _variants(full: dict, state: dict, dts: dict, world: int) -> dict[str, Calla
     }
 
 
+def _barrier() -> None:
+    if dist.is_initialized():  # the ranks' passes; the one-process ones run before the ranks start
+        dist.barrier()
+
+
 def _pass(make: Callable[[], Iterator], ref: dict | None, no_gc: bool = False) -> float:
-    dist.barrier()
+    _barrier()
     enabled = gc.isenabled()
     if no_gc:
         gc.disable()
@@ -115,7 +120,7 @@ def _pass(make: Callable[[], Iterator], ref: dict | None, no_gc: bool = False) -
     finally:
         if no_gc and enabled:
             gc.enable()
-    dist.barrier()
+    _barrier()
     if ref is not None and n != len(ref):
         raise AssertionError(f"{n} targets, not {len(ref)}")
     return time.perf_counter() - t0
@@ -131,18 +136,12 @@ def _single(counts: list[int], repeats: int) -> dict[str, dict[str, list[float]]
             ONE: lambda full=full: iter(full_params(full)),
             "1 process: clone() of every tensor": lambda full=full: ((k, v.clone()) for k, v in full.items()),
         }
+        for make in makers.values():  # warm-up, checking every tensor
+            _pass(make, full)
         times: dict[str, list[float]] = {name: [] for name in makers}
-        for rep in range(repeats + 1):
+        for _ in range(repeats):
             for name, make in makers.items():
-                t0, count = time.perf_counter(), 0
-                for key, t in make():
-                    if rep == 0 and not torch.equal(t, full[key]):
-                        raise AssertionError(f"{name}: {key} differs from the reference")
-                    count += 1
-                if rep == 0 and count != n:
-                    raise AssertionError(f"{name}: {count} targets, not {n}")
-                if rep > 0:
-                    times[name].append(time.perf_counter() - t0)
+                times[name].append(_pass(make, None))
         res[str(n)] = times
     return res
 
@@ -174,20 +173,18 @@ def report(per_rank: list[dict], counts: list[int], single: dict[str, dict[str, 
     for n in counts:
         names = list(per_rank[0][str(n)])
         # per round: the slowest rank's time
-        rounds = {k: [max(times) for times in zip(*(r[str(n)][k] for r in per_rank))] for k in names}
-        for k in names + list(single[str(n)]):
-            if k in single[str(n)]:
-                rounds[k], ours = single[str(n)][k], single[str(n)][ONE]
-            else:
-                ours = rounds[SHARDSYNC]
+        ranks = {k: [max(times) for times in zip(*(r[str(n)][k] for r in per_rank))] for k in names}
+        one = single[str(n)]  # the one-process rows, against the one-process shardsync
+        for k, times in (ranks | one).items():
+            ours = one[ONE] if k in one else ranks[SHARDSYNC]
             rows.append(
                 {
                     "tensors": n,
                     "variant": k,
-                    "seconds": statistics.median(rounds[k]),
-                    "range": [min(rounds[k]), max(rounds[k])],
-                    "us_per_tensor": statistics.median(rounds[k]) / n * 1e6,
-                    "x_vs_shardsync": statistics.median([a / b for a, b in zip(rounds[k], ours)]),
+                    "seconds": statistics.median(times),
+                    "range": [min(times), max(times)],
+                    "us_per_tensor": statistics.median(times) / n * 1e6,
+                    "x_vs_shardsync": statistics.median([a / b for a, b in zip(times, ours)]),
                 }
             )
     return rows

@@ -86,10 +86,8 @@ class Shards:
                 layout was gathered).
         """
         for s in self.shards.get(key, ()):
-            if s.box == box:
-                return s.local.detach()
-            if s.box.contains(box):  # the part of a shard that a shorter (padded) target fills
-                return s.local.detach()[box.slices_in(s.box)]
+            if s.box.contains(box):  # all of it, or the part that a shorter (padded) target fills
+                return box.cut(s.local.detach(), s.box)
         raise LayoutError(
             f"{key!r}: this rank holds no destination shard {box}; the destination "
             "changed after its layout was gathered"

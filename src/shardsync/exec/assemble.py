@@ -80,8 +80,7 @@ def piece_view(data: torch.Tensor, origin: Box, piece: Piece) -> torch.Tensor:
         >>> piece_view(torch.arange(6).reshape(2, 3), Box((0, 0), (2, 3)), piece).tolist()
         [[1, 4], [2, 5]]
     """
-    box = piece.source_box
-    view = data if box == origin else data[box.slices_in(origin)]  # a whole shard: no view to make
+    view = piece.source_box.cut(data, origin)
     return arrange(view, piece) if piece.perm is not None else view
 
 

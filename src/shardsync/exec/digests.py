@@ -120,7 +120,7 @@ def local_sums(
         for part in mine:
             p = part.piece
             casts = p.casts if p.casts and p.casts[-1] == part.dtype else (*p.casts, part.dtype)
-            view = data[p.source_box.slices_in(read.box)]
+            view = p.source_box.cut(data, read.box)
             s = box_sum(view, part.shape, p.target_box.offsets, p.perm, casts)
             sums[part.target] = (sums[part.target] + s) & MASK
     return sums

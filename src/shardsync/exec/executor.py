@@ -292,7 +292,8 @@ class _Run:
     def deliver(self, received: list[Received]) -> None:
         """Copy every received read into the targets that read it (unless it landed there)."""
         batch = Copies()
-        for pk, buf, viewed in received:
+        for rec in received:
+            pk = rec.packet
             if all(i in self.direct for i in pk.reads):
                 continue
             for i in pk.reads:
@@ -300,8 +301,7 @@ class _Run:
                     for t, piece in self.remote.get(i, ()):
                         batch.add(self.open[t][piece.target_box.slices()], self.arranged[i][piece])
             raw = [i for i in pk.reads if i not in self.arranged]
-            views = {pk.reads[0]: viewed} if viewed is not None and raw else unpack(buf, pk, self.plan.reads, raw)
-            for i, data in views.items():
+            for i, data in unpack(rec, self.plan.reads, raw).items():
                 bits = None  # the data as integers, viewed for the first target that takes them
                 for t, piece in self.remote.get(i, ()):
                     out, out_ints = self.open[t], self.ints.get(t)
@@ -328,10 +328,7 @@ class _Run:
             self.stats.release(tag=t)
         else:  # zero copy: a view of this rank's own source
             c = tp.copies[0]
-            box = self.plan.reads[c.read].box
-            tensor = self.read(c.read)
-            if c.piece.source_box != box:
-                tensor = tensor[c.piece.source_box.slices_in(box)]
+            tensor = c.piece.source_box.cut(self.read(c.read), self.plan.reads[c.read].box)
         self.stats.targets += 1
         self.stats.bytes_yielded += tp.nbytes
         return tp.name, tensor

@@ -62,7 +62,7 @@ from ..dist import GroupRanks, agree
 from ..layout.dtypes import to_torch_dtype
 from ..liveness import ProcessRecord, this_process
 from ..mapping.pieces import Piece
-from ..planning.model import Packet, Plan, Step
+from ..planning.model import Packet, Plan, Read, Step
 from ..planning.schedule import aligned
 from ..roll_call import group_timeout
 from .assemble import cast_into, piece_view
@@ -138,8 +138,8 @@ class ShmTransport:
         me = ranks.rank
         self.pulls = pulls(plan, pushing.targets)
         self.mine = frozenset(i for i, ranks_ in self.pulls.items() if me in ranks_)  # reads this rank pulls
-        self.views: dict[int, torch.Tensor] = {}  # read this rank pulls -> its bytes
-        self.typed: dict[int, torch.Tensor] = {}  # ... and the same in its dtype and shape (not arranged)
+        # read this rank pulls -> its bytes, and the same in its dtype and shape (None: arranged)
+        self.views: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}
         self.got: dict[tuple[int, int], Packet] = per_plan(plan, ("pulled", me), dict)  # (read, sender) -> packet
         # read -> its pieces, their offsets and bytes, when published in target form (if copied)
         self.arrange = per_plan(
@@ -165,7 +165,7 @@ class ShmTransport:
                     got = self.got.get((i, pk.src))
                     if got is None:  # one packet per read and sender, made on a plan's first stream
                         got = self.got[i, pk.src] = Packet(pk.src, me, (i,), (0,), self.plan.reads[i].nbytes)
-                    posted.got.append(Received(got, self.views[i], self.typed.get(i)))
+                    posted.got.append(Received(got, *self.views[i]))
                     stats.bytes_received += got.nbytes
         return posted
 
@@ -175,7 +175,6 @@ class ShmTransport:
         self.push.close()
         stats.release(self.held)
         self.views.clear()
-        self.typed.clear()
         self.kept.busy = False
 
     def setup(self, io: PacketIO, stats: Stats) -> None:
@@ -189,7 +188,7 @@ class ShmTransport:
         self.reuse_own = self._kept_by_all(kept)
         if not self.reuse_own:
             kept.own, kept.board, kept.maps, kept.blocks, kept.last = None, None, {}, {}, None
-            kept.own_views, kept.views = {}, {}
+            kept.views = {}
         self.kept = kept
         kept.busy = True
         weakref.finalize(self, idle, kept)  # an abandoned stream frees them for the next
@@ -292,11 +291,14 @@ class ShmTransport:
         own = self.kept.own
         if own is None or own[0] != layout or not self.reuse_own:
             path = self.paths[self.ranks.rank]
+            if own is not None:
+                self.kept.views.pop(own[1], None)
             own = (layout, ("seg", self.ranks.rank, path, size), as_bytes(_create(path, size)))
-            self.kept.own, self.kept.own_views = own, {}
+            self.kept.own = own
         self.held = size
         stats.hold(size)
         batch = Copies()  # one hand-off to this rank's copy threads for every read
+        views = self.kept.views.setdefault(own[1], {})
         for (i, view), off in zip(copied, offsets):
             r = self.plan.reads[i]
             if i in self.arrange:  # each piece cast and permuted here, once; then copied plainly
@@ -305,11 +307,7 @@ class ShmTransport:
                     cast_into(region, piece_view(view, r.box, p), p.casts, batch)
                 io.prearranged(i, pieces)  # this rank's own targets copy them from here too
             else:
-                kept = self.kept.own_views.get((i, off))  # the same place in every stream of one layout
-                if kept is None or kept[:2] != (r.dtype, r.box.sizes):
-                    dst = own[2][off : off + r.nbytes].view(to_torch_dtype(r.dtype)).view(r.box.sizes)
-                    kept = self.kept.own_views[i, off] = (r.dtype, r.box.sizes, dst)
-                batch.add(kept[2], view)
+                batch.add(read_views(views, own[2], off, r)[1], view)
         io.copy(batch)
         return {i: (own[1], off, i in self.arrange) for (i, _), off in zip(copied, offsets)}
 
@@ -334,21 +332,13 @@ class ShmTransport:
             self.kept.views.pop(handle_, None)
         for i, (handle_, off, arranged) in needed.items():
             if arranged:
-                self.views[i] = maps[handle_][off : off + self._published_bytes(i)]
-                io.prearranged(i, self._pieces(self.views[i], i))
+                raw = maps[handle_][off : off + self._published_bytes(i)]
+                self.views[i] = (raw, None)
+                io.prearranged(i, self._pieces(raw, i))
             else:
-                r = self.plan.reads[i]
-                views = self.kept.views.setdefault(handle_, {})
-                found = views.get((off, r.nbytes))
-                if found is None or found[:2] != (r.dtype, r.box.sizes):
-                    raw = maps[handle_][off : off + r.nbytes]
-                    found = views[off, r.nbytes] = (
-                        r.dtype,
-                        r.box.sizes,
-                        raw,
-                        raw.view(to_torch_dtype(r.dtype)).view(r.box.sizes),
-                    )
-                self.views[i], self.typed[i] = found[2:]
+                self.views[i] = read_views(
+                    self.kept.views.setdefault(handle_, {}), maps[handle_], off, self.plan.reads[i]
+                )
         own = self.kept.board
         assert own is not None
         memories = [own[1] if r == me else maps[b] for r, b in enumerate(boards)]
@@ -366,3 +356,18 @@ class ShmTransport:
             open_block,
             group_timeout(self.ranks.group),
         )
+
+
+def read_views(
+    views: dict[int, tuple[tuple, torch.Tensor, torch.Tensor]], memory: torch.Tensor, off: int, read: Read
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The bytes of ``read`` at ``off`` in ``memory`` (a segment or a mapping), and the same in its
+    dtype and box shape: made once per place and kept in ``views`` (that memory's, which live as long
+    as it does), made again where the read there changed size, dtype or shape. A stream of a layout
+    already seen makes no view of its small reads."""
+    key = (read.nbytes, read.dtype, read.box.sizes)
+    found = views.get(off)
+    if found is None or found[0] != key:
+        raw = memory[off : off + read.nbytes]
+        found = views[off] = (key, raw, raw.view(to_torch_dtype(read.dtype)).view(read.box.sizes))
+    return found[1], found[2]

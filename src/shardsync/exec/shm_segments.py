@@ -118,13 +118,11 @@ class Kept:
     def __init__(self) -> None:
         self.token = ""  # the stream that set these up; "" when none (or after a failure)
         self.own: tuple[tuple, tuple, torch.Tensor] | None = None  # (reads and sizes, handle, bytes)
-        # (read, offset) -> (dtype, shape, its place in ``own`` in that dtype and shape): own's views
-        self.own_views: dict[tuple, tuple[str, tuple[int, ...], torch.Tensor]] = {}
         self.board: tuple[tuple, torch.Tensor] | None = None  # (handle, bytes)
         self.maps: dict[tuple, torch.Tensor] = {}  # handle -> mapped bytes
-        # handle -> {(offset, bytes) -> (dtype, shape, the bytes, the same in that dtype and shape)}:
-        # views of reads in the mapped memory, made once while it stays mapped (one per place)
-        self.views: dict[tuple, dict[tuple, tuple[str, tuple[int, ...], torch.Tensor, torch.Tensor]]] = {}
+        # handle -> the views of reads in that memory (its own segment's and the mapped ones'), kept
+        # while it is (see shm.read_views)
+        self.views: dict[tuple, dict[int, tuple[tuple, torch.Tensor, torch.Tensor]]] = {}
         self.blocks: dict[tuple[int, int], torch.Tensor] = {}  # (rank, inode) -> mapped bytes
         self.last: Boards | None = None  # the boards as the stream of ``token`` mapped them
         self.busy = False  # a stream is using them: another one works on its own

@@ -145,21 +145,20 @@ def landing(packet: Packet, io: PacketIO) -> torch.Tensor:
     return direct if direct is not None else io.buffer(packet.nbytes)
 
 
-def unpack(
-    buf: torch.Tensor, packet: Packet, reads: Sequence[Read], only: Sequence[int] | None = None
-) -> dict[int, torch.Tensor]:
-    """Views of each read in a received packet buffer (or of those in ``only``), in the read's dtype
-    and box shape.
+def unpack(received: Received, reads: Sequence[Read], only: Sequence[int] | None = None) -> dict[int, torch.Tensor]:
+    """Views of each read in a received packet (or of those in ``only``), in the read's dtype and box
+    shape: the one its transport kept (``received.data``), or cut from its buffer.
 
     Example:
-        >>> views = unpack(buf, packet, plan.reads)   # doctest: +SKIP
+        >>> views = unpack(received, plan.reads)   # doctest: +SKIP
     """
+    packet, buf, data = received
     out = {}
     for i, off in zip(packet.reads, packet.offsets):
         if only is not None and i not in only:
             continue
         r = reads[i]
-        out[i] = buf[off : off + r.nbytes].view(to_torch_dtype(r.dtype)).view(r.box.sizes)
+        out[i] = data if data is not None else buf[off : off + r.nbytes].view(to_torch_dtype(r.dtype)).view(r.box.sizes)
     return out
 
 

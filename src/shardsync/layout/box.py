@@ -6,8 +6,11 @@ import math
 import operator
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any, TypeVar
 
 __all__ = ["Box"]
+
+T = TypeVar("T", bound=Any)
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,6 +98,18 @@ class Box:
         return tuple(
             map(slice, map(operator.sub, self.offsets, outer.offsets), map(operator.sub, self.stops, outer.offsets))
         )
+
+    def cut(self, data: T, outer: Box) -> T:
+        """This box out of ``data`` (a tensor or array holding ``outer``): a view, or ``data`` itself
+        when the box is all of ``outer`` (no view to make).
+
+        Example:
+            >>> import numpy as np
+            >>> a = np.arange(12).reshape(3, 4)
+            >>> Box((1, 1), (2, 2)).cut(a, Box((0, 0), (3, 4))).tolist(), Box.full((3, 4)).cut(a, Box.full((3, 4))) is a
+            ([[5, 6], [9, 10]], True)
+        """
+        return data if self == outer else data[self.slices_in(outer)]
 
     def __str__(self) -> str:
         return "[" + ", ".join(f"{o}:{o + s}" for o, s in zip(self.offsets, self.sizes)) + "]"

@@ -186,7 +186,7 @@ class DcpSource:
             if part is None or part.empty:
                 continue
             data = self._chunk(key, chunk)
-            out[part.slices_in(box)] = data[part.slices_in(chunk)]
+            out[part.slices_in(box)] = part.cut(data, chunk)
         return out
 
     def chunk_file(self, key: str, chunk: Box) -> str:

@@ -104,7 +104,7 @@ class QuantizedSource:
             return self.inner.read(key, box)
         whole = _whole_blocks(box, self._shapes[key], self.block)
         codes, _ = quantize(self.inner.read(key, whole), self.block)
-        return codes[box.slices_in(whole)]
+        return box.cut(codes, whole)
 
     def device(self) -> torch.device:
         """The inner source's device."""

@@ -101,7 +101,7 @@ class LocalSource:
                 "the stream started?)"
             )
         shard, shard_box = found
-        return shard.local if box == shard_box else shard.local[box.slices_in(shard_box)]
+        return box.cut(shard.local, shard_box)
 
     def device(self) -> torch.device:
         """Device of the first local tensor (cpu when there is none)."""
