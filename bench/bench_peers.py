@@ -15,7 +15,9 @@ Jobs, each a fresh process, run in interleaved rounds (the order rotates every r
 from other processes on the machine hits all of them alike; a job checks every target against the
 numpy reference once, then times ``--repeats`` passes and keeps the best:
 
-* one process: shardsync (``reuse="dropped"``, the default; ``reuse="never"``; ``never`` with glibc
+* one process: shardsync (``reuse="dropped"``, the default; the same with the sources copied into
+  tensors of torch's, which start on 64 bytes where the workload's numpy arrays start 16 bytes past;
+  ``reuse="never"``; ``never`` with glibc
   told to keep freed memory by :func:`shardsync.exec.memory.tune_allocator`), Paddle 3.3.1's
   ``full_param`` (``--mode single``), and the memcpy ceiling: every target's bytes copied once into
   memory already touched (and, for reference, into fresh memory);
@@ -28,9 +30,10 @@ numpy reference once, then times ``--repeats`` passes and keeps the best:
   ``get_state_dict(full_state_dict=True)`` does; ``dcp.save`` to a tmpfs directory then
   ``dcp_to_torch_save`` and ``torch.load`` on rank 0 - only rank 0 gets targets), a naive
   ``all_gather``; and the ceilings: bytes each rank must receive over gloo's broadcast bandwidth (64
-  MiB, same run), and the memcpy of every target's bytes on both ranks at once (every memcpy ceiling
-  is the better of torch's default threads and one thread: next to a busy process one thread is
-  faster);
+  MiB), and the memcpy of every target's bytes on both ranks at once (every memcpy ceiling is the
+  better of torch's default threads and one thread: next to a busy process one thread is faster).
+  The ceilings are timed in the same round robin as shardsync's passes, as many passes each (they
+  used to be timed after them, with more passes: the busy process's load then hit them differently);
 * the same two spawned processes, each calling ``os.setsid()`` first (a session of its own, as torchrun
   and Paddle's launcher start their workers: the report's notes say why it matters next to a busy
   process): shardsync through shared memory and the memcpy ceiling;
@@ -107,9 +110,11 @@ def job_single(variant: str, repeats: int, layers: int) -> dict[str, float]:
     weights = W.full_weights(layers)
     ref = W.reference(weights)
     state = {k: torch.from_numpy(v) for k, v in weights.items()}
+    if variant == "aligned":  # torch's allocator starts a tensor on 64 bytes; numpy's large arrays 16 past
+        state = {k: v.clone() for k, v in state.items()}
     if variant == "tuned":
         tune_allocator()
-    reuse = "dropped" if variant == "dropped" else "never"
+    reuse = "dropped" if variant in ("dropped", "aligned") else "never"
     out = {
         variant: _best(
             lambda check: _check_count(
@@ -235,43 +240,56 @@ def _variants(rank: int, world: int, tmp: str, layers: int) -> dict[str, Callabl
     }
 
 
-def _ceilings(ref: dict, world: int) -> dict[str, float]:
+Ceilings = tuple[dict[str, Callable[[], None]], Callable[[dict[str, float]], dict[str, float]]]
+
+
+def _ceilings(ref: dict, world: int) -> Ceilings:
+    """One pass of each ceiling (timed in the same round robin as the variants, as many passes each),
+    and what makes the ceilings' rows of their best passes: the bytes each rank must receive over
+    gloo's broadcast bandwidth (64 MiB), and the memcpy of every target on both ranks at once, the
+    better of torch's default threads and one thread (next to a busy process one thread is faster)."""
     buf = torch.ones(64 * MIB, dtype=torch.uint8)
-    best = float("inf")
-    for _ in range(3):
-        dist.barrier()
-        t0 = time.perf_counter()
-        dist.broadcast(buf, src=0)
-        dist.barrier()
-        best = min(best, time.perf_counter() - t0)
-    receive = W.total_bytes(ref) * (world - 1) // world
     srcs = [
         torch.from_numpy(w).reshape(-1) if w.flags.c_contiguous else torch.from_numpy(w.copy()).reshape(-1)
         for w in ref.values()
     ]
-    warm = [torch.empty_like(s) for s in srcs]
+    pairs = list(zip([torch.empty_like(s) for s in srcs], srcs))
+    default = torch.get_num_threads()
 
-    def copy_all(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
-        copy = float("inf")
-        for _ in range(3):
-            dist.barrier()
-            t0 = time.perf_counter()
-            for d, s in pairs:
-                d.copy_(s)
-            dist.barrier()
-            copy = min(copy, time.perf_counter() - t0)
-        return copy
+    def memcpy(threads: int) -> Callable[[], None]:
+        def run() -> None:
+            torch.set_num_threads(threads)
+            try:
+                for d, s in pairs:
+                    d.copy_(s)
+            finally:
+                torch.set_num_threads(default)
 
-    targets = list(zip(warm, srcs))
-    return {
-        "ceiling: gloo broadcast of the received bytes": receive / (64 * MIB / best),
-        "ceiling: memcpy of every target, both ranks at once": _fastest(lambda: copy_all(targets)),
-    }
+        return run
+
+    passes = {"gloo": lambda: dist.broadcast(buf, src=0), "memcpy": memcpy(default), "memcpy, 1 thread": memcpy(1)}
+
+    def rows(best: dict[str, float]) -> dict[str, float]:
+        receive = W.total_bytes(ref) * (world - 1) // world
+        return {
+            peers_report.GLOO_CEILING: receive / (64 * MIB / best["gloo"]),
+            peers_report.MEMCPY_CEILING: min(best["memcpy"], best["memcpy, 1 thread"]),
+        }
+
+    return passes, rows
 
 
-def _timed_passes(variants: dict[str, Callable[[], Iterator]], rank: int, ref: dict, repeats: int) -> dict[str, float]:
-    """Best of ``repeats`` passes of each variant, round-robin; the first pass checks every target."""
+def _timed_passes(
+    variants: dict[str, Callable[[], Iterator]],
+    ceilings: dict[str, Callable[[], None]],
+    rank: int,
+    ref: dict,
+    repeats: int,
+) -> tuple[dict[str, float], dict[str, float]]:
+    """Best of ``repeats`` passes of each variant and each ceiling, round-robin (load from other
+    processes hits them alike); the first pass is not timed, and checks every variant's targets."""
     res = {name: float("inf") for name in variants}
+    best = {name: float("inf") for name in ceilings}
     for rep in range(repeats + 1):
         for name, make in variants.items():
             dist.barrier()
@@ -282,7 +300,14 @@ def _timed_passes(variants: dict[str, Callable[[], Iterator]], rank: int, ref: d
                 raise AssertionError(f"{name}: {n} targets on rank {rank}")
             if rep > 0:
                 res[name] = min(res[name], time.perf_counter() - t0)
-    return res
+        for name, run in ceilings.items():
+            dist.barrier()
+            t0 = time.perf_counter()
+            run()
+            dist.barrier()
+            if rep > 0:
+                best[name] = min(best[name], time.perf_counter() - t0)
+    return res, best
 
 
 def _pair(
@@ -294,7 +319,9 @@ def _pair(
     variants = _variants(rank, world, tmp, layers)
     if only is not None:
         variants = {only: variants[only]}
-    res = _timed_passes(variants, rank, ref, repeats) | _ceilings(ref, world)
+    passes, ceilings = _ceilings(ref, world)
+    res, best = _timed_passes(variants, passes, rank, ref, repeats)
+    res |= ceilings(best)
     res = {f"{k}{suffix}": v for k, v in res.items()}
     if rank == 0:
         Path(out).write_text(json.dumps({"seconds": res, "threads": busy.threads()}))
@@ -373,7 +400,7 @@ def job_paddle(mode: str, repeats: int, layers: int) -> dict[str, Any]:
 
 # -- driver -----------------------------------------------------------------------------------------
 
-ONE = ["single-dropped", "single-never", "single-tuned", "paddle-single"]
+ONE = ["single-dropped", "single-aligned", "single-never", "single-tuned", "paddle-single"]
 TWO = ["pair", "sessions", "torchrun", "paddle-group", "paddle-mesh"]
 #: Which side of the table each job is, for the thread settings in the report.
 SIDES = {
@@ -449,7 +476,7 @@ def notes(said: dict[str, set[str]]) -> list[str]:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=5, help="interleaved rounds (a ratio is the median of theirs)")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--layers", type=int, default=W.LAYERS, help=f"layers of the workload ({W.LAYERS}: 0.336 GB)")
     ap.add_argument("--no-paddle", action="store_true", help="leave Paddle's jobs out (its targets: not measured)")

@@ -29,6 +29,7 @@ SHARED_SHARDS = "shardsync shm, shards in shared memory"
 #: (row, processes, the shardsync row its "x vs shardsync" is against) - the order of the table.
 ROWS = [
     ("dropped", 1, "dropped"),
+    ("aligned", 1, "dropped"),
     ("never", 1, "dropped"),
     ("tuned", 1, "dropped"),
     (PADDLE_ONE, 1, "dropped"),
@@ -55,6 +56,7 @@ ROWS = [
 ]
 LABELS = {
     "dropped": "shardsync (reuse='dropped', default)",
+    "aligned": "shardsync (defaults), sources in torch's memory (on 64 bytes; numpy's start 16 past)",
     "never": "shardsync (reuse='never')",
     "tuned": "shardsync (reuse='never', tune_allocator())",
     "memcpy warm": "ceiling: memcpy of every target into touched memory",

@@ -126,6 +126,52 @@ def test_pooled_targets_own_their_bytes_and_hold_their_block(shm: bool, dtype: t
     assert pool.empty((85,), dtype).data_ptr() == ptr and pool.reused == 1
 
 
+def test_a_pooled_tensor_starts_where_asked_and_its_block_is_found_from_it() -> None:
+    pool = BlockPool(1 << 20)
+    a = pool.empty((17, 5), torch.float32, align=16)
+    assert a.data_ptr() % memory.ALIGN == 16 and a.untyped_storage().nbytes() == 340 and a._base is None
+    assert pool.holds(a) and pool.holds(a[3:])
+    start = a.data_ptr() - 16
+    del a
+    b = pool.empty((5, 17), torch.int32, align=40)  # the same block, its tensor elsewhere in it
+    assert b.data_ptr() == start + 40 and pool.reused == 1
+    pool.release(b)  # "until-next": the caller gave it up, found by its tensor
+    assert pool.empty((85,), torch.float32, align=2).data_ptr() == start  # not a multiple of 4 bytes: on 64
+    assert pool.empty((170,), torch.bfloat16, align=2).data_ptr() % memory.ALIGN == 2  # busy: a fresh block
+    assert BlockPool(1 << 20, shm=True).empty((85,), torch.float32, align=16).data_ptr() % 4096 == 0
+
+
+def _at(shape: tuple[int, int], align: int, start: int) -> torch.Tensor:
+    """``arange_tensor(shape)`` in memory that starts ``align`` bytes past a multiple of 64 (numpy
+    arrays start 16 bytes past one; torch's tensors on one)."""
+    nbytes = shape[0] * shape[1] * 4
+    raw = torch.empty(nbytes + 64, dtype=torch.uint8)
+    out = raw[align : align + nbytes].view(torch.float32).view(shape)
+    out.copy_(arange_tensor(shape, start=start, step=0.5))
+    assert out.data_ptr() % 64 == align
+    return out
+
+
+@pytest.mark.parametrize("reuse", ["dropped", "until-next"])
+def test_a_target_starts_as_its_largest_piece_from_the_source_does(reuse: str) -> None:
+    # a's halves start 0 and 2000 bytes into its rows (2000 = 31 x 64 + 16); bc's largest piece, c,
+    # starts 101 rows (404,000 bytes = 6312 x 64 + 32) into it; a^T and a cast copy on 64 bytes.
+    full = {"a": _at((301, 1000), 24, 0), "b": _at((101, 1000), 56, 7), "c": _at((200, 1000), 40, 9)}
+    mapping = ["a -> a1, a2, axis=1", "b, c -> bc, axis=0", "a^T -> at", "a -> half, dtype='bfloat16'"]
+    ref = {
+        "a1": full["a"][:, :500],
+        "a2": full["a"][:, 500:],
+        "bc": torch.cat([full["b"], full["c"]]),
+        "at": full["a"].T,
+        "half": full["a"].to(torch.bfloat16),
+    }
+    starts = {"a1": 24, "a2": 40, "bc": 8, "at": 0, "half": 0}
+    for name, t in full_params(full, mapping, reuse=reuse):  # type: ignore[arg-type]
+        assert torch.equal(t, ref[name]), name
+        assert t.data_ptr() % memory.ALIGN == starts[name], name
+        assert t.untyped_storage().nbytes() == t.numel() * t.element_size()
+
+
 def test_bad_reuse_is_rejected() -> None:
     with pytest.raises(ValueError, match="reuse='sometimes': use one of"):
         full_params(FULL, reuse="sometimes")  # type: ignore[arg-type]

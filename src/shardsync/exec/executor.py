@@ -12,7 +12,9 @@ is done by this thread without waiting behind them). Memory held is the open tar
 the steps in flight, as :func:`shardsync.planning.estimate_costs` assumes.
 
 On CPU, targets and buffers come from a :class:`~shardsync.exec.memory.BlockPool` (``reuse``): memory
-of earlier targets the caller dropped is written again instead of faulting in fresh pages. Targets
+of earlier targets the caller dropped is written again instead of faulting in fresh pages, and a
+target starts as its largest piece from this rank's source does, modulo 64 bytes (:meth:`_Run.align`:
+its rows copy at full speed). Targets
 other ranks write pieces into (the shared-memory transport's pushed targets, see
 :mod:`shardsync.exec.push`) come from a pool of shared-memory blocks the same way.
 """
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 import logging
 import math
+import operator
 import time
 from collections import Counter, deque
 from collections.abc import Callable, Iterator
@@ -38,7 +41,7 @@ from ..planning.model import Packet, Plan, Step
 from ..sources import Source
 from .assemble import copy_bits, copy_piece
 from .copies import TORCH_GRAIN, Copies, Lane, int_array, ints, no_grad
-from .memory import BlockPool, Reuse, over, process_pool, shm_block
+from .memory import ALIGN, BlockPool, Reuse, over, process_pool, shm_block
 from .push import Pusher
 from .push_schedule import Push, per_plan
 from .shm_blocks import seal
@@ -150,11 +153,7 @@ class _Run:
         per read) when it is of ``dtype`` (None: not asked for)."""
         data, bits = self.cache.pop(i, (None, None))
         if data is None:
-            r = self.plan.reads[i]
-            data = self.source.read(r.source, r.box)
-            self.stats.bytes_read += r.nbytes
-            if data.device != self.device:  # a file source reads into CPU memory; nccl sends from GPU
-                data = data.to(self.device)
+            data = self._load(i)
         wanted = dtype is not None and data.dtype == dtype
         if bits is None and wanted:
             bits = ints(data)
@@ -162,6 +161,21 @@ class _Run:
         if self.uses[i] > 0:
             self.cache[i] = (data, bits)
         return data, bits if wanted else None
+
+    def _load(self, i: int) -> torch.Tensor:
+        r = self.plan.reads[i]
+        data = self.source.read(r.source, r.box)
+        self.stats.bytes_read += r.nbytes
+        if data.device != self.device:  # a file source reads into CPU memory; nccl sends from GPU
+            data = data.to(self.device)
+        return data
+
+    def peek(self, i: int) -> torch.Tensor:
+        """The data of read ``i``, read now if it was not (kept for its uses: none is used up)."""
+        got = self.cache.get(i)
+        if got is None:
+            got = self.cache[i] = (self._load(i), None)
+        return got[0]
 
     def send_once(self, i: int) -> torch.Tensor:
         return self.read(i)  # counted once in the transport's ``sends``
@@ -177,10 +191,33 @@ class _Run:
         if self.uses[i] <= 0:
             self.cache.pop(i, None)
 
-    def empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    def empty(self, shape: tuple[int, ...], dtype: torch.dtype, align: int = 0) -> torch.Tensor:
         if self.pool is None:
             return torch.empty(shape, dtype=dtype, device=self.device)
-        return self.pool.empty(shape, dtype)
+        return self.pool.empty(shape, dtype, align)
+
+    def align(self, t: int) -> int:
+        """Where target ``t`` is to start, modulo :data:`~shardsync.exec.memory.ALIGN` bytes: where its
+        largest piece that this rank copies from its own source as rows (no cast, no permutation)
+        starts there, less that piece's offset in the target. Each row of the piece then starts in the
+        target as it does in the source, modulo 64 bytes, where glibc's ``memcpy`` runs at full speed
+        (:mod:`~shardsync.exec.memory`); 0 without such a piece."""
+        tp, best, most = self.plan.targets[t], 0, 0
+        for c in tp.copies:
+            r, piece = self.plan.reads[c.read], c.piece
+            n = piece.target_box.numel
+            if n <= most or piece.casts or piece.perm is not None or self.rank not in r.holders:
+                continue
+            if c.read in self.arranged:
+                continue
+            data = self.peek(c.read)
+            size = data.element_size()
+            src = sum(map(operator.mul, map(operator.sub, piece.source_box.offsets, r.box.offsets), data.stride()))
+            dst, step = 0, 1
+            for offset, extent in zip(reversed(piece.target_box.offsets), reversed(tp.shape)):
+                dst, step = dst + offset * step, step * extent
+            best, most = (data.data_ptr() + (src - dst) * size) % ALIGN, n
+        return best
 
     def mine(self, t: int) -> bool:
         return self.rank in self.plan.targets[t].consumers
@@ -197,7 +234,8 @@ class _Run:
             self.open[t] = pool.empty(shape, dtype) if pool is not None else shm_block(shape, dtype)
             self.push.post(t, self.open[t], kept=pool is not None and pool.holds(self.open[t]))
         elif not is_zero_copy(tp, self.plan.reads, self.rank, self.plan.copy):
-            self.open[t] = self.empty(tp.shape, to_torch_dtype(tp.dtype))
+            align = self.align(t) if self.pool is not None and _numpy_copies(tp.shape) else 0
+            self.open[t] = self.empty(tp.shape, to_torch_dtype(tp.dtype), align)
         else:
             return
         self.stats.hold(tp.nbytes, tag=t)

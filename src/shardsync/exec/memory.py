@@ -15,6 +15,12 @@ target is then valid only until the next one is requested.
 :func:`tune_allocator` is for a process that owns its allocator (the ``shardsync`` command): it tells
 glibc to keep freed memory instead of returning it to the system.
 
+A block of a pool of process memory starts where the caller asks, modulo :data:`ALIGN` bytes (``align``):
+the executor starts each target as its largest piece's source does (:meth:`_Run.align
+<shardsync.exec.executor>`), because glibc's ``memcpy`` of a row (``rep movsb``) runs at full speed only
+where source and destination agree modulo 64 bytes: numpy's large arrays start 16 bytes past a multiple
+of 64, torch's tensors on one (``docs/performance.md``, "Where a target starts").
+
 A pool made with ``shm=True`` hands out blocks of shared memory instead
 (:mod:`~shardsync.exec.shm_blocks`): a peer process on the same machine maps a block and writes into
 it (the same-host transport's senders write their pieces straight into their consumers' targets,
@@ -51,6 +57,7 @@ __all__ = [
     "MMAP_THRESHOLD_BYTES",
     "POOL_MIN_BYTES",
     "SHM_POOL_BLOCKS",
+    "ALIGN",
 ]
 
 log = logging.getLogger(__name__)
@@ -71,6 +78,9 @@ POOL_MIN_BYTES = 128 << 10
 SHM_POOL_BLOCKS = 128
 #: What :func:`tune_allocator` sets glibc's mmap and trim thresholds to.
 MMAP_THRESHOLD_BYTES = 1 << 30
+#: The span an ``align`` of :meth:`BlockPool.empty` is taken in: torch's allocator starts every tensor on
+#: it, and a block of process memory has that many bytes more to start anywhere in it.
+ALIGN = 64
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # from glibc's malloc.h
 
 
@@ -125,9 +135,9 @@ class BlockPool:
         return None
 
     def _admit(self, nbytes: int) -> tuple[int, np.ndarray]:
-        # torch's allocator aligns to 64 B (numpy's large arrays sit 16 B past a page: slower copies);
+        # torch's allocator starts the block on ALIGN bytes (a tensor starts up to ALIGN - 1 past it);
         # the numpy view is what tensors handed out refer to, so its reference count tells use.
-        block = shm_blocks.new_array(nbytes) if self.shm else torch.empty(nbytes, dtype=torch.uint8).numpy()
+        block = shm_blocks.new_array(nbytes) if self.shm else torch.empty(nbytes + ALIGN, dtype=torch.uint8).numpy()
         most = SHM_POOL_BLOCKS if self.shm else len(self._sizes) + 1
         while self._sizes and (self.held + nbytes > self.capacity or len(self._sizes) >= most):
             self._drop(next(iter(self._sizes)))  # oldest out (busy: the caller's)
@@ -138,10 +148,18 @@ class BlockPool:
             self.held += nbytes
         return key, block
 
-    def empty(self, shape: tuple[int, ...] | torch.Size, dtype: torch.dtype) -> torch.Tensor:
+    def empty(self, shape: tuple[int, ...] | torch.Size, dtype: torch.dtype, align: int = 0) -> torch.Tensor:
         """An uninitialised CPU tensor of ``shape`` and ``dtype``, on recycled memory if possible.
 
-        The tensor is not a view: it owns a storage of exactly its bytes.
+        The tensor is not a view: it owns a storage of exactly its bytes. In a pool of process memory
+        it starts ``align`` bytes past a multiple of :data:`ALIGN` (a multiple of the dtype's size
+        below :data:`ALIGN`; where it is not, or for a tensor under :data:`POOL_MIN_BYTES`, on one).
+        A pool of shared memory starts its blocks on a page.
+
+        Example:
+            >>> pool = BlockPool(1 << 30)
+            >>> pool.empty((1 << 20,), torch.float32, align=16).data_ptr() % ALIGN
+            16
         """
         nbytes = math.prod(shape) * dtype.itemsize
         if not self.shm and (nbytes == 0 or nbytes < POOL_MIN_BYTES):
@@ -150,7 +168,9 @@ class BlockPool:
         key, block = found if found is not None else self._admit(nbytes)
         if self.shm:
             self._writing.add(key)
-        return over(block, shape, dtype)
+            return over(block, shape, dtype)
+        start = align if 0 < align < ALIGN and align % dtype.itemsize == 0 else 0
+        return over(block[start : start + nbytes], shape, dtype)
 
     def _drop(self, key: int, seal: bool = True) -> None:
         """Block ``key`` leaves the pool (it is freed once nothing else refers to it)."""
@@ -162,6 +182,8 @@ class BlockPool:
 
     def _key(self, tensor: torch.Tensor) -> int | None:
         ptr = tensor.untyped_storage().data_ptr()
+        if not self.shm:  # a block starts on ALIGN bytes, its tensors up to ALIGN - 1 past it
+            ptr -= ptr % ALIGN
         return ptr if ptr in self._blocks else None
 
     def holds(self, tensor: torch.Tensor) -> bool:
