@@ -92,6 +92,17 @@ def test_until_next_reuses_a_kept_target_and_never_does_not() -> None:
     assert all(torch.equal(t, REF[n]) for n, t in fresh)
 
 
+def test_until_next_never_gives_up_a_callers_source_yielded_as_a_view() -> None:
+    # targets kept from one stream (pooled blocks) are the sources of the next; with copy=False, x is
+    # a view of a1: "until-next" must not hand a1's block out for y and z
+    a = arange_tensor((301, 1000), step=0.5)
+    kept = dict(full_params({"a": a}, ["a -> a1, a2, axis=1"]))
+    for name, t in full_params(kept, ["a1 -> x", "a2^T -> y", "a1^T -> z"], copy=False, reuse="until-next"):
+        ref = {"x": a[:, :500], "y": a[:, 500:].T, "z": a[:, :500].T}[name]
+        assert torch.equal(t, ref), name
+    assert torch.equal(kept["a1"], a[:, :500]) and torch.equal(kept["a2"], a[:, 500:])
+
+
 def test_pool_hands_out_exact_storages() -> None:
     pool = BlockPool(1 << 20)
     a = pool.empty((17, 5), torch.float32)

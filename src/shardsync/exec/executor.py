@@ -143,6 +143,7 @@ class _Run:
         # read -> its pieces already cast and permuted into target form, by the transport (see
         # :meth:`prearranged`): their copies are plain ones from there
         self.arranged: dict[int, dict[Piece, torch.Tensor]] = {}
+        self.made = False  # whether the target last taken is memory this run allocated (not a view)
 
     def read(self, i: int) -> torch.Tensor:
         """The data of read ``i`` from this rank's source: read on first use, dropped after the last."""
@@ -199,16 +200,17 @@ class _Run:
     def align(self, t: int) -> int:
         """Where target ``t`` is to start, modulo :data:`~shardsync.exec.memory.ALIGN` bytes: where its
         largest piece that this rank copies from its own source as rows (no cast, no permutation)
-        starts there, less that piece's offset in the target. Each row of the piece then starts in the
-        target as it does in the source, modulo 64 bytes, where glibc's ``memcpy`` runs at full speed
-        (:mod:`~shardsync.exec.memory`); 0 without such a piece."""
+        starts there, less that piece's offset in the target; 0 without such a piece. The piece's
+        first row then starts in the target as it does in the source, modulo 64 bytes, where glibc's
+        ``memcpy`` runs at full speed (:mod:`~shardsync.exec.memory`), and so does every row where
+        the source's and the target's rows agree modulo 64 bytes (rows of a multiple of 64 bytes: the
+        widths of models). Where the transport arranges the read later (its pieces copied from there),
+        only the speed of that copy differs."""
         tp, best, most = self.plan.targets[t], 0, 0
         for c in tp.copies:
             r, piece = self.plan.reads[c.read], c.piece
             n = piece.target_box.numel
             if n <= most or piece.casts or piece.perm is not None or self.rank not in r.holders:
-                continue
-            if c.read in self.arranged:
                 continue
             data = self.peek(c.read)
             size = data.element_size()
@@ -360,7 +362,8 @@ class _Run:
         if self.push is not None and self.push.mine(t):  # the pieces other ranks write into it
             self.push.await_target(t, self.stats, self.push_ahead)
             self.written(self.open[t])
-        if t in self.open:
+        self.made = t in self.open  # else a view of the caller's memory: never this run's to give up
+        if self.made:
             tensor = self.open.pop(t)
             self.ints.pop(t, None)
             self.stats.release(tag=t)
@@ -538,7 +541,7 @@ def execute(
                 stats.seconds = time.perf_counter() - start
                 yield item
                 start = time.perf_counter() - stats.seconds  # time spent in the caller not counted
-                if reuse == "until-next" and into is None:
+                if reuse == "until-next" and into is None and run.made:
                     for p in (pool, shm_pool):
                         if p is not None:
                             p.release(item[1])

@@ -5,12 +5,13 @@ copying into fresh memory runs at a fraction of the speed of copying into memory
 stream that yields many targets of the same sizes (the layers of a model) to a consumer that drops
 each one can instead reuse the memory of a target the consumer no longer holds.
 
-:class:`BlockPool` does that safely. Every block is torch memory of exactly the target's bytes, seen
-through a numpy array, and a tensor handed out over it keeps a reference to that array for as long as
-any tensor, view, storage, numpy array or DLPack capsule of it is alive. A block is reused only when
-the pool holds the last reference, so a caller that keeps a target (or any view of it) never sees it
-overwritten. The opt-in ``reuse="until-next"`` drops that check for targets already yielded: each
-target is then valid only until the next one is requested.
+:class:`BlockPool` does that safely. Every block is torch memory of the target's bytes (and
+:data:`ALIGN` more, in a pool of process memory), seen through a numpy array, and a tensor handed out
+over it keeps a reference to that array for as long as any tensor, view, storage, numpy array or
+DLPack capsule of it is alive. A block is reused only when the pool holds the last reference, so a
+caller that keeps a target (or any view of it) never sees it overwritten. The opt-in
+``reuse="until-next"`` drops that check for targets already yielded (the ones the stream allocated,
+not views of the caller's sources): each target is then valid only until the next one is requested.
 
 :func:`tune_allocator` is for a process that owns its allocator (the ``shardsync`` command): it tells
 glibc to keep freed memory instead of returning it to the system.
@@ -113,7 +114,7 @@ class BlockPool:
     def __init__(self, capacity: int, shm: bool = False) -> None:
         self.capacity = capacity
         self.shm = shm
-        self.held = 0  # bytes of the blocks in the pool, busy or idle
+        self.held = 0  # bytes of the targets of the blocks in the pool, busy or idle
         self.reused = 0  # blocks handed out again (for stats and tests)
         self._blocks: dict[int, np.ndarray] = {}  # address -> block
         self._sizes: OrderedDict[int, int] = OrderedDict()  # address -> bytes, oldest first
@@ -142,6 +143,8 @@ class BlockPool:
         while self._sizes and (self.held + nbytes > self.capacity or len(self._sizes) >= most):
             self._drop(next(iter(self._sizes)))  # oldest out (busy: the caller's)
         key = _address(block)
+        if not self.shm and key % ALIGN:  # _key finds a block from its tensors' storages on ALIGN bytes
+            raise RuntimeError(f"torch's allocator gave memory {key % ALIGN} bytes past {ALIGN}; this is a bug")
         if self.held + nbytes <= self.capacity:
             self._blocks[key] = block
             self._sizes[key] = nbytes
