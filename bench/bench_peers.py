@@ -240,14 +240,10 @@ def _variants(rank: int, world: int, tmp: str, layers: int) -> dict[str, Callabl
     }
 
 
-Ceilings = tuple[dict[str, Callable[[], None]], Callable[[dict[str, float]], dict[str, float]]]
-
-
-def _ceilings(ref: dict, world: int) -> Ceilings:
-    """One pass of each ceiling (timed in the same round robin as the variants, as many passes each),
-    and what makes the ceilings' rows of their best passes: the bytes each rank must receive over
-    gloo's broadcast bandwidth (64 MiB), and the memcpy of every target on both ranks at once, the
-    better of torch's default threads and one thread (next to a busy process one thread is faster)."""
+def _ceiling_passes(ref: dict) -> dict[str, Callable[[], None]]:
+    """One pass of each ceiling, timed in the same round robin as the variants (as many passes each):
+    gloo's broadcast of 64 MiB, and the memcpy of every target with torch's default threads and with
+    one thread (next to a busy process one thread is faster)."""
     buf = torch.ones(64 * MIB, dtype=torch.uint8)
     srcs = [
         torch.from_numpy(w).reshape(-1) if w.flags.c_contiguous else torch.from_numpy(w.copy()).reshape(-1)
@@ -267,16 +263,17 @@ def _ceilings(ref: dict, world: int) -> Ceilings:
 
         return run
 
-    passes = {"gloo": lambda: dist.broadcast(buf, src=0), "memcpy": memcpy(default), "memcpy, 1 thread": memcpy(1)}
+    return {"gloo": lambda: dist.broadcast(buf, src=0), "memcpy": memcpy(default), "memcpy, 1 thread": memcpy(1)}
 
-    def rows(best: dict[str, float]) -> dict[str, float]:
-        receive = W.total_bytes(ref) * (world - 1) // world
-        return {
-            peers_report.GLOO_CEILING: receive / (64 * MIB / best["gloo"]),
-            peers_report.MEMCPY_CEILING: min(best["memcpy"], best["memcpy, 1 thread"]),
-        }
 
-    return passes, rows
+def _ceiling_rows(best: dict[str, float], ref: dict, world: int) -> dict[str, float]:
+    """The ceilings' rows from their best passes: the bytes each rank must receive at gloo's broadcast
+    rate, and the better memcpy of the two thread settings."""
+    receive = W.total_bytes(ref) * (world - 1) // world
+    return {
+        peers_report.GLOO_CEILING: receive / (64 * MIB / best["gloo"]),
+        peers_report.MEMCPY_CEILING: min(best["memcpy"], best["memcpy, 1 thread"]),
+    }
 
 
 def _timed_passes(
@@ -319,9 +316,8 @@ def _pair(
     variants = _variants(rank, world, tmp, layers)
     if only is not None:
         variants = {only: variants[only]}
-    passes, ceilings = _ceilings(ref, world)
-    res, best = _timed_passes(variants, passes, rank, ref, repeats)
-    res |= ceilings(best)
+    res, best = _timed_passes(variants, _ceiling_passes(ref), rank, ref, repeats)
+    res |= _ceiling_rows(best, ref, world)
     res = {f"{k}{suffix}": v for k, v in res.items()}
     if rank == 0:
         Path(out).write_text(json.dumps({"seconds": res, "threads": busy.threads()}))

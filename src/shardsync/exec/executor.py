@@ -41,7 +41,7 @@ from ..planning.model import Packet, Plan, Step
 from ..sources import Source
 from .assemble import copy_bits, copy_piece
 from .copies import TORCH_GRAIN, Copies, Lane, int_array, ints, no_grad
-from .memory import ALIGN, BlockPool, Reuse, over, process_pool, shm_block
+from .memory import ALIGN, BlockPool, Reuse, contiguous_strides, over, process_pool, shm_block
 from .push import Pusher
 from .push_schedule import Push, per_plan
 from .shm_blocks import seal
@@ -212,13 +212,9 @@ class _Run:
             n = piece.target_box.numel
             if n <= most or piece.casts or piece.perm is not None or self.rank not in r.holders:
                 continue
-            data = self.peek(c.read)
-            size = data.element_size()
-            src = sum(map(operator.mul, map(operator.sub, piece.source_box.offsets, r.box.offsets), data.stride()))
-            dst, step = 0, 1
-            for offset, extent in zip(reversed(piece.target_box.offsets), reversed(tp.shape)):
-                dst, step = dst + offset * step, step * extent
-            best, most = (data.data_ptr() + (src - dst) * size) % ALIGN, n
+            src = piece.source_box.cut(self.peek(c.read), r.box)
+            dst = sum(map(operator.mul, piece.target_box.offsets, contiguous_strides(tp.shape)))
+            best, most = (src.data_ptr() - dst * src.element_size()) % ALIGN, n
         return best
 
     def mine(self, t: int) -> bool:

@@ -38,6 +38,7 @@ import math
 import os
 import sys
 from collections import OrderedDict
+from collections.abc import Sequence
 from typing import Literal
 
 import numpy as np
@@ -59,6 +60,7 @@ __all__ = [
     "POOL_MIN_BYTES",
     "SHM_POOL_BLOCKS",
     "ALIGN",
+    "contiguous_strides",
 ]
 
 log = logging.getLogger(__name__)
@@ -224,7 +226,13 @@ def _address(block: np.ndarray) -> int:
     return int(block.__array_interface__["data"][0])
 
 
-def _strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+def contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:
+    """The strides (in elements) of a contiguous tensor of ``shape``.
+
+    Example:
+        >>> contiguous_strides((2, 3, 4))
+        (12, 4, 1)
+    """
     out, step = [], 1
     for size in reversed(shape):
         out.append(step)
@@ -245,7 +253,7 @@ def over(block: np.ndarray, shape: tuple[int, ...] | torch.Size, dtype: torch.dt
         count = math.prod(shape)
         return torch.from_numpy(block[: count * dtype.itemsize].view(as_numpy).reshape(tuple(shape)))
     storage = torch.from_numpy(block).untyped_storage()
-    return torch.empty(0, dtype=dtype).set_(storage, 0, tuple(shape), _strides(tuple(shape)))
+    return torch.empty(0, dtype=dtype).set_(storage, 0, tuple(shape), contiguous_strides(shape))
 
 
 def shm_block(shape: tuple[int, ...] | torch.Size, dtype: torch.dtype) -> torch.Tensor:
