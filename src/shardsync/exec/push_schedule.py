@@ -47,10 +47,13 @@ PUSH_MIN_BYTES = 1 << 20
 PUSH_OPEN_TARGETS = 64
 #: Most bytes of pushed targets a consumer allocates (and shows its writers) before the step they
 #: open in, so that a writer ahead of a consumer need not wait for it. Less under a ``memory_budget``
-#: that has no room for it. Small: a writer that waits for a consumer writes its pieces of later steps
+#: that has no room for it. A writer that waits for a consumer writes its pieces of later steps
 #: meanwhile, which is what balances ranks whose work differs from step to step (one writes all of
-#: ``q``, the other all of ``v``); on the peers workload 0, 16 and 64 MiB ahead took the same time.
-PUSH_AHEAD_BYTES = 16 << 20
+#: ``q``, the other all of ``v``), as far ahead as this. On the peers workload (2 spawned ranks, 2
+#: cores) 16 and 64 MiB take the same time on a quiet machine; next to a busy process, where one rank
+#: or the other is descheduled for a few milliseconds at a time, 64 MiB took 0.93x the time of 16
+#: (0.88x with the ranks in sessions of their own, as torchrun starts them) and 128 MiB no less.
+PUSH_AHEAD_BYTES = 64 << 20
 #: Most pushed targets a consumer allocates ahead of their step (each block keeps a descriptor open
 #: until its target is written).
 PUSH_AHEAD_TARGETS = 64
