@@ -304,6 +304,46 @@ def test_consumers_allocate_pushed_targets_up_to_the_window_ahead_of_their_step(
     assert push_schedule.allocations(plan, {1, 4}, 70) == ([[1, 4], [], [], [], []], 70)
 
 
+def _ahead(rank: int, world: int) -> dict:
+    """Where each stream of one plan allocates its pushed targets (the step each is posted in), and
+    whether its targets are exact: four targets of 2 * 129 * 263 fp32 bytes (271 KB) each, one every
+    other step, the first stream's window one target, the later ones' every target."""
+    import shardsync.exec.executor as executor
+    import shardsync.exec.shm_plan as shm_plan
+
+    _push_from(SMALL)
+    push_schedule.PUSH_AHEAD_FIRST_BYTES = 300_000
+    shm_plan.PUSH_AHEAD_BYTES = 4 * 300_000
+    full = {k: arange_tensor((2 * 129, 263), start=100 * i) for i, k in enumerate("abcd")}
+    state = {k: shard_dim(v, 0, rank, world) for k, v in full.items()}
+    mapping = [f"{k}^T -> {k}" for k in full]  # each target pushed, each rank writing half of it
+    posted: list[tuple[str, int]] = []
+    real = executor._Run.allocate
+
+    def allocate(self: executor._Run, t: int) -> None:
+        posted.append((self.plan.targets[t].name, self.posting))
+        real(self, t)
+
+    executor._Run.allocate = allocate  # type: ignore[method-assign]  # this spawned rank only
+    out: dict[str, Any] = {}
+    for label in ("first", "second", "third"):
+        posted.clear()
+        stream = full_params(state, mapping, transport="shm", strategy="broadcast")  # target i opens in step 2i
+        got = {k: torch.equal(t, full[k].T) for k, t in stream}
+        out[label] = (got, sorted(posted))
+    return out
+
+
+def test_a_plans_first_stream_allocates_less_ahead_than_its_repeats() -> None:
+    """A plan's first stream in the process allocates pushed targets up to PUSH_AHEAD_FIRST_BYTES ahead
+    (fresh memory its writers fault in), the later ones up to PUSH_AHEAD_BYTES (the blocks the last
+    stream left): here one target ahead, then all of them at the first step."""
+    exact = {k: True for k in "abcd"}
+    for rec in run_ranks(_ahead, 2):
+        assert rec["first"] == (exact, [("a", 0), ("b", 0), ("c", 2), ("d", 4)]), rec
+        assert rec["second"] == rec["third"] == (exact, [("a", 0), ("b", 0), ("c", 0), ("d", 0)]), rec
+
+
 def _pusher(world: int, gen: int, timeout: float, records: list[ProcessRecord | None]) -> push.Pusher:
     plan = _plan([4], [[0]])
     p = push.Pusher(GroupRanks(None, 0, world, tuple(range(world))), plan, push_schedule.Pushing())

@@ -154,7 +154,8 @@ class Pusher:
 
     Call sequence, on every rank of the group, after :meth:`attach` (the transport's setup):
     :meth:`post` for each pushed target this rank allocates (``allocations[k]`` when it starts step
-    ``k``: up to ``window`` bytes ahead of their step); :meth:`outbound` for ``direct[k]`` of every
+    ``k``: up to ``window`` bytes ahead of their step; on the plan's first stream in this process up
+    to :data:`~shardsync.exec.push_schedule.PUSH_AHEAD_FIRST_BYTES`); :meth:`outbound` for ``direct[k]`` of every
     step in step order, by the time the step starts or earlier, while waiting for other ranks
     (``ahead`` counts the steps done; :meth:`placed` says whether it would wait), and for
     ``relayed[k]`` when step ``k`` starts; :meth:`mark` once the copies of what it returned are
@@ -172,7 +173,9 @@ class Pusher:
         self.shape = (len(plan.targets), ranks.world)  # of every board
         mine = per_plan(plan, ("pusher", pushing, ranks.rank), lambda: Schedule.of(plan, pushing, ranks.rank))
         self.direct, self.relayed, self.takes = mine.direct, mine.relayed, mine.takes
-        self.writers, self.allocations = mine.writers, mine.allocations
+        streams = per_plan(plan, ("streams", ranks.rank), lambda: [0])  # this rank's streams of the plan
+        self.writers, self.allocations = mine.writers, mine.allocations if streams[0] else mine.first
+        streams[0] += 1
         self.left = Counter(mine.pieces)  # written as the stream goes
         self.ahead = 0  # steps whose direct pieces this rank has started to write (in order)
         self.gen = 0

@@ -5,7 +5,8 @@ A *pushed* target (:func:`pushed_targets`: :data:`PUSH_MIN_BYTES` or more, some 
 data it does not hold, and the destination gives it fresh memory) lies in shared memory; each rank
 that sends a read writes that read's pieces into every consumer's copy of the target, in the step the
 target opens in (:func:`schedule`), and each consumer allocates its pushed targets up to
-:data:`PUSH_AHEAD_BYTES` ahead of their step (:func:`allocations`). :func:`per_plan` keeps what is
+:data:`PUSH_AHEAD_BYTES` ahead of their step (:func:`allocations`; :data:`PUSH_AHEAD_FIRST_BYTES` on a
+plan's first stream in the process). :func:`per_plan` keeps what is
 derived from a plan, so that a training loop streaming the same plan derives it once.
 """
 
@@ -21,6 +22,7 @@ from ..planning.model import Copy, Plan
 __all__ = [
     "PUSH_MIN_BYTES",
     "PUSH_AHEAD_BYTES",
+    "PUSH_AHEAD_FIRST_BYTES",
     "PUSH_AHEAD_TARGETS",
     "PUSH_OPEN_TARGETS",
     "Pushing",
@@ -50,10 +52,16 @@ PUSH_OPEN_TARGETS = 64
 #: that has no room for it. A writer that waits for a consumer writes its pieces of later steps
 #: meanwhile, which is what balances ranks whose work differs from step to step (one writes all of
 #: ``q``, the other all of ``v``), as far ahead as this. On the peers workload (2 spawned ranks, 2
-#: cores) 16 and 64 MiB take the same time on a quiet machine; next to a busy process, where one rank
-#: or the other is descheduled for a few milliseconds at a time, 64 MiB took 0.93x the time of 16
-#: (0.88x with the ranks in sessions of their own, as torchrun starts them) and 128 MiB no less.
+#: cores, the stream repeated) 16 and 64 MiB take the same time on a quiet machine; next to a busy
+#: process, where one rank or the other is descheduled for a few milliseconds at a time, 64 MiB took
+#: 0.93x the time of 16 (0.88x with the ranks in sessions of their own, as torchrun starts them) and
+#: 128 MiB no less.
 PUSH_AHEAD_BYTES = 64 << 20
+#: The same on a plan's first stream in the process (at most :data:`PUSH_AHEAD_BYTES`): its blocks are
+#: fresh memory, which the writers fault in page by page, and a one-shot export gains nothing from
+#: running ahead (``bench_convert.py``'s 2-rank route took 1.26x the time with 64 MiB ahead); a
+#: repeated stream finds the blocks the last one left in its pool.
+PUSH_AHEAD_FIRST_BYTES = 16 << 20
 #: Most pushed targets a consumer allocates ahead of their step (each block keeps a descriptor open
 #: until its target is written).
 PUSH_AHEAD_TARGETS = 64
@@ -292,6 +300,7 @@ class Schedule(NamedTuple):
     pieces: Counter[tuple[int, int]]  # (target, consumer) -> pieces this rank writes there
     writers: dict[int, tuple[int, ...]]  # pushed target it consumes -> ranks that write into it
     allocations: list[list[int]]  # per step: the pushed targets it allocates
+    first: list[list[int]]  # the same on the plan's first stream (PUSH_AHEAD_FIRST_BYTES ahead at most)
 
     @classmethod
     def of(cls, plan: Plan, pushing: Pushing, rank: int) -> Schedule:
@@ -306,4 +315,5 @@ class Schedule(NamedTuple):
             Counter((p.target, p.consumer) for ps in steps for p in ps),
             mine,
             allocations(plan, mine, pushing.window)[0],
+            allocations(plan, mine, min(pushing.window, PUSH_AHEAD_FIRST_BYTES))[0],
         )
