@@ -307,7 +307,10 @@ def test_consumers_allocate_pushed_targets_up_to_the_window_ahead_of_their_step(
 def _ahead(rank: int, world: int) -> dict:
     """Where each stream of one plan allocates its pushed targets (the step each is posted in), and
     whether its targets are exact: four targets of 2 * 129 * 263 fp32 bytes (271 KB) each, one every
-    other step, the first stream's window one target, the later ones' every target."""
+    other step, the first stream's window one target, the later ones' every target. The plan is
+    inspected first (``shardsync.plan``: no stream), and the last stream runs with ``reuse="never"``
+    (no pool: fresh blocks)."""
+    import shardsync
     import shardsync.exec.executor as executor
     import shardsync.exec.shm_plan as shm_plan
 
@@ -325,22 +328,25 @@ def _ahead(rank: int, world: int) -> dict:
         real(self, t)
 
     executor._Run.allocate = allocate  # type: ignore[method-assign]  # this spawned rank only
+    options: dict[str, Any] = {"transport": "shm", "strategy": "broadcast"}  # target i opens in step 2i
+    shardsync.plan(state, mapping, **options)
     out: dict[str, Any] = {}
-    for label in ("first", "second", "third"):
+    for label, reuse in (("first", "dropped"), ("second", "dropped"), ("third", "dropped"), ("never", "never")):
         posted.clear()
-        stream = full_params(state, mapping, transport="shm", strategy="broadcast")  # target i opens in step 2i
-        got = {k: torch.equal(t, full[k].T) for k, t in stream}
+        got = {k: torch.equal(t, full[k].T) for k, t in full_params(state, mapping, reuse=reuse, **options)}
         out[label] = (got, sorted(posted))
     return out
 
 
 def test_a_plans_first_stream_allocates_less_ahead_than_its_repeats() -> None:
-    """A plan's first stream in the process allocates pushed targets up to PUSH_AHEAD_FIRST_BYTES ahead
-    (fresh memory its writers fault in), the later ones up to PUSH_AHEAD_BYTES (the blocks the last
-    stream left): here one target ahead, then all of them at the first step."""
+    """A plan's first stream in the process (inspecting the plan does not count) and a stream without a
+    pool allocate pushed targets up to PUSH_AHEAD_FIRST_BYTES ahead (fresh memory), repeats with a
+    pool up to PUSH_AHEAD_BYTES (the blocks the last stream left): here one target ahead, then all of
+    them at the first step."""
     exact = {k: True for k in "abcd"}
+    near = (exact, [("a", 0), ("b", 0), ("c", 2), ("d", 4)])
     for rec in run_ranks(_ahead, 2):
-        assert rec["first"] == (exact, [("a", 0), ("b", 0), ("c", 2), ("d", 4)]), rec
+        assert rec["first"] == rec["never"] == near, rec
         assert rec["second"] == rec["third"] == (exact, [("a", 0), ("b", 0), ("c", 0), ("d", 0)]), rec
 
 

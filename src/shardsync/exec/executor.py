@@ -520,6 +520,8 @@ def execute(
         push = transport.push
         # targets others write into, allocated up to the push window ahead of their step
         shm_pool = _pool(plan, rank, device, reuse, push.pushing.window) if push is not None and push.writers else None
+        if push is not None:
+            push.begin(recycled=shm_pool is not None)
         run = _Run(plan, source, rank, stats, device, into, pool, threads, transport, shm_pool)
         reused = (pool.reused if pool is not None else 0) + (shm_pool.reused if shm_pool is not None else 0)
         start = time.perf_counter()

@@ -152,15 +152,15 @@ class Pusher:
     ``relayed[k]`` (cast or permuted pieces of targets it builds too: copied from its own target once
     built, so that each is cast and permuted once).
 
-    Call sequence, on every rank of the group, after :meth:`attach` (the transport's setup):
-    :meth:`post` for each pushed target this rank allocates (``allocations[k]`` when it starts step
-    ``k``: up to ``window`` bytes ahead of their step; on the plan's first stream in this process up
-    to :data:`~shardsync.exec.push_schedule.PUSH_AHEAD_FIRST_BYTES`); :meth:`outbound` for ``direct[k]`` of every
-    step in step order, by the time the step starts or earlier, while waiting for other ranks
-    (``ahead`` counts the steps done; :meth:`placed` says whether it would wait), and for
-    ``relayed[k]`` when step ``k`` starts; :meth:`mark` once the copies of what it returned are
-    written; :meth:`await_target` before yielding a pushed target; :meth:`close` after the last step;
-    :meth:`fail` instead on a rank whose stream failed.
+    Call sequence, on every rank of the group, after :meth:`begin` and :meth:`attach` (the
+    transport's setup): :meth:`post` for each pushed target this rank allocates (``allocations[k]``
+    when it starts step ``k``: up to ``window`` bytes ahead of their step; on fresh blocks up to
+    :data:`~shardsync.exec.push_schedule.PUSH_AHEAD_FIRST_BYTES`, see :meth:`begin`);
+    :meth:`outbound` for ``direct[k]`` of every step in step order, by the time the step starts or
+    earlier, while waiting for other ranks (``ahead`` counts the steps done; :meth:`placed` says
+    whether it would wait), and for ``relayed[k]`` when step ``k`` starts; :meth:`mark` once the
+    copies of what it returned are written; :meth:`await_target` before yielding a pushed target;
+    :meth:`close` after the last step; :meth:`fail` instead on a rank whose stream failed.
 
     Args:
         ranks: the stream's group and this rank's place in it.
@@ -173,9 +173,7 @@ class Pusher:
         self.shape = (len(plan.targets), ranks.world)  # of every board
         mine = per_plan(plan, ("pusher", pushing, ranks.rank), lambda: Schedule.of(plan, pushing, ranks.rank))
         self.direct, self.relayed, self.takes = mine.direct, mine.relayed, mine.takes
-        streams = per_plan(plan, ("streams", ranks.rank), lambda: [0])  # this rank's streams of the plan
-        self.writers, self.allocations = mine.writers, mine.allocations if streams[0] else mine.first
-        streams[0] += 1
+        self.writers, self.allocations, self.schedule = mine.writers, mine.first, mine
         self.left = Counter(mine.pieces)  # written as the stream goes
         self.ahead = 0  # steps whose direct pieces this rank has started to write (in order)
         self.gen = 0
@@ -194,6 +192,16 @@ class Pusher:
         """Whether pushed piece ``p`` casts or permutes and this rank builds its target too (then it
         is copied from there)."""
         return push_schedule.relays(self.plan, p, self.ranks.rank)
+
+    def begin(self, recycled: bool) -> None:
+        """This rank starts a stream of the plan (``recycled``: its pushed targets come from a pool
+        that recycles blocks). The plan's later streams with recycled blocks allocate up to the window
+        ahead; its first one in this process, or one on fresh blocks only (``reuse="never"``), up to
+        :data:`~shardsync.exec.push_schedule.PUSH_AHEAD_FIRST_BYTES`: running further ahead on fresh
+        memory cost time."""
+        streams = per_plan(self.plan, ("streams", self.ranks.rank), lambda: [0])  # begun on this rank
+        self.allocations = self.schedule.allocations if recycled and streams[0] else self.schedule.first
+        streams[0] += 1
 
     def attach(
         self,

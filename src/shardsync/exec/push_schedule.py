@@ -57,10 +57,11 @@ PUSH_OPEN_TARGETS = 64
 #: 0.93x the time of 16 (0.88x with the ranks in sessions of their own, as torchrun starts them) and
 #: 128 MiB no less.
 PUSH_AHEAD_BYTES = 64 << 20
-#: The same on a plan's first stream in the process (at most :data:`PUSH_AHEAD_BYTES`): its blocks are
-#: fresh memory (a repeated stream finds the ones the last stream left in its pool), and there running
-#: further ahead cost time: ``bench_convert.py``'s 2-rank route, a one-shot export, took 1.26x the time
-#: with 64 MiB ahead (median of 10 alternated rounds) and the same as with 16 with this.
+#: The same on a plan's first stream in the process and on streams without a pool (``reuse="never"``;
+#: at most :data:`PUSH_AHEAD_BYTES`): their blocks are fresh memory (a repeated stream finds the ones
+#: the last stream left in its pool), and there running further ahead cost time:
+#: ``bench_convert.py``'s 2-rank route, a one-shot export, took 1.26x the time with 64 MiB ahead
+#: (median of 10 alternated rounds) and the same as with 16 with this.
 PUSH_AHEAD_FIRST_BYTES = 16 << 20
 #: Most pushed targets a consumer allocates ahead of their step (each block keeps a descriptor open
 #: until its target is written).
