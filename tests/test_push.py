@@ -312,11 +312,9 @@ def _ahead(rank: int, world: int) -> dict:
     (no pool: fresh blocks)."""
     import shardsync
     import shardsync.exec.executor as executor
-    import shardsync.exec.shm_plan as shm_plan
 
     _push_from(SMALL)
-    push_schedule.PUSH_AHEAD_FIRST_BYTES = 300_000
-    shm_plan.PUSH_AHEAD_BYTES = 4 * 300_000
+    push_schedule.PUSH_AHEAD_FIRST_BYTES, push_schedule.PUSH_AHEAD_BYTES = 300_000, 4 * 300_000
     full = {k: arange_tensor((2 * 129, 263), start=100 * i) for i, k in enumerate("abcd")}
     state = {k: shard_dim(v, 0, rank, world) for k, v in full.items()}
     mapping = [f"{k}^T -> {k}" for k in full]  # each target pushed, each rank writing half of it

@@ -22,7 +22,6 @@ from . import push_schedule, shm_blocks
 from .hosts import HostInfo, describe_hosts, same_host, same_processes
 from .push_schedule import (
     NO_PUSHING,
-    PUSH_AHEAD_BYTES,
     Pushing,
     allocations,
     per_plan,
@@ -89,7 +88,7 @@ def pushes(plan: Plan, fresh: bool, hosts: Sequence[HostInfo], budget: int | Non
     pushed = per_plan(plan, ("pushed", limits), lambda: pushed_targets(plan))
     if not pushed:
         return NO_PUSHING
-    window = PUSH_AHEAD_BYTES
+    window = push_schedule.PUSH_AHEAD_BYTES  # read now: tests change it
     if budget is not None:
         held = max(shm_costs(plan, Pushing(pushed)).peak_bytes, default=0)
         window = max(0, min(window, budget - held))
