@@ -31,7 +31,13 @@ numpy reference once, then times ``--repeats`` passes and keeps the best:
   ``dcp_to_torch_save`` and ``torch.load`` on rank 0 - only rank 0 gets targets), a naive
   ``all_gather``; and the ceilings: bytes each rank must receive over gloo's broadcast bandwidth (64
   MiB), and the memcpy of every target's bytes on both ranks at once (every memcpy ceiling is the
-  better of torch's default threads and one thread: next to a busy process one thread is faster).
+  better of torch's default threads and one thread: next to a busy process one thread is faster);
+  for reference, the memcpy of the pieces themselves: each rank copies each piece of its shard into
+  every consumer's target (two on two ranks, as the shared-memory transport writes them), one numpy
+  copy per piece, the rows as the mapping cuts them (4 of every 6 KiB of a qkv shard row into q, ...);
+  ``o``'s pieces as contiguous bytes, since a memcpy does not transpose. It is the least the copies of
+  this mapping can cost; against the memcpy ceiling it says whether the mapping's row cuts cost more
+  than whole tensors.
   The ceilings are timed in the same round robin as shardsync's passes, as many passes each (they
   used to be timed after them, with more passes: the busy process's load then hit them differently);
 * the same two spawned processes, each calling ``os.setsid()`` first (a session of its own, as torchrun
@@ -64,6 +70,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -240,10 +247,39 @@ def _variants(rank: int, world: int, tmp: str, layers: int) -> dict[str, Callabl
     }
 
 
-def _ceiling_passes(ref: dict) -> dict[str, Callable[[], None]]:
+def pieces(rank: int, world: int, layers: int) -> list[tuple[np.ndarray, np.ndarray]]:
+    """``(destination, source)`` of every piece of rank ``rank``'s shards, once for every consumer: the
+    copies the shared-memory transport makes, each piece written by its holder into every consumer's
+    target. A split piece is the rows of the shard's columns that fall in its target (a view of the
+    target, of memory of its own per consumer); a piece of ``o`` (transposed by the mapping) is its
+    shard's bytes into a buffer of their own, since a memcpy does not transpose; ``down`` is whole rows.
+
+    Example:
+        >>> [(d.shape, s.shape) for d, s in pieces(0, 2, 1)][:3]   # q: rank 0 holds all of q's columns
+        [((1024, 1024), (1024, 1024)), ((1024, 1024), (1024, 1024)), ((1024, 512), (1024, 512))]
+    """
+    out = []
+    for key, w in W.full_weights(layers).items():
+        shard, offset = W.local_shard(w, key, rank, world)
+        if W.shard_spec(key) == 0:  # o, down: sharded along dim 0, whole rows
+            out += [(np.empty_like(shard), shard) for _ in range(world)]
+            continue
+        width = w.shape[1] // (3 if key.endswith("qkv") else 2)  # the mapping splits along the sharded dim
+        lo, hi = offset[1], offset[1] + shard.shape[1]
+        for start in range(0, w.shape[1], width):
+            a, b = max(start, lo), min(start + width, hi)
+            if a < b:
+                for _ in range(world):
+                    target = np.empty((w.shape[0], width), w.dtype)
+                    out.append((target[:, a - start : b - start], shard[:, a - lo : b - lo]))
+    return out
+
+
+def _ceiling_passes(ref: dict, rank: int, world: int, layers: int) -> dict[str, Callable[[], None]]:
     """One pass of each ceiling, timed in the same round robin as the variants (as many passes each):
-    gloo's broadcast of 64 MiB, and the memcpy of every target with torch's default threads and with
-    one thread (next to a busy process one thread is faster)."""
+    gloo's broadcast of 64 MiB, the memcpy of every target with torch's default threads and with one
+    thread (next to a busy process one thread is faster), and the memcpy of this rank's pieces into
+    every consumer's target (:func:`pieces`)."""
     buf = torch.ones(64 * MIB, dtype=torch.uint8)
     srcs = [
         torch.from_numpy(w).reshape(-1) if w.flags.c_contiguous else torch.from_numpy(w.copy()).reshape(-1)
@@ -263,7 +299,18 @@ def _ceiling_passes(ref: dict) -> dict[str, Callable[[], None]]:
 
         return run
 
-    return {"gloo": lambda: dist.broadcast(buf, src=0), "memcpy": memcpy(default), "memcpy, 1 thread": memcpy(1)}
+    mine = pieces(rank, world, layers)
+
+    def copy_pieces() -> None:
+        for d, s in mine:
+            np.copyto(d, s)
+
+    return {
+        "gloo": lambda: dist.broadcast(buf, src=0),
+        "memcpy": memcpy(default),
+        "memcpy, 1 thread": memcpy(1),
+        "pieces": copy_pieces,
+    }
 
 
 def _ceiling_rows(best: dict[str, float], ref: dict, world: int) -> dict[str, float]:
@@ -273,6 +320,7 @@ def _ceiling_rows(best: dict[str, float], ref: dict, world: int) -> dict[str, fl
     return {
         peers_report.GLOO_CEILING: receive / (64 * MIB / best["gloo"]),
         peers_report.MEMCPY_CEILING: min(best["memcpy"], best["memcpy, 1 thread"]),
+        peers_report.PIECES_CEILING: best["pieces"],
     }
 
 
@@ -316,7 +364,7 @@ def _pair(
     variants = _variants(rank, world, tmp, layers)
     if only is not None:
         variants = {only: variants[only]}
-    res, best = _timed_passes(variants, _ceiling_passes(ref), rank, ref, repeats)
+    res, best = _timed_passes(variants, _ceiling_passes(ref, rank, world, layers), rank, ref, repeats)
     res |= _ceiling_rows(best, ref, world)
     res = {f"{k}{suffix}": v for k, v in res.items()}
     if rank == 0:

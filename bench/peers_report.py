@@ -12,7 +12,18 @@ import statistics
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["ROWS", "LABELS", "PULLED", "SHARED_SHARDS", "TARGETS", "Target", "targets", "targets_md", "report"]
+__all__ = [
+    "ROWS",
+    "LABELS",
+    "PULLED",
+    "PIECES_CEILING",
+    "SHARED_SHARDS",
+    "TARGETS",
+    "Target",
+    "targets",
+    "targets_md",
+    "report",
+]
 
 SHM, TORCHRUN = "shardsync shm", "shardsync shm (torchrun)"
 #: What the rows of spawned ranks that each start a session of their own end with.
@@ -21,6 +32,11 @@ SESSIONS = SHM + OWN_SESSIONS
 PADDLE_ONE, PADDLE_MESH = "Paddle full_param", "Paddle full_param, 2-D mesh (h_group, v_group)"
 GLOO_CEILING = "ceiling: gloo broadcast of the received bytes"
 MEMCPY_CEILING = "ceiling: memcpy of every target, both ranks at once"
+#: For reference (no target): the copies of the mapping itself, each rank's pieces into every
+#: consumer's target, rows as the mapping cuts them (``bench_peers.pieces``).
+PIECES_CEILING = (
+    "memcpy of each rank's pieces into every consumer's target (rows as the mapping cuts them), both ranks at once"
+)
 #: The shared-memory transport as it was before senders wrote into their consumers' targets: every
 #: read published by its sender and copied out by each receiver (1.5x the targets' bytes on 2 ranks).
 PULLED = "shardsync shm, every read published and copied out by its receivers (no pushing)"
@@ -46,13 +62,16 @@ ROWS = [
     ("naive all_gather", 2, SHM),
     (GLOO_CEILING, 2, SHM),
     (MEMCPY_CEILING, 2, SHM),
+    (PIECES_CEILING, 2, SHM),
     (SESSIONS, 2, SESSIONS),
     (PADDLE_MESH, 2, SESSIONS),
     (MEMCPY_CEILING + OWN_SESSIONS, 2, SESSIONS),
+    (PIECES_CEILING + OWN_SESSIONS, 2, SESSIONS),
     (TORCHRUN, 2, TORCHRUN),
     (PADDLE_MESH, 2, TORCHRUN),
     (f"{GLOO_CEILING} (torchrun)", 2, TORCHRUN),
     (f"{MEMCPY_CEILING} (torchrun)", 2, TORCHRUN),
+    (f"{PIECES_CEILING} (torchrun)", 2, TORCHRUN),
 ]
 LABELS = {
     "dropped": "shardsync (reuse='dropped', default)",
