@@ -176,10 +176,9 @@ def _map_full(full: dict[str, torch.Tensor]) -> Iterator[tuple[str, torch.Tensor
     """The mapping written by hand on full tensors (contiguous targets, as the others yield)."""
     for key in sorted(full):
         w, (p, kind) = full[key], key.rsplit(".", 1)
-        if kind == "qkv":
-            yield from zip((f"{p}.q", f"{p}.k", f"{p}.v"), (x.contiguous() for x in w.chunk(3, 1)))
-        elif kind == "gate_up":
-            yield from zip((f"{p}.gate", f"{p}.up"), (x.contiguous() for x in w.chunk(2, 1)))
+        if kind in W.SPLITS:
+            parts = W.SPLITS[kind]
+            yield from zip((f"{p}.{part}" for part in parts), (x.contiguous() for x in w.chunk(len(parts), 1)))
         elif kind == "o":
             yield f"{p}.o_t", w.T.contiguous()
         else:
@@ -221,13 +220,12 @@ def _pulled(state: dict) -> Iterator[tuple[str, torch.Tensor]]:
         push.PUSH_MIN_BYTES = default
 
 
-def _variants(rank: int, world: int, tmp: str, layers: int) -> dict[str, Callable[[], Iterator]]:
+def _variants(weights: dict, rank: int, world: int, tmp: str) -> dict[str, Callable[[], Iterator]]:
     from torch.distributed._state_dict_utils import _gather_state_dict
 
     from shardsync import LocalShard
     from shardsync.stream import full_params
 
-    weights = W.full_weights(layers)
     local_np = {k: W.local_shard(w, k, rank, world) for k, w in weights.items()}
     state = {k: LocalShard(torch.from_numpy(loc), weights[k].shape, off) for k, (loc, off) in local_np.items()}
     local = {k: torch.from_numpy(loc) for k, (loc, _) in local_np.items()}
@@ -247,24 +245,26 @@ def _variants(rank: int, world: int, tmp: str, layers: int) -> dict[str, Callabl
     }
 
 
-def pieces(rank: int, world: int, layers: int) -> list[tuple[np.ndarray, np.ndarray]]:
-    """``(destination, source)`` of every piece of rank ``rank``'s shards, once for every consumer: the
+def pieces(weights: dict, rank: int, world: int) -> list[tuple[np.ndarray, np.ndarray]]:
+    """``(destination, source)`` of every piece of rank ``rank``'s shards of ``weights``
+    (:func:`workload.full_weights`), once for every consumer: the
     copies the shared-memory transport makes, each piece written by its holder into every consumer's
     target. A split piece is the rows of the shard's columns that fall in its target (a view of the
     target, of memory of its own per consumer); a piece of ``o`` (transposed by the mapping) is its
     shard's bytes into a buffer of their own, since a memcpy does not transpose; ``down`` is whole rows.
 
     Example:
-        >>> [(d.shape, s.shape) for d, s in pieces(0, 2, 1)][:3]   # q: rank 0 holds all of q's columns
+        >>> [(d.shape, s.shape) for d, s in pieces(W.full_weights(1), 0, 2)][:3]   # rank 0 holds all of q
         [((1024, 1024), (1024, 1024)), ((1024, 1024), (1024, 1024)), ((1024, 512), (1024, 512))]
     """
     out = []
-    for key, w in W.full_weights(layers).items():
+    for key, w in weights.items():
         shard, offset = W.local_shard(w, key, rank, world)
-        if W.shard_spec(key) == 0:  # o, down: sharded along dim 0, whole rows
+        parts = W.SPLITS.get(key.rsplit(".", 1)[1])
+        if parts is None:  # o, down: sharded along dim 0, whole rows
             out += [(np.empty_like(shard), shard) for _ in range(world)]
             continue
-        width = w.shape[1] // (3 if key.endswith("qkv") else 2)  # the mapping splits along the sharded dim
+        width = w.shape[1] // len(parts)  # split along the dim it is sharded along
         lo, hi = offset[1], offset[1] + shard.shape[1]
         for start in range(0, w.shape[1], width):
             a, b = max(start, lo), min(start + width, hi)
@@ -275,7 +275,7 @@ def pieces(rank: int, world: int, layers: int) -> list[tuple[np.ndarray, np.ndar
     return out
 
 
-def _ceiling_passes(ref: dict, rank: int, world: int, layers: int) -> dict[str, Callable[[], None]]:
+def _ceiling_passes(weights: dict, ref: dict, rank: int, world: int) -> dict[str, Callable[[], None]]:
     """One pass of each ceiling, timed in the same round robin as the variants (as many passes each):
     gloo's broadcast of 64 MiB, the memcpy of every target with torch's default threads and with one
     thread (next to a busy process one thread is faster), and the memcpy of this rank's pieces into
@@ -299,7 +299,7 @@ def _ceiling_passes(ref: dict, rank: int, world: int, layers: int) -> dict[str, 
 
         return run
 
-    mine = pieces(rank, world, layers)
+    mine = pieces(weights, rank, world)
 
     def copy_pieces() -> None:
         for d, s in mine:
@@ -360,11 +360,12 @@ def _pair(
 ) -> None:
     """The two-process job on an initialised group: every variant (or ``only`` that one), then the
     ceilings, every row suffixed ``suffix``; rank 0 writes ``{"seconds", "threads"}``."""
-    ref = W.reference(W.full_weights(layers))
-    variants = _variants(rank, world, tmp, layers)
+    weights = W.full_weights(layers)  # seeded: the same on every rank
+    ref = W.reference(weights)
+    variants = _variants(weights, rank, world, tmp)
     if only is not None:
         variants = {only: variants[only]}
-    res, best = _timed_passes(variants, _ceiling_passes(ref, rank, world, layers), rank, ref, repeats)
+    res, best = _timed_passes(variants, _ceiling_passes(weights, ref, rank, world), rank, ref, repeats)
     res |= _ceiling_rows(best, ref, world)
     res = {f"{k}{suffix}": v for k, v in res.items()}
     if rank == 0:

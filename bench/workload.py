@@ -16,6 +16,7 @@ __all__ = [
     "HIDDEN",
     "FFN",
     "MAPPING",
+    "SPLITS",
     "full_weights",
     "shard_spec",
     "local_shard",
@@ -30,6 +31,8 @@ MAPPING = [
     "layers.$LAYER_ID.o^T -> layers.$LAYER_ID.o_t",
     "layers.$LAYER_ID.down -> layers.$LAYER_ID.down",
 ]
+#: The fused weights the mapping splits along axis 1 (their sharded dim), into these parts, in order.
+SPLITS = {"qkv": ("q", "k", "v"), "gate_up": ("gate", "up")}
 
 
 def full_weights(layers: int = LAYERS, hidden: int = HIDDEN, ffn: int = FFN) -> dict[str, np.ndarray]:
@@ -66,10 +69,8 @@ def reference(weights: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     out: dict[str, np.ndarray] = {}
     for key, w in weights.items():
         p, kind = key.rsplit(".", 1)
-        if kind == "qkv":
-            out.update(zip((f"{p}.q", f"{p}.k", f"{p}.v"), np.split(w, 3, axis=1)))
-        elif kind == "gate_up":
-            out.update(zip((f"{p}.gate", f"{p}.up"), np.split(w, 2, axis=1)))
+        if kind in SPLITS:
+            out.update(zip((f"{p}.{part}" for part in SPLITS[kind]), np.split(w, len(SPLITS[kind]), axis=1)))
         elif kind == "o":
             out[f"{p}.o_t"] = w.T
         else:

@@ -20,10 +20,11 @@ import workload as W  # noqa: E402
 def test_pieces_are_the_mappings_pieces_once_per_consumer(world: int) -> None:
     weights = W.full_weights(1)
     ref = W.reference(weights)
-    split = {name: t for name, t in ref.items() if not name.endswith(("o_t", "down"))}
+    parts = {part for split_into in W.SPLITS.values() for part in split_into}
+    split = {name: t for name, t in ref.items() if name.rsplit(".", 1)[1] in parts}  # q, k, v, gate, up
     columns: Counter[tuple[str, int]] = Counter()  # (split target, column) -> pieces written there
     for rank in range(world):
-        pairs = bench_peers.pieces(rank, world, 1)
+        pairs = bench_peers.pieces(weights, rank, world)
         shards = sum(W.local_shard(w, k, rank, world)[0].nbytes for k, w in weights.items())
         assert sum(d.nbytes for d, _ in pairs) == world * shards
         for d, s in pairs:
